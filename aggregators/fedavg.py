@@ -1,0 +1,69 @@
+"""FedAvg: sample-weighted model averaging.
+
+Reference: McMahan et al., "Communication-Efficient Learning of Deep Networks from Decentralized Data",
+AISTATS 2017, arXiv:1602.05629 (Algorithm 1, the server step).
+
+    x_{t+1} = sum_{i in S} p_i * y_i,        p_i = n_i / sum_{j in S} n_j
+
+With a server learning rate eta_g != 1 the step is x + eta_g * sum_i p_i (y_i - x) (eta_g = 1 is vanilla
+FedAvg). Weights are the clients' training-sample counts (DESIGN.md, decision 6), not NVFlare's default
+step counts. Buffers are averaged with the same weights; integer buffers (``num_batches_tracked``) are averaged
+in float and rounded back, and are never moved by the server learning rate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from aggregators.functional import is_float_array, sample_weights, weighted_average_params
+from aggregators.types import AggregationError, AggregationResult, ClientUpdate, RoundContext
+
+
+def fedavg_params(
+    global_params: Mapping[str, np.ndarray], updates: Sequence[ClientUpdate], server_lr: float = 1.0
+) -> dict[str, np.ndarray]:
+    """The FedAvg step as a pure function; inputs are never modified."""
+    averaged = weighted_average_params(updates, sample_weights(updates), global_params)
+    if server_lr == 1.0:
+        return averaged
+    return {key: _server_step(global_params[key], averaged[key], server_lr) for key in global_params}
+
+
+def _server_step(current: np.ndarray, averaged: np.ndarray, server_lr: float) -> np.ndarray:
+    if not is_float_array(current):
+        return averaged
+    step = np.asarray(averaged, dtype=np.float64) - np.asarray(current, dtype=np.float64)
+    return (np.asarray(current, dtype=np.float64) + server_lr * step).astype(current.dtype)
+
+
+@dataclass(frozen=True)
+class FedAvg:
+    """FedAvg as an aggregation rule (stateless). ``server_lr`` is eta_g; 1.0 is the paper's FedAvg."""
+
+    server_lr: float = 1.0
+
+    name = "fedavg"
+    required_meta: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not np.isfinite(self.server_lr) or self.server_lr <= 0:
+            raise AggregationError(f"fedavg: server_lr must be a positive finite number, got {self.server_lr}")
+
+    def init_state(self, global_params: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        return {}
+
+    def broadcast_meta(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        return {}
+
+    def aggregate(
+        self,
+        global_params: Mapping[str, np.ndarray],
+        updates: Sequence[ClientUpdate],
+        state: Mapping[str, Any],
+        context: RoundContext,
+    ) -> AggregationResult:
+        return AggregationResult(params=fedavg_params(global_params, updates, self.server_lr), state=dict(state))

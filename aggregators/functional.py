@@ -1,0 +1,45 @@
+"""Pure numpy helpers shared by the aggregation rules."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from aggregators.types import AggregationError, ClientUpdate
+
+
+def sample_weights(updates: Sequence[ClientUpdate]) -> np.ndarray:
+    """Normalised sample weights p_i = n_i / sum_j n_j over the participants (float64)."""
+    if not updates:
+        raise AggregationError("no client update to aggregate")
+    counts = np.array([u.num_samples for u in updates], dtype=np.float64)
+    if np.any(counts < 0) or counts.sum() <= 0:
+        raise AggregationError(f"sample counts must be non-negative with a positive total, got {counts.tolist()}")
+    return counts / counts.sum()
+
+
+def is_float_array(value: np.ndarray) -> bool:
+    """True for floating-point arrays; integer buffers (e.g. ``num_batches_tracked``) need separate handling."""
+    return np.issubdtype(np.asarray(value).dtype, np.floating)
+
+
+def weighted_mean(arrays: Sequence[np.ndarray], weights: np.ndarray, like: np.ndarray) -> np.ndarray:
+    """sum_i w_i * a_i accumulated in float64, returned with the dtype and shape of ``like``.
+
+    Integer arrays are averaged in float and rounded back to their integer dtype (ALGORITHMS.md §1, rule 2):
+    adding or averaging ``int64`` counters directly would either overflow the meaning or truncate.
+    """
+    total = np.zeros(np.shape(like), dtype=np.float64)
+    for weight, array in zip(weights, arrays, strict=True):
+        total += weight * np.asarray(array, dtype=np.float64)
+    if is_float_array(like):
+        return total.astype(np.asarray(like).dtype)
+    return np.rint(total).astype(np.asarray(like).dtype)
+
+
+def weighted_average_params(
+    updates: Sequence[ClientUpdate], weights: np.ndarray, like: Mapping[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """Key-by-key weighted mean of the clients' parameters, typed like the global model ``like``."""
+    return {key: weighted_mean([u.params[key] for u in updates], weights, value) for key, value in like.items()}

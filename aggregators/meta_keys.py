@@ -1,0 +1,30 @@
+"""Every metadata key this bundle puts on the wire, in one place.
+
+Keys are dotted and namespaced (``<namespace>.<name>``). NVFlare 2.9 switches on its own Lightning
+SCAFFOLD/FedProx handlers when it sees ``scaffold_c_global`` or ``fedprox_mu`` in the received meta,
+so this bundle never sends those names: a correction must never be applied twice (DESIGN.md, decision 3).
+
+This module is pure Python so that both sides (the Lightning client and the NVFlare server) can import it.
+"""
+
+from __future__ import annotations
+
+# Client -> server: what every client reports after local training.
+NUM_SAMPLES = "train.num_samples"  # training samples of the site: the FedAvg weight (DESIGN.md, decision 6)
+NUM_STEPS = "train.num_steps"  # optimizer steps actually executed this round
+TRAIN_LOSS = "train.loss"  # mean training loss over the round's steps
+CLIENT_ALGORITHM = "client.algorithm"  # name of the client algorithm that produced the update
+
+# Server -> client: round bookkeeping broadcast with the global model.
+ROUND = "server.round"
+NUM_ROUNDS = "server.num_rounds"
+AGGREGATION_RULE = "server.rule"
+
+# NVFlare's own reserved keys: never sent by this bundle (a test pins it).
+NVFLARE_RESERVED = ("scaffold_c_global", "scaffold_c_diff", "fedprox_mu")
+
+
+def is_namespaced(key: str) -> bool:
+    """True when ``key`` has the ``namespace.name`` form this bundle uses for everything it sends."""
+    head, sep, tail = key.partition(".")
+    return bool(head) and bool(sep) and bool(tail)

@@ -1,0 +1,60 @@
+"""FLModel <-> ClientUpdate: the only place server-side code touches NVFlare's result type.
+
+Every result is validated before a rule sees it (DESIGN.md, decision 8): a site whose result has wrong keys,
+wrong shapes, NaN/Inf, a bad sample count or missing required meta is rejected *by name*, and the round goes on
+with the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from aggregators import ClientUpdate, meta_keys
+from aggregators.validation import meta_problems, num_samples_problems, param_problems
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A client result the server refused, with every reason found."""
+
+    site: str
+    problems: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f"rejected result from {self.site}: " + "; ".join(self.problems)
+
+
+def result_site(result: Any) -> str:
+    """The sending site's name as NVFlare records it in the result meta."""
+    return str((getattr(result, "meta", None) or {}).get("client_name", "<unknown site>"))
+
+
+def to_client_update(
+    result: Any, global_params: Mapping[str, np.ndarray], required_meta: Iterable[str] = ()
+) -> ClientUpdate | Rejection:
+    """Validate one NVFlare ``FLModel`` result and convert it, or say why it cannot be used."""
+    site = result_site(result)
+    params = getattr(result, "params", None) or {}
+    meta = dict(getattr(result, "meta", None) or {})
+    num_samples = meta.get(meta_keys.NUM_SAMPLES)
+    problems = param_problems(global_params, params) + meta_problems(meta, [meta_keys.NUM_SAMPLES, *required_meta])
+    if meta_keys.NUM_SAMPLES in meta:
+        problems += num_samples_problems(num_samples)
+    if problems:
+        return Rejection(site=site, problems=tuple(problems))
+    return ClientUpdate(site=site, params=dict(params), num_samples=int(num_samples), meta=meta)
+
+
+def split_results(
+    results: Sequence[Any], global_params: Mapping[str, np.ndarray], required_meta: Iterable[str] = ()
+) -> tuple[list[ClientUpdate], list[Rejection]]:
+    """Accepted updates (sorted by site so aggregation never depends on arrival order) and rejections."""
+    required = tuple(required_meta)
+    converted = [to_client_update(r, global_params, required) for r in results]
+    updates = sorted((c for c in converted if isinstance(c, ClientUpdate)), key=lambda u: u.site)
+    rejections = [c for c in converted if isinstance(c, Rejection)]
+    return updates, rejections

@@ -1,0 +1,94 @@
+"""Server-side files: the rule's state checkpoint and the per-round metrics log.
+
+The rule state is written next to the global model after every round (DESIGN.md, decision 5), atomically, with
+``torch.save`` of plain tensors so it loads with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+STATE_FORMAT_VERSION = 1
+
+
+def _to_saveable(value: Any) -> Any:
+    if isinstance(value, np.ndarray | np.generic):
+        return torch.from_numpy(np.array(value, copy=True))
+    if isinstance(value, Mapping):
+        return {str(k): _to_saveable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_to_saveable(v) for v in value]
+    return value
+
+
+def _to_numpy(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.numpy()
+    if isinstance(value, Mapping):
+        return {k: _to_numpy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_numpy(v) for v in value]
+    return value
+
+
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    """Write via a temp file in the same folder and ``os.replace``, so a crash never leaves half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            torch.save(obj, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_rule_state(path: Path, rule_name: str, round_num: int, state: Mapping[str, Any]) -> None:
+    payload = {
+        "format_version": STATE_FORMAT_VERSION,
+        "rule": rule_name,
+        "round": round_num,
+        "state": _to_saveable(state),
+    }
+    atomic_torch_save(payload, path)
+
+
+def load_rule_state(path: Path, rule_name: str) -> tuple[int, dict[str, Any]]:
+    """The last completed round and the rule state; refuses a file written by another rule or format."""
+    payload = torch.load(path, weights_only=True)
+    if payload.get("format_version") != STATE_FORMAT_VERSION:
+        raise ValueError(f"{path}: unsupported server state format {payload.get('format_version')!r}")
+    if payload.get("rule") != rule_name:
+        raise ValueError(f"{path}: written by rule '{payload.get('rule')}', this job uses '{rule_name}'")
+    return int(payload["round"]), _to_numpy(payload["state"])
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float | np.floating):
+        return float(value) if math.isfinite(value) else None
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, Mapping):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def append_metrics(path: Path, record: Mapping[str, Any]) -> None:
+    """Append one JSON line (NaN/Inf become null so every line stays valid JSON)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as handle:
+        handle.write(json.dumps(_json_safe(record), sort_keys=True) + "\n")

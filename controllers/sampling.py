@@ -1,0 +1,39 @@
+"""Which sites train in a round: all of them, a fixed number, or a fraction of the population."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def clients_per_round_count(clients_per_round: int | float | None, population_size: int) -> int:
+    """Resolve ``None`` (all sites), an ``int`` count or a ``float`` fraction in (0, 1] into a number of sites.
+
+    A float is always a fraction (``1.0`` = everyone), an int always a count, so a JSON config is unambiguous.
+    """
+    if population_size <= 0:
+        raise ValueError("no client is connected; nothing to sample")
+    if clients_per_round is None:
+        return population_size
+    if isinstance(clients_per_round, bool) or not isinstance(clients_per_round, int | float):
+        raise ValueError(f"clients_per_round must be None, an int or a float, got {clients_per_round!r}")
+    if isinstance(clients_per_round, float):
+        if not 0 < clients_per_round <= 1:
+            raise ValueError(f"a fraction of clients must be in (0, 1], got {clients_per_round}")
+        # The tolerance keeps float noise (0.7 * 10 = 7.000000000000001) from adding a site.
+        return max(1, math.ceil(clients_per_round * population_size - 1e-9))
+    if clients_per_round < 1:
+        raise ValueError(f"clients_per_round must be at least 1, got {clients_per_round}")
+    return min(clients_per_round, population_size)
+
+
+def sample_sites(population: Sequence[str], count: int, seed: int, round_num: int) -> list[str]:
+    """A seeded, order-independent choice of ``count`` sites for ``round_num`` (sorted for readable logs)."""
+    ordered = sorted(population)
+    if count >= len(ordered):
+        return ordered
+    rng = np.random.default_rng([seed, round_num])
+    chosen = rng.choice(len(ordered), size=count, replace=False)
+    return sorted(ordered[i] for i in chosen)

@@ -1,0 +1,232 @@
+"""Non-IID partitioners: split sample indices among federated sites using only the labels.
+
+Every scheme returns one sorted int64 index array per site. The result is a pure function of
+``(labels, num_sites, scheme, seed, parameters)``: each site can recompute the whole partition on its own and take its
+part, with no coordination (DESIGN.md decision 9). No sample is given to two sites and no site is left empty.
+
+Schemes (the settings of NIID-Bench, Li et al., "Federated Learning on Non-IID Data Silos: An Experimental Study",
+ICDE 2022, arXiv:2102.02079):
+
+``iid``
+    Shuffle, then cut into ``num_sites`` near-equal parts.
+``dirichlet``
+    Label skew. For every class, draw site proportions ``p ~ Dir(alpha)`` and cut that class's samples accordingly;
+    a site that already holds ``>= n / num_sites`` samples gets no more (keeps sizes from running away). Redraw the
+    whole partition until every site has ``min_samples`` samples. Small alpha: few classes per site; large alpha:
+    near IID.
+``shards``
+    "#C=k" label skew. Every site holds exactly ``k`` distinct labels; each label's samples are split evenly among the
+    sites that hold it. Labels are dealt least-used first, so every label is used whenever ``num_sites * k >= classes``
+    (otherwise the samples of unassigned labels are left out).
+``quantity``
+    Quantity skew. Labels stay IID; site sizes follow ``Dir(alpha)`` proportions (redrawn until every site has
+    ``min_samples`` samples).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+from data_prep.errors import DataPrepError
+
+__all__ = ["SCHEMES", "dirichlet", "iid", "partition", "quantity", "shards"]
+
+SCHEMES: tuple[str, ...] = ("iid", "dirichlet", "shards", "quantity")
+MAX_DRAWS = 1000
+
+
+def iid(labels: np.ndarray, num_sites: int, *, seed: int) -> list[np.ndarray]:
+    """Uniformly random, near-equal split (sizes differ by at most one)."""
+    labels = _check_labels(labels, num_sites)
+    order = np.random.default_rng(seed).permutation(len(labels))
+    return _finish(np.array_split(order, num_sites), "iid")
+
+
+def dirichlet(
+    labels: np.ndarray, num_sites: int, *, seed: int, alpha: float = 0.5, min_samples: int = 10
+) -> list[np.ndarray]:
+    """Per-class Dirichlet(alpha) label skew; every sample is used exactly once."""
+    labels = _check_labels(labels, num_sites)
+    _check_alpha(alpha)
+    _check_min_samples(min_samples, num_sites, len(labels))
+    rng = np.random.default_rng(seed)
+    for _ in range(MAX_DRAWS):
+        parts = _dirichlet_draw(labels, num_sites, alpha, rng)
+        if min(len(part) for part in parts) >= min_samples:
+            return _finish(parts, "dirichlet")
+    raise DataPrepError(
+        f"dirichlet: no draw in {MAX_DRAWS} gave all {num_sites} sites at least {min_samples} samples "
+        f"(alpha={alpha}, {len(labels)} samples); use a larger alpha, fewer sites or more samples"
+    )
+
+
+def _dirichlet_draw(labels: np.ndarray, num_sites: int, alpha: float, rng: np.random.Generator) -> list[np.ndarray]:
+    """One NIID-Bench draw: for each class, Dirichlet proportions over the sites that are not yet full."""
+    cap = len(labels) / num_sites
+    pieces: list[list[np.ndarray]] = [[] for _ in range(num_sites)]
+    sizes = np.zeros(num_sites, dtype=np.int64)
+    for label in np.unique(labels):
+        members = rng.permutation(np.flatnonzero(labels == label))
+        proportions = rng.dirichlet(np.full(num_sites, alpha))
+        # Sites already at the average size get nothing more, which keeps one site from swallowing the data set.
+        open_sites = proportions * (sizes < cap)
+        if open_sites.sum() > 0:
+            proportions = open_sites / open_sites.sum()
+        cuts = (np.cumsum(proportions)[:-1] * len(members)).astype(np.int64)
+        for site, chunk in enumerate(np.split(members, cuts)):
+            pieces[site].append(chunk)
+            sizes[site] += len(chunk)
+    return [np.concatenate(site_pieces) for site_pieces in pieces]
+
+
+def shards(labels: np.ndarray, num_sites: int, *, seed: int, classes_per_site: int = 2) -> list[np.ndarray]:
+    """Label skew "#C=k": every site gets exactly ``classes_per_site`` distinct labels."""
+    labels = _check_labels(labels, num_sites)
+    classes = np.unique(labels)
+    if isinstance(classes_per_site, bool) or not isinstance(classes_per_site, int | np.integer):
+        raise DataPrepError(f"classes_per_site must be an integer, got {classes_per_site!r}")
+    if not 1 <= classes_per_site <= len(classes):
+        raise DataPrepError(
+            f"shards: classes_per_site={classes_per_site} but the labels have {len(classes)} classes; "
+            f"use a value from 1 to {len(classes)}"
+        )
+    rng = np.random.default_rng(seed)
+    holders = _deal_labels(len(classes), num_sites, classes_per_site, rng)
+    parts: list[list[np.ndarray]] = [[] for _ in range(num_sites)]
+    for class_pos, label in enumerate(classes):
+        if not holders[class_pos]:
+            continue  # only when num_sites * k < number of classes: this label's samples stay unused
+        members = rng.permutation(np.flatnonzero(labels == label))
+        for site, chunk in zip(holders[class_pos], np.array_split(members, len(holders[class_pos])), strict=True):
+            parts[site].append(chunk)
+    return _finish([np.concatenate(site_parts) for site_parts in parts], "shards")
+
+
+def _deal_labels(num_classes: int, num_sites: int, k: int, rng: np.random.Generator) -> list[list[int]]:
+    """Give each site k distinct class positions, always picking among the least-used ones (random tie-break).
+
+    Least-used-first means no label is used twice before every label is used once, hence full coverage when
+    ``num_sites * k >= num_classes``, and labels are shared by about the same number of sites.
+    """
+    usage = np.zeros(num_classes, dtype=np.int64)
+    site_labels: list[set[int]] = [set() for _ in range(num_sites)]
+    for _ in range(k):
+        for site in rng.permutation(num_sites):
+            free = np.array([c for c in range(num_classes) if c not in site_labels[site]])
+            least = free[usage[free] == usage[free].min()]
+            choice = int(rng.choice(least))
+            site_labels[site].add(choice)
+            usage[choice] += 1
+    holders: list[list[int]] = [[] for _ in range(num_classes)]
+    for site, chosen in enumerate(site_labels):
+        for class_pos in chosen:
+            holders[class_pos].append(site)
+    return holders
+
+
+def quantity(
+    labels: np.ndarray, num_sites: int, *, seed: int, alpha: float = 0.5, min_samples: int = 10
+) -> list[np.ndarray]:
+    """Quantity skew: IID labels, site sizes proportional to a Dirichlet(alpha) draw."""
+    labels = _check_labels(labels, num_sites)
+    _check_alpha(alpha)
+    _check_min_samples(min_samples, num_sites, len(labels))
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(labels))
+    for _ in range(MAX_DRAWS):
+        cuts = (np.cumsum(rng.dirichlet(np.full(num_sites, alpha)))[:-1] * len(labels)).astype(np.int64)
+        parts = np.split(order, cuts)
+        if min(len(part) for part in parts) >= min_samples:
+            return _finish(parts, "quantity")
+    raise DataPrepError(
+        f"quantity: no draw in {MAX_DRAWS} gave all {num_sites} sites at least {min_samples} samples "
+        f"(alpha={alpha}, {len(labels)} samples); use a larger alpha, fewer sites or more samples"
+    )
+
+
+_SCHEME_FUNCTIONS: dict[str, Callable[..., list[np.ndarray]]] = {
+    "iid": iid,
+    "dirichlet": dirichlet,
+    "shards": shards,
+    "quantity": quantity,
+}
+
+
+def partition(
+    labels: np.ndarray,
+    num_sites: int,
+    scheme: str,
+    *,
+    seed: int,
+    alpha: float = 0.5,
+    classes_per_site: int = 2,
+    min_samples: int = 10,
+) -> list[np.ndarray]:
+    """Split ``range(len(labels))`` among ``num_sites`` sites with the named scheme (one of :data:`SCHEMES`).
+
+    Parameters that a scheme does not use are ignored (``alpha`` for iid/shards, ``classes_per_site`` except shards,
+    ``min_samples`` for iid/shards).
+
+    Returns
+    -------
+    list[np.ndarray]
+        One sorted int64 index array per site, pairwise disjoint, none empty.
+
+    Raises
+    ------
+    DataPrepError
+        Unknown scheme or impossible parameters.
+    """
+    if scheme not in _SCHEME_FUNCTIONS:
+        raise DataPrepError(f"unknown partition scheme {scheme!r}; choose one of: {', '.join(SCHEMES)}")
+    if scheme in ("dirichlet", "quantity"):
+        return _SCHEME_FUNCTIONS[scheme](labels, num_sites, seed=seed, alpha=alpha, min_samples=min_samples)
+    if scheme == "shards":
+        return shards(labels, num_sites, seed=seed, classes_per_site=classes_per_site)
+    return iid(labels, num_sites, seed=seed)
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _check_labels(labels: np.ndarray, num_sites: int) -> np.ndarray:
+    labels = np.asarray(labels)
+    if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
+        raise DataPrepError(f"labels must be a 1-D integer array, got shape {labels.shape} and dtype {labels.dtype}")
+    if isinstance(num_sites, bool) or not isinstance(num_sites, int | np.integer) or num_sites < 1:
+        raise DataPrepError(f"num_sites must be a positive integer, got {num_sites!r}")
+    if num_sites > len(labels):
+        raise DataPrepError(f"{num_sites} sites but only {len(labels)} samples; use fewer sites or more samples")
+    return labels
+
+
+def _check_alpha(alpha: float) -> None:
+    if (
+        isinstance(alpha, bool)
+        or not isinstance(alpha, int | float | np.integer | np.floating)
+        or not math.isfinite(alpha)
+        or alpha <= 0
+    ):
+        raise DataPrepError(f"alpha must be a finite number > 0, got {alpha!r}; smaller alpha means more skew")
+
+
+def _check_min_samples(min_samples: int, num_sites: int, num_samples: int) -> None:
+    if isinstance(min_samples, bool) or not isinstance(min_samples, int | np.integer) or min_samples < 1:
+        raise DataPrepError(f"min_samples must be a positive integer, got {min_samples!r}")
+    if min_samples * num_sites > num_samples:
+        raise DataPrepError(
+            f"{num_sites} sites x min_samples={min_samples} exceeds the {num_samples} samples; "
+            "use fewer sites, a smaller min_samples or more samples"
+        )
+
+
+def _finish(parts: list[np.ndarray], scheme: str) -> list[np.ndarray]:
+    """Sort each site's indices as int64 and refuse empty sites (a site with no data cannot train)."""
+    result = [np.sort(np.asarray(part, dtype=np.int64)) for part in parts]
+    for site, part in enumerate(result, start=1):
+        if len(part) == 0:
+            raise DataPrepError(f"{scheme}: site-{site} received no samples; use fewer sites or more samples per class")
+    return result

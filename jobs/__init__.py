@@ -1,0 +1,1 @@
+"""Job builder, the client script, and the exported job folders (``jobs/<name>/``)."""

@@ -1,0 +1,66 @@
+"""The client-algorithm plug-in interface (DESIGN.md, decision 2).
+
+A client algorithm is a small object with hooks that the LightningModule drives:
+
+- ``on_round_start``  once per federated round, after the global weights are loaded, with the server meta;
+- ``loss_terms``      inside ``training_step``: extra differentiable terms (MOON, FedProx written as a loss);
+- ``correct_gradients`` inside ``optimizer_step``, after backward and before the optimizer moves the weights;
+- ``after_step``      right after each optimizer step (post-step parameter corrections, step/lr bookkeeping);
+- ``on_round_end``    returns the namespaced meta to send to the server with the model.
+
+The base class is plain local SGD, i.e. the FedAvg client: every hook does nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+
+class ClientAlgorithmError(RuntimeError):
+    """A client algorithm cannot run with this trainer, optimizer, precision or server meta."""
+
+
+class ClientAlgorithm:
+    """Base client algorithm: FedAvg's plain local training. Subclasses override only the hooks they need."""
+
+    name: ClassVar[str] = "fedavg"
+    #: Lightning precisions the algorithm is correct under. fp16 GradScaler precisions skip optimizer steps,
+    #: which breaks every algorithm that counts steps, and ``bf16-true`` has no fp32 master weights.
+    supported_precisions: ClassVar[tuple[str, ...]] = ("32-true", "32", "bf16-mixed")
+    #: Meta keys the algorithm needs from the server each round.
+    required_server_meta: ClassVar[tuple[str, ...]] = ()
+
+    def on_round_start(self, module: nn.Module, meta: Mapping[str, Any]) -> None:
+        """Called once per round after the global weights were loaded into ``module``."""
+
+    def loss_terms(self, module: nn.Module, batch: Any, logits: torch.Tensor) -> torch.Tensor | None:
+        """Extra loss added to the task loss in ``training_step``; ``None`` adds nothing."""
+        return None
+
+    def correct_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Edit ``.grad`` of the trainable parameters after backward, before ``optimizer.step``."""
+
+    def after_step(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Called right after every optimizer step."""
+
+    def on_round_end(self, module: nn.Module) -> dict[str, Any]:
+        """Namespaced meta for the server; called once at the end of local training."""
+        return {}
+
+    def hparams(self) -> dict[str, Any]:
+        """Hyperparameters for logs and reports."""
+        return {}
+
+
+def check_server_meta(algorithm: ClientAlgorithm, meta: Mapping[str, Any], site: str) -> None:
+    """Fail with one clear line when the server did not send what the algorithm needs."""
+    missing = [key for key in algorithm.required_server_meta if key not in meta]
+    if missing:
+        raise ClientAlgorithmError(
+            f"{site}: client algorithm '{algorithm.name}' needs server meta {missing}, which the server did not send; "
+            "is the job's server rule the matching one?"
+        )

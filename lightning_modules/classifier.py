@@ -1,0 +1,137 @@
+"""The one LightningModule of the bundle: an image/vector classifier that drives a client algorithm.
+
+Hook placement (DESIGN.md, decision 2; NVFLARE_NOTES.md):
+
+- ``training_step`` adds the algorithm's extra loss terms (MOON, FedProx-as-a-loss);
+- ``optimizer_step`` wraps Lightning's closure: the closure runs ``training_step`` + backward, so gradients
+  exist only after it returns. ``correct_gradients`` runs there, before Lightning's own
+  ``on_before_optimizer_step`` and gradient clipping, and before the optimizer moves the weights;
+  ``after_step`` runs once the step is taken. fp16 GradScaler precisions are refused, so the gradients seen in the
+  closure are never loss-scaled.
+- ``start_round`` / ``end_round`` are called by :class:`lightning_modules.fl_callback.FederatedRoundCallback`
+  once the global weights are loaded and before NVFlare sends the result.
+
+The network sits under the attribute ``net``; the server builds the same class from its import path, so the
+state_dict keys (``net.conv1.weight``, ...) agree on both sides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+from aggregators import meta_keys
+from lightning_modules.algorithms.base import ClientAlgorithm, ClientAlgorithmError, check_server_meta
+from lightning_modules.models import build_model
+
+
+class FLClassifier(pl.LightningModule):
+    """Classifier with SGD whose local training is shaped by a pluggable :class:`ClientAlgorithm`.
+
+    Args:
+        arch: model name from :data:`lightning_modules.models.MODELS` (``lenet5``, ``simple_cnn``, ``mlp``).
+        num_classes: number of output classes.
+        arch_args: extra keyword arguments for the model constructor.
+        lr, momentum, weight_decay: local SGD settings. FedAvg semantics: a fresh optimizer every round.
+    """
+
+    def __init__(
+        self,
+        arch: str = "lenet5",
+        num_classes: int = 10,
+        arch_args: Mapping[str, Any] | None = None,
+        lr: float = 0.05,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.net = build_model(arch, num_classes=num_classes, **dict(arch_args or {}))
+        self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
+        self.train_loss = MeanMetric()
+        self.train_acc = MulticlassAccuracy(num_classes=num_classes)
+        # A plain object, not a submodule: the algorithm's tensors must never enter the state_dict.
+        self.algorithm: ClientAlgorithm = ClientAlgorithm()
+        self.round_steps = 0
+
+    def set_algorithm(self, algorithm: ClientAlgorithm) -> None:
+        if isinstance(algorithm, torch.nn.Module):
+            raise ClientAlgorithmError("a client algorithm must not be an nn.Module: it would enter the state_dict")
+        self.algorithm = algorithm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(
+            self.net.parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay
+        )
+
+    def on_fit_start(self) -> None:
+        check_trainer_supports(self.algorithm, self.trainer, self.automatic_optimization)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self.net(x)
+        loss = F.cross_entropy(logits, y)
+        self.train_loss.update(loss.detach())
+        self.train_acc.update(logits.detach(), y)
+        self.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=False)
+        extra = self.algorithm.loss_terms(self, batch, logits)
+        return loss if extra is None else loss + extra
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        raw_optimizer = getattr(optimizer, "optimizer", optimizer)
+
+        def closure_then_correct() -> Any:
+            loss = optimizer_closure()
+            self.algorithm.correct_gradients(self, raw_optimizer)
+            return loss
+
+        optimizer.step(closure=closure_then_correct)
+        self.round_steps += 1
+        self.algorithm.after_step(self, raw_optimizer)
+
+    def start_round(self, meta: Mapping[str, Any], site: str = "local") -> None:
+        """Begin a federated round: the global weights are already loaded into ``self``."""
+        check_server_meta(self.algorithm, meta, site)
+        self.round_steps = 0
+        self.train_loss.reset()
+        self.train_acc.reset()
+        self.algorithm.on_round_start(self, meta)
+
+    def end_round(self) -> dict[str, Any]:
+        """Meta describing this round's local training, merged with the algorithm's own meta."""
+        meta: dict[str, Any] = {
+            meta_keys.NUM_STEPS: self.round_steps,
+            meta_keys.TRAIN_LOSS: float(self.train_loss.compute()) if self.round_steps else float("nan"),
+            "train.accuracy": float(self.train_acc.compute()) if self.round_steps else float("nan"),
+            meta_keys.CLIENT_ALGORITHM: self.algorithm.name,
+        }
+        meta.update(self.algorithm.on_round_end(self))
+        return meta
+
+
+def check_trainer_supports(algorithm: ClientAlgorithm, trainer: pl.Trainer, automatic_optimization: bool) -> None:
+    """Refuse set-ups under which client algorithms silently go wrong, with a message that says how to fix it."""
+    precision = str(trainer.precision)
+    if precision not in algorithm.supported_precisions:
+        raise ClientAlgorithmError(
+            f"client algorithm '{algorithm.name}' does not support precision '{precision}'; use one of "
+            f"{list(algorithm.supported_precisions)} (fp16 GradScaler skips optimizer steps; bf16-true keeps no "
+            "fp32 master weights)"
+        )
+    if not automatic_optimization:
+        raise ClientAlgorithmError(
+            f"client algorithm '{algorithm.name}' needs Lightning's automatic optimization; manual optimization "
+            "bypasses optimizer_step, so corrections would never be applied"
+        )
+    if len(trainer.optimizers) != 1:
+        raise ClientAlgorithmError(
+            f"client algorithm '{algorithm.name}' needs exactly one optimizer, got {len(trainer.optimizers)}"
+        )

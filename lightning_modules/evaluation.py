@@ -1,0 +1,24 @@
+"""Evaluate a classifier on in-memory arrays (used by the server's global test evaluation)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchmetrics.functional.classification import multiclass_accuracy
+
+
+@torch.no_grad()
+def evaluate_classifier(
+    model: nn.Module, x: np.ndarray, y: np.ndarray, num_classes: int, batch_size: int = 1000
+) -> dict[str, float]:
+    """Top-1 accuracy and mean cross-entropy of ``model`` on ``(x, y)``, in eval mode, on CPU."""
+    was_training = model.training
+    model.eval()
+    logits = torch.cat([model(torch.from_numpy(x[i : i + batch_size])) for i in range(0, len(x), batch_size)])
+    model.train(was_training)
+    target = torch.from_numpy(y)
+    loss = F.cross_entropy(logits, target).item()
+    accuracy = multiclass_accuracy(logits, target, num_classes=num_classes, average="micro").item()
+    return {"test_accuracy": accuracy, "test_loss": loss}

@@ -1,0 +1,157 @@
+"""Plain ``nn.Module`` classifiers used by every federated algorithm in this bundle.
+
+Each model splits into a representation and a classifier so that MOON (which contrasts representations) and any
+later personalisation method can reach the representation without knowing the architecture:
+
+* ``features(x)`` returns the flat representation right before the last linear layer, shape ``(batch, feature_dim)``;
+* ``head(h)`` maps that representation to logits through the layer named ``classifier``;
+* ``forward(x) == head(features(x))``.
+
+Every constructor takes keyword arguments with defaults only, so NVFlare can build a model from its import path with
+no arguments (``{"path": "lightning_modules.models.LeNet5"}``). Layers are named attributes rather than anonymous
+``nn.Sequential`` indices where that is cheap, so the state-dict keys exchanged with the server stay readable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "MLP",
+    "MODELS",
+    "FeatureClassifier",
+    "LeNet5",
+    "SimpleCNN",
+    "build_model",
+    "trainable_parameter_names",
+]
+
+
+def _check_positive(name: str, value: int) -> None:
+    # bool is an int subclass; True as a layer width is always a configuration mistake.
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+class FeatureClassifier(nn.Module):
+    """Base class: ``forward(x) = head(features(x))`` with a final linear layer called ``classifier``."""
+
+    feature_dim: int
+    classifier: nn.Linear
+
+    def features(self, x: Tensor) -> Tensor:
+        """Return the flat representation before the classifier, shape ``(batch, feature_dim)``."""
+        raise NotImplementedError
+
+    def head(self, h: Tensor) -> Tensor:
+        """Map a representation from :meth:`features` to logits."""
+        return self.classifier(h)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Return class logits for a batch of inputs."""
+        return self.head(self.features(x))
+
+
+class _TwoConvNet(FeatureClassifier):
+    """Shared body of LeNet-5 and the NIID-Bench simple CNN: two conv blocks, then fc 120 → fc 84 (ReLU each)."""
+
+    def __init__(self, *, num_classes: int, in_channels: int, conv1_padding: int, flat_side: int) -> None:
+        super().__init__()
+        _check_positive("num_classes", num_classes)
+        _check_positive("in_channels", in_channels)
+        self.conv1 = nn.Conv2d(in_channels, 6, kernel_size=5, padding=conv1_padding)
+        self.conv2 = nn.Conv2d(6, 16, kernel_size=5)
+        self.pool = nn.MaxPool2d(kernel_size=2, stride=2)
+        self.fc1 = nn.Linear(16 * flat_side * flat_side, 120)
+        self.fc2 = nn.Linear(120, 84)
+        self.classifier = nn.Linear(84, num_classes)
+        self.feature_dim = 84
+
+    def features(self, x: Tensor) -> Tensor:
+        """Return the 84-dim representation (after the ReLU of the second fully connected layer)."""
+        x = self.pool(torch.relu(self.conv1(x)))
+        x = self.pool(torch.relu(self.conv2(x)))
+        x = torch.flatten(x, start_dim=1)
+        x = torch.relu(self.fc1(x))
+        return torch.relu(self.fc2(x))
+
+
+class LeNet5(_TwoConvNet):
+    """LeNet-5 for ``in_channels x 28 x 28`` inputs (MNIST-like).
+
+    conv 6@5x5 pad 2 → ReLU → max-pool 2 → conv 16@5x5 → ReLU → max-pool 2 → fc 120 → ReLU → fc 84 → ReLU
+    | classifier fc ``num_classes``. The padding keeps 28x28 after the first conv, so the flattened map is 16x5x5.
+    """
+
+    def __init__(self, *, num_classes: int = 10, in_channels: int = 1) -> None:
+        super().__init__(num_classes=num_classes, in_channels=in_channels, conv1_padding=2, flat_side=5)
+
+
+class SimpleCNN(_TwoConvNet):
+    """The NIID-Bench "simple CNN" for ``in_channels x 28 x 28`` inputs.
+
+    Same layers as :class:`LeNet5` but with no padding on the first conv (28 → 24 → 12 → 8 → 4), so the flattened
+    map is 16x4x4. As in the NIID-Bench code, both hidden fully connected layers are followed by a ReLU.
+    """
+
+    def __init__(self, *, num_classes: int = 10, in_channels: int = 1) -> None:
+        super().__init__(num_classes=num_classes, in_channels=in_channels, conv1_padding=0, flat_side=4)
+
+
+class MLP(FeatureClassifier):
+    """Fully connected network for flat inputs (default: the 64-pixel sklearn digits).
+
+    ``hidden_sizes`` Linear+ReLU blocks, then the classifier. Inputs are flattened from dim 1, so ``(B, 1, 8, 8)``
+    works as well as ``(B, 64)``. With ``hidden_sizes=()`` the model is multinomial logistic regression and the
+    representation is the flattened input.
+    """
+
+    def __init__(
+        self, *, num_classes: int = 10, in_features: int = 64, hidden_sizes: Sequence[int] = (128, 64)
+    ) -> None:
+        super().__init__()
+        _check_positive("num_classes", num_classes)
+        _check_positive("in_features", in_features)
+        for width in hidden_sizes:
+            _check_positive("hidden_sizes entry", width)
+        layers: list[nn.Module] = []
+        width_in = in_features
+        for width in hidden_sizes:
+            layers += [nn.Linear(width_in, width), nn.ReLU()]
+            width_in = width
+        self.hidden = nn.Sequential(*layers)
+        self.classifier = nn.Linear(width_in, num_classes)
+        self.feature_dim = width_in
+
+    def features(self, x: Tensor) -> Tensor:
+        """Return the output of the last hidden block, shape ``(batch, feature_dim)``."""
+        return self.hidden(torch.flatten(x, start_dim=1))
+
+
+MODELS: dict[str, type[nn.Module]] = {
+    "lenet5": LeNet5,
+    "simple_cnn": SimpleCNN,
+    "mlp": MLP,
+}
+
+
+def build_model(name: str, **kwargs: object) -> nn.Module:
+    """Build the registered model ``name`` with constructor keyword arguments ``kwargs``."""
+    try:
+        model_cls = MODELS[name]
+    except (KeyError, TypeError):
+        valid = ", ".join(sorted(MODELS))
+        raise ValueError(f"unknown model {name!r}; valid names: {valid}") from None
+    return model_cls(**kwargs)
+
+
+def trainable_parameter_names(model: nn.Module) -> list[str]:
+    """Return the names of parameters with ``requires_grad``, in ``named_parameters`` order.
+
+    Algorithm corrections (control variates, prox and FedDyn terms, server moments) apply to these only; buffers such as
+    BatchNorm statistics never appear here because they are not parameters.
+    """
+    return [name for name, param in model.named_parameters() if param.requires_grad]
