@@ -10,12 +10,14 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from aggregators import ClientUpdate
 
 STATE_FORMAT_VERSION = 1
 
@@ -73,6 +75,20 @@ def load_rule_state(path: Path, rule_name: str) -> tuple[int, dict[str, Any]]:
     if payload.get("rule") != rule_name:
         raise ValueError(f"{path}: written by rule '{payload.get('rule')}', this job uses '{rule_name}'")
     return int(payload["round"]), _to_numpy(payload["state"])
+
+
+def save_updates(path: Path, updates: Sequence[ClientUpdate], global_params: Mapping[str, np.ndarray]) -> None:
+    """All accepted client models of a round and the global model they produced, in one ``.npz``.
+
+    Arrays are named ``<site>/<key>`` (``<site>/__num_samples__`` holds the site's sample count) and
+    ``__global__/<key>`` for the aggregated model.
+    """
+    arrays: dict[str, np.ndarray] = {f"__global__/{key}": np.asarray(value) for key, value in global_params.items()}
+    for update in updates:
+        arrays.update({f"{update.site}/{key}": np.asarray(value) for key, value in update.params.items()})
+        arrays[f"{update.site}/__num_samples__"] = np.asarray(update.num_samples)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(path, **arrays)
 
 
 def _json_safe(value: Any) -> Any:

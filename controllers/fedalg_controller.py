@@ -13,6 +13,7 @@ Built on NVFlare's :class:`ModelController`; all math is delegated to a pure rul
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,7 +25,7 @@ from nvflare.app_common.workflows.model_controller import ModelController
 
 from aggregators import AggregationError, AggregationRule, RoundContext, build_rule, meta_keys
 from controllers.adapters import split_results
-from controllers.checkpoint import append_metrics, save_rule_state
+from controllers.checkpoint import append_metrics, save_rule_state, save_updates
 from controllers.sampling import clients_per_round_count, sample_sites
 
 METRICS_FILE = Path("metrics") / "round_metrics.jsonl"
@@ -39,6 +40,16 @@ def to_numpy_params(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
     return converted
 
 
+def params_digest(params: Mapping[str, np.ndarray]) -> str:
+    """SHA-256 over keys, dtypes, shapes and bytes: equal digests mean bit-identical models across runs."""
+    digest = hashlib.sha256()
+    for key in sorted(params):
+        array = np.ascontiguousarray(params[key])
+        digest.update(f"{key}|{array.dtype.str}|{array.shape}|".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
 class FedAlgController(ModelController):
     """Federated rounds driven by an aggregation rule from :data:`aggregators.RULES`.
 
@@ -51,6 +62,9 @@ class FedAlgController(ModelController):
         seed: seeds the site sampling.
         evaluator_id: id of a server component with ``evaluate(params) -> dict`` ("" disables evaluation).
         train_timeout: seconds to wait for a round's results (0 = no timeout).
+        save_client_updates: also write every accepted client model to
+            ``<run_dir>/client_updates/round_XXXXX.npz`` (one array per ``<site>/<key>``), for audits and
+            end-to-end tests; off by default because it costs one model per site per round of disk.
     """
 
     def __init__(
@@ -65,6 +79,7 @@ class FedAlgController(ModelController):
         seed: int = 0,
         evaluator_id: str = "evaluator",
         train_timeout: int = 0,
+        save_client_updates: bool = False,
         persistor_id: str = "persistor",
         task_check_period: float = 0.5,
     ) -> None:
@@ -90,6 +105,7 @@ class FedAlgController(ModelController):
         self.seed = seed
         self.evaluator_id = evaluator_id
         self.train_timeout = train_timeout
+        self.save_client_updates = save_client_updates
         # Fail at job start, not after the first round, when the rule or its settings are wrong.
         self._rule: AggregationRule = build_rule(rule, **(rule_args or {}))
 
@@ -102,7 +118,8 @@ class FedAlgController(ModelController):
         state = self._rule.init_state(global_params)
         evaluator = self.get_component(self.evaluator_id) if self.evaluator_id else None
         self.info(f"rule={self.rule} {self.rule_args or {}}; population={list(population)}; rounds={self.num_rounds}")
-        self._log_metrics({"stage": "initial", "round": None, **self._evaluate(evaluator, global_params)})
+        initial_record = {"stage": "initial", "round": None, "global_sha256": params_digest(global_params)}
+        self._log_metrics({**initial_record, **self._evaluate(evaluator, global_params)})
 
         for round_num in range(self.num_rounds):
             if self.abort_signal.triggered:
@@ -143,11 +160,17 @@ class FedAlgController(ModelController):
         else:
             global_params, state = self._aggregate(round_num, population, global_params, updates, state)
         record["aggregated"] = [u.site for u in updates] if len(updates) >= self.min_accepted else []
+        record["global_sha256"] = params_digest(global_params)
+        if self.save_client_updates:
+            save_updates(self._updates_path(round_num), updates, global_params)
         record.update(self._site_metrics(updates))
         record.update(self._evaluate(evaluator, global_params))
         record["elapsed_s"] = round(time.monotonic() - started, 3)
         self._log_metrics(record)
         return global_params, state
+
+    def _updates_path(self, round_num: int) -> Path:
+        return Path(self.get_run_dir()) / "client_updates" / f"round_{round_num:05d}.npz"
 
     def _outgoing_model(self, round_num: int, params: dict[str, np.ndarray], state: dict[str, Any]) -> FLModel:
         meta = {

@@ -60,6 +60,7 @@ class JobSpec:
     momentum: float = 0.0
     weight_decay: float = 0.0
     precision: str = "32-true"
+    save_client_updates: bool = False
 
     def __post_init__(self) -> None:
         validate_spec(self)
@@ -158,6 +159,7 @@ def build_job(spec: JobSpec) -> Any:
         rule_args=dict(spec.server_args) or None,
         clients_per_round=spec.clients_per_round,
         seed=spec.seed,
+        save_client_updates=spec.save_client_updates,
     )
     job.to_server(controller)
     job.to_clients(ScriptRunner(script=CLIENT_SCRIPT, script_args=client_script_args(spec)))
@@ -227,8 +229,11 @@ def build_parser() -> argparse.ArgumentParser:
         if spec_field.name in {"name", "client_args", "server_args"}:
             continue
         default = getattr(defaults, spec_field.name)
-        kind = {int: int, float: float, str: str}.get(type(default), _number_or_none)
         flag = "--" + spec_field.name.replace("_", "-")
+        if isinstance(default, bool):
+            parser.add_argument(flag, action="store_true", help="(default: off)")
+            continue
+        kind = {int: int, float: float, str: str}.get(type(default), _number_or_none)
         parser.add_argument(flag, type=kind, default=default, help=f"(default: {default})")
     return parser
 

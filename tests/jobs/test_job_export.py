@@ -1,0 +1,83 @@
+"""Exported job folders are generated, committed, and checked (DESIGN.md, decision 10)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from jobs.build import JOBS_DIR, PRESETS, JobBuildError, JobSpec, check_presets, export_job, main
+
+
+def test_committed_job_folders_match_the_builder():
+    differences = check_presets()
+    assert differences == [], "regenerate with `python -m jobs.build --presets`:\n" + "\n".join(differences)
+
+
+def test_check_detects_a_hand_edited_job(tmp_path):
+    for spec in PRESETS.values():
+        export_job(spec, tmp_path)
+    config = tmp_path / "fedavg" / "app" / "config" / "config_fed_server.json"
+    config.write_text(config.read_text().replace('"num_rounds": 10', '"num_rounds": 11'))
+    assert check_presets(tmp_path) == ["fedavg: app/config/config_fed_server.json differs"]
+
+
+def test_exported_job_uses_relative_paths_only(tmp_path):
+    job_dir = export_job(JobSpec(name="relpaths"), tmp_path)
+    for path in job_dir.rglob("*.json"):
+        text = path.read_text()
+        assert str(tmp_path) not in text and str(JOBS_DIR) not in text and "/work/" not in text, path
+
+
+def test_exported_job_wires_our_controller_rule_and_sample_weights(tmp_path):
+    job_dir = export_job(JobSpec(name="wiring", num_rounds=4, server_args={"server_lr": 1.0}), tmp_path)
+    server = json.loads((job_dir / "app" / "config" / "config_fed_server.json").read_text())
+    controller = server["workflows"][0]
+    assert controller["path"] == "controllers.fedalg_controller.FedAlgController"
+    assert controller["args"]["num_rounds"] == 4
+    assert controller["args"]["rule"] == "fedavg"
+    assert controller["args"]["rule_args"] == {"server_lr": 1.0}
+    client = json.loads((job_dir / "app" / "config" / "config_fed_client.json").read_text())
+    args = client["executors"][0]["executor"]["args"]
+    assert args["task_script_path"] == "client.py"
+    assert "--client fedavg" in args["task_script_args"]
+    assert (job_dir / "app" / "custom" / "client.py").is_file()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"client": "nope"}, "unknown client 'nope'"),
+        ({"server": "nope"}, "unknown server 'nope'"),
+        ({"dataset": "cifar10"}, "unknown dataset 'cifar10'"),
+        ({"arch": "mlp"}, "does not fit dataset"),
+        ({"precision": "16-mixed"}, "unknown precision '16-mixed'"),
+        ({"num_rounds": 0}, "num_rounds must be at least 1"),
+    ],
+)
+def test_bad_specs_fail_at_build_time(overrides, message):
+    with pytest.raises(JobBuildError, match=message):
+        JobSpec(name="bad", **overrides)
+
+
+def test_cli_reports_bad_input_in_one_line(capsys):
+    assert main(["--client", "nope", "--output-dir", "/nonexistent"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: unknown client 'nope'") and "\n" not in err
+
+
+def test_cli_exports_a_composed_job(tmp_path, capsys):
+    assert main(["--client", "fedavg", "--server", "fedavg", "--num-rounds", "2", "--output-dir", str(tmp_path)]) == 0
+    assert (tmp_path / "fedavg_fedavg" / "meta.json").is_file()
+    assert "exported" in capsys.readouterr().out
+
+
+def test_client_script_help_runs_without_nvflare_session():
+    import subprocess
+    import sys
+
+    script = Path(JOBS_DIR) / "client.py"
+    completed = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stderr
+    assert "--client-args" in completed.stdout
