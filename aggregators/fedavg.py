@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
-from aggregators.functional import is_float_array, sample_weights, weighted_average_params
+from aggregators.functional import by_site, is_float_array, sample_weights, weighted_average_params
 from aggregators.types import AggregationError, AggregationResult, ClientUpdate, RoundContext
 
 
@@ -27,6 +27,7 @@ def fedavg_params(
     global_params: Mapping[str, np.ndarray], updates: Sequence[ClientUpdate], server_lr: float = 1.0
 ) -> dict[str, np.ndarray]:
     """The FedAvg step as a pure function; inputs are never modified."""
+    updates = by_site(updates)
     averaged = weighted_average_params(updates, sample_weights(updates), global_params)
     if server_lr == 1.0:
         return averaged
@@ -46,10 +47,12 @@ class FedAvg:
 
     server_lr: float = 1.0
 
-    name = "fedavg"
-    required_meta: tuple[str, ...] = ()
+    name: ClassVar[str] = "fedavg"
+    required_meta: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
+        if isinstance(self.server_lr, bool) or not isinstance(self.server_lr, int | float):
+            raise AggregationError(f"fedavg: server_lr must be a number, got {self.server_lr!r}")
         if not np.isfinite(self.server_lr) or self.server_lr <= 0:
             raise AggregationError(f"fedavg: server_lr must be a positive finite number, got {self.server_lr}")
 

@@ -32,14 +32,25 @@ def weighted_mean(arrays: Sequence[np.ndarray], weights: np.ndarray, like: np.nd
     """
     total = np.zeros(np.shape(like), dtype=np.float64)
     for weight, array in zip(weights, arrays, strict=True):
+        if np.shape(array) != np.shape(like):
+            # Never let numpy broadcast a wrongly shaped client array over the parameter.
+            raise AggregationError(f"client array of shape {np.shape(array)} for a parameter of shape {np.shape(like)}")
         total += weight * np.asarray(array, dtype=np.float64)
     if is_float_array(like):
         return total.astype(np.asarray(like).dtype)
-    return np.rint(total).astype(np.asarray(like).dtype)
+    return np.asarray(np.rint(total)).astype(np.asarray(like).dtype)
 
 
 def weighted_average_params(
     updates: Sequence[ClientUpdate], weights: np.ndarray, like: Mapping[str, np.ndarray]
 ) -> dict[str, np.ndarray]:
     """Key-by-key weighted mean of the clients' parameters, typed like the global model ``like``."""
+    missing = sorted({key for u in updates for key in like if key not in u.params})
+    if missing:
+        raise AggregationError(f"client updates lack parameter keys {missing[:5]}")
     return {key: weighted_mean([u.params[key] for u in updates], weights, value) for key, value in like.items()}
+
+
+def by_site(updates: Sequence[ClientUpdate]) -> list[ClientUpdate]:
+    """Updates in site order: float sums then do not depend on the order results arrived in (bit-for-bit)."""
+    return sorted(updates, key=lambda u: u.site)

@@ -31,6 +31,8 @@ def param_problems(global_params: Mapping[str, np.ndarray], params: Mapping[str,
 def _array_problems(key: str, expected: np.ndarray, value: Any) -> list[str]:
     if not isinstance(value, np.ndarray | np.generic):
         return [f"parameter '{key}' is a {type(value).__name__}, expected a numpy array"]
+    if not (np.issubdtype(value.dtype, np.floating) or np.issubdtype(value.dtype, np.integer) or value.dtype == bool):
+        return [f"parameter '{key}' has dtype {value.dtype}, expected a real number type"]
     if np.shape(value) != np.shape(expected):
         return [f"parameter '{key}' has shape {np.shape(value)}, expected {np.shape(expected)}"]
     if is_float_array(value) and not np.all(np.isfinite(value)):

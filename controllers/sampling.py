@@ -22,7 +22,7 @@ def clients_per_round_count(clients_per_round: int | float | None, population_si
     if isinstance(clients_per_round, float):
         if not 0 < clients_per_round <= 1:
             raise ValueError(f"a fraction of clients must be in (0, 1], got {clients_per_round}")
-        # The tolerance keeps float noise (0.7 * 10 = 7.000000000000001) from adding a site.
+        # The tolerance keeps float noise (0.07 * 100 = 7.000000000000001) from adding a site.
         return max(1, math.ceil(clients_per_round * population_size - 1e-9))
     if clients_per_round < 1:
         raise ValueError(f"clients_per_round must be at least 1, got {clients_per_round}")

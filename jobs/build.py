@@ -146,7 +146,7 @@ def build_job(spec: JobSpec) -> Any:
     job.set_app_packages(list(APP_PACKAGES))
     model_config = {
         "path": "lightning_modules.classifier.FLClassifier",
-        "args": {"arch": spec.arch, "num_classes": num_classes},
+        "args": {"arch": spec.arch, "num_classes": num_classes, "init_seed": spec.seed},
     }
     job.to_server(PTModel(model_config))
     evaluator = TestSetEvaluator(

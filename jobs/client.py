@@ -54,11 +54,31 @@ def round_seed(seed: int, site_index: int, round_num: int) -> int:
     return int(np.random.SeedSequence([seed, site_index, round_num]).generate_state(1)[0])
 
 
+def make_trainer(args: argparse.Namespace, round_callback: object) -> object:
+    """A fresh Trainer for every round: a Trainer reused across fits carries loop state that changes the batch
+    order of later rounds, so a site that keeps its process (``-t N``) would train differently from one that is
+    restarted every round (``-t 1``). Fresh trainers make both bit-identical (tested end to end)."""
+    import pytorch_lightning as pl
+
+    return pl.Trainer(
+        max_epochs=args.epochs,
+        accelerator=args.accelerator,
+        devices=1,
+        precision=args.precision,
+        callbacks=[round_callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     import nvflare.client.lightning as flare
-    import pytorch_lightning as pl
 
+    from aggregators import meta_keys
     from data_prep import SiteDataConfig, load_dataset, site_index, site_split, to_tensor_dataset
     from lightning_modules import FederatedRoundCallback, FLClassifier
     from lightning_modules.algorithms import build_client_algorithm
@@ -84,34 +104,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     module.set_algorithm(build_client_algorithm(args.client, **json.loads(args.client_args)))
     round_callback = FederatedRoundCallback(num_samples=len(dataset), site=site)
-    trainer = pl.Trainer(
-        max_epochs=args.epochs,
-        accelerator=args.accelerator,
-        devices=1,
-        precision=args.precision,
-        callbacks=[round_callback],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    # restore_state=False: FedAvg-family clients start every round with a fresh optimizer (ALGORITHMS.md §2),
-    # and in-memory optimizer state would differ between one-process and process-per-round simulations.
-    flare.patch(trainer, restore_state=False)
     print(f"{site}: {len(dataset)} training samples, label counts {np.bincount(y, minlength=num_classes).tolist()}")
     while flare.is_running():
         received = flare.receive()
         if received is None:
             break
-        generator = torch.Generator().manual_seed(round_seed(args.seed, index, received.current_round or 0))
-        torch.manual_seed(round_seed(args.seed, index, received.current_round or 0))
+        seed = round_seed(args.seed, index, received.current_round or 0)
+        torch.manual_seed(seed)
+        generator = torch.Generator().manual_seed(seed)
         loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, shuffle=True, generator=generator)
+        trainer = make_trainer(args, round_callback)
+        # restore_state=False: FedAvg-family clients start every round with a fresh optimizer (ALGORITHMS.md §2),
+        # and in-memory optimizer state would differ between one-process and process-per-round simulations.
+        flare.patch(trainer, restore_state=False)
         trainer.fit(module, train_dataloaders=loader)
         meta = round_callback.last_meta
         print(
-            f"{site} round {received.current_round}: {meta.get('train.num_steps')} steps, "
-            f"train loss {meta.get('train.loss'):.4f}, train acc {meta.get('train.accuracy'):.4f}",
+            f"{site} round {received.current_round}: {meta.get(meta_keys.NUM_STEPS)} steps, "
+            f"train loss {meta.get(meta_keys.TRAIN_LOSS):.4f}, train acc {meta.get(meta_keys.TRAIN_ACCURACY):.4f}",
             flush=True,
         )
 

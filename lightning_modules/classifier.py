@@ -39,6 +39,7 @@ class FLClassifier(pl.LightningModule):
         num_classes: number of output classes.
         arch_args: extra keyword arguments for the model constructor.
         lr, momentum, weight_decay: local SGD settings. FedAvg semantics: a fresh optimizer every round.
+        init_seed: seeds the initial weights (``None``: torch's global generator, as usual).
     """
 
     def __init__(
@@ -49,12 +50,17 @@ class FLClassifier(pl.LightningModule):
         lr: float = 0.05,
         momentum: float = 0.0,
         weight_decay: float = 0.0,
+        init_seed: int | None = None,
     ) -> None:
         super().__init__()
-        self.net = build_model(arch, num_classes=num_classes, **dict(arch_args or {}))
+        with torch.random.fork_rng(devices=[]):
+            # A seeded initial model makes the whole federated run reproducible (the server builds it).
+            if init_seed is not None:
+                torch.manual_seed(init_seed)
+            self.net = build_model(arch, num_classes=num_classes, **dict(arch_args or {}))
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
         self.train_loss = MeanMetric()
-        self.train_acc = MulticlassAccuracy(num_classes=num_classes)
+        self.train_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
         # A plain object, not a submodule: the algorithm's tensors must never enter the state_dict.
         self.algorithm: ClientAlgorithm = ClientAlgorithm()
         self.round_steps = 0
@@ -72,7 +78,14 @@ class FLClassifier(pl.LightningModule):
             self.net.parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay
         )
 
+    def setup(self, stage: str) -> None:
+        # Before Lightning casts the module for the precision plugin: a refused bf16-true fit must leave the
+        # fp32 weights untouched.
+        if stage == "fit":
+            check_trainer_supports(self.algorithm, self.trainer, self.automatic_optimization, check_optimizers=False)
+
     def on_fit_start(self) -> None:
+        # Optimizers exist only now.
         check_trainer_supports(self.algorithm, self.trainer, self.automatic_optimization)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -110,14 +123,23 @@ class FLClassifier(pl.LightningModule):
         meta: dict[str, Any] = {
             meta_keys.NUM_STEPS: self.round_steps,
             meta_keys.TRAIN_LOSS: float(self.train_loss.compute()) if self.round_steps else float("nan"),
-            "train.accuracy": float(self.train_acc.compute()) if self.round_steps else float("nan"),
+            meta_keys.TRAIN_ACCURACY: float(self.train_acc.compute()) if self.round_steps else float("nan"),
             meta_keys.CLIENT_ALGORITHM: self.algorithm.name,
         }
-        meta.update(self.algorithm.on_round_end(self))
+        algorithm_meta = self.algorithm.on_round_end(self)
+        bad_keys = [k for k in algorithm_meta if not meta_keys.is_namespaced(k) or k in meta_keys.NVFLARE_RESERVED]
+        if bad_keys:
+            raise ClientAlgorithmError(
+                f"client algorithm '{self.algorithm.name}' returned meta keys {bad_keys} that are not namespaced "
+                "'<algorithm>.<name>' keys or are reserved by NVFlare's built-in handlers"
+            )
+        meta.update(algorithm_meta)
         return meta
 
 
-def check_trainer_supports(algorithm: ClientAlgorithm, trainer: pl.Trainer, automatic_optimization: bool) -> None:
+def check_trainer_supports(
+    algorithm: ClientAlgorithm, trainer: pl.Trainer, automatic_optimization: bool, check_optimizers: bool = True
+) -> None:
     """Refuse set-ups under which client algorithms silently go wrong, with a message that says how to fix it."""
     precision = str(trainer.precision)
     if precision not in algorithm.supported_precisions:
@@ -131,7 +153,7 @@ def check_trainer_supports(algorithm: ClientAlgorithm, trainer: pl.Trainer, auto
             f"client algorithm '{algorithm.name}' needs Lightning's automatic optimization; manual optimization "
             "bypasses optimizer_step, so corrections would never be applied"
         )
-    if len(trainer.optimizers) != 1:
+    if check_optimizers and len(trainer.optimizers) != 1:
         raise ClientAlgorithmError(
             f"client algorithm '{algorithm.name}' needs exactly one optimizer, got {len(trainer.optimizers)}"
         )

@@ -16,8 +16,10 @@ def evaluate_classifier(
     """Top-1 accuracy and mean cross-entropy of ``model`` on ``(x, y)``, in eval mode, on CPU."""
     was_training = model.training
     model.eval()
-    logits = torch.cat([model(torch.from_numpy(x[i : i + batch_size])) for i in range(0, len(x), batch_size)])
-    model.train(was_training)
+    try:
+        logits = torch.cat([model(torch.from_numpy(x[i : i + batch_size])) for i in range(0, len(x), batch_size)])
+    finally:
+        model.train(was_training)
     target = torch.from_numpy(y)
     loss = F.cross_entropy(logits, target).item()
     accuracy = multiclass_accuracy(logits, target, num_classes=num_classes, average="micro").item()
