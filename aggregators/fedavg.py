@@ -26,9 +26,19 @@ from aggregators.types import AggregationError, AggregationResult, ClientUpdate,
 def fedavg_params(
     global_params: Mapping[str, np.ndarray], updates: Sequence[ClientUpdate], server_lr: float = 1.0
 ) -> dict[str, np.ndarray]:
-    """The FedAvg step as a pure function; inputs are never modified."""
+    """The FedAvg step as a pure function (sample weights); inputs are never modified."""
     updates = by_site(updates)
-    averaged = weighted_average_params(updates, sample_weights(updates), global_params)
+    return weighted_model_step(global_params, updates, sample_weights(updates), server_lr)
+
+
+def weighted_model_step(
+    global_params: Mapping[str, np.ndarray], updates: Sequence[ClientUpdate], weights: np.ndarray, server_lr: float
+) -> dict[str, np.ndarray]:
+    """x + eta_g * sum_i w_i (y_i - x) for float parameters; integer buffers take the weighted mean directly.
+
+    With ``server_lr == 1`` the result is computed as sum_i w_i y_i, exactly the weighted mean of the clients.
+    """
+    averaged = weighted_average_params(updates, weights, global_params)
     if server_lr == 1.0:
         return averaged
     return {key: _server_step(global_params[key], averaged[key], server_lr) for key in global_params}
@@ -49,6 +59,7 @@ class FedAvg:
 
     name: ClassVar[str] = "fedavg"
     required_meta: ClassVar[tuple[str, ...]] = ()
+    broadcast_keys: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.server_lr, bool) or not isinstance(self.server_lr, int | float):

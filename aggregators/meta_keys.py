@@ -20,6 +20,11 @@ CLIENT_ALGORITHM = "client.algorithm"  # name of the client algorithm that produ
 ROUND = "server.round"
 NUM_ROUNDS = "server.num_rounds"
 AGGREGATION_RULE = "server.rule"
+RUN_ID = "server.run_id"  # identifies one run of a job: client state from another run is never reused
+
+# SCAFFOLD (Karimireddy et al. 2020): global control c down, control change delta c_i up; fp32, trainable params only.
+SCAFFOLD_CTRL_GLOBAL = "scaffold.ctrl.global"
+SCAFFOLD_CTRL_DIFF = "scaffold.ctrl.diff"
 
 # NVFlare's own reserved keys: never sent by this bundle (a test pins it).
 NVFLARE_RESERVED = ("scaffold_c_global", "scaffold_c_diff", "fedprox_mu")

@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from aggregators.fedavg import FedAvg
+from aggregators.scaffold import Scaffold
 from aggregators.types import AggregationError, AggregationRule
 
-RULES: dict[str, type] = {FedAvg.name: FedAvg}
+RULES: dict[str, type] = {FedAvg.name: FedAvg, Scaffold.name: Scaffold}
 
 
 def build_rule(name: str, **kwargs: Any) -> AggregationRule:

@@ -54,10 +54,15 @@ class AggregationResult:
 
 @runtime_checkable
 class AggregationRule(Protocol):
-    """The interface the controller drives. State is returned, never mutated, so it can be checkpointed."""
+    """The interface the controller drives. State is returned, never mutated, so it can be checkpointed.
+
+    A rule may also define ``update_problems(update, global_params, state) -> list[str]``: its own checks of a
+    client's update (e.g. a control variate's keys and shapes); a non-empty list rejects that site's result.
+    """
 
     name: str
-    required_meta: tuple[str, ...]
+    required_meta: tuple[str, ...]  # meta every client result must carry
+    broadcast_keys: tuple[str, ...]  # meta keys broadcast_meta() sends besides the round bookkeeping
 
     def init_state(self, global_params: Mapping[str, np.ndarray]) -> dict[str, Any]: ...
 

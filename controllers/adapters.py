@@ -7,7 +7,7 @@ with the others.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,10 +33,19 @@ def result_site(result: Any) -> str:
     return str((getattr(result, "meta", None) or {}).get("client_name", "<unknown site>"))
 
 
+UpdateCheck = Callable[[ClientUpdate], list[str]]
+
+
 def to_client_update(
-    result: Any, global_params: Mapping[str, np.ndarray], required_meta: Iterable[str] = ()
+    result: Any,
+    global_params: Mapping[str, np.ndarray],
+    required_meta: Iterable[str] = (),
+    rule_check: UpdateCheck | None = None,
 ) -> ClientUpdate | Rejection:
-    """Validate one NVFlare ``FLModel`` result and convert it, or say why it cannot be used."""
+    """Validate one NVFlare ``FLModel`` result and convert it, or say why it cannot be used.
+
+    ``rule_check`` adds the aggregation rule's own checks (e.g. the SCAFFOLD control's keys and shapes).
+    """
     site = result_site(result)
     params = getattr(result, "params", None) or {}
     meta = dict(getattr(result, "meta", None) or {})
@@ -46,15 +55,20 @@ def to_client_update(
         problems += num_samples_problems(num_samples)
     if problems:
         return Rejection(site=site, problems=tuple(problems))
-    return ClientUpdate(site=site, params=dict(params), num_samples=int(num_samples), meta=meta)
+    update = ClientUpdate(site=site, params=dict(params), num_samples=int(num_samples), meta=meta)
+    rule_problems = rule_check(update) if rule_check is not None else []
+    return Rejection(site=site, problems=tuple(rule_problems)) if rule_problems else update
 
 
 def split_results(
-    results: Sequence[Any], global_params: Mapping[str, np.ndarray], required_meta: Iterable[str] = ()
+    results: Sequence[Any],
+    global_params: Mapping[str, np.ndarray],
+    required_meta: Iterable[str] = (),
+    rule_check: UpdateCheck | None = None,
 ) -> tuple[list[ClientUpdate], list[Rejection]]:
     """Accepted updates (sorted by site so aggregation never depends on arrival order) and rejections."""
     required = tuple(required_meta)
-    converted = [to_client_update(r, global_params, required) for r in results]
+    converted = [to_client_update(r, global_params, required, rule_check) for r in results]
     updates = sorted((c for c in converted if isinstance(c, ClientUpdate)), key=lambda u: u.site)
     rejections = [c for c in converted if isinstance(c, Rejection)]
     return updates, rejections

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,8 @@ class FedAlgController(ModelController):
         self._rule: AggregationRule = build_rule(rule, **(rule_args or {}))
 
     def run(self) -> None:
+        # A fresh id per run: clients discard persisted state written by an earlier run in a reused workspace.
+        self._run_id = uuid.uuid4().hex
         initial = self.load_model()
         if initial is None:
             return
@@ -147,7 +150,9 @@ class FedAlgController(ModelController):
             min_responses=self.min_responses,
             timeout=self.train_timeout,
         )
-        updates, rejections = split_results(results, global_params, self._rule.required_meta)
+        rule_check = getattr(self._rule, "update_problems", None)
+        check = (lambda update: rule_check(update, global_params, state)) if rule_check else None
+        updates, rejections = split_results(results, global_params, self._rule.required_meta, check)
         for rejection in rejections:
             self.error(f"round {round_num + 1}: {rejection}")
         record: dict[str, Any] = {"stage": "round", "round": round_num, "sites": targets}
@@ -177,6 +182,7 @@ class FedAlgController(ModelController):
             meta_keys.ROUND: round_num,
             meta_keys.NUM_ROUNDS: self.num_rounds,
             meta_keys.AGGREGATION_RULE: self.rule,
+            meta_keys.RUN_ID: self._run_id,
             **self._rule.broadcast_meta(state),
         }
         return FLModel(

@@ -84,11 +84,28 @@ def validate_spec(spec: JobSpec) -> None:
     for what, (value, valid) in choices.items():
         if value not in valid:
             raise JobBuildError(f"unknown {what} '{value}'; choose one of {sorted(valid)}")
+    _check_composition(CLIENT_ALGORITHMS[spec.client], RULES[spec.server])
     if (spec.dataset == "digits") != (spec.arch == "mlp"):
         raise JobBuildError(f"arch '{spec.arch}' does not fit dataset '{spec.dataset}': use mlp for digits only")
     for name in ("num_rounds", "num_sites", "epochs", "batch_size"):
         if getattr(spec, name) < 1:
             raise JobBuildError(f"{name} must be at least 1, got {getattr(spec, name)}")
+
+
+def _check_composition(client_cls: type, rule_cls: type) -> None:
+    """A client algorithm and a server rule compose only when each sends what the other needs."""
+    missing_down = [k for k in client_cls.required_server_meta if k not in rule_cls.broadcast_keys]
+    if missing_down:
+        raise JobBuildError(
+            f"client algorithm '{client_cls.name}' needs {missing_down} from the server, which rule "
+            f"'{rule_cls.name}' does not send; use a server rule that maintains it (e.g. '{client_cls.name}')"
+        )
+    missing_up = [k for k in rule_cls.required_meta if k not in client_cls.sent_meta]
+    if missing_up:
+        raise JobBuildError(
+            f"server rule '{rule_cls.name}' needs {missing_up} from every client, which client algorithm "
+            f"'{client_cls.name}' does not send; use a client algorithm that reports it (e.g. '{rule_cls.name}')"
+        )
 
 
 def dataset_num_classes(dataset: str) -> int:
@@ -179,6 +196,7 @@ def export_job(spec: JobSpec, output_dir: Path) -> Path:
 
 PRESETS: dict[str, JobSpec] = {
     "fedavg": JobSpec(name="fedavg"),
+    "scaffold": JobSpec(name="scaffold", client="scaffold", server="scaffold"),
 }
 
 

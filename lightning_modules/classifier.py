@@ -88,10 +88,15 @@ class FLClassifier(pl.LightningModule):
         # Optimizers exist only now.
         check_trainer_supports(self.algorithm, self.trainer, self.automatic_optimization)
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def task_loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean cross-entropy of a batch and the logits (algorithms that need extra gradient passes call this)."""
         x, y = batch
         logits = self.net(x)
-        loss = F.cross_entropy(logits, y)
+        return F.cross_entropy(logits, y), logits
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        _, y = batch
+        loss, logits = self.task_loss(batch)
         self.train_loss.update(loss.detach())
         self.train_acc.update(logits.detach(), y)
         self.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=False)

@@ -19,6 +19,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from lightning_modules.state_store import ClientStateStore
+
 
 class ClientAlgorithmError(RuntimeError):
     """A client algorithm cannot run with this trainer, optimizer, precision or server meta."""
@@ -33,6 +35,17 @@ class ClientAlgorithm:
     supported_precisions: ClassVar[tuple[str, ...]] = ("32-true", "32", "bf16-mixed")
     #: Meta keys the algorithm needs from the server each round.
     required_server_meta: ClassVar[tuple[str, ...]] = ()
+    #: Meta keys the algorithm sends to the server every round (checked against the rule at job build time).
+    sent_meta: ClassVar[tuple[str, ...]] = ()
+
+    #: Set by :meth:`bind`: the site this algorithm runs on and where it may persist state between rounds.
+    site: str = "local"
+    state_store: ClientStateStore | None = None
+
+    def bind(self, site: str, state_store: ClientStateStore | None) -> None:
+        """Attach the site name and its state store (called once by the client script)."""
+        self.site = site
+        self.state_store = state_store
 
     def on_round_start(self, module: nn.Module, meta: Mapping[str, Any]) -> None:
         """Called once per round after the global weights were loaded into ``module``."""
@@ -64,3 +77,8 @@ def check_server_meta(algorithm: ClientAlgorithm, meta: Mapping[str, Any], site:
             f"{site}: client algorithm '{algorithm.name}' needs server meta {missing}, which the server did not send; "
             "is the job's server rule the matching one?"
         )
+
+
+def trainable_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
+    """Named trainable parameters (``requires_grad``), keyed like the state_dict; buffers are never included."""
+    return {name: p for name, p in module.named_parameters() if p.requires_grad}

@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_modules.algorithms.base import ClientAlgorithm, ClientAlgorithmError
+from lightning_modules.algorithms.scaffold import Scaffold
 
-CLIENT_ALGORITHMS: dict[str, type[ClientAlgorithm]] = {ClientAlgorithm.name: ClientAlgorithm}
+CLIENT_ALGORITHMS: dict[str, type[ClientAlgorithm]] = {ClientAlgorithm.name: ClientAlgorithm, Scaffold.name: Scaffold}
 
 
 def build_client_algorithm(name: str, **hparams: Any) -> ClientAlgorithm:

@@ -82,6 +82,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from data_prep import SiteDataConfig, load_dataset, site_index, site_split, to_tensor_dataset
     from lightning_modules import FederatedRoundCallback, FLClassifier
     from lightning_modules.algorithms import build_client_algorithm
+    from lightning_modules.state_store import ClientStateStore, default_state_root
 
     flare.init()
     site = flare.get_site_name()
@@ -102,7 +103,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     module = FLClassifier(
         arch=args.arch, num_classes=num_classes, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay
     )
-    module.set_algorithm(build_client_algorithm(args.client, **json.loads(args.client_args)))
+    algorithm = build_client_algorithm(args.client, **json.loads(args.client_args))
+    # State that must outlive a round lives on disk in the site workspace, per job (DESIGN.md, decision 4).
+    algorithm.bind(site, ClientStateStore(default_state_root() / flare.get_job_id(), site))
+    module.set_algorithm(algorithm)
     round_callback = FederatedRoundCallback(num_samples=len(dataset), site=site)
     print(f"{site}: {len(dataset)} training samples, label counts {np.bincount(y, minlength=num_classes).tolist()}")
     while flare.is_running():

@@ -1,0 +1,137 @@
+"""SCAFFOLD, server side: model averaging plus the global control variate.
+
+Reference: Karimireddy et al., "SCAFFOLD: Stochastic Controlled Averaging for Federated Learning", ICML 2020,
+arXiv:1910.06378, Algorithm 1 (server lines):
+
+    x <- x + eta_g * (1/|S|) * sum_{i in S} (y_i - x)
+    c <- c + (|S|/N) * (1/|S|) * sum_{i in S} delta_c_i   =   c + (1/N) * sum_{i in S} delta_c_i
+
+N is the size of the whole site population, not the number of participants: with partial participation
+NVFlare's built-in SCAFFOLD workflow (weighted mean of delta_c over the participants) over-scales c by N/|S|.
+With every control starting at 0 this keeps the invariant c = (1/N) * sum_{all i} c_i (tested).
+
+The paper averages the models uniformly (``weighting="uniform"``, the default); ``weighting="samples"`` weights
+them by sample count as FedAvg does. The control update is unweighted in both cases, as in the paper. Controls
+cover trainable parameters only and are kept in float32; buffers are averaged like the model, never controlled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from aggregators import meta_keys
+from aggregators.fedavg import weighted_model_step
+from aggregators.functional import by_site, sample_weights
+from aggregators.types import AggregationError, AggregationResult, ClientUpdate, RoundContext
+
+Controls = dict[str, np.ndarray]
+WEIGHTINGS = ("uniform", "samples")
+
+
+def control_problems(
+    diff: Any, global_params: Mapping[str, np.ndarray], global_control: Mapping[str, np.ndarray]
+) -> list[str]:
+    """Why a client's ``scaffold.ctrl.diff`` cannot be used (empty list: it can)."""
+    if not isinstance(diff, Mapping) or not diff:
+        return [f"'{meta_keys.SCAFFOLD_CTRL_DIFF}' must be a non-empty dict of arrays, got {type(diff).__name__}"]
+    problems = []
+    unknown = sorted(set(diff) - set(global_params))
+    if unknown:
+        problems.append(f"'{meta_keys.SCAFFOLD_CTRL_DIFF}' has keys that are not model parameters: {unknown[:5]}")
+    if global_control and set(diff) != set(global_control):
+        missing, extra = sorted(set(global_control) - set(diff)), sorted(set(diff) - set(global_control))
+        problems.append(
+            f"'{meta_keys.SCAFFOLD_CTRL_DIFF}' keys differ from the global control: "
+            f"missing {missing[:5]}, unexpected {extra[:5]}"
+        )
+    for key in sorted(set(diff) & set(global_params)):
+        problems.extend(_control_array_problems(key, diff[key], global_params[key]))
+    return problems
+
+
+def _control_array_problems(key: str, value: Any, param: np.ndarray) -> list[str]:
+    where = f"'{meta_keys.SCAFFOLD_CTRL_DIFF}' entry '{key}'"
+    if not isinstance(value, np.ndarray) or not np.issubdtype(value.dtype, np.floating):
+        return [f"{where} must be a float numpy array, got {type(value).__name__}"]
+    if value.shape != np.shape(param):
+        return [f"{where} has shape {value.shape}, the parameter has {np.shape(param)}"]
+    if not np.issubdtype(np.asarray(param).dtype, np.floating):
+        return [f"{where} controls an integer buffer; controls cover trainable parameters only"]
+    if not np.all(np.isfinite(value)):
+        return [f"{where} contains NaN or Inf"]
+    return []
+
+
+def update_global_control(
+    control: Mapping[str, np.ndarray], diffs: Sequence[Mapping[str, np.ndarray]], population_size: int
+) -> Controls:
+    """c + (1/N) * sum_i delta_c_i in float64, stored as float32. An empty ``control`` means all zeros."""
+    keys = set(diffs[0])
+    if any(set(d) != keys for d in diffs):
+        raise AggregationError("scaffold: the sites' control diffs cover different parameters")
+    new_control = {}
+    for key in sorted(keys):
+        total = np.asarray(control[key], dtype=np.float64) if key in control else np.zeros(diffs[0][key].shape)
+        for diff in diffs:
+            total = total + np.asarray(diff[key], dtype=np.float64) / population_size
+        new_control[key] = total.astype(np.float32)
+    return new_control
+
+
+@dataclass(frozen=True)
+class Scaffold:
+    """SCAFFOLD server rule.
+
+    Args:
+        server_lr: eta_g (1.0 in the paper's experiments).
+        weighting: ``uniform`` (paper) or ``samples`` model averaging.
+        population_size: N; ``None`` uses every site connected when the job started.
+    """
+
+    server_lr: float = 1.0
+    weighting: str = "uniform"
+    population_size: int | None = None
+
+    name: ClassVar[str] = "scaffold"
+    required_meta: ClassVar[tuple[str, ...]] = (meta_keys.SCAFFOLD_CTRL_DIFF,)
+    broadcast_keys: ClassVar[tuple[str, ...]] = (meta_keys.SCAFFOLD_CTRL_GLOBAL,)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.server_lr, bool) or not isinstance(self.server_lr, int | float) or self.server_lr <= 0:
+            raise AggregationError(f"scaffold: server_lr must be a positive number, got {self.server_lr!r}")
+        if self.weighting not in WEIGHTINGS:
+            raise AggregationError(f"scaffold: weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
+        if self.population_size is not None and self.population_size < 1:
+            raise AggregationError(f"scaffold: population_size must be at least 1, got {self.population_size}")
+
+    def init_state(self, global_params: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        return {"control": {}}
+
+    def broadcast_meta(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        return {meta_keys.SCAFFOLD_CTRL_GLOBAL: dict(state["control"])}
+
+    def update_problems(
+        self, update: ClientUpdate, global_params: Mapping[str, np.ndarray], state: Mapping[str, Any]
+    ) -> list[str]:
+        return control_problems(update.meta.get(meta_keys.SCAFFOLD_CTRL_DIFF), global_params, state["control"])
+
+    def aggregate(
+        self,
+        global_params: Mapping[str, np.ndarray],
+        updates: Sequence[ClientUpdate],
+        state: Mapping[str, Any],
+        context: RoundContext,
+    ) -> AggregationResult:
+        updates = by_site(updates)
+        population = self.population_size or len(context.population)
+        if population < len(updates):
+            raise AggregationError(f"scaffold: {len(updates)} participants but a population of only {population}")
+        weights = sample_weights(updates) if self.weighting == "samples" else np.full(len(updates), 1 / len(updates))
+        params = weighted_model_step(global_params, updates, weights, self.server_lr)
+        diffs = [u.meta[meta_keys.SCAFFOLD_CTRL_DIFF] for u in updates]
+        control = update_global_control(state["control"], diffs, population)
+        return AggregationResult(params=params, state={"control": control})

@@ -1,0 +1,203 @@
+"""SCAFFOLD, client side: control-variate correction of local steps.
+
+Reference: Karimireddy et al., "SCAFFOLD: Stochastic Controlled Averaging for Federated Learning", ICML 2020,
+arXiv:1910.06378, Algorithm 1 (client lines).
+
+Per local step (paper: y <- y - eta * (g_i(y) - c_i + c)):
+
+- ``correction="step"`` (default; as NIID-Bench and NVFlare do it): the optimizer takes its normal step, then
+  y <- y - eta_k * (c - c_i) with eta_k the learning rate that step actually used (read from the optimizer's
+  param groups, so schedulers and per-group rates are honoured);
+- ``correction="grad"``: c - c_i is added to ``.grad`` before the optimizer step, so momentum, weight decay and
+  gradient clipping act on it too.
+
+With vanilla SGD both are the paper's update. With momentum rho they differ: the gradient is amplified by about
+1/(1 - rho) by the momentum buffer while a post-step correction is not ("step"), or the correction is amplified
+too ("grad"); neither is the paper's algorithm, which assumes plain SGD. Weight decay lambda is part of the local
+gradient in both modes, so c_i absorbs lambda * y; that is consistent as long as every round uses the same lambda.
+
+End of round (K = optimizer steps actually taken, sum_k eta_k = learning rates actually applied):
+
+- Option II (default): c_i+ = c_i - c + (x - y_i) / sum_k eta_k   (= K * eta_l in the paper's constant-lr notation)
+- Option I:            c_i+ = g_i(x), the full local gradient at the received model x (one extra pass over the data)
+
+The client sends delta_c_i = c_i+ - c_i under ``scaffold.ctrl.diff`` and keeps c_i+ in the per-site state store,
+so it survives process restarts (``nvflare simulator -n N`` with one thread starts a process per client-round).
+Controls and the snapshot of x are float32 copies of the trainable parameters only, even under ``bf16-mixed``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from aggregators import meta_keys
+from lightning_modules.algorithms.base import ClientAlgorithm, ClientAlgorithmError, trainable_parameters
+
+LOG = logging.getLogger(__name__)
+RUN_ID_KEY = "__run_id__"
+Tensors = dict[str, torch.Tensor]
+
+
+def option_ii_control(
+    c_local: Mapping[str, torch.Tensor],
+    c_global: Mapping[str, torch.Tensor],
+    x: Mapping[str, torch.Tensor],
+    y: Mapping[str, torch.Tensor],
+    lr_sum: Mapping[str, float],
+) -> Tensors:
+    """c_i+ = c_i - c + (x - y) / sum_k eta_k, per parameter (ALGORITHMS.md §4, Option II)."""
+    return {name: c_local[name] - c_global[name] + (x[name] - y[name]) / lr_sum[name] for name in c_local}
+
+
+def parse_global_control(value: Any, params: Mapping[str, nn.Parameter], site: str) -> Tensors:
+    """The server's c as float32 tensors on the parameters' devices; an empty dict means c = 0 (first round)."""
+    if not isinstance(value, Mapping):
+        raise ClientAlgorithmError(f"{site}: '{meta_keys.SCAFFOLD_CTRL_GLOBAL}' must be a dict, got {type(value)}")
+    if not value:
+        return {name: torch.zeros_like(p, dtype=torch.float32) for name, p in params.items()}
+    if set(value) != set(params):
+        missing, extra = sorted(set(params) - set(value)), sorted(set(value) - set(params))
+        raise ClientAlgorithmError(
+            f"{site}: '{meta_keys.SCAFFOLD_CTRL_GLOBAL}' does not match this model's trainable parameters "
+            f"(missing {missing[:5]}, unexpected {extra[:5]}); is the server running the same model?"
+        )
+    control = {}
+    for name, p in params.items():
+        array = np.asarray(value[name])
+        if array.shape != tuple(p.shape):
+            raise ClientAlgorithmError(
+                f"{site}: '{meta_keys.SCAFFOLD_CTRL_GLOBAL}' entry '{name}' has shape {array.shape}, "
+                f"the parameter has {tuple(p.shape)}"
+            )
+        control[name] = torch.as_tensor(array, dtype=torch.float32).to(p.device)
+    return control
+
+
+class Scaffold(ClientAlgorithm):
+    """SCAFFOLD client. ``option`` is ``"II"`` (default) or ``"I"``; ``correction`` is ``"step"`` or ``"grad"``."""
+
+    name: ClassVar[str] = "scaffold"
+    required_server_meta: ClassVar[tuple[str, ...]] = (meta_keys.SCAFFOLD_CTRL_GLOBAL,)
+    sent_meta: ClassVar[tuple[str, ...]] = (meta_keys.SCAFFOLD_CTRL_DIFF,)
+
+    def __init__(self, option: str = "II", correction: str = "step") -> None:
+        if option not in ("I", "II"):
+            raise ClientAlgorithmError(f"scaffold: option must be 'I' or 'II', got {option!r}")
+        if correction not in ("step", "grad"):
+            raise ClientAlgorithmError(f"scaffold: correction must be 'step' or 'grad', got {correction!r}")
+        self.option = option
+        self.correction = correction
+        self._params: dict[str, nn.Parameter] = {}
+        self._round = 0
+        self._run_id = ""
+
+    def hparams(self) -> dict[str, Any]:
+        return {"option": self.option, "correction": self.correction}
+
+    # -- round start ---------------------------------------------------------------------------------------------
+    def on_round_start(self, module: nn.Module, meta: Mapping[str, Any]) -> None:
+        self._params = trainable_parameters(module)
+        self._round = int(meta.get(meta_keys.ROUND, 0))
+        self._run_id = str(meta.get(meta_keys.RUN_ID, ""))
+        self.c_global = parse_global_control(meta[meta_keys.SCAFFOLD_CTRL_GLOBAL], self._params, self.site)
+        self.c_local = self._load_local_control()
+        self.x = {name: p.detach().to(torch.float32).clone() for name, p in self._params.items()}
+        self.lr_sum = dict.fromkeys(self._params, 0.0)
+        self.steps = 0
+        # c - c_i, kept in float32 and applied in the parameter's dtype.
+        self.correction_term = {name: self.c_global[name] - self.c_local[name] for name in self._params}
+        self._names_by_id = {id(p): name for name, p in self._params.items()}
+        self.gradient_at_x = full_local_gradient(module, self._params) if self.option == "I" else None
+
+    def _load_local_control(self) -> Tensors:
+        zeros = {name: torch.zeros_like(p, dtype=torch.float32) for name, p in self._params.items()}
+        if self.state_store is None:
+            raise ClientAlgorithmError("scaffold: no state store bound; c_i would be lost between rounds")
+        expected = {name: (tuple(p.shape), torch.float32) for name, p in self._params.items()}
+        stored = self.state_store.load(self.name, expected=expected)
+        if stored is None:
+            return zeros
+        if stored.state.get(RUN_ID_KEY) != self._run_id:
+            LOG.warning(
+                "%s: ignoring SCAFFOLD control c_i in %s: it was written by another run of a job (run %s, now %s); "
+                "starting from c_i = 0 as a site that never participated",
+                self.site,
+                stored.path,
+                stored.state.get(RUN_ID_KEY),
+                self._run_id,
+            )
+            return zeros
+        device = next(iter(self._params.values())).device
+        return {name: stored.state[name].to(device) for name in self._params}
+
+    # -- per step ------------------------------------------------------------------------------------------------
+    def correct_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        if self.correction != "grad":
+            return
+        for name, p in self._params.items():
+            if p.grad is not None:
+                p.grad.add_(self.correction_term[name].to(p.grad.dtype))
+
+    @torch.no_grad()
+    def after_step(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.steps += 1
+        for group in optimizer.param_groups:
+            lr = float(group["lr"])
+            for p in group["params"]:
+                name = self._names_by_id.get(id(p))
+                if name is None:
+                    continue
+                self.lr_sum[name] += lr
+                if self.correction == "step":
+                    p.add_(self.correction_term[name].to(p.dtype), alpha=-lr)
+
+    # -- round end -----------------------------------------------------------------------------------------------
+    def on_round_end(self, module: nn.Module) -> dict[str, Any]:
+        if self.steps == 0 or any(total <= 0 for total in self.lr_sum.values()):
+            raise ClientAlgorithmError(
+                f"{self.site}: SCAFFOLD took {self.steps} optimizer steps with learning-rate sum "
+                f"{min(self.lr_sum.values(), default=0.0)}; Option II needs at least one step with a positive lr"
+            )
+        if self.option == "I":
+            c_new = self.gradient_at_x
+        else:
+            y = {name: p.detach().to(torch.float32) for name, p in self._params.items()}
+            c_new = option_ii_control(self.c_local, self.c_global, self.x, y, self.lr_sum)
+        diff = {name: (c_new[name] - self.c_local[name]).cpu().numpy().astype(np.float32) for name in self._params}
+        self._save_local_control(c_new)
+        return {meta_keys.SCAFFOLD_CTRL_DIFF: diff}
+
+    def _save_local_control(self, control: Tensors) -> None:
+        assert self.state_store is not None
+        state: dict[str, Any] = {name: value.detach().cpu() for name, value in control.items()}
+        state[RUN_ID_KEY] = self._run_id
+        self.state_store.save(self.name, state, round_num=self._round)
+
+
+def full_local_gradient(module: nn.Module, params: Mapping[str, nn.Parameter]) -> Tensors:
+    """g_i(x): the gradient of the local empirical loss at the current weights, over the whole local dataset.
+
+    Uses an unshuffled loader over the same dataset so that the training order of the round is not disturbed.
+    """
+    loader = module.trainer.train_dataloader
+    dataset = getattr(loader, "dataset", None)
+    if dataset is None:
+        raise ClientAlgorithmError("scaffold option I needs a map-style training dataset to compute g_i(x)")
+    unshuffled = torch.utils.data.DataLoader(dataset, batch_size=getattr(loader, "batch_size", None) or 256)
+    totals = {name: torch.zeros_like(p, dtype=torch.float32) for name, p in params.items()}
+    seen = 0
+    for batch in unshuffled:
+        batch = [t.to(module.device) for t in batch]
+        loss, _ = module.task_loss(batch)
+        grads = torch.autograd.grad(loss, list(params.values()))
+        size = len(batch[0])
+        for (name, _), grad in zip(params.items(), grads, strict=True):
+            totals[name] += grad.to(torch.float32) * size
+        seen += size
+    return {name: total / seen for name, total in totals.items()}
