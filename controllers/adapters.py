@@ -53,6 +53,10 @@ def to_client_update(
     problems = param_problems(global_params, params) + meta_problems(meta, [meta_keys.NUM_SAMPLES, *required_meta])
     if meta_keys.NUM_SAMPLES in meta:
         problems += num_samples_problems(num_samples)
+    reserved = sorted(set(meta) & set(meta_keys.NVFLARE_RESERVED))
+    if reserved:
+        # NVFlare's built-in Lightning handler ran on that client: its correction came on top of ours.
+        problems.append(f"meta carries NVFlare's reserved keys {reserved}: a built-in algorithm handler was active")
     if problems:
         return Rejection(site=site, problems=tuple(problems))
     update = ClientUpdate(site=site, params=dict(params), num_samples=int(num_samples), meta=meta)
