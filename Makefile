@@ -1,11 +1,11 @@
 # The two commands a newcomer needs (both set everything up on a fresh machine first):
-#   make demo   - run the main job with `nvflare simulator` on real non-IID Fashion-MNIST and summarise it
+#   make demo   - run the main job (SCAFFOLD) with `nvflare simulator` on real non-IID Fashion-MNIST, summarise it
 #   make test   - lint and run the test suite
 VENV ?= .venv
 PY := $(VENV)/bin/python
-DEMO_JOB ?= fedavg
+DEMO_JOBS ?= scaffold
 
-.PHONY: setup demo test test-fast lint format jobs check-jobs clean
+.PHONY: setup demo demo-compare test test-fast lint format jobs check-jobs clean
 
 setup: $(VENV)/.setup-done
 
@@ -14,7 +14,10 @@ $(VENV)/.setup-done: pyproject.toml scripts/setup_env.sh
 	touch $@
 
 demo: setup
-	VENV=$(VENV) bash scripts/demo.sh $(DEMO_JOB)
+	VENV=$(VENV) bash scripts/demo.sh $(DEMO_JOBS)
+
+demo-compare: setup
+	VENV=$(VENV) bash scripts/demo.sh scaffold fedavg
 
 test: setup lint
 	$(PY) -m pytest

@@ -1,20 +1,28 @@
 #!/usr/bin/env bash
-# The main job, exactly as a user runs it: `nvflare simulator jobs/<job> -w <ws> -n 3`, then a summary.
-# Usage: scripts/demo.sh [job name, default fedavg] [workspace, default /tmp/fl-demo/<job>]
+# Runs jobs exactly as a user does, `nvflare simulator jobs/<job> -w /tmp/fl-demo/<job> -n 3`, then summarises them.
+# Usage: scripts/demo.sh [job ...]   (default: scaffold). Several jobs are reported side by side in one plot.
+# Environment: DEMO_WS (default /tmp/fl-demo), VENV (default .venv), THREADS (default: the simulator's own, 1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-JOB=${1:-fedavg}
-WS=${2:-/tmp/fl-demo/$JOB}
+[ $# -gt 0 ] || set -- scaffold
+DEMO_WS=${DEMO_WS:-/tmp/fl-demo}
 VENV=${VENV:-.venv}
 export PATH="$PWD/$VENV/bin:$PATH"
+mkdir -p "$DEMO_WS"
 
-rm -rf "$WS" "$WS.log"
-mkdir -p "$(dirname "$WS")"
-echo "[demo] nvflare simulator jobs/$JOB -w $WS -n 3   (full log: $WS.log)"
-# The simulator prints a lot; keep it in a log and show the per-round lines as they come.
-nvflare simulator "jobs/$JOB" -w "$WS" -n 3 >"$WS.log" 2>&1 &
-sim=$!
-tail -n +1 -f "$WS.log" --pid=$sim 2>/dev/null \
-  | grep --line-buffered -E "round [0-9]+/[0-9]+: training|global model: |finished [0-9]+ rounds|Error|Traceback" || true
-wait $sim
-python -m controllers.report "$WS"
+workspaces=()
+for job in "$@"; do
+  ws="$DEMO_WS/$job"
+  rm -rf "$ws" "$ws.log"
+  threads=()
+  [ -z "${THREADS:-}" ] || threads=(-t "$THREADS")
+  echo "[demo] nvflare simulator jobs/$job -w $ws -n 3 ${threads[*]:-}   (full log: $ws.log)"
+  # The simulator prints a lot; keep it in a log and show the per-round lines as they come.
+  nvflare simulator "jobs/$job" -w "$ws" -n 3 "${threads[@]}" >"$ws.log" 2>&1 &
+  sim=$!
+  tail -n +1 -f "$ws.log" --pid=$sim 2>/dev/null \
+    | grep --line-buffered -E "round [0-9]+/[0-9]+: training|global model: |finished [0-9]+ rounds|Error|Traceback" || true
+  wait $sim
+  workspaces+=("$ws")
+done
+python -m controllers.report "${workspaces[@]}" --labels "$@" --plot "$DEMO_WS/$(IFS=_; echo "$*").png"
