@@ -26,6 +26,15 @@ RUN_ID = "server.run_id"  # identifies one run of a job: client state from anoth
 SCAFFOLD_CTRL_GLOBAL = "scaffold.ctrl.global"
 SCAFFOLD_CTRL_DIFF = "scaffold.ctrl.diff"
 
+# FedProx (Li et al. 2020): the proximal coefficient mu the client trained with, client -> server (for the logs).
+FEDPROX_MU = "fedprox.mu"
+
+# FedDyn (Acar et al. 2021): the global alpha, server -> client; the alpha_k the client actually used and the names of
+# the trainable parameters its dynamic-regulariser state H_k covers, client -> server (the rest are buffers).
+FEDDYN_ALPHA = "feddyn.alpha"
+FEDDYN_ALPHA_K = "feddyn.alpha_k"
+FEDDYN_PARAM_KEYS = "feddyn.param_keys"
+
 # NVFlare's own reserved keys: never sent by this bundle (a test pins it).
 NVFLARE_RESERVED = ("scaffold_c_global", "scaffold_c_diff", "fedprox_mu")
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from aggregators.fedavg import FedAvg
+from aggregators.feddyn import FedDyn
 from aggregators.scaffold import Scaffold
 from aggregators.types import AggregationError, AggregationRule
 
 RULES: dict[str, type] = {FedAvg.name: FedAvg, Scaffold.name: Scaffold}
+RULES[FedDyn.name] = FedDyn
 
 
 def build_rule(name: str, **kwargs: Any) -> AggregationRule:

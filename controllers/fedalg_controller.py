@@ -51,6 +51,15 @@ def params_digest(params: Mapping[str, np.ndarray]) -> str:
     return digest.hexdigest()
 
 
+def scalar_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The namespaced scalar values a client reported (e.g. ``train.accuracy``, ``fedprox.mu``) for the metrics log."""
+    return {
+        key: value
+        for key, value in sorted(meta.items())
+        if meta_keys.is_namespaced(key) and isinstance(value, bool | int | float | str | np.generic)
+    }
+
+
 class FedAlgController(ModelController):
     """Federated rounds driven by an aggregation rule from :data:`aggregators.RULES`.
 
@@ -210,6 +219,7 @@ class FedAlgController(ModelController):
             "site_train_loss": {u.site: u.meta.get(meta_keys.TRAIN_LOSS) for u in updates},
             "site_num_samples": {u.site: u.num_samples for u in updates},
             "site_num_steps": {u.site: u.meta.get(meta_keys.NUM_STEPS) for u in updates},
+            "site_meta": {u.site: scalar_meta(u.meta) for u in updates},
         }
 
     def _evaluate(self, evaluator: Any, params: dict[str, np.ndarray]) -> dict[str, float]:

@@ -66,6 +66,28 @@ class JobSpec:
         validate_spec(self)
 
 
+FIELD_HELP = {
+    "num_rounds": "federated rounds",
+    "num_sites": "number of sites the data is split into (= clients the job needs)",
+    "clients_per_round": "sites per round: none = all, an int count, or a fraction such as 0.5",
+    "dataset": "fashion_mnist, mnist or digits",
+    "scheme": "label split: iid, dirichlet, shards or quantity",
+    "alpha": "Dirichlet concentration for dirichlet/quantity (smaller = more skewed)",
+    "classes_per_site": "labels per site for the shards scheme (#C=k)",
+    "max_train_samples": "use a seeded subset of the training set (quick runs)",
+    "max_test_samples": "evaluate the global model on the first n test samples",
+    "seed": "seeds the split, the initial model, the shuffling and the site sampling",
+    "arch": "model: lenet5, simple_cnn (28x28 images) or mlp (digits)",
+    "epochs": "local epochs per round",
+    "batch_size": "local batch size",
+    "lr": "local SGD learning rate",
+    "momentum": "local SGD momentum (0 = vanilla SGD, what SCAFFOLD's analysis assumes)",
+    "weight_decay": "local SGD weight decay",
+    "precision": "Lightning precision: 32-true or bf16-mixed",
+    "save_client_updates": "also save every accepted client model per round (audits, tests)",
+}
+
+
 def validate_spec(spec: JobSpec) -> None:
     """Reject unknown names and settings at build time, with the valid choices in the message."""
     from aggregators import RULES
@@ -139,7 +161,7 @@ def client_script_args(spec: JobSpec) -> str:
 
 
 @contextlib.contextmanager
-def _inside(directory: Path) -> Iterator[None]:
+def inside_directory(directory: Path) -> Iterator[None]:
     # NVFlare writes the script path as given into the job config, so it must be relative to the job's custom/.
     previous = Path.cwd()
     os.chdir(directory)
@@ -189,7 +211,7 @@ def export_job(spec: JobSpec, output_dir: Path) -> Path:
     target = output_dir / spec.name
     if target.exists():
         shutil.rmtree(target)
-    with _inside(JOBS_DIR):
+    with inside_directory(JOBS_DIR):
         build_job(spec).export_job(str(output_dir))
     return target
 
@@ -197,6 +219,8 @@ def export_job(spec: JobSpec, output_dir: Path) -> Path:
 PRESETS: dict[str, JobSpec] = {
     "fedavg": JobSpec(name="fedavg"),
     "scaffold": JobSpec(name="scaffold", client="scaffold", server="scaffold"),
+    "fedprox": JobSpec(name="fedprox", client="fedprox", client_args={"mu": 0.01}, server="fedavg"),
+    "feddyn": JobSpec(name="feddyn", client="feddyn", server="feddyn", server_args={"alpha": 0.01}),
 }
 
 
@@ -240,8 +264,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--check", action="store_true", help="with --presets: only report differences, exit 1 on any")
     parser.add_argument("--output-dir", type=Path, default=JOBS_DIR, help="where job folders are written")
     parser.add_argument("--name", help="job folder name (default: <client>_<server>)")
-    parser.add_argument("--client-args", type=_parse_json_object, default={}, help="JSON hyperparameters")
-    parser.add_argument("--server-args", type=_parse_json_object, default={}, help="JSON hyperparameters")
+    parser.add_argument(
+        "--client-args", type=_parse_json_object, default={}, help="client algorithm hyperparameters, a JSON object"
+    )
+    parser.add_argument(
+        "--server-args", type=_parse_json_object, default={}, help="server rule hyperparameters, a JSON object"
+    )
+    from aggregators import RULES
+    from lightning_modules.algorithms import CLIENT_ALGORITHMS
+
+    choices_help = {
+        "client": "client algorithm: " + ", ".join(sorted(CLIENT_ALGORITHMS)),
+        "server": "server aggregation rule: " + ", ".join(sorted(RULES)),
+    }
     defaults = JobSpec(name="defaults")
     for spec_field in dataclasses.fields(JobSpec):
         if spec_field.name in {"name", "client_args", "server_args"}:
@@ -249,10 +284,12 @@ def build_parser() -> argparse.ArgumentParser:
         default = getattr(defaults, spec_field.name)
         flag = "--" + spec_field.name.replace("_", "-")
         if isinstance(default, bool):
-            parser.add_argument(flag, action="store_true", help="(default: off)")
+            parser.add_argument(flag, action="store_true", help=FIELD_HELP.get(spec_field.name))
             continue
         kind = {int: int, float: float, str: str}.get(type(default), _number_or_none)
-        parser.add_argument(flag, type=kind, default=default, help=f"(default: {default})")
+        description = choices_help.get(spec_field.name) or FIELD_HELP.get(spec_field.name, "")
+        help_text = f"{description} (default: {default})".strip()
+        parser.add_argument(flag, type=kind, default=default, help=help_text)
     return parser
 
 

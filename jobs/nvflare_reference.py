@@ -31,7 +31,15 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from jobs.build import APP_PACKAGES, CLIENT_SCRIPT, JOBS_DIR, JobSpec, _inside, client_script_args, dataset_num_classes
+from jobs.build import (
+    APP_PACKAGES,
+    CLIENT_SCRIPT,
+    JOBS_DIR,
+    JobSpec,
+    inside_directory,
+    client_script_args,
+    dataset_num_classes,
+)
 
 WRAPPER_SCRIPT = Path(__file__).name
 CONTROL_LOG_PREFIX = "nvflare-reference:"
@@ -76,7 +84,7 @@ def export_reference_job(spec: JobSpec, output_dir: Path, keep_fl_callback: bool
     target = output_dir / spec.name
     if target.exists():
         shutil.rmtree(target)
-    with _inside(JOBS_DIR):  # the script path is written as given: keep it relative to custom/
+    with inside_directory(JOBS_DIR):  # the script path is written as given: keep it relative to custom/
         build_reference_recipe(spec, keep_fl_callback).export(str(output_dir))
     custom = target / "app" / "custom"
     for package in APP_PACKAGES:

@@ -13,6 +13,7 @@ The base class is plain local SGD, i.e. the FedAvg client: every hook does nothi
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -20,6 +21,9 @@ import torch
 from torch import nn
 
 from lightning_modules.state_store import ClientStateStore
+
+LOG = logging.getLogger(__name__)
+RUN_ID_KEY = "__run_id__"
 
 
 class ClientAlgorithmError(RuntimeError):
@@ -82,3 +86,46 @@ def check_server_meta(algorithm: ClientAlgorithm, meta: Mapping[str, Any], site:
 def trainable_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
     """Named trainable parameters (``requires_grad``), keyed like the state_dict; buffers are never included."""
     return {name: p for name, p in module.named_parameters() if p.requires_grad}
+
+
+def load_run_state(
+    algorithm: ClientAlgorithm, params: Mapping[str, nn.Parameter], run_id: str, what: str
+) -> dict[str, torch.Tensor]:
+    """The algorithm's per-parameter fp32 state persisted by this run of the job, or zeros when there is none.
+
+    A file whose shapes or dtypes do not match the model, or that is corrupt, raises ``StateStoreError``. A file
+    written by another run (a reused workspace) is ignored with a warning: the site then starts as one that never
+    participated. ``what`` names the state in that warning (e.g. ``"SCAFFOLD control c_i"``).
+    """
+    if algorithm.state_store is None:
+        raise ClientAlgorithmError(
+            f"{algorithm.site}: {algorithm.name} has no state store bound; its state would be lost after the round"
+        )
+    zeros = {name: torch.zeros_like(p, dtype=torch.float32) for name, p in params.items()}
+    expected = {name: (tuple(p.shape), torch.float32) for name, p in params.items()}
+    stored = algorithm.state_store.load(algorithm.name, expected=expected)
+    if stored is None:
+        return zeros
+    if stored.state.get(RUN_ID_KEY) != run_id:
+        LOG.warning(
+            "%s: ignoring %s in %s: it was written by another run of a job (run %s, now %s); starting from zero as "
+            "a site that never participated",
+            algorithm.site,
+            what,
+            stored.path,
+            stored.state.get(RUN_ID_KEY),
+            run_id,
+        )
+        return zeros
+    return {name: stored.state[name].to(p.device) for name, p in params.items()}
+
+
+def save_run_state(
+    algorithm: ClientAlgorithm, tensors: Mapping[str, torch.Tensor], run_id: str, round_num: int
+) -> None:
+    """Persist per-parameter state atomically for the next round (tagged with the run that wrote it)."""
+    if algorithm.state_store is None:
+        raise ClientAlgorithmError(f"{algorithm.site}: {algorithm.name} has no state store bound")
+    state: dict[str, Any] = {name: value.detach().cpu() for name, value in tensors.items()}
+    state[RUN_ID_KEY] = run_id
+    algorithm.state_store.save(algorithm.name, state, round_num=round_num)

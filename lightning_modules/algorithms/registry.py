@@ -5,9 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_modules.algorithms.base import ClientAlgorithm, ClientAlgorithmError
+from lightning_modules.algorithms.feddyn import FedDyn
+from lightning_modules.algorithms.fedprox import FedProx
 from lightning_modules.algorithms.scaffold import Scaffold
 
 CLIENT_ALGORITHMS: dict[str, type[ClientAlgorithm]] = {ClientAlgorithm.name: ClientAlgorithm, Scaffold.name: Scaffold}
+CLIENT_ALGORITHMS[FedProx.name] = FedProx
+CLIENT_ALGORITHMS[FedDyn.name] = FedDyn
 
 
 def build_client_algorithm(name: str, **hparams: Any) -> ClientAlgorithm:

@@ -28,7 +28,6 @@ Controls and the snapshot of x are float32 copies of the trainable parameters on
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -37,10 +36,14 @@ import torch
 from torch import nn
 
 from aggregators import meta_keys
-from lightning_modules.algorithms.base import ClientAlgorithm, ClientAlgorithmError, trainable_parameters
+from lightning_modules.algorithms.base import (
+    ClientAlgorithm,
+    ClientAlgorithmError,
+    load_run_state,
+    save_run_state,
+    trainable_parameters,
+)
 
-LOG = logging.getLogger(__name__)
-RUN_ID_KEY = "__run_id__"
 Tensors = dict[str, torch.Tensor]
 
 
@@ -106,7 +109,7 @@ class Scaffold(ClientAlgorithm):
         self._round = int(meta.get(meta_keys.ROUND, 0))
         self._run_id = str(meta.get(meta_keys.RUN_ID, ""))
         self.c_global = parse_global_control(meta[meta_keys.SCAFFOLD_CTRL_GLOBAL], self._params, self.site)
-        self.c_local = self._load_local_control()
+        self.c_local = load_run_state(self, self._params, self._run_id, "SCAFFOLD control c_i")
         self.x = {name: p.detach().to(torch.float32).clone() for name, p in self._params.items()}
         self.lr_sum = dict.fromkeys(self._params, 0.0)
         self.steps = 0
@@ -114,27 +117,6 @@ class Scaffold(ClientAlgorithm):
         self.correction_term = {name: self.c_global[name] - self.c_local[name] for name in self._params}
         self._names_by_id = {id(p): name for name, p in self._params.items()}
         self.gradient_at_x = full_local_gradient(module, self._params) if self.option == "I" else None
-
-    def _load_local_control(self) -> Tensors:
-        zeros = {name: torch.zeros_like(p, dtype=torch.float32) for name, p in self._params.items()}
-        if self.state_store is None:
-            raise ClientAlgorithmError("scaffold: no state store bound; c_i would be lost between rounds")
-        expected = {name: (tuple(p.shape), torch.float32) for name, p in self._params.items()}
-        stored = self.state_store.load(self.name, expected=expected)
-        if stored is None:
-            return zeros
-        if stored.state.get(RUN_ID_KEY) != self._run_id:
-            LOG.warning(
-                "%s: ignoring SCAFFOLD control c_i in %s: it was written by another run of a job (run %s, now %s); "
-                "starting from c_i = 0 as a site that never participated",
-                self.site,
-                stored.path,
-                stored.state.get(RUN_ID_KEY),
-                self._run_id,
-            )
-            return zeros
-        device = next(iter(self._params.values())).device
-        return {name: stored.state[name].to(device) for name in self._params}
 
     # -- per step ------------------------------------------------------------------------------------------------
     def correct_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -170,14 +152,8 @@ class Scaffold(ClientAlgorithm):
             y = {name: p.detach().to(torch.float32) for name, p in self._params.items()}
             c_new = option_ii_control(self.c_local, self.c_global, self.x, y, self.lr_sum)
         diff = {name: (c_new[name] - self.c_local[name]).cpu().numpy().astype(np.float32) for name in self._params}
-        self._save_local_control(c_new)
+        save_run_state(self, c_new, self._run_id, self._round)
         return {meta_keys.SCAFFOLD_CTRL_DIFF: diff}
-
-    def _save_local_control(self, control: Tensors) -> None:
-        assert self.state_store is not None
-        state: dict[str, Any] = {name: value.detach().cpu() for name, value in control.items()}
-        state[RUN_ID_KEY] = self._run_id
-        self.state_store.save(self.name, state, round_num=self._round)
 
 
 def full_local_gradient(module: nn.Module, params: Mapping[str, nn.Parameter]) -> Tensors:
