@@ -36,9 +36,9 @@ from jobs.build import (
     CLIENT_SCRIPT,
     JOBS_DIR,
     JobSpec,
-    inside_directory,
     client_script_args,
     dataset_num_classes,
+    inside_directory,
 )
 
 WRAPPER_SCRIPT = Path(__file__).name
