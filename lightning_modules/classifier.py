@@ -146,19 +146,17 @@ def check_trainer_supports(
     algorithm: ClientAlgorithm, trainer: pl.Trainer, automatic_optimization: bool, check_optimizers: bool = True
 ) -> None:
     """Refuse set-ups under which client algorithms silently go wrong, with a message that says how to fix it."""
+    who = f"{algorithm.site}: client algorithm '{algorithm.name}'"
     precision = str(trainer.precision)
     if precision not in algorithm.supported_precisions:
         raise ClientAlgorithmError(
-            f"client algorithm '{algorithm.name}' does not support precision '{precision}'; use one of "
-            f"{list(algorithm.supported_precisions)} (fp16 GradScaler skips optimizer steps; bf16-true keeps no "
-            "fp32 master weights)"
+            f"{who} does not support precision '{precision}'; use one of {list(algorithm.supported_precisions)} "
+            "(fp16 GradScaler skips optimizer steps; bf16-true keeps no fp32 master weights)"
         )
     if not automatic_optimization:
         raise ClientAlgorithmError(
-            f"client algorithm '{algorithm.name}' needs Lightning's automatic optimization; manual optimization "
-            "bypasses optimizer_step, so corrections would never be applied"
+            f"{who} needs Lightning's automatic optimization; manual optimization bypasses optimizer_step, "
+            "so corrections would never be applied"
         )
     if check_optimizers and len(trainer.optimizers) != 1:
-        raise ClientAlgorithmError(
-            f"client algorithm '{algorithm.name}' needs exactly one optimizer, got {len(trainer.optimizers)}"
-        )
+        raise ClientAlgorithmError(f"{who} needs exactly one optimizer, got {len(trainer.optimizers)}")
