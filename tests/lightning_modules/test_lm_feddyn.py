@@ -250,8 +250,8 @@ def test_state_is_fp32_and_covers_trainable_parameters_only(tmp_path):
     module.w.data = module.w.data.float()  # bf16-mixed keeps fp32 master weights
     algorithm = make(tmp_path)
     algorithm.on_round_start(module, meta())
-    assert set(algorithm.h_local) == set(algorithm.theta_server) == {"w"}
-    assert algorithm.h_local["w"].dtype == algorithm.theta_server["w"].dtype == torch.float32
+    assert set(algorithm.h_local) == set(algorithm.offset) == {"w"}
+    assert algorithm.h_local["w"].dtype == algorithm.offset["w"].dtype == torch.float32
     algorithm.on_round_end(module)
     state = ClientStateStore(tmp_path, "site-1").load("feddyn").state
     assert set(state) == {"w", RUN_ID_KEY} and state["w"].dtype == torch.float32
