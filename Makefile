@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_JOBS ?= scaffold
 
-.PHONY: setup demo demo-compare test test-fast lint format jobs check-jobs clean
+.PHONY: setup demo demo-compare bench test test-fast lint format jobs check-jobs clean
 
 setup: $(VENV)/.setup-done
 
@@ -18,6 +18,9 @@ demo: setup
 
 demo-compare: setup
 	VENV=$(VENV) bash scripts/demo.sh scaffold fedavg
+
+bench: setup
+	$(PY) -m benchmarks.step_overhead
 
 test: setup lint
 	$(PY) -m pytest
