@@ -6,10 +6,9 @@ The rule state is written next to the global model after every round (DESIGN.md,
 
 from __future__ import annotations
 
+import io
 import json
 import math
-import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import numpy as np
 import torch
 
 from aggregators import ClientUpdate
+from lightning_modules.state_store import atomic_write_bytes
 
 STATE_FORMAT_VERSION = 1
 
@@ -43,18 +43,10 @@ def _to_numpy(value: Any) -> Any:
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
-    """Write via a temp file in the same folder and ``os.replace``, so a crash never leaves half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            torch.save(obj, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """``torch.save`` through a temp file and ``os.replace``, so a crash never leaves half a file."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    atomic_write_bytes(Path(path), buffer.getvalue())
 
 
 def save_rule_state(path: Path, rule_name: str, round_num: int, state: Mapping[str, Any]) -> None:

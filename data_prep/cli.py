@@ -50,21 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _config_from_args(args: argparse.Namespace) -> SiteDataConfig:
-    return SiteDataConfig(
-        dataset=args.dataset,
-        scheme=args.scheme,
-        num_sites=args.num_sites,
-        seed=args.seed,
-        alpha=args.alpha,
-        classes_per_site=args.classes_per_site,
-        max_train_samples=args.max_train_samples,
-        data_dir=args.data_dir,
-    )
-
-
 def _run(args: argparse.Namespace) -> None:
-    cfg = _config_from_args(args)
+    cfg = SiteDataConfig.from_namespace(args)
     labels, parts = partition_sites(cfg)
     counts = label_counts(labels, parts, load_dataset(cfg.dataset, cfg.data_dir).num_classes)
     title = describe(cfg)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -91,6 +91,11 @@ class SiteDataConfig:
     classes_per_site: int = 2
     max_train_samples: int | None = None
     data_dir: str | None = None
+
+    @classmethod
+    def from_namespace(cls, args: Any) -> SiteDataConfig:
+        """Build from parsed command-line options named like the fields (``--num-sites`` -> ``num_sites``)."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
 
     def __post_init__(self) -> None:
         # Frozen dataclass: normalise the name through object.__setattr__ so equal configs compare equal.

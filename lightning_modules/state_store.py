@@ -123,7 +123,7 @@ class ClientStateStore:
             "payload_size": len(payload),
             "payload_sha256": hashlib.sha256(payload).hexdigest(),
         }
-        _atomic_write(target, _encode_file(header, payload))
+        atomic_write_bytes(target, _encode_file(header, payload))
         return target
 
     def load(self, algorithm: str, *, expected: ExpectedSpec | None = None) -> StoredState | None:
@@ -266,7 +266,7 @@ def _encode_file(header: dict[str, Any], payload: bytes) -> bytes:
     return head + hashlib.sha256(head).digest() + payload
 
 
-def _atomic_write(target: Path, data: bytes) -> None:
+def atomic_write_bytes(target: Path, data: bytes) -> None:
     """Write ``data`` to ``target`` so that readers see either the old file or the complete new one."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")

@@ -86,16 +86,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     flare.init()
     site = flare.get_site_name()
-    config = SiteDataConfig(
-        dataset=args.dataset,
-        scheme=args.scheme,
-        num_sites=args.num_sites,
-        seed=args.seed,
-        alpha=args.alpha,
-        classes_per_site=args.classes_per_site,
-        max_train_samples=args.max_train_samples,
-        data_dir=args.data_dir,
-    )
+    config = SiteDataConfig.from_namespace(args)
     index = site_index(site, args.num_sites)
     x, y = site_split(config, site)
     dataset = to_tensor_dataset(x, y)
