@@ -135,6 +135,16 @@ def dataset_num_classes(dataset: str) -> int:
     return 10
 
 
+def compact_json(value: dict[str, Any]) -> str:
+    """JSON without whitespace: NVFlare splits ``task_script_args`` on whitespace and does not honour quotes."""
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"))
+    if any(ch.isspace() for ch in text):
+        raise JobBuildError(
+            f"client hyperparameters must not contain whitespace (NVFlare splits arguments on it): {text}"
+        )
+    return text
+
+
 def client_script_args(spec: JobSpec) -> str:
     """The command line every site's client script receives (deterministic order: the export is diffed)."""
     args: dict[str, Any] = {
@@ -156,7 +166,7 @@ def client_script_args(spec: JobSpec) -> str:
     }
     parts = [f"--{key} {value}" for key, value in args.items() if value is not None]
     if spec.client_args:
-        parts.append(f"--client-args {json.dumps(json.dumps(spec.client_args, sort_keys=True))}")
+        parts.append(f"--client-args {compact_json(spec.client_args)}")
     return " ".join(parts)
 
 

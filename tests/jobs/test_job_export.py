@@ -81,3 +81,20 @@ def test_client_script_help_runs_without_nvflare_session():
     completed = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
     assert completed.returncode == 0, completed.stderr
     assert "--client-args" in completed.stdout
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_preset_client_command_line_parses_as_nvflare_passes_it(preset):
+    """NVFlare splits ``task_script_args`` on whitespace (no shell quoting): the client must still parse it."""
+    from jobs.build import client_script_args
+    from jobs.client import build_parser
+
+    spec = PRESETS[preset]
+    args = build_parser().parse_args(client_script_args(spec).split())
+    assert json.loads(args.client_args) == spec.client_args
+    assert args.client == spec.client and args.num_sites == spec.num_sites
+
+
+def test_client_args_with_whitespace_are_refused_at_build_time(tmp_path):
+    with pytest.raises(JobBuildError, match="whitespace"):
+        export_job(JobSpec(name="ws", client_args={"note": "two words"}), tmp_path)
