@@ -10,6 +10,7 @@ import io
 import json
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,31 @@ def save_updates(path: Path, updates: Sequence[ClientUpdate], global_params: Map
         arrays[f"{update.site}/__num_samples__"] = np.asarray(update.num_samples)
     path.parent.mkdir(parents=True, exist_ok=True)
     np.savez(path, **arrays)
+
+
+@dataclass(frozen=True)
+class RoundCapture:
+    """What :func:`save_updates` wrote for one round, read back."""
+
+    global_params: dict[str, np.ndarray]
+    site_params: dict[str, dict[str, np.ndarray]]
+    site_samples: dict[str, int]
+
+
+def load_updates(path: Path) -> RoundCapture:
+    """Read a round's ``.npz`` written by :func:`save_updates`."""
+    with np.load(path) as data:
+        arrays = {name: data[name] for name in data.files}
+    capture = RoundCapture(global_params={}, site_params={}, site_samples={})
+    for name, value in arrays.items():
+        owner, key = name.split("/", 1)
+        if owner == "__global__":
+            capture.global_params[key] = value
+        elif key == "__num_samples__":
+            capture.site_samples[owner] = int(value)
+        else:
+            capture.site_params.setdefault(owner, {})[key] = value
+    return capture
 
 
 def _json_safe(value: Any) -> Any:

@@ -266,3 +266,21 @@ def test_append_metrics_converts_other_numpy_values(tmp_path, value, expected):
 
     # Assert
     assert _strict_json(path.read_text()) == {"x": expected}
+
+
+def test_save_updates_round_trips_through_load_updates(tmp_path):
+    from aggregators import ClientUpdate
+    from controllers.checkpoint import load_updates, save_updates
+
+    updates = [
+        ClientUpdate("site-1", {"w": np.array([1.0, 2.0], np.float32), "n": np.array(3, np.int64)}, 10),
+        ClientUpdate("site-2", {"w": np.array([3.0, 4.0], np.float32), "n": np.array(5, np.int64)}, 30),
+    ]
+    path = tmp_path / "round_00000.npz"
+    save_updates(path, updates, {"w": np.array([2.5, 3.5], np.float32), "n": np.array(4, np.int64)})
+    capture = load_updates(path)
+    assert capture.site_samples == {"site-1": 10, "site-2": 30}
+    assert set(capture.site_params) == {"site-1", "site-2"} and set(capture.site_params["site-1"]) == {"w", "n"}
+    np.testing.assert_array_equal(capture.site_params["site-2"]["w"], [3.0, 4.0])
+    np.testing.assert_array_equal(capture.global_params["w"], np.array([2.5, 3.5], np.float32))
+    assert capture.global_params["n"].dtype == np.int64

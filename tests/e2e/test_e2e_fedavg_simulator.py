@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from controllers.checkpoint import RoundCapture, load_updates
 from jobs.build import JobSpec, export_job
 
 NUM_ROUNDS = 3
@@ -50,15 +51,8 @@ def _simulate(tmp_path_factory, simulate, mode: str, threads: int | None) -> tup
     return workspace, completed
 
 
-def _round_arrays(workspace: Path, round_num: int) -> dict[str, np.ndarray]:
-    path = workspace / "server" / "simulate_job" / "client_updates" / f"round_{round_num:05d}.npz"
-    with np.load(path) as data:
-        return {key: data[key] for key in data.files}
-
-
-def _split(arrays: dict[str, np.ndarray], owner: str) -> dict[str, np.ndarray]:
-    prefix = owner + "/"
-    return {key[len(prefix) :]: value for key, value in arrays.items() if key.startswith(prefix)}
+def _capture(workspace: Path, round_num: int) -> RoundCapture:
+    return load_updates(workspace / "server" / "simulate_job" / "client_updates" / f"round_{round_num:05d}.npz")
 
 
 def test_every_round_aggregates_all_sites_without_rejection(simulation, round_metrics):
@@ -73,12 +67,11 @@ def test_every_round_aggregates_all_sites_without_rejection(simulation, round_me
 def test_global_model_is_the_sample_weighted_mean_of_client_results(simulation):
     workspace, _ = simulation
     for round_num in range(NUM_ROUNDS):
-        arrays = _round_arrays(workspace, round_num)
-        counts = {site: float(arrays[f"{site}/__num_samples__"]) for site in SITES}
+        capture = _capture(workspace, round_num)
+        counts = {site: float(capture.site_samples[site]) for site in SITES}
         total = sum(counts.values())
-        global_params = _split(arrays, "__global__")
-        for key, value in global_params.items():
-            expected = sum(counts[s] / total * _split(arrays, s)[key].astype(np.float64) for s in SITES)
+        for key, value in capture.global_params.items():
+            expected = sum(counts[s] / total * capture.site_params[s][key].astype(np.float64) for s in SITES)
             if np.issubdtype(value.dtype, np.integer):
                 np.testing.assert_array_equal(value, np.rint(expected).astype(value.dtype))
             else:
@@ -89,8 +82,8 @@ def test_global_model_changes_every_round_and_clients_differ(simulation, round_m
     workspace, _ = simulation
     digests = [r["global_sha256"] for r in round_metrics(workspace)]
     assert len(set(digests)) == len(digests), "the global model did not change in some round"
-    arrays = _round_arrays(workspace, NUM_ROUNDS - 1)
-    site_models = [_split(arrays, s)["net.conv1.weight"] for s in SITES]
+    capture = _capture(workspace, NUM_ROUNDS - 1)
+    site_models = [capture.site_params[s]["net.conv1.weight"] for s in SITES]
     assert not np.allclose(site_models[0], site_models[1]), "sites returned identical models: no local training?"
 
 
@@ -99,7 +92,7 @@ def test_test_accuracy_improves_and_final_model_is_saved(simulation, round_metri
     records = round_metrics(workspace)
     assert records[-1]["test_accuracy"] > records[0]["test_accuracy"] + 0.2
     saved = torch.load(workspace / "server" / "simulate_job" / "app_server" / "FL_global_model.pt", weights_only=False)
-    final_global = _split(_round_arrays(workspace, NUM_ROUNDS - 1), "__global__")
+    final_global = _capture(workspace, NUM_ROUNDS - 1).global_params
     weights = saved["model"]  # PTFileModelPersistor wraps the state_dict: {"model": ..., "train_conf": ...}
     np.testing.assert_allclose(np.asarray(weights["net.conv1.weight"]), final_global["net.conv1.weight"], atol=0)
     assert "round_metrics.jsonl" in completed.stdout + completed.stderr

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from aggregators import meta_keys
+from controllers.checkpoint import load_updates
 from jobs.build import JobSpec, export_job
 from lightning_modules.state_store import ClientStateStore
 
@@ -81,12 +82,11 @@ def test_global_control_is_the_population_mean_of_site_controls(runs, mode):
 @pytest.mark.parametrize("mode", list(THREAD_MODES))
 def test_global_model_is_the_uniform_mean_of_participants(runs, mode):
     path = runs[mode] / "server" / "simulate_job" / "client_updates" / f"round_{NUM_ROUNDS - 1:05d}.npz"
-    with np.load(path) as data:
-        arrays = {key: data[key] for key in data.files}
-    sites = sorted({key.split("/")[0] for key in arrays if not key.startswith("__global__")})
-    for key in (k.split("/", 1)[1] for k in arrays if k.startswith("__global__/")):
-        expected = np.mean([arrays[f"{s}/{key}"].astype(np.float64) for s in sites], axis=0)
-        np.testing.assert_allclose(arrays[f"__global__/{key}"], expected, atol=1e-6, rtol=0)
+    capture = load_updates(path)
+    assert len(capture.site_params) == 2
+    for key, value in capture.global_params.items():
+        expected = np.mean([params[key].astype(np.float64) for params in capture.site_params.values()], axis=0)
+        np.testing.assert_allclose(value, expected, atol=1e-6, rtol=0)
 
 
 def test_process_per_round_and_process_per_site_agree_bit_for_bit(runs, round_metrics):

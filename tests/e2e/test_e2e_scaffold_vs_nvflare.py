@@ -41,6 +41,7 @@ from nvflare.app_common.workflows.scaffold import scaffold_aggregate_fn
 from nvflare.app_opt.lightning.algorithm import _AlgorithmHandlerManager
 
 from aggregators import meta_keys
+from controllers.checkpoint import RoundCapture, load_updates
 from controllers.fedalg_controller import FedAlgController
 from jobs.build import JobSpec, export_job
 from jobs.nvflare_reference import CONTROL_LOG_PREFIX, export_reference_job
@@ -99,16 +100,8 @@ def _global_model(workspace: Path) -> dict[str, np.ndarray]:
     return {key: np.asarray(value) for key, value in saved.items()}
 
 
-def _round_arrays(workspace: Path, round_num: int) -> dict[str, np.ndarray]:
-    path = workspace / "server" / "simulate_job" / "client_updates" / f"round_{round_num:05d}.npz"
-    with np.load(path) as data:
-        return {key: data[key] for key in data.files}
-
-
-def _split(arrays: dict[str, np.ndarray], owner: str) -> dict[str, np.ndarray]:
-    prefix = owner + "/"
-    parts = {key[len(prefix) :]: value for key, value in arrays.items() if key.startswith(prefix)}
-    return {key: value for key, value in parts.items() if not key.startswith("__")}  # skip __num_samples__
+def _capture(workspace: Path, round_num: int) -> RoundCapture:
+    return load_updates(workspace / "server" / "simulate_job" / "client_updates" / f"round_{round_num:05d}.npz")
 
 
 def _control_lines(output: str) -> list[tuple[str, int, float | None, int]]:
@@ -200,11 +193,11 @@ def test_our_server_average_equals_nvflares_on_the_same_client_results(runs, rou
     workspace, _ = runs["ours"]
     steps = [record["site_num_steps"] for record in round_metrics(workspace)[1:]]
     for round_num in range(NUM_ROUNDS):
-        arrays = _round_arrays(workspace, round_num)
+        capture = _capture(workspace, round_num)
         results = [
             FLModel(
                 params_type=ParamsType.FULL,
-                params=_split(arrays, site),
+                params=capture.site_params[site],
                 current_round=round_num,
                 meta={
                     "client_name": site,
@@ -215,10 +208,10 @@ def test_our_server_average_equals_nvflares_on_the_same_client_results(runs, rou
             for site in SITES
         ]
         theirs = scaffold_aggregate_fn(results).params
-        ours = _split(arrays, "__global__")
+        ours = capture.global_params
         assert sorted(ours) == sorted(theirs) and len(ours) == 10
         for key, value in ours.items():
-            magnitude = np.mean([np.abs(_split(arrays, site)[key].astype(np.float64)) for site in SITES], axis=0)
+            magnitude = np.mean([np.abs(capture.site_params[site][key].astype(np.float64)) for site in SITES], axis=0)
             bound = (len(SITES) + 3.5) * UNIT_ROUNDOFF * magnitude
             error = np.abs(theirs[key].astype(np.float64) - value.astype(np.float64))
             assert np.all(error <= bound), f"round {round_num} {key}: {np.max(error / (UNIT_ROUNDOFF * magnitude))} u"
