@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_JOBS ?= scaffold
 
-.PHONY: setup demo demo-compare bench test test-fast lint format jobs check-jobs clean
+.PHONY: setup demo demo-compare poc bench bench-agg bench-algorithms pretrain-attention bench-robust test test-fast lint format jobs check-jobs clean
 
 setup: $(VENV)/.setup-done
 
@@ -19,8 +19,33 @@ demo: setup
 demo-compare: setup
 	VENV=$(VENV) bash scripts/demo.sh scaffold fedavg
 
+# A real deployment on this machine (docs/deployment.md): provision, start server + 3 sites, submit, wait, stop.
+POC_JOB ?= jobs/scaffold
+POC_WS ?= /tmp/fedalg-loopback
+poc: setup
+	rm -rf $(POC_WS)
+	$(PY) -m jobs.provision.loopback $(POC_JOB) --workspace $(POC_WS)
+
 bench: setup
 	$(PY) -m benchmarks.step_overhead
+
+bench-agg: setup
+	$(PY) -m benchmarks.aggregation
+
+# FedMoS and MOON (docs/fedmos_moon.md): step time vs plain SGD and client memory per site.
+bench-algorithms: setup
+	$(PY) -m benchmarks.client_algorithms
+
+# Attack-adaptive aggregation (docs/robustness.md): capture rounds -> pretrain the shipped attention checkpoint,
+# then the robustness grid (final accuracy per rule x attack x share of malicious sites).
+CAPTURE_DIR ?= /tmp/fedalg_aaa_capture
+pretrain-attention: setup
+	rm -rf $(CAPTURE_DIR)
+	$(PY) -m benchmarks.robustness --capture-dir $(CAPTURE_DIR) --rules median,trimmed_mean --seed 1
+	$(PY) -m aggregators.pretrain_attention --dataset-dir $(CAPTURE_DIR) --save-path aggregators/checkpoints/attention_lenet5.pt --epochs 300 --learning-rate 3e-3
+
+bench-robust: setup
+	$(PY) -m benchmarks.robustness --out benchmarks/results/robustness.md --plot docs/img/robustness.png
 
 test: setup lint
 	$(PY) -m pytest

@@ -15,6 +15,7 @@ NUM_STEPS = "train.num_steps"  # optimizer steps actually executed this round
 TRAIN_LOSS = "train.loss"  # mean training loss over the round's steps
 TRAIN_ACCURACY = "train.accuracy"  # share of correct predictions over the round's training batches
 CLIENT_ALGORITHM = "client.algorithm"  # name of the client algorithm that produced the update
+PARAM_KEYS = "train.param_keys"  # names of the trainable parameters; every other entry is a buffer
 
 # Server -> client: round bookkeeping broadcast with the global model.
 ROUND = "server.round"
@@ -34,6 +35,28 @@ FEDPROX_MU = "fedprox.mu"
 FEDDYN_ALPHA = "feddyn.alpha"
 FEDDYN_ALPHA_K = "feddyn.alpha_k"
 FEDDYN_PARAM_KEYS = "feddyn.param_keys"
+
+# Attack simulation (lightning_modules/attacks.py), client -> server: whether this site altered its update or labels
+# this round, and how. Experiments only: the attack-adaptive rule reads it to label captured rounds, never to weight.
+ATTACK_APPLIED = "attack.applied"
+ATTACK_NAME = "attack.name"
+
+# FedNova (Wang et al. 2020), client -> server: optimizer steps tau_i and the L1 norm of the local solver's
+# gradient-weight vector a_i, in units of the round's first learning rate (ALGORITHMS.md §10).
+FEDNOVA_TAU = "fednova.tau"
+FEDNOVA_A_NORM = "fednova.a_norm"
+
+# FedMoS (Wang et al. 2023): the client's momentum parameter a and proximal mu, client -> server (for the logs).
+FEDMOS_A = "fedmos.a"
+FEDMOS_MU = "fedmos.mu"
+
+# MOON (Li, He, Song 2021), client -> server (for the logs): the contrastive weight mu and temperature, the number of
+# negatives used, and how many of them were previous local models read from the site's history (0 = first
+# participation: the received model stood in).
+MOON_MU = "moon.mu"
+MOON_TEMPERATURE = "moon.temperature"
+MOON_NUM_NEGATIVES = "moon.num_negatives"
+MOON_HISTORY_MODELS = "moon.history_models"
 
 # NVFlare's own reserved keys: never sent by this bundle (a test pins it).
 NVFLARE_RESERVED = ("scaffold_c_global", "scaffold_c_diff", "fedprox_mu")

@@ -135,3 +135,42 @@ class Scaffold:
         diffs = [u.meta[meta_keys.SCAFFOLD_CTRL_DIFF] for u in updates]
         control = update_global_control(state["control"], diffs, population)
         return AggregationResult(params=params, state={"control": control})
+
+
+@dataclass(frozen=True)
+class ScaffoldControl:
+    """SCAFFOLD's server control c alone, as a companion of another model-update rule (aggregators/compose.py).
+
+    Keeps c <- c + (1/N) * sum_{i in S} delta_c_i and broadcasts it; the model step is left to the rule it is composed
+    with (e.g. FedYogi), which then steps from the SCAFFOLD-corrected client models.
+    """
+
+    population_size: int | None = None
+
+    name: ClassVar[str] = "scaffold_control"
+    required_meta: ClassVar[tuple[str, ...]] = (meta_keys.SCAFFOLD_CTRL_DIFF,)
+    broadcast_keys: ClassVar[tuple[str, ...]] = (meta_keys.SCAFFOLD_CTRL_GLOBAL,)
+
+    def __post_init__(self) -> None:
+        if self.population_size is not None and self.population_size < 1:
+            raise AggregationError(f"scaffold: population_size must be at least 1, got {self.population_size}")
+
+    def init_state(self, global_params: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        return {"control": {}}
+
+    def broadcast_meta(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        return {meta_keys.SCAFFOLD_CTRL_GLOBAL: dict(state["control"])}
+
+    def update_problems(
+        self, update: ClientUpdate, global_params: Mapping[str, np.ndarray], state: Mapping[str, Any]
+    ) -> list[str]:
+        return control_problems(update.meta.get(meta_keys.SCAFFOLD_CTRL_DIFF), global_params, state["control"])
+
+    def update_state(
+        self, updates: Sequence[ClientUpdate], state: Mapping[str, Any], context: RoundContext
+    ) -> dict[str, Any]:
+        population = self.population_size or len(context.population)
+        if population < len(updates):
+            raise AggregationError(f"scaffold: {len(updates)} participants but a population of only {population}")
+        diffs = [u.meta[meta_keys.SCAFFOLD_CTRL_DIFF] for u in by_site(updates)]
+        return {"control": update_global_control(state["control"], diffs, population)}

@@ -244,6 +244,11 @@ class Ours(Variant):
         missing = [key for key in self.algorithm_cls.required_server_meta if key not in _meta_builders(settings)]
         if missing:
             raise _Skip(f"the benchmark does not know how to build server meta {missing}")
+        if self.algorithm_cls.default_arch_args:  # MOON: a projection head the shared benchmark model lacks
+            raise _Skip(
+                f"needs model arguments {dict(self.algorithm_cls.default_arch_args)}; "
+                "see python -m benchmarks.client_algorithms"
+            )
 
     def start(self, trainer: pl.Trainer, module: BenchClassifier, state_root: Path) -> None:
         self.algorithm = build_client_algorithm(self.row, **hparams_for(self.algorithm_cls, self.settings))

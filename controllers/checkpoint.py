@@ -1,11 +1,15 @@
-"""Server-side files: the rule's state checkpoint and the per-round metrics log.
+"""Server-side files: the rule's state checkpoint, the resume point it makes, and the per-round metrics log.
 
 The rule state is written next to the global model after every round (DESIGN.md, decision 5), atomically, with
-``torch.save`` of plain tensors so it loads with ``weights_only=True``.
+``torch.save`` of plain tensors so it loads with ``weights_only=True``. It records the round, the run id and the
+SHA-256 of the global model it belongs to, so :func:`load_resume_point` can restart a stopped job from a previous
+run's server app folder (``server_state.pt`` + the persistor's ``FL_global_model.pt``) and refuse a model and a
+state that do not belong together.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import math
@@ -50,24 +54,100 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
     atomic_write_bytes(Path(path), buffer.getvalue())
 
 
-def save_rule_state(path: Path, rule_name: str, round_num: int, state: Mapping[str, Any]) -> None:
+def params_digest(params: Mapping[str, np.ndarray]) -> str:
+    """SHA-256 over keys, dtypes, shapes and bytes: equal digests mean bit-identical models across runs."""
+    digest = hashlib.sha256()
+    for key in sorted(params):
+        array = np.ascontiguousarray(params[key])
+        digest.update(f"{key}|{array.dtype.str}|{array.shape}|".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
+def save_rule_state(
+    path: Path,
+    rule_name: str,
+    round_num: int,
+    state: Mapping[str, Any],
+    run_id: str | None = None,
+    global_sha256: str | None = None,
+) -> None:
+    """Write the rule state after ``round_num`` (0-based); ``global_sha256`` ties it to the model of that round."""
     payload = {
         "format_version": STATE_FORMAT_VERSION,
         "rule": rule_name,
         "round": round_num,
         "state": _to_saveable(state),
     }
+    if run_id is not None:
+        payload["run_id"] = run_id
+    if global_sha256 is not None:
+        payload["global_sha256"] = global_sha256
     atomic_torch_save(payload, path)
 
 
 def load_rule_state(path: Path, rule_name: str) -> tuple[int, dict[str, Any]]:
     """The last completed round and the rule state; refuses a file written by another rule or format."""
+    payload = _read_state_payload(path, rule_name)
+    return int(payload["round"]), _to_numpy(payload["state"])
+
+
+def _read_state_payload(path: Path, rule_name: str) -> dict[str, Any]:
     payload = torch.load(path, weights_only=True)
     if payload.get("format_version") != STATE_FORMAT_VERSION:
         raise ValueError(f"{path}: unsupported server state format {payload.get('format_version')!r}")
     if payload.get("rule") != rule_name:
         raise ValueError(f"{path}: written by rule '{payload.get('rule')}', this job uses '{rule_name}'")
-    return int(payload["round"]), _to_numpy(payload["state"])
+    return payload
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a stopped job continues: the next round to run, the global model and rule state after the last one."""
+
+    next_round: int
+    global_params: dict[str, np.ndarray]
+    state: dict[str, Any]
+    run_id: str | None
+
+
+GLOBAL_MODEL_FILE = "FL_global_model.pt"  # the name NVFlare's PTFileModelPersistor writes into the app folder
+
+
+def load_global_model(path: Path) -> dict[str, np.ndarray]:
+    """The persistor's global model file as numpy arrays (``{"model": state_dict, ...}`` or a bare state_dict)."""
+    payload = torch.load(path, weights_only=True, map_location="cpu")
+    model = payload.get("model", payload) if isinstance(payload, Mapping) else None
+    if not isinstance(model, Mapping) or not all(isinstance(v, torch.Tensor) for v in model.values()):
+        raise ValueError(f"{path}: not a model checkpoint (expected a state_dict of tensors under 'model')")
+    return {key: value.numpy() for key, value in model.items()}
+
+
+def load_resume_point(folder: Path, rule_name: str, state_file: str = "server_state.pt") -> ResumePoint:
+    """Read ``folder/server_state.pt`` and ``folder/FL_global_model.pt`` written by a previous run of the job.
+
+    Refuses a state from another rule or format, and a model whose digest differs from the one recorded with the
+    state (the run stopped between writing the two, or the files come from different runs).
+    """
+    folder = Path(folder)
+    state_path, model_path = folder / state_file, folder / GLOBAL_MODEL_FILE
+    for path in (state_path, model_path):
+        if not path.is_file():
+            raise FileNotFoundError(f"cannot resume: {path} does not exist")
+    payload = _read_state_payload(state_path, rule_name)
+    last_round, state = int(payload["round"]), _to_numpy(payload["state"])
+    global_params = load_global_model(model_path)
+    recorded = payload.get("global_sha256")
+    if recorded is None:
+        raise ValueError(f"cannot resume: {state_path} records no global model digest (written by an older version)")
+    if recorded != params_digest(global_params):
+        raise ValueError(
+            f"cannot resume: {model_path} is not the model that {state_path} was saved with (round {last_round + 1}); "
+            "the run stopped between writing them or the files come from different runs"
+        )
+    return ResumePoint(
+        next_round=last_round + 1, global_params=global_params, state=state, run_id=payload.get("run_id")
+    )
 
 
 def save_updates(path: Path, updates: Sequence[ClientUpdate], global_params: Mapping[str, np.ndarray]) -> None:

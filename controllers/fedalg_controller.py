@@ -13,7 +13,6 @@ Built on NVFlare's :class:`ModelController`; all math is delegated to a pure rul
 
 from __future__ import annotations
 
-import hashlib
 import time
 import uuid
 from collections.abc import Mapping
@@ -25,9 +24,10 @@ from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
 from nvflare.app_common.workflows.model_controller import ModelController
 
 from aggregators import AggregationError, AggregationRule, RoundContext, build_rule, meta_keys
+from aggregators.compose import compose
 from controllers.adapters import split_results
-from controllers.checkpoint import append_metrics, save_rule_state, save_updates
-from controllers.sampling import clients_per_round_count, sample_sites
+from controllers.checkpoint import append_metrics, load_resume_point, params_digest, save_rule_state, save_updates
+from controllers.sampling import clients_per_round_count, select_round_sites
 
 METRICS_FILE = Path("metrics") / "round_metrics.jsonl"
 STATE_FILE = "server_state.pt"
@@ -39,16 +39,6 @@ def to_numpy_params(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
     for key, value in params.items():
         converted[key] = value.detach().cpu().numpy() if hasattr(value, "detach") else np.asarray(value)
     return converted
-
-
-def params_digest(params: Mapping[str, np.ndarray]) -> str:
-    """SHA-256 over keys, dtypes, shapes and bytes: equal digests mean bit-identical models across runs."""
-    digest = hashlib.sha256()
-    for key in sorted(params):
-        array = np.ascontiguousarray(params[key])
-        digest.update(f"{key}|{array.dtype.str}|{array.shape}|".encode())
-        digest.update(array.tobytes())
-    return digest.hexdigest()
 
 
 def scalar_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -75,6 +65,10 @@ class FedAlgController(ModelController):
         save_client_updates: also write every accepted client model to
             ``<run_dir>/client_updates/round_XXXXX.npz`` (one array per ``<site>/<key>``), for audits and
             end-to-end tests; off by default because it costs one model per site per round of disk.
+        companions: companion rules kept beside ``rule`` for the client algorithm's server state, name -> args
+            (e.g. ``{"scaffold_control": {}}`` for SCAFFOLD clients under FedYogi; see aggregators/compose.py).
+        resume_from: a previous run's server app folder (``server_state.pt`` + ``FL_global_model.pt``): the job
+            continues after that run's last completed round with its global model, rule state and run id.
     """
 
     def __init__(
@@ -92,6 +86,8 @@ class FedAlgController(ModelController):
         save_client_updates: bool = False,
         persistor_id: str = "persistor",
         task_check_period: float = 0.5,
+        companions: dict[str, dict[str, Any]] | None = None,
+        resume_from: str | None = None,
     ) -> None:
         super().__init__(persistor_id=persistor_id, task_check_period=task_check_period)
         # Write every setting into exported configs, defaults included, so a job folder documents itself.
@@ -116,8 +112,10 @@ class FedAlgController(ModelController):
         self.evaluator_id = evaluator_id
         self.train_timeout = train_timeout
         self.save_client_updates = save_client_updates
+        self.companions = companions
+        self.resume_from = resume_from
         # Fail at job start, not after the first round, when the rule or its settings are wrong.
-        self._rule: AggregationRule = build_rule(rule, **(rule_args or {}))
+        self._rule: AggregationRule = compose(build_rule(rule, **(rule_args or {})), companions)
 
     def run(self) -> None:
         # A fresh id per run: clients discard persisted state written by an earlier run in a reused workspace.
@@ -130,10 +128,17 @@ class FedAlgController(ModelController):
         state = self._rule.init_state(global_params)
         evaluator = self.get_component(self.evaluator_id) if self.evaluator_id else None
         self.info(f"rule={self.rule} {self.rule_args or {}}; population={list(population)}; rounds={self.num_rounds}")
-        initial_record = {"stage": "initial", "round": None, "global_sha256": params_digest(global_params)}
+        first_round, stage = 0, "initial"
+        if self.resume_from:
+            # DESIGN.md decision 5: continue a stopped job as if it had never stopped.
+            resume = load_resume_point(Path(self.resume_from), self._rule.name)
+            first_round, stage = resume.next_round, "resumed"
+            global_params, state, self._run_id = resume.global_params, resume.state, resume.run_id or self._run_id
+            self.info(f"resuming from {self.resume_from} at round {first_round + 1}/{self.num_rounds}")
+        initial_record = {"stage": stage, "round": None, "global_sha256": params_digest(global_params)}
         self._log_metrics({**initial_record, **self._evaluate(evaluator, global_params)})
 
-        for round_num in range(self.num_rounds):
+        for round_num in range(first_round, self.num_rounds):
             if self.abort_signal.triggered:
                 self.warning(f"abort requested; stopping before round {round_num + 1}")
                 return
@@ -149,9 +154,8 @@ class FedAlgController(ModelController):
         evaluator: Any,
     ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         started = time.monotonic()
-        targets = sample_sites(
-            population, clients_per_round_count(self.clients_per_round, len(population)), self.seed, round_num
-        )
+        count = clients_per_round_count(self.clients_per_round, len(population))
+        targets, state = select_round_sites(self._rule, population, count, state, self.seed, round_num)
         self.info(f"round {round_num + 1}/{self.num_rounds}: training on {targets}")
         results = self.send_model_and_wait(
             targets=targets,
@@ -210,7 +214,14 @@ class FedAlgController(ModelController):
             self.error(f"round {round_num + 1}: aggregation failed, global model unchanged: {exc}")
             return global_params, state
         self.save_model(FLModel(params_type=ParamsType.FULL, params=result.params, meta={"round": round_num}))
-        save_rule_state(Path(self.get_app_dir()) / STATE_FILE, self.rule, round_num, result.state)
+        save_rule_state(
+            Path(self.get_app_dir()) / STATE_FILE,
+            self._rule.name,
+            round_num,
+            result.state,
+            run_id=self._run_id,
+            global_sha256=params_digest(result.params),
+        )
         return result.params, result.state
 
     @staticmethod

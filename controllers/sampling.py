@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -37,3 +38,21 @@ def sample_sites(population: Sequence[str], count: int, seed: int, round_num: in
     rng = np.random.default_rng([seed, round_num])
     chosen = rng.choice(len(ordered), size=count, replace=False)
     return sorted(ordered[i] for i in chosen)
+
+
+def select_round_sites(
+    rule: Any, population: Sequence[str], count: int, state: Mapping[str, Any], seed: int, round_num: int
+) -> tuple[list[str], Mapping[str, Any]]:
+    """The round's sites: the rule's own ``select_sites`` when it has one, else :func:`sample_sites`.
+
+    A rule that selects (FedMoS: by data share) returns ``(sites, state)``; the state carries the aggregation
+    weights its selection implies to the rule's ``aggregate`` (and into the server checkpoint).
+    """
+    select = getattr(rule, "select_sites", None)
+    if select is None:
+        return sample_sites(population, count, seed, round_num), state
+    sites, state = select(population, count, state, seed, round_num)
+    unknown = sorted(set(sites) - set(population))
+    if not sites or unknown:
+        raise ValueError(f"rule '{getattr(rule, 'name', rule)}' selected {sites}: empty or not in the population")
+    return list(sites), state

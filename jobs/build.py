@@ -46,6 +46,8 @@ class JobSpec:
     num_rounds: int = 10
     num_sites: int = 3
     clients_per_round: int | float | None = None
+    min_responses: int | None = None
+    train_timeout: int = 0
     dataset: str = "fashion_mnist"
     scheme: str = "dirichlet"
     alpha: float = 0.5
@@ -54,22 +56,41 @@ class JobSpec:
     max_test_samples: int | None = None
     seed: int = 0
     arch: str = "lenet5"
+    arch_args: dict[str, Any] = field(default_factory=dict)
     epochs: int = 1
+    pattern: str = "constant"
+    max_local_epochs: int = 10
     batch_size: int = 64
     lr: float = 0.05
     momentum: float = 0.0
     weight_decay: float = 0.0
     precision: str = "32-true"
+    attack: str = "none"
+    attack_strength: float | None = None
+    attack_start_round: int = 0
+    malicious_fraction: float = 0.0
+    malicious_sites: str = ""
     save_client_updates: bool = False
+    resume_from: str | None = None
 
     def __post_init__(self) -> None:
         validate_spec(self)
 
 
+EPOCH_PATTERNS = ("constant", "uniform_random")
 FIELD_HELP = {
+    "pattern": "local epochs per site and round: constant (= --epochs) or uniform_random (seeded draw from "
+    "[2, --max-local-epochs] per site and round, FedNova's heterogeneous-work setting)",
+    "max_local_epochs": "upper bound (inclusive) of the uniform_random pattern",
+    "resume_from": "continue a stopped job: a previous run's server app folder holding server_state.pt and the "
+    "global model (e.g. <workspace>/server/simulate_job/app_server)",
     "num_rounds": "federated rounds",
     "num_sites": "number of sites the data is split into (= clients the job needs)",
     "clients_per_round": "sites per round: none = all, an int count, or a fraction such as 0.5",
+    "min_responses": "results a round waits for: none = every sampled site; fewer ends the round as soon as that "
+    "many arrived (later ones are dropped), so a site that drops out cannot stall the job",
+    "train_timeout": "seconds a round waits for results (0 = forever); at the timeout the round aggregates what "
+    "arrived",
     "dataset": "fashion_mnist, mnist or digits",
     "scheme": "label split: iid, dirichlet, shards or quantity",
     "alpha": "Dirichlet concentration for dirichlet/quantity (smaller = more skewed)",
@@ -78,6 +99,7 @@ FIELD_HELP = {
     "max_test_samples": "evaluate the global model on the first n test samples",
     "seed": "seeds the split, the initial model, the shuffling and the site sampling",
     "arch": "model: lenet5, simple_cnn (28x28 images) or mlp (digits)",
+    "arch_args": 'model constructor arguments, a JSON object (e.g. {"projection_dim":256} for MOON\'s head)',
     "epochs": "local epochs per round",
     "batch_size": "local batch size",
     "lr": "local SGD learning rate",
@@ -85,6 +107,11 @@ FIELD_HELP = {
     "weight_decay": "local SGD weight decay",
     "precision": "Lightning precision: 32-true or bf16-mixed",
     "save_client_updates": "also save every accepted client model per round (audits, tests)",
+    "attack": "simulated attack of the malicious sites: none, sign_flip, scale, gaussian, label_flip (experiments)",
+    "attack_strength": "attack strength (none = the attack's default; docs/robustness.md)",
+    "attack_start_round": "first round (0-based) the malicious sites attack",
+    "malicious_fraction": "share of sites that attack, drawn with the seed (ignored if malicious_sites is set)",
+    "malicious_sites": "comma-separated malicious site names, e.g. site-2,site-5",
 }
 
 
@@ -107,27 +134,71 @@ def validate_spec(spec: JobSpec) -> None:
         if value not in valid:
             raise JobBuildError(f"unknown {what} '{value}'; choose one of {sorted(valid)}")
     _check_composition(CLIENT_ALGORITHMS[spec.client], RULES[spec.server])
+    if spec.pattern not in EPOCH_PATTERNS:
+        raise JobBuildError(f"unknown pattern '{spec.pattern}'; choose one of {list(EPOCH_PATTERNS)}")
+    if spec.pattern == "uniform_random" and spec.max_local_epochs < 2:
+        raise JobBuildError(f"max_local_epochs must be at least 2 for uniform_random, got {spec.max_local_epochs}")
     if (spec.dataset == "digits") != (spec.arch == "mlp"):
         raise JobBuildError(f"arch '{spec.arch}' does not fit dataset '{spec.dataset}': use mlp for digits only")
     for name in ("num_rounds", "num_sites", "epochs", "batch_size"):
         if getattr(spec, name) < 1:
             raise JobBuildError(f"{name} must be at least 1, got {getattr(spec, name)}")
+    _check_arch_args(spec)
+    job_attack_args(spec)  # unknown attack, no malicious site, bad share: refused at build time
 
 
-def _check_composition(client_cls: type, rule_cls: type) -> None:
-    """A client algorithm and a server rule compose only when each sends what the other needs."""
-    missing_down = [k for k in client_cls.required_server_meta if k not in rule_cls.broadcast_keys]
-    if missing_down:
+def job_attack_args(spec: JobSpec) -> list[str]:
+    """The client options of the job's simulated attack (robustness experiments; empty without one)."""
+    from lightning_modules.attacks import attack_script_args, resolve_malicious_sites
+
+    try:
+        if not 0 <= spec.malicious_fraction <= 1:
+            raise ValueError(f"malicious_fraction must be in [0, 1], got {spec.malicious_fraction}")
+        sites = resolve_malicious_sites(spec.num_sites, spec.malicious_fraction, spec.malicious_sites, spec.seed)
+        return attack_script_args(spec.attack, spec.attack_strength, spec.attack_start_round, sites, spec.num_sites)
+    except ValueError as exc:
+        raise JobBuildError(str(exc)) from None
+
+
+def model_arch_args(spec: JobSpec) -> dict[str, Any]:
+    """The model arguments every side builds with: the client algorithm's needs (MOON's projection head) + the job's."""
+    from lightning_modules.algorithms import CLIENT_ALGORITHMS
+
+    return {**CLIENT_ALGORITHMS[spec.client].default_arch_args, **spec.arch_args}
+
+
+def _check_arch_args(spec: JobSpec) -> None:
+    from lightning_modules.models import build_model
+
+    if not isinstance(spec.arch_args, dict):
+        raise JobBuildError(f"arch_args must be a JSON object, got {spec.arch_args!r}")
+    try:
+        build_model(spec.arch, num_classes=dataset_num_classes(spec.dataset), **model_arch_args(spec))
+    except (TypeError, ValueError) as exc:
         raise JobBuildError(
-            f"client algorithm '{client_cls.name}' needs {missing_down} from the server, which rule "
-            f"'{rule_cls.name}' does not send; use a server rule that maintains it (e.g. '{client_cls.name}')"
-        )
-    missing_up = [k for k in rule_cls.required_meta if k not in client_cls.sent_meta]
-    if missing_up:
-        raise JobBuildError(
-            f"server rule '{rule_cls.name}' needs {missing_up} from every client, which client algorithm "
-            f"'{client_cls.name}' does not send; use a client algorithm that reports it (e.g. '{rule_cls.name}')"
-        )
+            f"arch '{spec.arch}' cannot be built with arch_args {model_arch_args(spec)}: {exc}"
+        ) from None
+
+
+def _check_composition(client_cls: type, rule_cls: type) -> tuple[str, ...]:
+    """A client algorithm and a server rule compose when each gets what it needs, possibly through companion rules
+    that keep the client algorithm's server state (SCAFFOLD's c beside FedYogi); returns their names, or raises
+    with the reason the pair is meaningless (aggregators/compose.py)."""
+    from aggregators.compose import CompositionError, plan_composition
+
+    try:
+        return plan_composition(client_cls, rule_cls)
+    except CompositionError as exc:
+        raise JobBuildError(str(exc)) from None
+
+
+def companion_rules(spec: JobSpec) -> dict[str, dict[str, Any]] | None:
+    """The companion rules the job's controller runs beside its rule (``None``: none)."""
+    from aggregators import RULES
+    from lightning_modules.algorithms import CLIENT_ALGORITHMS
+
+    names = _check_composition(CLIENT_ALGORITHMS[spec.client], RULES[spec.server])
+    return {name: {} for name in names} or None
 
 
 def dataset_num_classes(dataset: str) -> int:
@@ -157,6 +228,8 @@ def client_script_args(spec: JobSpec) -> str:
         "seed": spec.seed,
         "arch": spec.arch,
         "epochs": spec.epochs,
+        "pattern": spec.pattern if spec.pattern != "constant" else None,
+        "max-local-epochs": spec.max_local_epochs if spec.pattern != "constant" else None,
         "batch-size": spec.batch_size,
         "lr": spec.lr,
         "momentum": spec.momentum,
@@ -165,6 +238,9 @@ def client_script_args(spec: JobSpec) -> str:
         "client": spec.client,
     }
     parts = [f"--{key} {value}" for key, value in args.items() if value is not None]
+    parts += job_attack_args(spec)
+    if model_arch_args(spec):
+        parts.append(f"--arch-args {compact_json(model_arch_args(spec))}")
     if spec.client_args:
         parts.append(f"--client-args {compact_json(spec.client_args)}")
     return " ".join(parts)
@@ -193,13 +269,17 @@ def build_job(spec: JobSpec) -> Any:
     num_classes = dataset_num_classes(spec.dataset)
     job = FedJob(name=spec.name, min_clients=spec.num_sites)
     job.set_app_packages(list(APP_PACKAGES))
-    model_config = {
-        "path": "lightning_modules.classifier.FLClassifier",
-        "args": {"arch": spec.arch, "num_classes": num_classes, "init_seed": spec.seed},
-    }
-    job.to_server(PTModel(model_config))
+    arch_args = model_arch_args(spec)
+    model_args: dict[str, Any] = {"arch": spec.arch, "num_classes": num_classes, "init_seed": spec.seed}
+    if arch_args:  # the server's model and evaluator must build what the clients build (MOON's projection head)
+        model_args["arch_args"] = arch_args
+    job.to_server(PTModel({"path": "lightning_modules.classifier.FLClassifier", "args": model_args}))
     evaluator = TestSetEvaluator(
-        arch=spec.arch, num_classes=num_classes, dataset=spec.dataset, max_test_samples=spec.max_test_samples
+        arch=spec.arch,
+        num_classes=num_classes,
+        arch_args=arch_args or None,
+        dataset=spec.dataset,
+        max_test_samples=spec.max_test_samples,
     )
     job.to_server(evaluator, id="evaluator")
     controller = FedAlgController(
@@ -207,12 +287,29 @@ def build_job(spec: JobSpec) -> Any:
         rule=spec.server,
         rule_args=dict(spec.server_args) or None,
         clients_per_round=spec.clients_per_round,
+        min_responses=spec.min_responses,
+        train_timeout=spec.train_timeout,
         seed=spec.seed,
         save_client_updates=spec.save_client_updates,
+        companions=companion_rules(spec),
+        resume_from=spec.resume_from,
     )
     job.to_server(controller)
     job.to_clients(ScriptRunner(script=CLIENT_SCRIPT, script_args=client_script_args(spec)))
+    add_tracking(job)
     return job
+
+
+def add_tracking(job: Any) -> None:
+    """Stream each site's training curves to the server: the client script logs through NVFlare's tracking API,
+    each site converts those events into federated events, and the server writes TensorBoard event files under
+    ``<run dir>/tb_events/<site>/`` (``tensorboard --logdir <run dir>/tb_events``)."""
+    from nvflare.apis.analytix import ANALYTIC_EVENT_TYPE
+    from nvflare.app_common.widgets.convert_to_fed_event import ConvertToFedEvent
+    from nvflare.app_opt.tracking.tb.tb_receiver import TBAnalyticsReceiver
+
+    job.to_server(TBAnalyticsReceiver(events=["fed." + ANALYTIC_EVENT_TYPE]), id="tb_receiver")
+    job.to_clients(ConvertToFedEvent(events_to_convert=[ANALYTIC_EVENT_TYPE], fed_event_prefix="fed."), id="to_fed")
 
 
 def export_job(spec: JobSpec, output_dir: Path) -> Path:
@@ -231,6 +328,29 @@ PRESETS: dict[str, JobSpec] = {
     "scaffold": JobSpec(name="scaffold", client="scaffold", server="scaffold"),
     "fedprox": JobSpec(name="fedprox", client="fedprox", client_args={"mu": 0.01}, server="fedavg"),
     "feddyn": JobSpec(name="feddyn", client="feddyn", server="feddyn", server_args={"alpha": 0.01}),
+    "fedmos": JobSpec(
+        name="fedmos",
+        client="fedmos",
+        client_args={"a": 0.1, "mu": 0.001},
+        server="fedmos",
+        server_args={"beta": 0.8, "selection": "uniform"},
+    ),
+    "moon": JobSpec(name="moon", client="moon", client_args={"mu": 5.0, "temperature": 0.5, "history_size": 1}),
+    # Server rules of issue 5 (docs/server_rules.md): plain local SGD clients, the same data and model as above;
+    # server settings picked by short measured runs (docs/server_rules.md, "Presets").
+    "fedadam": JobSpec(name="fedadam", server="fedadam", server_args={"server_lr": 0.03, "tau": 0.001}),
+    "fedadagrad": JobSpec(name="fedadagrad", server="fedadagrad", server_args={"server_lr": 0.02, "tau": 0.01}),
+    "fedyogi": JobSpec(name="fedyogi", server="fedyogi", server_args={"server_lr": 0.03, "tau": 0.001}),
+    "fednova": JobSpec(name="fednova", server="fednova", pattern="uniform_random", max_local_epochs=3),
+    "fedatt": JobSpec(name="fedatt", server="fedatt", server_args={"epsilon": 1.0, "noise": 0.0001}),
+    "fedadp": JobSpec(name="fedadp", server="fedadp", server_args={"alpha": 5.0}),
+    # Attack-adaptive aggregation (docs/robustness.md): the shipped LeNet-5 attention checkpoint, 10 sites.
+    "attack_adaptive": JobSpec(
+        name="attack_adaptive",
+        server="attack_adaptive",
+        server_args={"attention_model_path": "checkpoints/attention_lenet5.pt"},
+        num_sites=10,
+    ),
 }
 
 
@@ -280,6 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--server-args", type=_parse_json_object, default={}, help="server rule hyperparameters, a JSON object"
     )
+    parser.add_argument("--arch-args", type=_parse_json_object, default={}, help=FIELD_HELP["arch_args"])
+    parser.add_argument("--resume-from", default=None, help=FIELD_HELP["resume_from"])
     from aggregators import RULES
     from lightning_modules.algorithms import CLIENT_ALGORITHMS
 
@@ -289,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     }
     defaults = JobSpec(name="defaults")
     for spec_field in dataclasses.fields(JobSpec):
-        if spec_field.name in {"name", "client_args", "server_args"}:
+        if spec_field.name in {"name", "client_args", "server_args", "arch_args", "resume_from"}:
             continue
         default = getattr(defaults, spec_field.name)
         flag = "--" + spec_field.name.replace("_", "-")

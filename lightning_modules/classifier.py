@@ -27,6 +27,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from aggregators import meta_keys
+from aggregators.fednova import normalizer_l1
 from lightning_modules.algorithms.base import ClientAlgorithm, ClientAlgorithmError, check_server_meta
 from lightning_modules.models import build_model
 
@@ -64,6 +65,8 @@ class FLClassifier(pl.LightningModule):
         # A plain object, not a submodule: the algorithm's tensors must never enter the state_dict.
         self.algorithm: ClientAlgorithm = ClientAlgorithm()
         self.round_steps = 0
+        # (lr, momentum, dampening) of every optimizer step this round, None for a step FedNova cannot describe.
+        self.solver_steps: list[tuple[float, float, float] | None] = []
 
     def set_algorithm(self, algorithm: ClientAlgorithm) -> None:
         if isinstance(algorithm, torch.nn.Module):
@@ -88,10 +91,16 @@ class FLClassifier(pl.LightningModule):
         # Optimizers exist only now.
         check_trainer_supports(self.algorithm, self.trainer, self.automatic_optimization)
 
-    def task_loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mean cross-entropy of a batch and the logits (algorithms that need extra gradient passes call this)."""
+    def task_loss(
+        self, batch: tuple[torch.Tensor, torch.Tensor], params: Mapping[str, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean cross-entropy of a batch and the logits (algorithms that need extra gradient passes call this).
+
+        ``params`` (keyed like this module's ``state_dict``, e.g. ``net.fc1.weight``) evaluates the loss at other
+        weights without touching the module's own (FedMoS: the previous iterate on the current batch).
+        """
         x, y = batch
-        logits = self.net(x)
+        logits = self.net(x) if params is None else torch.func.functional_call(self, dict(params), (x,))
         return F.cross_entropy(logits, y), logits
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -113,12 +122,14 @@ class FLClassifier(pl.LightningModule):
 
         optimizer.step(closure=closure_then_correct)
         self.round_steps += 1
+        self.solver_steps.append(sgd_step_settings(raw_optimizer))
         self.algorithm.after_step(self, raw_optimizer)
 
     def start_round(self, meta: Mapping[str, Any], site: str = "local") -> None:
         """Begin a federated round: the global weights are already loaded into ``self``."""
         check_server_meta(self.algorithm, meta, site)
         self.round_steps = 0
+        self.solver_steps = []
         self.train_loss.reset()
         self.train_acc.reset()
         self.algorithm.on_round_start(self, meta)
@@ -130,6 +141,8 @@ class FLClassifier(pl.LightningModule):
             meta_keys.TRAIN_LOSS: float(self.train_loss.compute()) if self.round_steps else float("nan"),
             meta_keys.TRAIN_ACCURACY: float(self.train_acc.compute()) if self.round_steps else float("nan"),
             meta_keys.CLIENT_ALGORITHM: self.algorithm.name,
+            meta_keys.PARAM_KEYS: [name for name, p in self.named_parameters() if p.requires_grad],
+            **fednova_meta(self.algorithm, self.solver_steps),
         }
         algorithm_meta = self.algorithm.on_round_end(self)
         bad_keys = [k for k in algorithm_meta if not meta_keys.is_namespaced(k) or k in meta_keys.NVFLARE_RESERVED]
@@ -140,6 +153,34 @@ class FLClassifier(pl.LightningModule):
             )
         meta.update(algorithm_meta)
         return meta
+
+
+def sgd_step_settings(optimizer: Any) -> tuple[float, float, float] | None:
+    """(lr, momentum, dampening) of a plain or heavy-ball ``torch.optim.SGD`` step with one lr for every group;
+    ``None`` for anything FedNova's normaliser does not model (other optimizers, Nesterov, maximize, unequal lrs)."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        return None
+    groups = optimizer.param_groups
+    settings = {(float(g["lr"]), float(g["momentum"]), float(g["dampening"])) for g in groups}
+    if len(settings) != 1 or any(g.get("nesterov") or g.get("maximize") for g in groups):
+        return None
+    return settings.pop()
+
+
+def fednova_meta(algorithm: ClientAlgorithm, steps: list[tuple[float, float, float] | None]) -> dict[str, Any]:
+    """``fednova.tau`` and ``fednova.a_norm`` (ALGORITHMS.md §10) when this round's local update is eta * G a.
+
+    Empty when it is not (a ``drift`` algorithm, an optimizer the normaliser does not model, momentum settings that
+    changed within the round, no positive first lr): a FedNova server then rejects the result by name.
+    """
+    if algorithm.local_update == "drift" or not steps or any(step is None for step in steps):
+        return {}
+    if len({step[1:] for step in steps}) != 1 or steps[0][0] <= 0:
+        return {}
+    momentum, dampening = steps[0][1], steps[0][2]
+    mu = algorithm.proximal_coefficient() if algorithm.local_update == "proximal" else 0.0
+    a_norm = normalizer_l1([step[0] for step in steps], momentum=momentum, dampening=dampening, mu=mu)
+    return {meta_keys.FEDNOVA_TAU: len(steps), meta_keys.FEDNOVA_A_NORM: a_norm}
 
 
 def check_trainer_supports(

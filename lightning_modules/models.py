@@ -7,6 +7,11 @@ later personalisation method can reach the representation without knowing the ar
 * ``head(h)`` maps that representation to logits through the layer named ``classifier``;
 * ``forward(x) == head(features(x))``.
 
+MOON (Li, He, Song, CVPR 2021) adds a projection head to the federated model: ``build_model(..., projection_dim=k)``
+attaches ``projection`` = Linear(d, d) → ReLU → Linear(d, k) on the representation and replaces ``classifier`` by
+Linear(k, num_classes), so that ``head(h) = classifier(projection(h))``: the classifier reads the projection, as in
+the authors' ``ModelFedCon``. ``embed(x)`` returns the projected representation z (``features(x)`` without a head).
+
 Every constructor takes keyword arguments with defaults only, so NVFlare can build a model from its import path with
 no arguments (``{"path": "lightning_modules.models.LeNet5"}``). Layers are named attributes rather than anonymous
 ``nn.Sequential`` indices where that is cheap, so the state-dict keys exchanged with the server stay readable.
@@ -24,6 +29,7 @@ __all__ = [
     "MODELS",
     "FeatureClassifier",
     "LeNet5",
+    "ProjectionHead",
     "SimpleCNN",
     "build_model",
     "trainable_parameter_names",
@@ -36,19 +42,46 @@ def _check_positive(name: str, value: int) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
+class ProjectionHead(nn.Sequential):
+    """MOON's projection head: Linear(d, d) → ReLU → Linear(d, out_dim) (state-dict keys ``0.*`` and ``2.*``)."""
+
+    def __init__(self, in_dim: int, out_dim: int) -> None:
+        _check_positive("projection_dim", out_dim)
+        super().__init__(nn.Linear(in_dim, in_dim), nn.ReLU(), nn.Linear(in_dim, out_dim))
+
+
 class FeatureClassifier(nn.Module):
     """Base class: ``forward(x) = head(features(x))`` with a final linear layer called ``classifier``."""
 
     feature_dim: int
     classifier: nn.Linear
 
+    def __init__(self) -> None:
+        super().__init__()
+        # MOON's projection head, part of the federated model when present (see add_projection_head). An instance
+        # attribute, not a class one: a class attribute would shadow the registered submodule.
+        self.projection: ProjectionHead | None = None
+
     def features(self, x: Tensor) -> Tensor:
         """Return the flat representation before the classifier, shape ``(batch, feature_dim)``."""
         raise NotImplementedError
 
+    def add_projection_head(self, projection_dim: int) -> None:
+        """Attach a projection head of output size ``projection_dim``; the classifier then reads its output."""
+        self.projection = ProjectionHead(self.feature_dim, projection_dim)
+        self.classifier = nn.Linear(projection_dim, self.classifier.out_features)
+
+    def project(self, h: Tensor) -> Tensor:
+        """The representation the classifier reads: ``projection(h)``, or ``h`` itself without a head."""
+        return h if self.projection is None else self.projection(h)
+
+    def embed(self, x: Tensor) -> Tensor:
+        """z = project(features(x)), the representation MOON contrasts."""
+        return self.project(self.features(x))
+
     def head(self, h: Tensor) -> Tensor:
-        """Map a representation from :meth:`features` to logits."""
-        return self.classifier(h)
+        """Map a representation from :meth:`features` to logits (through the projection head when present)."""
+        return self.classifier(self.project(h))
 
     def forward(self, x: Tensor) -> Tensor:
         """Return class logits for a batch of inputs."""
@@ -138,14 +171,20 @@ MODELS: dict[str, type[nn.Module]] = {
 }
 
 
-def build_model(name: str, **kwargs: object) -> nn.Module:
-    """Build the registered model ``name`` with constructor keyword arguments ``kwargs``."""
+def build_model(name: str, projection_dim: int | None = None, **kwargs: object) -> nn.Module:
+    """Build the registered model ``name`` with constructor keyword arguments ``kwargs``.
+
+    ``projection_dim`` (MOON) attaches a projection head of that output size; ``None`` builds the plain model.
+    """
     try:
         model_cls = MODELS[name]
     except (KeyError, TypeError):
         valid = ", ".join(sorted(MODELS))
         raise ValueError(f"unknown model {name!r}; valid names: {valid}") from None
-    return model_cls(**kwargs)
+    model = model_cls(**kwargs)
+    if projection_dim is not None:
+        model.add_projection_head(projection_dim)
+    return model
 
 
 def trainable_parameter_names(model: nn.Module) -> list[str]:

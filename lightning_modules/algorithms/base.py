@@ -41,6 +41,14 @@ class ClientAlgorithm:
     required_server_meta: ClassVar[tuple[str, ...]] = ()
     #: Meta keys the algorithm sends to the server every round (checked against the rule at job build time).
     sent_meta: ClassVar[tuple[str, ...]] = ()
+    #: Model arguments the algorithm needs (e.g. MOON's projection head); the job builder adds them to the job's
+    #: ``arch_args`` unless given, so the clients and the server build the same architecture.
+    default_arch_args: ClassVar[Mapping[str, Any]] = {}
+    #: How the local update relates to the local gradients (FedNova normalises it): ``gradient`` (plain optimizer
+    #: steps on the local objective, extra loss terms included), ``proximal`` (plus mu * (w - w_t) added to the
+    #: gradient, see :meth:`proximal_coefficient`), ``drift`` (a correction that is no local gradient: SCAFFOLD,
+    #: FedDyn, FedMoS; FedNova refuses those at build time).
+    local_update: ClassVar[str] = "gradient"
 
     #: Set by :meth:`bind`: the site this algorithm runs on and where it may persist state between rounds.
     site: str = "local"
@@ -67,6 +75,10 @@ class ClientAlgorithm:
     def on_round_end(self, module: nn.Module) -> dict[str, Any]:
         """Namespaced meta for the server; called once at the end of local training."""
         return {}
+
+    def proximal_coefficient(self) -> float:
+        """mu of a proximal term mu * (w - w_t) this algorithm adds to every gradient (0: none)."""
+        return 0.0
 
     def hparams(self) -> dict[str, Any]:
         """Hyperparameters for logs and reports."""

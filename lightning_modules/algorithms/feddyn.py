@@ -114,6 +114,7 @@ class FedDyn(ClientAlgorithm):
     name: ClassVar[str] = "feddyn"
     required_server_meta: ClassVar[tuple[str, ...]] = (meta_keys.FEDDYN_ALPHA,)
     sent_meta: ClassVar[tuple[str, ...]] = (meta_keys.FEDDYN_ALPHA_K, meta_keys.FEDDYN_PARAM_KEYS)
+    local_update: ClassVar[str] = "drift"  # not a local gradient: FedNova cannot normalise it
 
     def __init__(
         self, alpha_weighting: str = "uniform", population_size: int | None = None, total_samples: int | None = None

@@ -59,6 +59,7 @@ class FedProx(ClientAlgorithm):
 
     name: ClassVar[str] = "fedprox"
     sent_meta: ClassVar[tuple[str, ...]] = (meta_keys.FEDPROX_MU,)
+    local_update: ClassVar[str] = "proximal"
 
     def __init__(self, mu: float = DEFAULT_MU) -> None:
         self.mu = check_mu(mu)
@@ -67,6 +68,9 @@ class FedProx(ClientAlgorithm):
 
     def hparams(self) -> dict[str, Any]:
         return {"mu": self.mu}
+
+    def proximal_coefficient(self) -> float:
+        return self.mu
 
     def on_round_start(self, module: nn.Module, meta: Mapping[str, Any]) -> None:
         self._params = trainable_parameters(module)

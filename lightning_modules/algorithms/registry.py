@@ -6,12 +6,16 @@ from typing import Any
 
 from lightning_modules.algorithms.base import ClientAlgorithm, ClientAlgorithmError
 from lightning_modules.algorithms.feddyn import FedDyn
+from lightning_modules.algorithms.fedmos import FedMoS
 from lightning_modules.algorithms.fedprox import FedProx
+from lightning_modules.algorithms.moon import Moon
 from lightning_modules.algorithms.scaffold import Scaffold
 
 CLIENT_ALGORITHMS: dict[str, type[ClientAlgorithm]] = {ClientAlgorithm.name: ClientAlgorithm, Scaffold.name: Scaffold}
 CLIENT_ALGORITHMS[FedProx.name] = FedProx
 CLIENT_ALGORITHMS[FedDyn.name] = FedDyn
+CLIENT_ALGORITHMS[FedMoS.name] = FedMoS
+CLIENT_ALGORITHMS[Moon.name] = Moon
 
 
 def build_client_algorithm(name: str, **hparams: Any) -> ClientAlgorithm:

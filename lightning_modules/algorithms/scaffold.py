@@ -88,6 +88,7 @@ class Scaffold(ClientAlgorithm):
     name: ClassVar[str] = "scaffold"
     required_server_meta: ClassVar[tuple[str, ...]] = (meta_keys.SCAFFOLD_CTRL_GLOBAL,)
     sent_meta: ClassVar[tuple[str, ...]] = (meta_keys.SCAFFOLD_CTRL_DIFF,)
+    local_update: ClassVar[str] = "drift"  # not a local gradient: FedNova cannot normalise it
 
     def __init__(self, option: str = "II", correction: str = "step") -> None:
         if option not in ("I", "II"):

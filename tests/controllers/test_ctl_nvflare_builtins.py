@@ -17,8 +17,12 @@ from controllers.adapters import Rejection, to_client_update
 PARAMS = {"net.w": np.zeros(2, np.float32)}
 
 
+# Rules that cannot be built without settings get the least they need.
+REQUIRED_ARGS = {"attack_adaptive": {"allow_random_attention": True}}
+
+
 def _broadcast_meta(rule_name: str) -> dict:
-    rule = build_rule(rule_name)
+    rule = build_rule(rule_name, **REQUIRED_ARGS.get(rule_name, {}))
     state = rule.init_state(PARAMS)
     if rule_name == "scaffold":
         state = {"control": {"net.w": np.ones(2, np.float32)}}

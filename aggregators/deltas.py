@@ -1,0 +1,105 @@
+"""Helpers shared by the rules that step the global model from the clients' deltas (FedOpt, FedNova, FedAtt, FedAdp).
+
+Two jobs:
+
+- which entries are trainable. Corrections, moments, attention and angles apply to trainable parameters only;
+  buffers (BatchNorm running statistics, ``num_batches_tracked``) are averaged (ALGORITHMS.md §1, rule 2). Clients
+  name their trainable parameters under ``train.param_keys``; without that meta every float entry counts as
+  trainable (hand-made updates in tests, foreign clients) and integer entries are always buffers.
+- streaming sums. Sums run key by key and client by client through one scratch buffer, in the parameter's own
+  float type (float32 for float32 models, as Flower and NVFlare do; the rounding is that of storing the result),
+  so the extra memory is O(largest tensor), never O(clients x model), and the cost is that of a plain numpy
+  weighted sum. The result does not depend on arrival order (callers sort updates by site).
+- delta statistics. Angles (FedAdp) and distances (FedAtt) need inner products of the client deltas y_i - x; they
+  are accumulated in float64 over cache-sized chunks, reading every client array once (:func:`delta_gram`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from aggregators import meta_keys
+from aggregators.functional import is_float_array, weighted_average_params
+from aggregators.types import AggregationError, ClientUpdate
+
+
+def param_keys_problems(value: Any, global_params: Mapping[str, np.ndarray]) -> list[str]:
+    """Why a client's ``train.param_keys`` cannot be used (empty list: it can, or it is absent)."""
+    key = meta_keys.PARAM_KEYS
+    if value is None:
+        return []
+    if not isinstance(value, list | tuple) or not all(isinstance(k, str) for k in value):
+        return [f"'{key}' must be a list of parameter names, got {type(value).__name__}"]
+    unknown = sorted(set(value) - set(global_params))
+    if unknown:
+        return [f"'{key}' names entries that are not in the model: {unknown[:5]}"]
+    integer = sorted(k for k in value if not is_float_array(global_params[k]))
+    if integer:
+        return [f"'{key}' names integer buffers {integer[:5]}; trainable parameters are floating point"]
+    return []
+
+
+def trainable_keys(global_params: Mapping[str, np.ndarray], updates: Sequence[ClientUpdate]) -> list[str]:
+    """The trainable entries of the model, in the global model's key order.
+
+    All clients must agree: either none reports ``train.param_keys`` (then every float entry is trainable) or all
+    report the same set.
+    """
+    reported = {u.site: u.meta.get(meta_keys.PARAM_KEYS) for u in updates}
+    if all(value is None for value in reported.values()):
+        return [k for k, v in global_params.items() if is_float_array(v)]
+    sets = {frozenset(value) for value in reported.values() if value is not None}
+    if len(sets) != 1 or any(value is None for value in reported.values()):
+        raise AggregationError(f"the sites disagree on their trainable parameters ('{meta_keys.PARAM_KEYS}')")
+    chosen = next(iter(sets))
+    return [k for k in global_params if k in chosen]
+
+
+CHUNK = 1 << 14  # elements per client in one delta block: 10 clients x 16K x 8 bytes stays in cache
+
+
+def weighted_sum(arrays: Sequence[np.ndarray], weights: Sequence[float], like: np.ndarray) -> np.ndarray:
+    """sum_i w_i * a_i typed like ``like`` (a float array), through one scratch buffer: no per-client allocation."""
+    like = np.asarray(like)
+    total = np.zeros(like.shape, dtype=like.dtype)
+    scratch = np.empty(like.shape, dtype=like.dtype)
+    for weight, array in zip(weights, arrays, strict=True):
+        if np.shape(array) != like.shape:
+            raise AggregationError(f"client array of shape {np.shape(array)} for a parameter of shape {like.shape}")
+        np.multiply(array, float(weight), out=scratch, casting="same_kind")
+        total += scratch
+    return total
+
+
+def delta_gram(x: np.ndarray, arrays: Sequence[np.ndarray], diagonal_only: bool = False) -> np.ndarray:
+    """G_ij = <y_i - x, y_j - x> over one tensor in float64 (or just the squared norms G_ii), streamed in chunks."""
+    flat_x = np.asarray(x).reshape(-1)
+    flats = [np.asarray(a).reshape(-1) for a in arrays]
+    if any(f.size != flat_x.size for f in flats):
+        raise AggregationError(f"client array sizes {[f.size for f in flats]} for a parameter of size {flat_x.size}")
+    n = len(flats)
+    result = np.zeros(n) if diagonal_only else np.zeros((n, n))
+    block = np.empty((n, min(CHUNK, max(flat_x.size, 1))))
+    for start in range(0, flat_x.size, CHUNK):
+        stop = min(start + CHUNK, flat_x.size)
+        rows = block[:, : stop - start]
+        for i, flat in enumerate(flats):
+            np.subtract(flat[start:stop], flat_x[start:stop], out=rows[i])
+        result += np.einsum("ij,ij->i", rows, rows) if diagonal_only else rows @ rows.T
+    return result
+
+
+def average_buffers(
+    global_params: Mapping[str, np.ndarray], updates: Sequence[ClientUpdate], weights: np.ndarray, keys: Sequence[str]
+) -> dict[str, np.ndarray]:
+    """Weighted mean of the non-trainable entries ``keys`` (integer buffers averaged in float and rounded back)."""
+    return weighted_average_params(updates, weights, {k: global_params[k] for k in keys})
+
+
+def split_keys(global_params: Mapping[str, np.ndarray], trainable: Sequence[str]) -> list[str]:
+    """The entries that are not in ``trainable``: the buffers, in the global model's key order."""
+    chosen = set(trainable)
+    return [k for k in global_params if k not in chosen]

@@ -1,0 +1,66 @@
+"""Coordinate-wise trimmed mean: drop the largest and smallest values of every coordinate, average the rest.
+
+Reference: Yin, Chen, Ramchandran, Bartlett, "Byzantine-Robust Distributed Learning: Towards Optimal Statistical
+Rates", ICML 2018, arXiv:1803.01498, Definition 2 (coordinate-wise beta-trimmed mean), Algorithm 1 (option II).
+
+    k = floor(beta * n);   x_{t+1}[c] = x_t[c] + mean of the sorted Delta_(k+1)[c] .. Delta_(n-k)[c]
+
+``beta`` in [0, 0.5) is the fraction trimmed on EACH side; ``beta = 0`` is the uniform mean. Uniform over the
+clients (sample counts ignored, as in the paper). ``2k < n`` is required, otherwise nothing would be left; the
+round then fails with an error naming ``beta`` and ``n``. Clients whose delta holds NaN/Inf are dropped first;
+BatchNorm statistics and integer buffers are averaged with sample weights (see :mod:`aggregators.robust`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from aggregators.robust import StatelessRule, assemble, finite_updates, robust_keys, stacked
+from aggregators.types import AggregationError, AggregationResult, ClientUpdate, RoundContext
+
+
+def trimmed_mean(values: np.ndarray, beta: float) -> np.ndarray:
+    """Mean over axis 0 after removing the floor(beta*n) smallest and largest entries of every coordinate."""
+    n = values.shape[0]
+    k = math.floor(beta * n)
+    if 2 * k >= n:
+        raise AggregationError(f"trimmed_mean: beta={beta} trims {k} of {n} clients on each side, nothing is left")
+    ordered = np.sort(values, axis=0)
+    return ordered[k : n - k].mean(axis=0)
+
+
+def trimmed_mean_params(
+    global_params: Mapping[str, np.ndarray], updates: Sequence[ClientUpdate], beta: float
+) -> dict[str, np.ndarray]:
+    """The trimmed-mean step as a pure function; inputs are never modified."""
+    keys = robust_keys(global_params)
+    kept, deltas, _ = finite_updates(global_params, updates, keys, TrimmedMean.name)
+    step = {key: trimmed_mean(stacked(deltas, key), beta) for key in keys}
+    return assemble(global_params, step, kept)
+
+
+@dataclass(frozen=True)
+class TrimmedMean(StatelessRule):
+    """Coordinate-wise trimmed mean; ``beta`` is the fraction trimmed on each side (default 0.1)."""
+
+    beta: float = 0.1
+
+    name: ClassVar[str] = "trimmed_mean"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.beta, bool) or not isinstance(self.beta, int | float) or not 0 <= self.beta < 0.5:
+            raise AggregationError(f"trimmed_mean: beta must be a number in [0, 0.5), got {self.beta!r}")
+
+    def aggregate(
+        self,
+        global_params: Mapping[str, np.ndarray],
+        updates: Sequence[ClientUpdate],
+        state: Mapping[str, Any],
+        context: RoundContext,
+    ) -> AggregationResult:
+        return AggregationResult(params=trimmed_mean_params(global_params, updates, self.beta), state=dict(state))

@@ -1,0 +1,273 @@
+"""Per-step cost and client memory of FedMoS and MOON relative to plain SGD on LeNet-5.
+
+Reuses the machinery of :mod:`benchmarks.step_overhead` (read its docstring for the method): every variant takes one
+optimizer step per cycle inside the same ``pl.Trainer.fit`` of :class:`lightning_modules.FLClassifier`, in a freshly
+shuffled order every cycle, on one fixed batch; a step is timed from ``on_train_batch_start`` to the end of
+``on_train_batch_end``; ratios are medians over the ``fedavg`` (plain SGD) median of the same fits.
+
+Variants:
+
+- on LeNet-5: ``fedavg`` (plain SGD), ``fedmos`` (STORM: a second forward/backward at the previous iterate; target
+  <= 2.2x plain) and ``fedmos authors`` (the authors' released single-pass variant);
+- on LeNet-5 with MOON's projection head (84 → 84 → 256, classifier on the 256-d projection): ``fedavg`` on that model,
+  and ``moon`` with 1, 2 and 4 previous local models in its history (pre-filled, as from earlier rounds). The cost per
+  history model is the slope of ms/step over h = 1 → 4.
+
+Client memory per site: the bytes of the tensors the algorithm keeps during a round (its state: FedMoS x, d and the
+previous iterate; MOON's frozen global model and negatives), counted by walking the algorithm object (shared storages
+counted once), and the size of the site's state file after the round (MOON's history; FedMoS writes none).
+
+Run: ``python -m benchmarks.client_algorithms`` (``--steps`` / ``--rounds`` trade time for precision);
+``--quick`` for a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from torch import nn
+
+from aggregators import meta_keys
+from benchmarks.step_overhead import (
+    BASELINE,
+    SITE,
+    ModelSpec,
+    Settings,
+    Variant,
+    _quiet_lightning,
+    machine_info,
+    new_module,
+    run_fit,
+)
+from lightning_modules.algorithms import build_client_algorithm
+from lightning_modules.algorithms.base import RUN_ID_KEY
+from lightning_modules.algorithms.moon import HISTORY_KEY, storable_state
+from lightning_modules.state_store import ClientStateStore
+
+RUN_ID = "client-algorithms-benchmark"
+LENET = ModelSpec("lenet5", "LeNet-5", "lenet5", {}, (1, 28, 28))
+LENET_HEAD = ModelSpec("lenet5-head", "LeNet-5 + projection head 256", "lenet5", {"projection_dim": 256}, (1, 28, 28))
+HISTORY_SIZES = (1, 2, 4)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One row: a table label, the client algorithm and its hyperparameters, and how many history models to pre-fill."""
+
+    row: str
+    algorithm: str
+    hparams: Mapping[str, Any]
+    history_models: int = 0
+
+
+def cases_for(spec: ModelSpec) -> list[Case]:
+    if spec is LENET:
+        return [
+            Case(BASELINE, "fedavg", {}),
+            Case("fedmos", "fedmos", {}),
+            Case("fedmos authors", "fedmos", {"estimator": "authors"}),
+        ]
+    moon = [Case(f"moon h={h}", "moon", {"history_size": h}, history_models=h) for h in HISTORY_SIZES]
+    return [Case(BASELINE, "fedavg", {}), *moon]
+
+
+def tensor_bytes(value: Any, seen: set[int] | None = None) -> int:
+    """Bytes of every tensor reachable from ``value`` (dicts, lists, tuples, modules); each storage counted once."""
+    seen = set() if seen is None else seen
+    if isinstance(value, torch.Tensor):
+        storage = value.untyped_storage()
+        if storage.data_ptr() in seen:
+            return 0
+        seen.add(storage.data_ptr())
+        return storage.nbytes()
+    if isinstance(value, nn.Module):
+        return sum(tensor_bytes(t, seen) for t in value.state_dict(keep_vars=True).values())
+    if isinstance(value, Mapping):
+        return sum(tensor_bytes(v, seen) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(tensor_bytes(v, seen) for v in value)
+    return 0
+
+
+def algorithm_state_bytes(algorithm: Any, exclude: Iterable[torch.Tensor]) -> int:
+    """Tensors held by the algorithm object, not counting the live model's own (``exclude``)."""
+    seen = {t.untyped_storage().data_ptr() for t in exclude}
+    # _params maps names to the live parameters; the captured z of the last batch is transient.
+    attributes = {k: v for k, v in vars(algorithm).items() if k not in ("_params", "_z", "_batch")}
+    return tensor_bytes(attributes, seen)
+
+
+class Configured(Variant):
+    """A client algorithm with given hyperparameters; MOON's history is pre-filled with ``history_models`` models."""
+
+    impl = "ours"
+
+    def __init__(self, case: Case, settings: Settings) -> None:
+        super().__init__(case.row, settings)
+        self.case = case
+        self.state_bytes = 0
+        self.file_bytes = 0
+
+    def start(self, trainer: pl.Trainer, module: Any, state_root: Path) -> None:
+        self.store = ClientStateStore(state_root / self.row.replace(" ", "_").replace("=", ""), SITE)
+        self.algorithm = build_client_algorithm(self.case.algorithm, **self.case.hparams)
+        self.algorithm.bind(SITE, self.store)
+        if self.case.history_models:
+            history = [storable_state(module.net) for _ in range(self.case.history_models)]
+            self.store.save("moon", {RUN_ID_KEY: RUN_ID, HISTORY_KEY: history}, round_num=0)
+        module.set_algorithm(self.algorithm)
+        module.start_round({meta_keys.ROUND: 1, meta_keys.RUN_ID: RUN_ID}, site=SITE)
+
+    def activate(self, module: Any) -> None:
+        module.algorithm = self.algorithm
+        module.lightning_default_step = False
+
+    def finish(self, module: Any) -> None:
+        module.algorithm = self.algorithm
+        self.state_bytes = algorithm_state_bytes(self.algorithm, module.state_dict(keep_vars=True).values())
+        self.algorithm.on_round_end(module)
+        path = self.store.path(self.case.algorithm)
+        self.file_bytes = path.stat().st_size if path.exists() else 0
+        counted = getattr(self.algorithm, "steps", None)
+        if isinstance(counted, int) and counted != self.steps:
+            raise RuntimeError(f"{self.key}: the algorithm counted {counted} steps, the benchmark ran {self.steps}")
+
+
+@dataclass
+class Row:
+    model: str
+    model_bytes: int
+    row: str
+    ms: float
+    ratio: float
+    spread: tuple[float, float]
+    state_bytes: int
+    file_bytes: int
+
+
+def benchmark(spec: ModelSpec, settings: Settings, progress: Any) -> list[Row]:
+    cases = cases_for(spec)
+    times: dict[str, list[list[float]]] = {}
+    memory: dict[str, tuple[int, int]] = {}
+    for fit_index in range(settings.rounds):
+        variants = [Configured(case, settings) for case in cases]
+        progress(f"[{spec.key}] fit {fit_index + 1}/{settings.rounds}: {len(variants)} variants interleaved")
+        for key, kept in run_fit(variants, spec, settings, fit_index).items():
+            times.setdefault(key, []).append(kept)
+        memory = {v.key: (v.state_bytes, v.file_bytes) for v in variants}
+    model_bytes = tensor_bytes(new_module(spec, settings).net)
+    base = [t for fit in times[f"ours:{BASELINE}"] for t in fit]
+    rows = []
+    for case in cases:
+        key = f"ours:{case.row}"
+        per_fit = [
+            statistics.median(v) / statistics.median(b)
+            for v, b in zip(times[key], times[f"ours:{BASELINE}"], strict=True)
+        ]
+        median = statistics.median(t for fit in times[key] for t in fit)
+        ratio = median / statistics.median(base)
+        rows.append(Row(spec.label, model_bytes, case.row, median, ratio, (min(per_fit), max(per_fit)), *memory[key]))
+    return rows
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    lines = [
+        "| model | algorithm | ms/step | ÷ plain SGD [per-fit range] | state in memory (MB) | ÷ model size "
+        "| state file (MB) |",
+        "|" + "---|" * 7,
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.model} | {r.row} | {r.ms:.2f} | {r.ratio:.2f} [{r.spread[0]:.2f}–{r.spread[1]:.2f}] | "
+            f"{r.state_bytes / 1e6:.3f} | {r.state_bytes / r.model_bytes:.1f} | {r.file_bytes / 1e6:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def history_slope(rows: Sequence[Row]) -> str:
+    """ms per extra history model (MOON), from the h = 1 and h = 4 rows."""
+    moon = {r.row: r for r in rows if r.row.startswith("moon h=")}
+    first, last = moon.get(f"moon h={HISTORY_SIZES[0]}"), moon.get(f"moon h={HISTORY_SIZES[-1]}")
+    if first is None or last is None:
+        return ""
+    span = HISTORY_SIZES[-1] - HISTORY_SIZES[0]
+    per_model = (last.ms - first.ms) / span
+    base = next(r.ms for r in rows if r.row == BASELINE and r.model == first.model)
+    return (
+        f"MOON cost per history model: {per_model:+.2f} ms/step ({per_model / base:+.2f}× plain SGD), "
+        f"from h = {HISTORY_SIZES[0]} to h = {HISTORY_SIZES[-1]}."
+    )
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.client_algorithms",
+        description="Per-step time (÷ plain SGD) and client memory of FedMoS and MOON on LeNet-5; prints a table.",
+    )
+    parser.add_argument("--steps", type=int, default=200, help="kept steps per variant and model (default 200)")
+    parser.add_argument("--rounds", type=int, default=4, help="fits per model, variants interleaved (default 4)")
+    parser.add_argument("--warmup", type=int, default=5, help="steps dropped per variant and fit (default 5)")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: usable CPUs)")
+    parser.add_argument("--out", type=Path, default=None, help="also write the report to this file")
+    parser.add_argument("--quick", action="store_true", help="smoke-test sizes: 2 fits x 3 kept steps, 1 warm-up")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.rounds, args.warmup = 6, 2, 1
+    if min(args.steps, args.rounds, args.batch_size) < 1 or args.warmup < 0:
+        parser.error("--steps, --rounds and --batch-size must be >= 1, --warmup >= 0")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(args.threads or usable)
+    settings = Settings(steps=args.steps, rounds=args.rounds, warmup=args.warmup, batch_size=args.batch_size)
+    started = time.perf_counter()
+
+    def progress(message: str) -> None:
+        print(f"[{time.perf_counter() - started:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+    rows: list[Row] = []
+    with _quiet_lightning():
+        for spec in (LENET, LENET_HEAD):
+            rows += benchmark(spec, settings, progress)
+    command = "python -m benchmarks.client_algorithms " + " ".join(sys.argv[1:] if argv is None else argv)
+    report = "\n".join(
+        [
+            "## FedMoS and MOON: step time and client memory vs plain SGD",
+            "",
+            f"Command: `{command.strip()}` ({time.perf_counter() - started:.0f} s)",
+            "",
+            *machine_info(settings)[:-1],  # its last line describes step_overhead's settings
+            f"- settings: batch {settings.batch_size}, SGD lr {settings.lr} (no momentum), precision 32-true, "
+            f"FedMoS defaults (a 0.1, mu 0.001), MOON defaults (mu 5, temperature 0.5); {settings.rounds} fits x "
+            f"{settings.measured_per_fit} kept steps per variant (+{settings.warmup} warm-up steps dropped per "
+            "variant and fit), interleaved step by step in shuffled cycles, the same batch every step",
+            "",
+            format_table(rows),
+            "",
+            history_slope(rows),
+            "",
+        ]
+    )
+    print(report)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(report, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,339 @@
+"""A real NVFlare deployment on this machine: provision, start server and sites as processes, submit, wait, stop.
+
+    python -m jobs.provision.loopback jobs/scaffold --workspace /tmp/fedalg-loopback
+    python -m jobs.provision.loopback jobs/fedavg --workspace /tmp/fl --sites 3 --keep   # leave it running
+
+Everything a provisioned deployment does happens here, on loopback: ``nvflare provision`` with
+``jobs/provision/project.yml`` (server ``localhost`` on a port that is free now), mutual-TLS startup kits, each
+participant started from its own kit (``startup/sub_start.sh --once``) as a separate process group, the job
+submitted as the project admin through ``nvflare.fuel.flare_api``. Each site gets
+
+- the bundle's classes added to the class allow-list of its ``local/resources.json``;
+- its own training data: ``<site>/data/train.npz`` (written from the simulation shard, as a stand-in for the
+  site's real data) named by ``local/fedalg_site_data.json`` (see :mod:`data_prep.site_config`).
+
+The package must be importable by every participant's Python (here: the same ``.venv``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+PROVISION_DIR = Path(__file__).resolve().parent
+PROJECT_TEMPLATE = PROVISION_DIR / "project.yml"
+ALLOW_LIST_FILE = PROVISION_DIR / "class_allow_list.json"
+ADMIN = "admin@fedalg.org"
+
+
+class DeploymentError(RuntimeError):
+    """The loopback deployment could not be provisioned, started, or did not finish the job."""
+
+
+@dataclass
+class Deployment:
+    """Paths and processes of one provisioned deployment."""
+
+    workspace: Path
+    server: Path
+    sites: dict[str, Path]
+    admin: Path
+    port: int
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+
+def free_port() -> int:
+    """A TCP port free at this moment (the OS picks it), so runs never depend on a fixed port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def write_project(path: Path, port: int, site_names: Sequence[str]) -> Path:
+    """The project template with the server's port and the site list replaced."""
+    project = yaml.safe_load(PROJECT_TEMPLATE.read_text())
+    others = [p for p in project["participants"] if p["type"] != "client"]
+    for participant in others:
+        if participant["type"] == "server":
+            participant["fed_learn_port"] = port
+    clients = [{"name": name, "type": "client", "org": "fedalg"} for name in site_names]
+    project["participants"] = others[:1] + clients + others[1:]
+    path.write_text(yaml.safe_dump(project, sort_keys=False))
+    return path
+
+
+def provision(workspace: Path, num_sites: int = 3, env: dict[str, str] | None = None) -> Deployment:
+    """Run ``nvflare provision`` into ``workspace/provision`` and return the kit locations."""
+    workspace.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    sites = [f"site-{i}" for i in range(1, num_sites + 1)]
+    project = write_project(workspace / "project.yml", port, sites)
+    nvflare = Path(sys.executable).with_name("nvflare")
+    command = [str(nvflare), "provision", "-p", str(project), "-w", str(workspace / "provision")]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=workspace, timeout=120)
+    kits = sorted((workspace / "provision").glob("*/prod_*"))
+    if done.returncode != 0 or not kits:
+        raise DeploymentError(f"nvflare provision failed ({done.returncode}): {done.stdout}\n{done.stderr}")
+    kit = kits[-1]
+    return Deployment(workspace, kit / "localhost", {s: kit / s for s in sites}, kit / ADMIN, port)
+
+
+def allow_bundle_classes(participant: Path) -> Path:
+    """Write ``local/resources.json``: the provisioned defaults plus this bundle's classes in the allow-list."""
+    local = participant / "local"
+    resources = json.loads((local / "resources.json.default").read_text())
+    extra = json.loads(ALLOW_LIST_FILE.read_text())["class_allow_list"]
+    allowed = resources.setdefault("class_allow_list", [])
+    allowed.extend(name for name in extra if name not in allowed)
+    target = local / "resources.json"
+    target.write_text(json.dumps(resources, indent=2))
+    return target
+
+
+def keep_server_storage_inside(server: Path, scheduler: dict[str, float] | None = None) -> Path:
+    """Point the server's job store and snapshot store (``/tmp/nvflare/...`` in provisioned kits) into its own
+    workspace, so deployments never share or leave state outside their folder; ``scheduler`` overrides the job
+    scheduler's retry settings (``max_schedule_count``, ``min_schedule_interval``)."""
+    target = server / "local" / "resources.json"
+    resources = json.loads(target.read_text())
+    storage = server / "storage"
+    resources["snapshot_persistor"]["args"]["storage"]["args"]["root_dir"] = str(storage / "snapshot-storage")
+    for component in resources["components"]:
+        if component.get("id") == "job_manager":
+            component["args"]["uri_root"] = str(storage / "jobs-storage")
+        if component.get("id") == "job_scheduler" and scheduler:
+            component.setdefault("args", {}).update(scheduler)
+    target.write_text(json.dumps(resources, indent=2))
+    return target
+
+
+def configure_site_data(site_dir: Path, site: str, data_settings: dict[str, Any]) -> Path:
+    """Give a site its own data file and the local config that names it (stand-in for the site's real data)."""
+    from data_prep import SiteDataConfig, site_split
+    from data_prep.site_config import LOCAL_CONFIG, write_site_file
+
+    x, y = site_split(SiteDataConfig(**data_settings), site)
+    data_file = write_site_file(site_dir / "data" / "train.npz", x, y)
+    config = site_dir / LOCAL_CONFIG
+    config.write_text(json.dumps({"train": str(data_file)}))
+    return config
+
+
+def participant_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment every participant starts with: this interpreter's ``bin`` first (``python3`` in the kits'
+    start scripts must be the one that has the bundle installed)."""
+    env = dict(os.environ if base is None else base)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def start(deployment: Deployment, env: dict[str, str]) -> None:
+    """Start the server, wait until it listens, then start every site; each in its own process group."""
+    _start_one(deployment, "server", deployment.server, env)
+    _wait_for_port(deployment.port, timeout=60.0, deployment=deployment)
+    for site, site_dir in deployment.sites.items():
+        _start_one(deployment, site, site_dir, env)
+
+
+def _start_one(deployment: Deployment, name: str, kit: Path, env: dict[str, str]) -> None:
+    log = (deployment.workspace / f"{name}.out").open("w")
+    deployment.processes[name] = subprocess.Popen(
+        ["bash", str(kit / "startup" / "sub_start.sh"), "--once"],
+        cwd=kit,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def _wait_for_port(port: int, timeout: float, deployment: Deployment) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        _check_alive(deployment)
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1.0):
+            return
+        time.sleep(0.5)
+    raise DeploymentError(f"server did not listen on port {port} within {timeout:.0f} s")
+
+
+def _check_alive(deployment: Deployment) -> None:
+    for name, process in deployment.processes.items():
+        if process.poll() is not None:
+            log = deployment.workspace / f"{name}.out"
+            tail = log.read_text()[-2000:] if log.is_file() else ""
+            raise DeploymentError(f"{name} exited with {process.returncode}:\n{tail}")
+
+
+@contextlib.contextmanager
+def admin_session(deployment: Deployment, timeout: float = 60.0) -> Iterator[Any]:
+    """A logged-in admin session (the project admin's startup kit)."""
+    from nvflare.fuel.flare_api.flare_api import new_secure_session
+
+    session = new_secure_session(ADMIN, str(deployment.admin), timeout=timeout)
+    try:
+        yield session
+    finally:
+        with contextlib.suppress(Exception):
+            session.close()
+
+
+def wait_for_sites(session: Any, deployment: Deployment, timeout: float = 120.0) -> None:
+    """Block until every site has registered with the server."""
+    wanted = set(deployment.sites)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        _check_alive(deployment)
+        connected = {client.name for client in session.get_system_info().client_info}
+        if wanted <= connected:
+            return
+        time.sleep(1.0)
+    raise DeploymentError(f"sites {sorted(wanted - connected)} did not connect within {timeout:.0f} s")
+
+
+def installed_script_job(job_dir: Path, target: Path) -> Path:
+    """A copy of ``job_dir`` without ``custom/``: the sites run the client script of the installed package instead.
+
+    NVFlare then treats the job as non-BYOC, so the submitter needs no ``byoc`` right, and every component class must
+    be on each participant's class allow-list (see :func:`allow_bundle_classes`)."""
+    import jobs
+
+    installed = Path(jobs.__file__).resolve().parent / "client.py"
+    shutil.copytree(job_dir, target, ignore=shutil.ignore_patterns("__pycache__"))
+    for app in target.glob("app*"):
+        shutil.rmtree(app / "custom", ignore_errors=True)
+        config_file = app / "config" / "config_fed_client.json"
+        if not config_file.is_file():
+            continue
+        config = json.loads(config_file.read_text())
+        for entry in config.get("executors", []):
+            args = entry.get("executor", {}).get("args", {})
+            if args.get("task_script_path") == "client.py":
+                args["task_script_path"] = str(installed)
+        config_file.write_text(json.dumps(config, indent=4))
+    return target
+
+
+def submit(session: Any, deployment: Deployment, job_dir: Path) -> str:
+    """Submit a copy of ``job_dir`` (submitting signs the folder in place, which must not touch jobs/)."""
+    copy = deployment.workspace / "submitted" / f"{job_dir.name}-{time.monotonic_ns()}"
+    shutil.copytree(job_dir, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    return session.submit_job(str(copy))
+
+
+def run_job(session: Any, deployment: Deployment, job_dir: Path, timeout: float) -> tuple[str, dict]:
+    """Submit a job folder and wait for it to finish; returns (job id, final job meta)."""
+    job_id = submit(session, deployment, job_dir)
+    meta = session.wait_for_job(job_id, timeout=timeout, poll_interval=1.0)
+    return job_id, meta
+
+
+def download_result(session: Any, job_id: str) -> Path:
+    """The server's run folder of a finished job (NVFlare moves it into the job store when the job ends), downloaded
+    into the admin kit's ``transfer/``: ``app_server/FL_global_model.pt``, ``metrics/``, ``tb_events/``."""
+    return Path(session.download_job_result(job_id)) / "workspace"
+
+
+def stop(deployment: Deployment, grace: float = 15.0) -> None:
+    """Shut every participant down: admin shutdown, then SIGTERM/SIGKILL to every process this deployment started
+    (their job processes run in sessions of their own, so they are found by their workspace path)."""
+    import psutil
+
+    with contextlib.suppress(Exception), admin_session(deployment, timeout=5.0) as session:
+        session.shutdown("all", wait=False)
+    ours = _deployment_processes(deployment)
+    for process in ours:
+        with contextlib.suppress(psutil.Error):
+            process.send_signal(signal.SIGTERM)
+    _, alive = psutil.wait_procs(ours, timeout=grace)
+    for process in alive:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    psutil.wait_procs(alive, timeout=5.0)
+    for process in deployment.processes.values():
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=5.0)
+
+
+def _deployment_processes(deployment: Deployment) -> list[Any]:
+    """The processes this deployment started and everything below them, plus any process (of this user) whose
+    command line names this deployment's workspace (job processes detach into sessions of their own)."""
+    import psutil
+
+    found: dict[int, Any] = {}
+    for popen in deployment.processes.values():
+        with contextlib.suppress(psutil.Error):
+            root = psutil.Process(popen.pid)
+            for process in [root, *root.children(recursive=True)]:
+                found[process.pid] = process
+    marker = str(deployment.workspace)
+    for process in psutil.process_iter(["pid", "uids", "cmdline"]):
+        with contextlib.suppress(psutil.Error, TypeError):
+            if process.info["uids"].real == os.getuid() and any(marker in arg for arg in process.info["cmdline"]):
+                found.setdefault(process.pid, process)
+    found.pop(os.getpid(), None)
+    return list(found.values())
+
+
+def leftover_processes(deployment: Deployment) -> list[int]:
+    """Process ids still running that belong to this deployment (empty after a clean :func:`stop`)."""
+    return sorted(p.pid for p in _deployment_processes(deployment) if p.is_running() and p.status() != "zombie")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m jobs.provision.loopback", description=__doc__.splitlines()[0])
+    parser.add_argument("job", type=Path, help="an exported job folder, e.g. jobs/scaffold")
+    parser.add_argument("--workspace", type=Path, required=True, help="where kits and workspaces go (must not exist)")
+    parser.add_argument("--sites", type=int, default=3, help="number of sites (default: 3)")
+    parser.add_argument("--max-train-samples", type=int, default=3000, help="training samples split across sites")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for the job (default: 1800)")
+    parser.add_argument("--keep", action="store_true", help="leave the deployment running after the job")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.workspace.exists():
+        print(f"error: {args.workspace} exists; pass a new folder", file=sys.stderr)
+        return 2
+    workspace = args.workspace.resolve()
+    env = participant_env()
+    deployment = provision(workspace, args.sites, env)
+    data = {"dataset": "fashion_mnist", "scheme": "dirichlet", "num_sites": args.sites}
+    data["max_train_samples"] = args.max_train_samples
+    for participant in [deployment.server, *deployment.sites.values()]:
+        allow_bundle_classes(participant)
+    keep_server_storage_inside(deployment.server)
+    for site, site_dir in deployment.sites.items():
+        configure_site_data(site_dir, site, data)
+    started = time.monotonic()
+    try:
+        start(deployment, env)
+        with admin_session(deployment) as session:
+            wait_for_sites(session, deployment)
+            job_id, meta = run_job(session, deployment, args.job.resolve(), args.timeout)
+            result = download_result(session, job_id)
+        print(f"job {job_id}: {meta.get('status')} after {time.monotonic() - started:.0f} s")
+        print(f"server results (model, metrics/round_metrics.jsonl, tb_events/): {result}")
+    finally:
+        if not args.keep:
+            stop(deployment)
+    return 0 if str(meta.get("status", "")).startswith("FINISHED:COMPLETED") else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

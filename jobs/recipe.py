@@ -1,0 +1,80 @@
+"""NVFlare 2.9 recipe for this bundle: one recipe for any client algorithm × server rule, runnable in every
+NVFlare execution environment.
+
+    from nvflare.recipe import SimEnv, PocEnv, ProdEnv
+    from jobs.recipe import FedAlgRecipe
+
+    recipe = FedAlgRecipe(client="scaffold", server="scaffold", num_rounds=20, min_clients=3, alpha=0.1)
+    run = recipe.execute(SimEnv(num_clients=3))                 # simulator, one process per site
+    run = recipe.execute(PocEnv(num_clients=3))                 # POC deployment on this machine
+    run = recipe.execute(ProdEnv(startup_kit_location="/path/to/admin@org/"))   # provisioned sites
+    recipe.export("/tmp/jobs")                                  # a job folder, as `python -m jobs.build` writes
+
+The recipe is a thin wrapper: its job is exactly what :func:`jobs.build.build_job` builds from a
+:class:`jobs.build.JobSpec` with the same settings, so recipes, the CLI builder and the committed ``jobs/<name>/``
+folders never disagree (tested). Unknown algorithms, meaningless combinations and bad settings fail when the recipe
+is created, with the valid choices in the message.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from nvflare.recipe.spec import ExecEnv, Recipe
+
+from jobs.build import JOBS_DIR, JobSpec, build_job, inside_directory
+
+
+class FedAlgRecipe(Recipe):
+    """A client algorithm (``client``, ``client_args``) with a server rule (``server``, ``server_args``).
+
+    Args:
+        name: job name (folder name on export).
+        client: client algorithm (``fedavg``, ``scaffold``, ``fedprox``, ``feddyn``, ...).
+        client_args: its hyperparameters, e.g. ``{"mu": 0.01}`` for FedProx.
+        server: server aggregation rule (``fedavg``, ``scaffold``, ``feddyn``, ``fedyogi``, ...).
+        server_args: its hyperparameters, e.g. ``{"alpha": 0.01}`` for FedDyn.
+        num_rounds: federated rounds.
+        min_clients: sites the job needs (NVFlare waits for this many before it starts the job; also the number of
+            simulated shards).
+        **settings: any other :class:`jobs.build.JobSpec` field (data, local training, precision, sampling,
+            ``min_responses``, ``train_timeout``, ...); see ``python -m jobs.build --help``.
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str = "fedalg",
+        client: str = "fedavg",
+        client_args: dict[str, Any] | None = None,
+        server: str = "fedavg",
+        server_args: dict[str, Any] | None = None,
+        num_rounds: int = 10,
+        min_clients: int = 3,
+        **settings: Any,
+    ) -> None:
+        self.spec = JobSpec(
+            name=name,
+            client=client,
+            client_args=dict(client_args or {}),
+            server=server,
+            server_args=dict(server_args or {}),
+            num_rounds=num_rounds,
+            num_sites=min_clients,
+            **settings,
+        )
+        # NVFlare resolves the client script path relative to the working directory when the job is assembled and
+        # again when it is written, so both happen inside jobs/, where client.py lives (as jobs.build.export_job).
+        with inside_directory(JOBS_DIR):
+            job = build_job(self.spec)
+        super().__init__(job)
+
+    def export(self, job_dir: str, *args: Any, **kwargs: Any) -> None:
+        target = str(Path(job_dir).resolve())  # relative to the caller's directory, before changing into jobs/
+        with inside_directory(JOBS_DIR):
+            super().export(target, *args, **kwargs)
+
+    def run(self, env: ExecEnv, *args: Any, **kwargs: Any) -> Any:
+        with inside_directory(JOBS_DIR):
+            return super().run(env, *args, **kwargs)

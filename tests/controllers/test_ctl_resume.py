@@ -1,0 +1,164 @@
+"""Resume (DESIGN.md decision 5): k rounds, stop, resume for the rest == one uninterrupted run, bit for bit.
+
+The controller's ``run()`` is driven with NVFlare's engine calls replaced by deterministic fakes: clients whose
+update depends only on the global model they receive, the round and the site; a persistor that writes
+``FL_global_model.pt`` the way NVFlare's ``PTFileModelPersistor`` does (``{"model": state_dict}``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from nvflare.app_common.abstract.fl_model import FLModel
+
+from aggregators import meta_keys
+from controllers.checkpoint import GLOBAL_MODEL_FILE, load_resume_point, save_rule_state
+from controllers.fedalg_controller import STATE_FILE, FedAlgController
+
+SITES = ("site-1", "site-2", "site-3")
+ROUNDS = 5
+STOP_AFTER = 2
+X0 = {
+    "conv.weight": np.linspace(-1, 1, 24, dtype=np.float32).reshape(2, 3, 4),
+    "bn.running_mean": np.zeros(2, np.float32),
+    "bn.num_batches_tracked": np.array(0, np.int64),
+}
+
+
+def client_result(site: str, round_num: int, params: dict, meta_in: dict) -> FLModel:
+    """A deterministic 'local training': a pull towards a site-specific target plus seeded noise."""
+    index = SITES.index(site)
+    rng = np.random.default_rng([index, round_num])
+    target = np.full((2, 3, 4), index - 1.0)
+    new = {
+        "conv.weight": (params["conv.weight"] + 0.3 * (target - params["conv.weight"])).astype(np.float32)
+        + rng.normal(0, 0.01, (2, 3, 4)).astype(np.float32),
+        "bn.running_mean": params["bn.running_mean"] + np.float32(index),
+        "bn.num_batches_tracked": params["bn.num_batches_tracked"] + 10,
+    }
+    meta = {
+        "client_name": site,
+        meta_keys.NUM_SAMPLES: 10 + index,
+        meta_keys.PARAM_KEYS: ["conv.weight"],
+        meta_keys.FEDNOVA_TAU: 3 + index,
+        meta_keys.FEDNOVA_A_NORM: 3.0 + index,
+        meta_keys.SCAFFOLD_CTRL_DIFF: {"conv.weight": rng.normal(0, 0.1, (2, 3, 4)).astype(np.float32)},
+    }
+    return FLModel(params=new, meta=meta)
+
+
+class FakeEngineController(FedAlgController):
+    """The real controller with NVFlare's engine, persistor and task exchange replaced by in-process fakes."""
+
+    def __init__(self, app_dir: Path, stop_after: int | None = None, **kwargs):
+        super().__init__(evaluator_id="", clients_per_round=2, **kwargs)
+        self.app_dir, self.stop_after = app_dir, stop_after
+        self.app_dir.mkdir(parents=True, exist_ok=True)
+        self.engine = SimpleNamespace(get_clients=lambda: [SimpleNamespace(name=s) for s in SITES])
+        self.abort_signal = SimpleNamespace(triggered=False)
+        self.sent_meta: list[dict] = []
+        self.rounds_run = 0
+
+    def load_model(self):
+        return FLModel(params={k: v.copy() for k, v in X0.items()})
+
+    def save_model(self, model):
+        tensors = {k: torch.from_numpy(np.array(v, copy=True)) for k, v in model.params.items()}
+        torch.save({"model": tensors, "train_conf": {}}, self.app_dir / GLOBAL_MODEL_FILE)
+
+    def send_model_and_wait(self, targets, data, min_responses=None, timeout=0):
+        self.sent_meta.append(dict(data.meta))
+        results = [client_result(site, data.current_round, data.params, data.meta) for site in targets]
+        self.rounds_run += 1
+        if self.stop_after is not None and self.rounds_run >= self.stop_after:
+            self.abort_signal.triggered = True  # the job is stopped here (checked before the next round)
+        return results
+
+    def get_app_dir(self):
+        return str(self.app_dir)
+
+    def get_run_dir(self):
+        return str(self.app_dir.parent)
+
+    def info(self, msg, *args, **kwargs):
+        pass
+
+    warning = error = info
+
+
+def _final(app_dir: Path) -> tuple[dict, dict]:
+    payload = torch.load(app_dir / STATE_FILE, weights_only=True)
+    model = torch.load(app_dir / GLOBAL_MODEL_FILE, weights_only=True)["model"]
+    return {k: v.numpy() for k, v in model.items()}, payload
+
+
+def _assert_identical(a, b, where="state"):
+    if isinstance(a, torch.Tensor | np.ndarray):
+        assert np.asarray(a).dtype == np.asarray(b).dtype, where
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=where)
+    elif isinstance(a, dict):
+        assert set(a) == set(b), where
+        for key in a:
+            _assert_identical(a[key], b[key], f"{where}.{key}")
+    else:
+        assert a == b, where
+
+
+RULES_UNDER_TEST = {
+    "fedyogi+scaffold": {"rule": "fedyogi", "rule_args": {"server_lr": 0.05}, "companions": {"scaffold_control": {}}},
+    "fedadam-bias": {"rule": "fedadam", "rule_args": {"bias_correction": True}},
+    "fedavgm": {"rule": "fedavgm"},
+    "fednova-momentum": {"rule": "fednova", "rule_args": {"server_momentum": 0.5}},
+    "fedadp": {"rule": "fedadp"},
+    "fedatt-noise": {"rule": "fedatt", "rule_args": {"noise": 0.01, "seed": 3}},
+}
+
+
+@pytest.mark.parametrize("case", list(RULES_UNDER_TEST))
+def test_stop_and_resume_equals_an_uninterrupted_run(tmp_path, case):
+    settings = RULES_UNDER_TEST[case]
+    straight = FakeEngineController(tmp_path / "straight" / "app", num_rounds=ROUNDS, **settings)
+    straight.run()
+    first = FakeEngineController(tmp_path / "first" / "app", stop_after=STOP_AFTER, num_rounds=ROUNDS, **settings)
+    first.run()
+    assert first.rounds_run == STOP_AFTER
+    resumed = FakeEngineController(
+        tmp_path / "resumed" / "app", num_rounds=ROUNDS, resume_from=str(tmp_path / "first" / "app"), **settings
+    )
+    resumed.run()
+    assert resumed.rounds_run == ROUNDS - STOP_AFTER
+    params_a, state_a = _final(tmp_path / "straight" / "app")
+    params_b, state_b = _final(tmp_path / "resumed" / "app")
+    _assert_identical(params_a, params_b, "params")
+    assert state_a["round"] == state_b["round"] == ROUNDS - 1
+    _assert_identical(state_a["state"], state_b["state"])  # moments, controls, angles, step counters
+    # Identical broadcasts in the resumed rounds (round index, the SCAFFOLD control) and the same run id.
+    for sent_a, sent_b in zip(straight.sent_meta[STOP_AFTER:], resumed.sent_meta, strict=True):
+        assert sent_a[meta_keys.ROUND] == sent_b[meta_keys.ROUND]
+        if meta_keys.SCAFFOLD_CTRL_GLOBAL in sent_a:
+            _assert_identical(sent_a[meta_keys.SCAFFOLD_CTRL_GLOBAL], sent_b[meta_keys.SCAFFOLD_CTRL_GLOBAL])
+    assert resumed.sent_meta[0][meta_keys.RUN_ID] == first.sent_meta[0][meta_keys.RUN_ID]
+
+
+def test_resume_refuses_a_model_that_does_not_belong_to_the_state(tmp_path):
+    app = tmp_path / "app"
+    FakeEngineController(app, stop_after=STOP_AFTER, num_rounds=ROUNDS, rule="fedadam").run()
+    payload = torch.load(app / STATE_FILE, weights_only=True)
+    save_rule_state(app / STATE_FILE, "fedadam", payload["round"], {}, global_sha256="0" * 64)
+    with pytest.raises(ValueError, match="is not the model"):
+        load_resume_point(app, "fedadam")
+
+
+def test_resume_refuses_another_rules_state_and_missing_files(tmp_path):
+    app = tmp_path / "app"
+    FakeEngineController(app, stop_after=1, num_rounds=ROUNDS, rule="fedadam").run()
+    with pytest.raises(ValueError, match="written by rule 'fedadam'"):
+        load_resume_point(app, "fedyogi")
+    with pytest.raises(FileNotFoundError, match="cannot resume"):
+        load_resume_point(tmp_path / "nowhere", "fedadam")
+    point = load_resume_point(app, "fedadam")
+    assert point.next_round == 1 and point.state["step"] == 1 and point.run_id
