@@ -83,61 +83,6 @@ def update_global_control(
 
 
 @dataclass(frozen=True)
-class Scaffold:
-    """SCAFFOLD server rule.
-
-    Args:
-        server_lr: eta_g (1.0 in the paper's experiments).
-        weighting: ``uniform`` (paper) or ``samples`` model averaging.
-        population_size: N; ``None`` uses every site connected when the job started.
-    """
-
-    server_lr: float = 1.0
-    weighting: str = "uniform"
-    population_size: int | None = None
-
-    name: ClassVar[str] = "scaffold"
-    required_meta: ClassVar[tuple[str, ...]] = (meta_keys.SCAFFOLD_CTRL_DIFF,)
-    broadcast_keys: ClassVar[tuple[str, ...]] = (meta_keys.SCAFFOLD_CTRL_GLOBAL,)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.server_lr, bool) or not isinstance(self.server_lr, int | float) or self.server_lr <= 0:
-            raise AggregationError(f"scaffold: server_lr must be a positive number, got {self.server_lr!r}")
-        if self.weighting not in WEIGHTINGS:
-            raise AggregationError(f"scaffold: weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
-        if self.population_size is not None and self.population_size < 1:
-            raise AggregationError(f"scaffold: population_size must be at least 1, got {self.population_size}")
-
-    def init_state(self, global_params: Mapping[str, np.ndarray]) -> dict[str, Any]:
-        return {"control": {}}
-
-    def broadcast_meta(self, state: Mapping[str, Any]) -> dict[str, Any]:
-        return {meta_keys.SCAFFOLD_CTRL_GLOBAL: dict(state["control"])}
-
-    def update_problems(
-        self, update: ClientUpdate, global_params: Mapping[str, np.ndarray], state: Mapping[str, Any]
-    ) -> list[str]:
-        return control_problems(update.meta.get(meta_keys.SCAFFOLD_CTRL_DIFF), global_params, state["control"])
-
-    def aggregate(
-        self,
-        global_params: Mapping[str, np.ndarray],
-        updates: Sequence[ClientUpdate],
-        state: Mapping[str, Any],
-        context: RoundContext,
-    ) -> AggregationResult:
-        updates = by_site(updates)
-        population = self.population_size or len(context.population)
-        if population < len(updates):
-            raise AggregationError(f"scaffold: {len(updates)} participants but a population of only {population}")
-        weights = sample_weights(updates) if self.weighting == "samples" else np.full(len(updates), 1 / len(updates))
-        params = weighted_model_step(global_params, updates, weights, self.server_lr)
-        diffs = [u.meta[meta_keys.SCAFFOLD_CTRL_DIFF] for u in updates]
-        control = update_global_control(state["control"], diffs, population)
-        return AggregationResult(params=params, state={"control": control})
-
-
-@dataclass(frozen=True)
 class ScaffoldControl:
     """SCAFFOLD's server control c alone, as a companion of another model-update rule (aggregators/compose.py).
 
@@ -174,3 +119,58 @@ class ScaffoldControl:
             raise AggregationError(f"scaffold: {len(updates)} participants but a population of only {population}")
         diffs = [u.meta[meta_keys.SCAFFOLD_CTRL_DIFF] for u in by_site(updates)]
         return {"control": update_global_control(state["control"], diffs, population)}
+
+
+@dataclass(frozen=True)
+class Scaffold:
+    """SCAFFOLD server rule.
+
+    Args:
+        server_lr: eta_g (1.0 in the paper's experiments).
+        weighting: ``uniform`` (paper) or ``samples`` model averaging.
+        population_size: N; ``None`` uses every site connected when the job started.
+    """
+
+    server_lr: float = 1.0
+    weighting: str = "uniform"
+    population_size: int | None = None
+
+    name: ClassVar[str] = "scaffold"
+    required_meta: ClassVar[tuple[str, ...]] = (meta_keys.SCAFFOLD_CTRL_DIFF,)
+    broadcast_keys: ClassVar[tuple[str, ...]] = (meta_keys.SCAFFOLD_CTRL_GLOBAL,)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.server_lr, bool) or not isinstance(self.server_lr, int | float) or self.server_lr <= 0:
+            raise AggregationError(f"scaffold: server_lr must be a positive number, got {self.server_lr!r}")
+        if self.weighting not in WEIGHTINGS:
+            raise AggregationError(f"scaffold: weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
+        ScaffoldControl(population_size=self.population_size)  # refuses a bad population_size now, not per round
+
+    @property
+    def control(self) -> ScaffoldControl:
+        """The server control c is kept exactly as the companion keeps it beside other rules."""
+        return ScaffoldControl(population_size=self.population_size)
+
+    def init_state(self, global_params: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        return self.control.init_state(global_params)
+
+    def broadcast_meta(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        return self.control.broadcast_meta(state)
+
+    def update_problems(
+        self, update: ClientUpdate, global_params: Mapping[str, np.ndarray], state: Mapping[str, Any]
+    ) -> list[str]:
+        return self.control.update_problems(update, global_params, state)
+
+    def aggregate(
+        self,
+        global_params: Mapping[str, np.ndarray],
+        updates: Sequence[ClientUpdate],
+        state: Mapping[str, Any],
+        context: RoundContext,
+    ) -> AggregationResult:
+        updates = by_site(updates)
+        next_state = self.control.update_state(updates, state, context)
+        weights = sample_weights(updates) if self.weighting == "samples" else np.full(len(updates), 1 / len(updates))
+        params = weighted_model_step(global_params, updates, weights, self.server_lr)
+        return AggregationResult(params=params, state=next_state)
