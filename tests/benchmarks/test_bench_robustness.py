@@ -2,26 +2,14 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from aggregators import build_rule
 from aggregators.attention import load_attention_checkpoint
 from aggregators.pretrain_attention import main as pretrain_main
 from benchmarks.robustness import main, markdown_table, scenarios
-from data_prep import DataPrepError, load_dataset
 
-
-@pytest.fixture(autouse=True)
-def _dataset() -> None:
-    """Skip locally when Fashion-MNIST is absent; in CI (CI=true) its absence is a failure."""
-    try:
-        load_dataset("fashion_mnist")
-    except DataPrepError as exc:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"Fashion-MNIST not installed: {exc}")
+pytestmark = pytest.mark.usefixtures("fashion_mnist")
 
 
 def test_quick_grid_writes_table_and_plot(tmp_path, capsys) -> None:

@@ -3,22 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from data_prep import DataPrepError, load_dataset
-
 NVFLARE = Path(sys.executable).with_name("nvflare")
-
-
-@pytest.fixture(scope="session")
-def fashion_mnist() -> None:
-    """Use as a fixture in tests that need the real dataset."""
-    require_fashion_mnist()
 
 
 @pytest.fixture(scope="session")
@@ -31,16 +22,6 @@ def simulate():
 def round_metrics():
     """The ``read_metrics`` function, as a fixture."""
     return read_metrics
-
-
-def require_fashion_mnist() -> None:
-    """Skip locally when Fashion-MNIST is absent; in CI (CI=true) its absence is a failure, not a skip."""
-    try:
-        load_dataset("fashion_mnist")
-    except DataPrepError as exc:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"Fashion-MNIST not installed: {exc}")
 
 
 def run_simulator(job_dir: Path, workspace: Path, num_clients: int, threads: int | None) -> subprocess.CompletedProcess:
