@@ -46,8 +46,9 @@ from aggregators.attention import (
     projection_width,
 )
 from aggregators.capture import CapturedRound, capture_labels, new_run_dir, write_round
-from aggregators.robust import assemble, check_int, finite_updates, robust_keys
+from aggregators.robust import assemble, finite_updates, robust_keys
 from aggregators.types import AggregationError, AggregationResult, ClientUpdate, RoundContext
+from aggregators.validation import check_int, check_number
 
 LOG = logging.getLogger("fedalg.attack_adaptive")
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -97,9 +98,8 @@ class AttackAdaptive:
     def __post_init__(self) -> None:
         for name in ("pca_components", "attention_hidden", "attention_loops"):
             check_int(self.name, name, getattr(self, name), 1)
-        for name, value in (("scaling_factor", self.scaling_factor), ("threshold", self.threshold)):
-            if isinstance(value, bool) or not isinstance(value, int | float) or not np.isfinite(value) or value < 0:
-                raise AggregationError(f"{self.name}: {name} must be a finite number >= 0, got {value!r}")
+        for name in ("scaling_factor", "threshold"):
+            check_number(self.name, name, getattr(self, name), low=0.0)
         if self.attention_model_path is None and not self.allow_random_attention:
             raise AggregationError(
                 f"{self.name}: attention_model_path is required (a pretrained attention network, e.g. "

@@ -30,7 +30,8 @@ import numpy as np
 
 from aggregators.deltas import average_buffers, delta_gram, split_keys, trainable_keys, weighted_sum
 from aggregators.functional import by_site, sample_weights
-from aggregators.types import AggregationError, AggregationResult, ClientUpdate, RoundContext
+from aggregators.types import AggregationResult, ClientUpdate, RoundContext
+from aggregators.validation import check_number
 
 
 def gompertz(theta: np.ndarray, alpha: float) -> np.ndarray:
@@ -89,9 +90,7 @@ class FedAdp:
     broadcast_keys: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
-        value = self.alpha
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-            raise AggregationError(f"fedadp: alpha must be a finite number > 0, got {value!r}")
+        check_number(self.name, "alpha", self.alpha, low=0.0, low_open=True)
 
     def init_state(self, global_params: Mapping[str, np.ndarray]) -> dict[str, Any]:
         return {"angles": {}, "counts": {}}

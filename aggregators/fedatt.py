@@ -17,7 +17,6 @@ client (a property of the method, kept).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -27,6 +26,7 @@ import numpy as np
 from aggregators.deltas import average_buffers, delta_gram, split_keys, trainable_keys, weighted_sum
 from aggregators.functional import by_site
 from aggregators.types import AggregationError, AggregationResult, ClientUpdate, RoundContext
+from aggregators.validation import check_number
 
 
 def softmax(scores: np.ndarray) -> np.ndarray:
@@ -60,9 +60,8 @@ class FedAtt:
     broadcast_keys: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
-        for field_name, value in (("epsilon", self.epsilon), ("noise", self.noise)):
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-                raise AggregationError(f"fedatt: {field_name} must be a finite number >= 0, got {value!r}")
+        check_number(self.name, "epsilon", self.epsilon, low=0.0)
+        check_number(self.name, "noise", self.noise, low=0.0)
         if self.epsilon == 0:
             raise AggregationError("fedatt: epsilon must be > 0 (0 never moves the model)")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:

@@ -20,7 +20,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from aggregators.functional import by_site, is_float_array, sample_weights, weighted_average_params
-from aggregators.types import AggregationError, AggregationResult, ClientUpdate, RoundContext
+from aggregators.types import AggregationResult, ClientUpdate, RoundContext
+from aggregators.validation import check_number
 
 
 def fedavg_params(
@@ -62,10 +63,7 @@ class FedAvg:
     broadcast_keys: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
-        if isinstance(self.server_lr, bool) or not isinstance(self.server_lr, int | float):
-            raise AggregationError(f"fedavg: server_lr must be a number, got {self.server_lr!r}")
-        if not np.isfinite(self.server_lr) or self.server_lr <= 0:
-            raise AggregationError(f"fedavg: server_lr must be a positive finite number, got {self.server_lr}")
+        check_number(self.name, "server_lr", self.server_lr, low=0.0, low_open=True)
 
     def init_state(self, global_params: Mapping[str, np.ndarray]) -> dict[str, Any]:
         return {}

@@ -47,6 +47,7 @@ import numpy as np
 
 from aggregators.functional import by_site, is_float_array, sample_weights, weighted_mean
 from aggregators.types import AggregationError, AggregationResult, ClientUpdate, RoundContext
+from aggregators.validation import check_number
 
 SELECTIONS = ("uniform", "adaptive")
 _SELECTION_STREAM = 0x466D53  # separates the selection's random stream from other seeded draws of the job
@@ -148,9 +149,7 @@ class FedMoS:
     broadcast_keys: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
-        beta = self.beta
-        if isinstance(beta, bool) or not isinstance(beta, int | float) or not np.isfinite(beta) or not 0 <= beta < 1:
-            raise AggregationError(f"fedmos: beta (server momentum) must be a number in [0, 1), got {beta!r}")
+        check_number(self.name, "beta (server momentum)", self.beta, low=0.0, high=1.0, high_open=True)
         if self.selection not in SELECTIONS:
             raise AggregationError(f"fedmos: selection must be one of {SELECTIONS}, got {self.selection!r}")
         for site, count in (self.site_num_samples or {}).items():

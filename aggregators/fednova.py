@@ -37,6 +37,7 @@ from aggregators import meta_keys
 from aggregators.deltas import average_buffers, split_keys, trainable_keys, weighted_sum
 from aggregators.functional import by_site, sample_weights
 from aggregators.types import AggregationError, AggregationResult, ClientUpdate, RoundContext
+from aggregators.validation import check_number
 
 TAU_EFF_CHOICES = ("a_norm", "steps")
 
@@ -98,9 +99,7 @@ class FedNova:
     def __post_init__(self) -> None:
         if self.tau_eff not in TAU_EFF_CHOICES:
             raise AggregationError(f"fednova: tau_eff must be one of {TAU_EFF_CHOICES}, got {self.tau_eff!r}")
-        gmf = self.server_momentum
-        if isinstance(gmf, bool) or not isinstance(gmf, int | float) or not (0.0 <= gmf < 1.0):
-            raise AggregationError(f"fednova: server_momentum must be a number in [0, 1), got {gmf!r}")
+        check_number(self.name, "server_momentum", self.server_momentum, low=0.0, high=1.0, high_open=True)
 
     def init_state(self, global_params: Mapping[str, np.ndarray]) -> dict[str, Any]:
         return {"momentum": {}}

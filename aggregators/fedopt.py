@@ -38,6 +38,7 @@ import numpy as np
 from aggregators.deltas import average_buffers, split_keys, trainable_keys, weighted_sum
 from aggregators.functional import by_site, sample_weights
 from aggregators.types import AggregationError, AggregationResult, ClientUpdate, RoundContext
+from aggregators.validation import check_number
 
 WEIGHTINGS = ("samples", "uniform")
 CHUNK = 1 << 16  # elements per slice of a parameter: ~16 slices of 256 KiB stay in cache
@@ -105,12 +106,12 @@ class FedOpt:
             object.__setattr__(self, "server_lr", default_lr)
         if self.beta1 is None:
             object.__setattr__(self, "beta1", default_beta1)
-        _check_number(self.name, "server_lr", self.server_lr, low=0.0, low_open=True)
-        _check_number(self.name, "beta1", self.beta1, low=0.0, high=1.0)
-        _check_number(self.name, "beta2", self.beta2, low=0.0, high=1.0)
-        _check_number(self.name, "tau", self.tau, low=0.0)
+        check_number(self.name, "server_lr", self.server_lr, low=0.0, low_open=True)
+        check_number(self.name, "beta1", self.beta1, low=0.0, high=1.0)
+        check_number(self.name, "beta2", self.beta2, low=0.0, high=1.0)
+        check_number(self.name, "tau", self.tau, low=0.0)
         if self.v0 is not None:
-            _check_number(self.name, "v0", self.v0, low=0.0)
+            check_number(self.name, "v0", self.v0, low=0.0)
         if not isinstance(self.bias_correction, bool):
             raise AggregationError(f"{self.name}: bias_correction must be true or false, got {self.bias_correction!r}")
         if self.bias_correction and self.variant not in ("adam", "yogi"):
@@ -200,14 +201,6 @@ def _previous(moments: Mapping[str, np.ndarray], key: str, shape: tuple[int, ...
     if value.shape != shape:
         raise AggregationError(f"server moment for '{key}' has shape {value.shape}, the parameter has {shape}")
     return value
-
-
-def _check_number(rule: str, name: str, value: Any, low: float, high: float = math.inf, low_open: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise AggregationError(f"{rule}: {name} must be a finite number, got {value!r}")
-    if value < low or value > high or (low_open and value == low):
-        bounds = f"{'(' if low_open else '['}{low}, {high}]"
-        raise AggregationError(f"{rule}: {name} must lie in {bounds}, got {value}")
 
 
 class FedAdam(FedOpt):

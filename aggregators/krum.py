@@ -22,8 +22,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from aggregators.robust import StatelessRule, assemble, check_int, finite_updates, robust_keys, stacked
+from aggregators.robust import StatelessRule, assemble, finite_updates, robust_keys, stacked
 from aggregators.types import AggregationError, AggregationResult, ClientUpdate, RoundContext
+from aggregators.validation import check_int
 
 
 def krum_scores(vectors: np.ndarray, num_byzantine: int) -> np.ndarray:

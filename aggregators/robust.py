@@ -77,12 +77,6 @@ def assemble(
     return {key: result[key] for key in global_params}
 
 
-def check_int(rule: str, name: str, value: object, minimum: int) -> None:
-    """Hyperparameter check with a message naming the rule and the field."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
-        raise AggregationError(f"{rule}: {name} must be an integer >= {minimum}, got {value!r}")
-
-
 class StatelessRule:
     """Protocol boilerplate of the stateless robust rules: no required meta, nothing broadcast, empty state."""
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from aggregators.robust import StatelessRule, assemble, finite_updates, robust_keys, stacked
 from aggregators.types import AggregationError, AggregationResult, ClientUpdate, RoundContext
+from aggregators.validation import check_number
 
 
 def trimmed_mean(values: np.ndarray, beta: float) -> np.ndarray:
@@ -53,8 +54,7 @@ class TrimmedMean(StatelessRule):
     name: ClassVar[str] = "trimmed_mean"
 
     def __post_init__(self) -> None:
-        if isinstance(self.beta, bool) or not isinstance(self.beta, int | float) or not 0 <= self.beta < 0.5:
-            raise AggregationError(f"trimmed_mean: beta must be a number in [0, 0.5), got {self.beta!r}")
+        check_number(self.name, "beta", self.beta, low=0.0, high=0.5, high_open=True)
 
     def aggregate(
         self,
