@@ -175,10 +175,11 @@ class FedAlgController(ModelController):
                 f"round {round_num + 1}: only {len(updates)} valid result(s), {self.min_accepted} needed; "
                 "the global model is left unchanged this round"
             )
+            digest = params_digest(global_params)
         else:
-            global_params, state = self._aggregate(round_num, population, global_params, updates, state)
+            global_params, state, digest = self._aggregate(round_num, population, global_params, updates, state)
         record["aggregated"] = [u.site for u in updates] if len(updates) >= self.min_accepted else []
-        record["global_sha256"] = params_digest(global_params)
+        record["global_sha256"] = digest
         if self.save_client_updates:
             save_updates(self._updates_path(round_num), updates, global_params)
         record.update(self._site_metrics(updates))
@@ -207,12 +208,15 @@ class FedAlgController(ModelController):
         )
 
     def _aggregate(self, round_num, population, global_params, updates, state):
+        """The next global model and rule state, and the model's digest (hashed once: it goes to the state checkpoint
+        and to the metrics line). On an aggregation error the current model and state are kept."""
         context = RoundContext(round_num=round_num, num_rounds=self.num_rounds, population=population)
         try:
             result = self._rule.aggregate(global_params, updates, state, context)
         except AggregationError as exc:
             self.error(f"round {round_num + 1}: aggregation failed, global model unchanged: {exc}")
-            return global_params, state
+            return global_params, state, params_digest(global_params)
+        digest = params_digest(result.params)
         self.save_model(FLModel(params_type=ParamsType.FULL, params=result.params, meta={"round": round_num}))
         save_rule_state(
             Path(self.get_app_dir()) / STATE_FILE,
@@ -220,9 +224,9 @@ class FedAlgController(ModelController):
             round_num,
             result.state,
             run_id=self._run_id,
-            global_sha256=params_digest(result.params),
+            global_sha256=digest,
         )
-        return result.params, result.state
+        return result.params, result.state, digest
 
     @staticmethod
     def _site_metrics(updates) -> dict[str, Any]:
