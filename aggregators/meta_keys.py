@@ -13,6 +13,7 @@ from __future__ import annotations
 NUM_SAMPLES = "train.num_samples"  # training samples of the site: the FedAvg weight (DESIGN.md, decision 6)
 NUM_STEPS = "train.num_steps"  # optimizer steps actually executed this round
 TRAIN_LOSS = "train.loss"  # mean training loss over the round's steps
+FIT_SECONDS = "train.fit_seconds"  # wall seconds of the site's trainer.fit (compute, vs. round wall time)
 TRAIN_ACCURACY = "train.accuracy"  # share of correct predictions over the round's training batches
 CLIENT_ALGORITHM = "client.algorithm"  # name of the client algorithm that produced the update
 PARAM_KEYS = "train.param_keys"  # names of the trainable parameters; every other entry is a buffer

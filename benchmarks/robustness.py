@@ -1,22 +1,23 @@
 """Robustness under attack: final global test accuracy per aggregation rule, attack type and share of malicious sites.
 
-    python -m benchmarks.robustness                       # the full grid (45 federations, about 20 min)
+    python -m benchmarks.robustness                       # the full grid (45 federations)
     python -m benchmarks.robustness --quick               # seconds: the smoke run the tests use
     python -m benchmarks.robustness --capture-dir DIR     # pretraining data for the attention network instead
 
-An in-process harness, not ``nvflare simulator``: through the simulator the grid would take hours on 2 cores. It
-reuses exactly the bundle's pieces — the rule classes (``aggregators.build_rule``), the attack functions
-(``lightning_modules.attacks``), the data partitioner (``data_prep.site_split``) and the model (``FLClassifier``,
-same state-dict keys as the jobs) — and replaces only NVFlare's messaging and Lightning's loop with a plain SGD
-loop (plain SGD as in ``jobs/client.py``, a fresh optimizer every round; batch 32, lr 0.1 here so that 15
-rounds get far enough).
+Every federation is a :class:`jobs.build.JobSpec` (FedAvg clients, the rule under test, the attack) run in this
+process by :func:`controllers.in_process.run_in_process`: the same round engine as the NVFlare controller (site
+sampling, validation that rejects bad results by site, failure handling) and the same Lightning site round as the
+client script, with only NVFlare's messaging left out. The numbers are therefore those the job gives under
+``nvflare simulator`` (``tests/e2e/test_e2e_engine_equivalence.py`` checks the two paths bit for bit); the simulator
+itself would take hours for the grid on 2 cores. Local training: plain SGD with a fresh optimizer every round,
+batch 32, lr 0.1 here so that 15 rounds get far enough.
 
 Every round: all sites train locally from the global model; malicious sites (chosen with the seed) attack from
-``--attack-start-round`` on; the rule aggregates the clients' full models; the global model is scored on the first
+``--attack-start-round`` on; the rule aggregates the sites' full models; the global model is scored on the first
 ``--test-samples`` Fashion-MNIST test images. The report is a markdown table of final accuracies and a plot.
-With ``--capture-dir`` the harness instead records attack-adaptive training data: each round it also calls an
-``attack_adaptive`` rule with ``dataset_capture_dir`` set (its output is discarded; the trajectory follows the
-driving rule), over a mix of attacks, strengths and robust rules (see docs/robustness.md).
+With ``--capture-dir`` the harness instead records attack-adaptive training data: each round an ``attack_adaptive``
+rule with ``dataset_capture_dir`` set also sees the accepted updates (its output is discarded; the trajectory
+follows the driving rule), over a mix of attacks, strengths and robust rules (see docs/robustness.md).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import argparse
 import logging
 import math
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -33,20 +35,12 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from aggregators import AggregationError, ClientUpdate, RoundContext, build_rule, meta_keys
+from aggregators import AggregationError, ClientUpdate, RoundContext, build_rule
 from aggregators.attack_adaptive import SHIPPED_CHECKPOINT
-from data_prep import SiteDataConfig, load_dataset, site_split
-from lightning_modules.attacks import (
-    UPDATE_ATTACKS,
-    AttackConfig,
-    attacked_params,
-    choose_malicious_sites,
-    site_labels,
-)
-from lightning_modules.classifier import FLClassifier
-from lightning_modules.evaluation import evaluate_classifier
+from controllers.in_process import quiet_lightning, run_in_process
+from jobs.build import JobSpec
+from lightning_modules.attacks import AttackConfig
 
 RULE_LABELS = {
     "fedavg": "FedAvg",
@@ -88,112 +82,68 @@ def rule_args(rule: str, settings: Settings, fraction: float) -> dict[str, Any]:
     return {}
 
 
-def local_train(
-    model: FLClassifier, x: torch.Tensor, y: torch.Tensor, settings: Settings, seed: int
-) -> dict[str, np.ndarray]:
-    """E epochs of plain SGD (fresh optimizer, shuffled batches) on the model; returns its state as numpy."""
-    generator = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.SGD(model.net.parameters(), lr=settings.lr)
-    model.train()
-    for _ in range(settings.epochs):
-        order = torch.randperm(len(y), generator=generator)
-        for start in range(0, len(y), settings.batch_size):
-            batch = order[start : start + settings.batch_size]
-            optimizer.zero_grad()
-            F.cross_entropy(model.net(x[batch]), y[batch]).backward()
-            optimizer.step()
-    return {key: value.detach().numpy().copy() for key, value in model.state_dict().items()}
-
-
-def site_data(settings: Settings) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    config = SiteDataConfig(
-        "fashion_mnist",
-        settings.scheme,
+def federation_spec(
+    rule: str, attack: str, fraction: float, settings: Settings, strength: float | None = None
+) -> JobSpec:
+    """One cell of the grid as a job: FedAvg clients, ``rule`` on the server, ``attack`` by a seeded share of sites."""
+    return JobSpec(
+        name="robustness",
+        client="fedavg",
+        server=rule,
+        server_args=rule_args(rule, settings, fraction),
+        num_rounds=settings.rounds,
         num_sites=settings.num_sites,
-        seed=settings.seed,
-        alpha=settings.alpha,
         max_train_samples=settings.max_train_samples,
+        max_test_samples=settings.test_samples,
+        scheme=settings.scheme,
+        alpha=settings.alpha,
+        epochs=settings.epochs,
+        batch_size=settings.batch_size,
+        lr=settings.lr,
+        seed=settings.seed,
+        attack=attack,
+        attack_strength=strength if attack != "none" else None,
+        attack_start_round=settings.attack_start_round,
+        malicious_fraction=fraction if attack != "none" else 0.0,
     )
-    return {f"site-{i + 1}": site_split(config, f"site-{i + 1}") for i in range(settings.num_sites)}
-
-
-def client_update(
-    model: FLClassifier,
-    global_params: dict[str, np.ndarray],
-    data: tuple[np.ndarray, np.ndarray],
-    site: str,
-    round_num: int,
-    attack: AttackConfig,
-    settings: Settings,
-) -> ClientUpdate:
-    """One site's round: load the global model, train (on flipped labels if so attacked), attack the update."""
-    index = int(site.split("-")[1]) - 1
-    model.load_state_dict({key: torch.from_numpy(value.copy()) for key, value in global_params.items()})
-    x, y = data
-    labels = site_labels(y, attack, site, round_num)
-    seed = int(np.random.SeedSequence([settings.seed, index, round_num]).generate_state(1)[0])
-    params = local_train(model, torch.from_numpy(x), torch.from_numpy(labels.astype(np.int64)), settings, seed)
-    active = attack.active(site, round_num)
-    if active and attack.name in UPDATE_ATTACKS:
-        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-        current = {key: torch.from_numpy(params[key]) for key in trainable}
-        start = {key: torch.from_numpy(global_params[key]) for key in trainable}
-        params.update(
-            {
-                k: v.numpy()
-                for k, v in attacked_params(current, start, attack, attack.generator(index, round_num)).items()
-            }
-        )
-    meta = {meta_keys.ATTACK_APPLIED: active, meta_keys.ATTACK_NAME: attack.name if active else "none"}
-    return ClientUpdate(site=site, params=params, num_samples=len(y), meta=meta)
 
 
 def run_federation(
     rule_name: str,
-    attack: AttackConfig,
-    settings: Settings,
+    attack_name: str,
     fraction: float,
-    data: dict[str, tuple[np.ndarray, np.ndarray]],
-    test: tuple[np.ndarray, np.ndarray],
+    settings: Settings,
+    strength: float | None = None,
     capture_dir: str | None = None,
 ) -> list[float]:
-    """Test accuracy of the global model after every round."""
-    torch.manual_seed(settings.seed)
-    model = FLClassifier(arch="lenet5", num_classes=10, init_seed=settings.seed)
-    global_params = {key: value.detach().numpy().copy() for key, value in model.state_dict().items()}
-    rule = build_rule(rule_name, **rule_args(rule_name, settings, fraction))
-    state = rule.init_state(global_params)
-    recorder = capture_rule(capture_dir, global_params)
-    population = tuple(sorted(data))
-    accuracies = []
-    for round_num in range(settings.rounds):
-        updates = [client_update(model, global_params, data[s], s, round_num, attack, settings) for s in population]
-        context = RoundContext(round_num=round_num, num_rounds=settings.rounds, population=population)
-        if recorder is not None:
-            recorder[1] = aggregate_or_keep(recorder[0], global_params, updates, recorder[1], context)[1]
-        global_params, state = aggregate_or_keep(rule, global_params, updates, state, context)
-        model.load_state_dict({key: torch.from_numpy(value.copy()) for key, value in global_params.items()})
-        accuracies.append(evaluate_classifier(model.net, test[0], test[1], 10)["test_accuracy"])
-    return accuracies
+    """Test accuracy of the global model after every round (a failed round keeps the previous model's accuracy)."""
+    spec = federation_spec(rule_name, attack_name, fraction, settings, strength)
+    observers = [CaptureObserver(capture_dir)] if capture_dir is not None else []
+    with tempfile.TemporaryDirectory(prefix="fedalg_robustness_") as state_root, quiet_lightning():
+        run = run_in_process(spec, Path(state_root), observers=observers)
+    for record in run.rounds:
+        if record["status"] != "aggregated":
+            print(f"round {record['round']}: {record.get('failure')}", file=sys.stderr)
+    return [record["test_accuracy"] for record in run.rounds]
 
 
-def aggregate_or_keep(rule: Any, global_params, updates, state, context) -> tuple[dict[str, np.ndarray], Any]:
-    """As the controller does: a round the rule refuses (e.g. every delta non-finite) leaves the model unchanged."""
-    try:
-        result = rule.aggregate(global_params, updates, state, context)
-    except AggregationError as exc:
-        print(f"round {context.round_num}: {rule.name} refused the round, model kept: {exc}", file=sys.stderr)
-        return global_params, state
-    return result.params, result.state
+class CaptureObserver:
+    """An ``attack_adaptive`` rule that only records each round's accepted updates (random frozen network: its
+    output is unused); the engine calls it before the driving rule aggregates."""
 
+    def __init__(self, capture_dir: str) -> None:
+        logging.getLogger("fedalg.attack_adaptive").setLevel(logging.ERROR)  # the random-weights warning is expected
+        self.rule = build_rule("attack_adaptive", allow_random_attention=True, dataset_capture_dir=capture_dir)
+        self.state: dict[str, Any] | None = None
 
-def capture_rule(capture_dir: str | None, global_params: dict[str, np.ndarray]) -> list[Any] | None:
-    """[rule, state] of an attack-adaptive rule that only records (random frozen network: its output is unused)."""
-    if capture_dir is None:
-        return None
-    logging.getLogger("fedalg.attack_adaptive").setLevel(logging.ERROR)  # the random-weights warning is expected
-    rule = build_rule("attack_adaptive", allow_random_attention=True, dataset_capture_dir=capture_dir)
-    return [rule, rule.init_state(global_params)]
+    def __call__(
+        self, round_num: int, params: dict[str, np.ndarray], updates: Sequence[ClientUpdate], context: RoundContext
+    ) -> None:
+        state = self.rule.init_state(params) if self.state is None else self.state
+        try:
+            self.state = self.rule.aggregate(params, updates, state, context).state
+        except AggregationError as exc:  # e.g. every delta non-finite: nothing to record this round
+            print(f"round {round_num}: capture skipped: {exc}", file=sys.stderr)
 
 
 def scenarios(fractions: Sequence[float], attacks: Sequence[str]) -> list[tuple[str, float]]:
@@ -205,14 +155,11 @@ def scenarios(fractions: Sequence[float], attacks: Sequence[str]) -> list[tuple[
 def run_grid(
     rules: Sequence[str], cells: Sequence[tuple[str, float]], settings: Settings, log: Any = sys.stderr
 ) -> dict[tuple[str, str, float], list[float]]:
-    data = site_data(settings)
-    test = load_test(settings.test_samples)
     results: dict[tuple[str, str, float], list[float]] = {}
     for attack_name, fraction in cells:
-        attack = make_attack(attack_name, fraction, settings)
         for rule in rules:
             started = time.monotonic()
-            results[(rule, attack_name, fraction)] = run_federation(rule, attack, settings, fraction, data, test)
+            results[(rule, attack_name, fraction)] = run_federation(rule, attack_name, fraction, settings)
             acc = results[(rule, attack_name, fraction)][-1]
             print(
                 f"{attack_name:>10} {fraction:4.0%} {rule:>15}: {acc:.4f} ({time.monotonic() - started:.1f} s)",
@@ -220,18 +167,6 @@ def run_grid(
                 flush=True,
             )
     return results
-
-
-def make_attack(name: str, fraction: float, settings: Settings, strength: float | None = None) -> AttackConfig:
-    sites = choose_malicious_sites(settings.num_sites, fraction, settings.seed) if name != "none" else ()
-    return AttackConfig(
-        name=name, malicious_sites=sites, strength=strength, start_round=settings.attack_start_round, seed=settings.seed
-    )
-
-
-def load_test(limit: int) -> tuple[np.ndarray, np.ndarray]:
-    data = load_dataset("fashion_mnist")
-    return np.array(data.test_x[:limit], copy=True), np.array(data.test_y[:limit], copy=True)  # writable copies
 
 
 def markdown_table(results: dict[tuple[str, str, float], list[float]], rules: Sequence[str]) -> str:
@@ -307,15 +242,12 @@ def save_plot(results: dict[tuple[str, str, float], list[float]], rules: Sequenc
 
 def capture(settings: Settings, capture_dir: str, rules: Sequence[str], fractions: Sequence[float], log: Any) -> None:
     """Record pretraining data: every attack × share × driving rule, with attack strengths varied by a seeded draw."""
-    data = site_data(settings)
-    test = load_test(settings.test_samples)
     rng = np.random.default_rng(settings.seed)
     for attack_name, fraction in scenarios(fractions, ATTACK_NAMES):
         for rule in rules:
             multiplier = float(rng.choice([0.5, 1.0, 2.0]))
             base = AttackConfig(name=attack_name).effective_strength
-            attack = make_attack(attack_name, fraction, settings, strength=base * multiplier)
-            accs = run_federation(rule, attack, settings, fraction, data, test, capture_dir=capture_dir)
+            accs = run_federation(rule, attack_name, fraction, settings, base * multiplier, capture_dir=capture_dir)
             print(
                 f"capture {attack_name} {fraction:.0%} x{multiplier} via {rule}: final acc {accs[-1]:.4f}",
                 file=log,

@@ -5,6 +5,14 @@ The rule state is written next to the global model after every round (DESIGN.md,
 SHA-256 of the global model it belongs to, so :func:`load_resume_point` can restart a stopped job from a previous
 run's server app folder (``server_state.pt`` + the persistor's ``FL_global_model.pt``) and refuse a model and a
 state that do not belong together.
+
+Rounds that did not aggregate. The round engine (``controllers/engine.py``) writes the checkpoint after *every*
+round, also after one that failed (too few valid results, a rule error, a non-finite aggregate); the model and state
+are then the unchanged ones. ``round`` is the last round *attempted*, ``last_aggregated_round`` the last one whose
+aggregate was used (``None``: none yet). A resumed job continues at ``round + 1``: a failed round is not re-run,
+because the uninterrupted job would not have re-run it either (it moved on with the model unchanged), and resuming
+must give what the uninterrupted job gives. Files written before this field existed have it absent; their
+``round`` was always an aggregated round.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from aggregators import ClientUpdate
 from lightning_modules.state_store import atomic_write_bytes
 
 STATE_FORMAT_VERSION = 1
+THIS_ROUND = object()  # save_rule_state's default: the saved round is also the last aggregated one
 
 
 def _to_saveable(value: Any) -> Any:
@@ -71,8 +80,11 @@ def save_rule_state(
     state: Mapping[str, Any],
     run_id: str | None = None,
     global_sha256: str | None = None,
+    last_aggregated_round: int | object | None = THIS_ROUND,
 ) -> None:
-    """Write the rule state after ``round_num`` (0-based); ``global_sha256`` ties it to the model of that round."""
+    """Write the rule state after ``round_num`` (0-based, the last round attempted); ``global_sha256`` ties it to
+    the model of that round; ``last_aggregated_round`` is the last round whose aggregate was used (``None``: none
+    yet; by default ``round_num`` itself, i.e. this round aggregated)."""
     payload = {
         "format_version": STATE_FORMAT_VERSION,
         "rule": rule_name,
@@ -83,6 +95,7 @@ def save_rule_state(
         payload["run_id"] = run_id
     if global_sha256 is not None:
         payload["global_sha256"] = global_sha256
+    payload["last_aggregated_round"] = round_num if last_aggregated_round is THIS_ROUND else last_aggregated_round
     atomic_torch_save(payload, path)
 
 
@@ -103,12 +116,14 @@ def _read_state_payload(path: Path, rule_name: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class ResumePoint:
-    """Where a stopped job continues: the next round to run, the global model and rule state after the last one."""
+    """Where a stopped job continues: the next round to run (after the last one attempted, aggregated or not), the
+    global model and rule state after that round, and the last round whose aggregate was used (``None``: none)."""
 
     next_round: int
     global_params: dict[str, np.ndarray]
     state: dict[str, Any]
     run_id: str | None
+    last_aggregated_round: int | None = None
 
 
 GLOBAL_MODEL_FILE = "FL_global_model.pt"  # the name NVFlare's PTFileModelPersistor writes into the app folder
@@ -124,7 +139,8 @@ def load_global_model(path: Path) -> dict[str, np.ndarray]:
 
 
 def load_resume_point(folder: Path, rule_name: str, state_file: str = "server_state.pt") -> ResumePoint:
-    """Read ``folder/server_state.pt`` and ``folder/FL_global_model.pt`` written by a previous run of the job.
+    """Read ``folder/server_state.pt`` and ``folder/FL_global_model.pt`` written by a previous run of the job; the
+    job continues after the last round attempted (module docstring: rounds that did not aggregate).
 
     Refuses a state from another rule or format, and a model whose digest differs from the one recorded with the
     state (the run stopped between writing the two, or the files come from different runs).
@@ -145,8 +161,13 @@ def load_resume_point(folder: Path, rule_name: str, state_file: str = "server_st
             f"cannot resume: {model_path} is not the model that {state_path} was saved with (round {last_round + 1}); "
             "the run stopped between writing them or the files come from different runs"
         )
+    aggregated = payload.get("last_aggregated_round", last_round)  # older files: every saved round had aggregated
     return ResumePoint(
-        next_round=last_round + 1, global_params=global_params, state=state, run_id=payload.get("run_id")
+        next_round=last_round + 1,
+        global_params=global_params,
+        state=state,
+        run_id=payload.get("run_id"),
+        last_aggregated_round=None if aggregated is None else int(aggregated),
     )
 
 

@@ -1,21 +1,21 @@
-"""The one server workflow of the bundle: rounds of broadcast → local training → validation → aggregation.
+"""The NVFlare side of the server: a thin adapter that runs :class:`controllers.engine.RoundEngine` in NVFlare.
 
-Built on NVFlare's :class:`ModelController`; all math is delegated to a pure rule from :mod:`aggregators`
-(DESIGN.md, decision 1). Per round it
+Built on NVFlare's :class:`ModelController`. All round logic lives in the framework-free engine (select sites,
+broadcast, validate, aggregate through a pure rule from :mod:`aggregators`, record); this class only
 
-1. samples the sites (all, a count, or a fraction; seeded, so reruns pick the same sites),
-2. broadcasts the global model with the rule's meta (e.g. a global control variate) and round bookkeeping,
-3. validates every result (keys, shapes, finite values, sample count, the rule's required meta) and rejects bad
-   ones by site and key, carrying on with the rest,
-4. aggregates through the rule, saves the global model (persistor) and the rule state (``server_state.pt``),
-5. evaluates the global model on the test split and appends one JSON line to ``metrics/round_metrics.jsonl``.
+1. gives the engine a transport that sends the global model as an ``FLModel`` with ``send_model_and_wait`` and
+   turns the returned ``FLModel`` results into :class:`controllers.engine.SiteResult`,
+2. persists every round's global model (persistor) and rule state (``server_state.pt``; also after a round that
+   did not aggregate, see :mod:`controllers.checkpoint` for what resume does then),
+3. evaluates the global model on the test split and appends one JSON line per round to
+   ``metrics/round_metrics.jsonl``, and logs through NVFlare's component logger.
 """
 
 from __future__ import annotations
 
-import time
+import logging
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +23,13 @@ import numpy as np
 from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
 from nvflare.app_common.workflows.model_controller import ModelController
 
-from aggregators import AggregationError, AggregationRule, RoundContext, build_rule, meta_keys
+from aggregators import AggregationRule, ClientUpdate, build_rule
 from aggregators.compose import compose
-from controllers.adapters import split_results
-from controllers.checkpoint import append_metrics, load_resume_point, params_digest, save_rule_state, save_updates
-from controllers.sampling import clients_per_round_count, select_round_sites
+from controllers.adapters import result_site
+from controllers.checkpoint import append_metrics, load_resume_point, save_rule_state, save_updates
+from controllers.engine import Host, RoundEngine, SiteResult, scalar_meta
+
+__all__ = ["METRICS_FILE", "STATE_FILE", "FedAlgController", "scalar_meta", "to_numpy_params"]
 
 METRICS_FILE = Path("metrics") / "round_metrics.jsonl"
 STATE_FILE = "server_state.pt"
@@ -41,15 +43,6 @@ def to_numpy_params(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
     return converted
 
 
-def scalar_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
-    """The namespaced scalar values a client reported (e.g. ``train.accuracy``, ``fedprox.mu``) for the metrics log."""
-    return {
-        key: value
-        for key, value in sorted(meta.items())
-        if meta_keys.is_namespaced(key) and isinstance(value, bool | int | float | str | np.generic)
-    }
-
-
 class FedAlgController(ModelController):
     """Federated rounds driven by an aggregation rule from :data:`aggregators.RULES`.
 
@@ -58,7 +51,8 @@ class FedAlgController(ModelController):
         rule: aggregation rule name (``fedavg``, ...); ``rule_args`` are its hyperparameters.
         clients_per_round: ``None`` for all sites, an int count, or a float fraction in (0, 1].
         min_responses: results to wait for per round; ``None`` waits for every sampled site.
-        min_accepted: fewest valid results needed to aggregate; with fewer the global model is kept as it is.
+        min_accepted: fewest valid results needed to aggregate, at least 1 (refused here otherwise); with fewer the
+            round is recorded as failed and the global model is kept as it is.
         seed: seeds the site sampling.
         evaluator_id: id of a server component with ``evaluate(params) -> dict`` ("" disables evaluation).
         train_timeout: seconds to wait for a round's results (0 = no timeout).
@@ -68,7 +62,8 @@ class FedAlgController(ModelController):
         companions: companion rules kept beside ``rule`` for the client algorithm's server state, name -> args
             (e.g. ``{"scaffold_control": {}}`` for SCAFFOLD clients under FedYogi; see aggregators/compose.py).
         resume_from: a previous run's server app folder (``server_state.pt`` + ``FL_global_model.pt``): the job
-            continues after that run's last completed round with its global model, rule state and run id.
+            continues after that run's last attempted round (aggregated or not) with its global model, rule state
+            and run id.
     """
 
     def __init__(
@@ -114,12 +109,28 @@ class FedAlgController(ModelController):
         self.save_client_updates = save_client_updates
         self.companions = companions
         self.resume_from = resume_from
-        # Fail at job start, not after the first round, when the rule or its settings are wrong.
+        # Fail at job start, not after the first round, when the rule or its settings are wrong (min_accepted >= 1
+        # is checked by the engine).
         self._rule: AggregationRule = compose(build_rule(rule, **(rule_args or {})), companions)
+        self._round_engine()
+        self._run_id = ""
+        self._last_aggregated_round: int | None = None  # recorded in server_state.pt (controllers/checkpoint.py)
+
+    def _round_engine(self) -> RoundEngine:
+        """The engine for the current settings (built where used, so a changed setting is always honoured)."""
+        return RoundEngine(
+            self._rule,
+            num_rounds=self.num_rounds,
+            clients_per_round=self.clients_per_round,
+            min_accepted=self.min_accepted,
+            seed=self.seed,
+            rule_label=self.rule,
+        )
 
     def run(self) -> None:
         # A fresh id per run: clients discard persisted state written by an earlier run in a reused workspace.
         self._run_id = uuid.uuid4().hex
+        self._last_aggregated_round = None
         initial = self.load_model()
         if initial is None:
             return
@@ -134,16 +145,21 @@ class FedAlgController(ModelController):
             resume = load_resume_point(Path(self.resume_from), self._rule.name)
             first_round, stage = resume.next_round, "resumed"
             global_params, state, self._run_id = resume.global_params, resume.state, resume.run_id or self._run_id
+            self._last_aggregated_round = resume.last_aggregated_round
             self.info(f"resuming from {self.resume_from} at round {first_round + 1}/{self.num_rounds}")
-        initial_record = {"stage": stage, "round": None, "global_sha256": params_digest(global_params)}
-        self._log_metrics({**initial_record, **self._evaluate(evaluator, global_params)})
-
-        for round_num in range(first_round, self.num_rounds):
-            if self.abort_signal.triggered:
-                self.warning(f"abort requested; stopping before round {round_num + 1}")
-                return
-            global_params, state = self._run_round(round_num, population, global_params, state, evaluator)
-        self._report_outputs()
+        self._round_engine().run(
+            population,
+            global_params,
+            state,
+            _FLModelTransport(self),
+            _ControllerHost(self, evaluator),
+            run_id=self._run_id,
+            first_round=first_round,
+            stage=stage,
+            should_stop=lambda: self.abort_signal.triggered,
+        )
+        if not self.abort_signal.triggered:
+            self._report_outputs()
 
     def _run_round(
         self,
@@ -153,99 +169,20 @@ class FedAlgController(ModelController):
         state: dict[str, Any],
         evaluator: Any,
     ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-        started = time.monotonic()
-        count = clients_per_round_count(self.clients_per_round, len(population))
-        targets, state = select_round_sites(self._rule, population, count, state, self.seed, round_num)
-        self.info(f"round {round_num + 1}/{self.num_rounds}: training on {targets}")
-        results = self.send_model_and_wait(
-            targets=targets,
-            data=self._outgoing_model(round_num, global_params, state),
-            min_responses=self.min_responses,
-            timeout=self.train_timeout,
+        """One round through the engine (what :meth:`run` does per round); the next global model and rule state."""
+        outcome = self._round_engine().run_round(
+            round_num,
+            population,
+            global_params,
+            state,
+            _FLModelTransport(self),
+            _ControllerHost(self, evaluator),
+            run_id=self._run_id,
         )
-        rule_check = getattr(self._rule, "update_problems", None)
-        check = (lambda update: rule_check(update, global_params, state)) if rule_check else None
-        updates, rejections = split_results(results, global_params, self._rule.required_meta, check)
-        for rejection in rejections:
-            self.error(f"round {round_num + 1}: {rejection}")
-        record: dict[str, Any] = {"stage": "round", "round": round_num, "sites": targets}
-        record["rejected"] = {r.site: list(r.problems) for r in rejections}
-        if len(updates) < self.min_accepted:
-            self.error(
-                f"round {round_num + 1}: only {len(updates)} valid result(s), {self.min_accepted} needed; "
-                "the global model is left unchanged this round"
-            )
-            digest = params_digest(global_params)
-        else:
-            global_params, state, digest = self._aggregate(round_num, population, global_params, updates, state)
-        record["aggregated"] = [u.site for u in updates] if len(updates) >= self.min_accepted else []
-        record["global_sha256"] = digest
-        if self.save_client_updates:
-            save_updates(self._updates_path(round_num), updates, global_params)
-        record.update(self._site_metrics(updates))
-        record.update(self._evaluate(evaluator, global_params))
-        record["elapsed_s"] = round(time.monotonic() - started, 3)
-        self._log_metrics(record)
-        return global_params, state
+        return outcome.params, outcome.state
 
     def _updates_path(self, round_num: int) -> Path:
         return Path(self.get_run_dir()) / "client_updates" / f"round_{round_num:05d}.npz"
-
-    def _outgoing_model(self, round_num: int, params: dict[str, np.ndarray], state: dict[str, Any]) -> FLModel:
-        meta = {
-            meta_keys.ROUND: round_num,
-            meta_keys.NUM_ROUNDS: self.num_rounds,
-            meta_keys.AGGREGATION_RULE: self.rule,
-            meta_keys.RUN_ID: self._run_id,
-            **self._rule.broadcast_meta(state),
-        }
-        return FLModel(
-            params_type=ParamsType.FULL,
-            params=params,
-            current_round=round_num,
-            total_rounds=self.num_rounds,
-            meta=meta,
-        )
-
-    def _aggregate(self, round_num, population, global_params, updates, state):
-        """The next global model and rule state, and the model's digest (hashed once: it goes to the state checkpoint
-        and to the metrics line). On an aggregation error the current model and state are kept."""
-        context = RoundContext(round_num=round_num, num_rounds=self.num_rounds, population=population)
-        try:
-            result = self._rule.aggregate(global_params, updates, state, context)
-        except AggregationError as exc:
-            self.error(f"round {round_num + 1}: aggregation failed, global model unchanged: {exc}")
-            return global_params, state, params_digest(global_params)
-        digest = params_digest(result.params)
-        self.save_model(FLModel(params_type=ParamsType.FULL, params=result.params, meta={"round": round_num}))
-        save_rule_state(
-            Path(self.get_app_dir()) / STATE_FILE,
-            self._rule.name,
-            round_num,
-            result.state,
-            run_id=self._run_id,
-            global_sha256=digest,
-        )
-        return result.params, result.state, digest
-
-    @staticmethod
-    def _site_metrics(updates) -> dict[str, Any]:
-        return {
-            "site_train_loss": {u.site: u.meta.get(meta_keys.TRAIN_LOSS) for u in updates},
-            "site_num_samples": {u.site: u.num_samples for u in updates},
-            "site_num_steps": {u.site: u.meta.get(meta_keys.NUM_STEPS) for u in updates},
-            "site_meta": {u.site: scalar_meta(u.meta) for u in updates},
-        }
-
-    def _evaluate(self, evaluator: Any, params: dict[str, np.ndarray]) -> dict[str, float]:
-        if evaluator is None:
-            return {}
-        metrics = evaluator.evaluate(params)
-        self.info("global model: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
-        return metrics
-
-    def _log_metrics(self, record: dict[str, Any]) -> None:
-        append_metrics(Path(self.get_run_dir()) / METRICS_FILE, record)
 
     def _report_outputs(self) -> None:
         app_dir = Path(self.get_app_dir())
@@ -256,3 +193,83 @@ class FedAlgController(ModelController):
         )
         self.info(message)
         print(message, flush=True)
+
+
+class _FLModelTransport:
+    """The engine's transport over NVFlare: one ``FLModel`` out to the targets, ``FLModel`` results back."""
+
+    def __init__(self, controller: FedAlgController) -> None:
+        self.controller = controller
+
+    def train(
+        self, round_num: int, targets: Sequence[str], params: dict[str, np.ndarray], meta: Mapping[str, Any]
+    ) -> list[SiteResult]:
+        ctl = self.controller
+        outgoing = FLModel(
+            params_type=ParamsType.FULL,
+            params=params,
+            current_round=round_num,
+            total_rounds=ctl.num_rounds,
+            meta=dict(meta),
+        )
+        results = ctl.send_model_and_wait(
+            targets=list(targets), data=outgoing, min_responses=ctl.min_responses, timeout=ctl.train_timeout
+        )
+        return [
+            SiteResult(
+                site=result_site(r), params=getattr(r, "params", None) or {}, meta=getattr(r, "meta", None) or {}
+            )
+            for r in results
+        ]
+
+
+class _ControllerHost(Host):
+    """The engine's outputs in NVFlare: persistor + ``server_state.pt``, the evaluator component, the metrics file
+    in the run folder, and the controller's logger."""
+
+    def __init__(self, controller: FedAlgController, evaluator: Any) -> None:
+        self.controller = controller
+        self.evaluator = evaluator
+
+    def persist(
+        self,
+        round_num: int,
+        params: dict[str, np.ndarray],
+        state: Mapping[str, Any],
+        digest: str,
+        updates: Sequence[ClientUpdate],
+        aggregated: bool,
+    ) -> None:
+        ctl = self.controller
+        if aggregated:
+            ctl._last_aggregated_round = round_num
+        ctl.save_model(FLModel(params_type=ParamsType.FULL, params=params, meta={"round": round_num}))
+        save_rule_state(
+            Path(ctl.get_app_dir()) / STATE_FILE,
+            ctl._rule.name,
+            round_num,
+            state,
+            run_id=ctl._run_id,
+            global_sha256=digest,
+            last_aggregated_round=ctl._last_aggregated_round,
+        )
+        if ctl.save_client_updates:
+            save_updates(ctl._updates_path(round_num), updates, params)
+
+    def evaluate(self, params: dict[str, np.ndarray]) -> dict[str, float]:
+        if self.evaluator is None:
+            return {}
+        metrics = self.evaluator.evaluate(params)
+        self.controller.info("global model: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+        return metrics
+
+    def record(self, record: dict[str, Any]) -> None:
+        append_metrics(Path(self.controller.get_run_dir()) / METRICS_FILE, record)
+
+    def log(self, level: int, message: str) -> None:
+        if level >= logging.ERROR:
+            self.controller.error(message)
+        elif level >= logging.WARNING:
+            self.controller.warning(message)
+        else:
+            self.controller.info(message)

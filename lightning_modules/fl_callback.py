@@ -10,6 +10,7 @@ after it, so
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -40,6 +41,7 @@ class FederatedRoundCallback(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._round_started = False
+        self._fit_started = time.monotonic()
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._round_started:
@@ -49,5 +51,6 @@ class FederatedRoundCallback(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         meta = pl_module.end_round()
         meta[meta_keys.NUM_SAMPLES] = self.num_samples
+        meta[meta_keys.FIT_SECONDS] = round(time.monotonic() - getattr(self, "_fit_started", time.monotonic()), 4)
         self.last_meta = meta
         pl_module.__fl_meta__ = meta

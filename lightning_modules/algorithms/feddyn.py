@@ -65,6 +65,7 @@ from lightning_modules.algorithms.base import (
     save_run_state,
     trainable_parameters,
 )
+from lightning_modules.algorithms.kernels import pull_before_plain_sgd_step_
 
 ALPHA_WEIGHTINGS = ("uniform", "samples")
 Tensors = dict[str, torch.Tensor]
@@ -160,21 +161,32 @@ class FedDyn(ClientAlgorithm):
         else:
             self.alpha_k = alpha
         self.h_local = load_run_state(self, self._params, self._run_id, "FedDyn state H_k")
-        # The gradient term alpha_k * (theta - theta_server + H_k) only ever needs H_k - theta_server: keep that one
-        # fp32 tensor per parameter, so each step costs two in-place passes instead of three (see benchmarks/).
-        self.offset = {name: self.h_local[name] - p.detach().to(torch.float32) for name, p in self._params.items()}
+        # The gradient term alpha_k * (theta - (theta_server - H_k)) only ever needs theta_server - H_k: keep that one
+        # fp32 tensor per parameter, the point the term pulls theta towards (one pass per plain SGD step, see
+        # kernels.py; two on .grad otherwise).
+        self.pull_target = {name: p.detach().to(torch.float32) - self.h_local[name] for name, p in self._params.items()}
 
     # -- per step ------------------------------------------------------------------------------------------------
+    @property
+    def offset(self) -> Tensors:
+        """H_k - theta_server per parameter (a fresh copy; the algorithm keeps its negation, ``pull_target``)."""
+        return {name: -target for name, target in self.pull_target.items()}
+
     @torch.no_grad()
     def correct_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        params, offsets = list(self._params.values()), list(self.offset.values())
+        # Plain SGD step: theta - lr * (g + alpha_k * (theta - target)) = lerp(theta, target, lr * alpha_k) - lr * g.
+        if pull_before_plain_sgd_step_(
+            module, optimizer, self._params, self.pull_target, self.alpha_k, require_all_grads=True
+        ):
+            return
+        params, targets = list(self._params.values()), list(self.pull_target.values())
         if all(p.grad is not None and p.grad.dtype == p.dtype == torch.float32 for p in params):
             grads = [p.grad for p in params]
             torch._foreach_add_(grads, params, alpha=self.alpha_k)
-            torch._foreach_add_(grads, offsets, alpha=self.alpha_k)
+            torch._foreach_add_(grads, targets, alpha=-self.alpha_k)
             return
-        for p, offset in zip(params, offsets, strict=True):  # general path: missing grads, other dtypes
-            term = (p.detach().to(torch.float32) + offset).mul_(self.alpha_k)
+        for p, target in zip(params, targets, strict=True):  # general path: missing grads, other dtypes
+            term = (p.detach().to(torch.float32) - target).mul_(self.alpha_k)
             if p.grad is None:
                 p.grad = term.to(p.dtype)
             else:
@@ -182,8 +194,8 @@ class FedDyn(ClientAlgorithm):
 
     # -- round end -----------------------------------------------------------------------------------------------
     def on_round_end(self, module: nn.Module) -> dict[str, Any]:
-        # H_k + (theta_k - theta_server) = theta_k + offset
-        h_new = {name: p.detach().to(torch.float32) + self.offset[name] for name, p in self._params.items()}
+        # H_k + (theta_k - theta_server) = theta_k - pull_target
+        h_new = {name: p.detach().to(torch.float32) - self.pull_target[name] for name, p in self._params.items()}
         save_run_state(self, h_new, self._run_id, self._round)
         self.h_local = h_new
         return {meta_keys.FEDDYN_ALPHA_K: self.alpha_k, meta_keys.FEDDYN_PARAM_KEYS: list(self._params)}

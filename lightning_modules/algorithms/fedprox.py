@@ -41,6 +41,7 @@ from torch import nn
 
 from aggregators import meta_keys
 from lightning_modules.algorithms.base import ClientAlgorithm, ClientAlgorithmError, trainable_parameters
+from lightning_modules.algorithms.kernels import pull_before_plain_sgd_step_
 
 DEFAULT_MU = 0.01
 
@@ -80,6 +81,10 @@ class FedProx(ClientAlgorithm):
     @torch.no_grad()
     def correct_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         if self.mu == 0:
+            return
+        # Plain SGD step: w - lr * (g + mu * (w - w_t)) = lerp(w, w_t, lr * mu) - lr * g, one pass on the weights
+        # instead of two on the gradient (kernels.py says when this is exact).
+        if pull_before_plain_sgd_step_(module, optimizer, self._params, self.anchor, self.mu, require_all_grads=False):
             return
         # A parameter outside this step's graph (no grad) does not move, so its w - w_t stays 0.
         pairs = [(p, self.anchor[name]) for name, p in self._params.items() if p.grad is not None]

@@ -43,6 +43,7 @@ from lightning_modules.algorithms.base import (
     save_run_state,
     trainable_parameters,
 )
+from lightning_modules.algorithms.kernels import add_in_own_dtype_
 
 Tensors = dict[str, torch.Tensor]
 
@@ -120,25 +121,29 @@ class Scaffold(ClientAlgorithm):
         self.gradient_at_x = full_local_gradient(module, self._params) if self.option == "I" else None
 
     # -- per step ------------------------------------------------------------------------------------------------
+    @torch.no_grad()
     def correct_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         if self.correction != "grad":
             return
-        for name, p in self._params.items():
-            if p.grad is not None:
-                p.grad.add_(self.correction_term[name].to(p.grad.dtype))
+        pairs = [(p.grad, self.correction_term[name]) for name, p in self._params.items() if p.grad is not None]
+        add_in_own_dtype_([grad for grad, _ in pairs], [term for _, term in pairs], alpha=1.0)
 
     @torch.no_grad()
     def after_step(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.steps += 1
         for group in optimizer.param_groups:
             lr = float(group["lr"])
+            moved, terms = [], []
             for p in group["params"]:
                 name = self._names_by_id.get(id(p))
                 if name is None:
                     continue
                 self.lr_sum[name] += lr
-                if self.correction == "step":
-                    p.add_(self.correction_term[name].to(p.dtype), alpha=-lr)
+                moved.append(p)
+                terms.append(self.correction_term[name])
+            if self.correction == "step":
+                # y <- y - lr * (c - c_i): one foreach pass per param group (the least a post-step correction costs).
+                add_in_own_dtype_(moved, terms, alpha=-lr)
 
     # -- round end -----------------------------------------------------------------------------------------------
     def on_round_end(self, module: nn.Module) -> dict[str, Any]:

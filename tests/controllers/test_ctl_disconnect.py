@@ -88,7 +88,7 @@ def test_metrics_record_who_was_asked_and_who_was_aggregated(controller, monkeyp
     assert set(record["site_num_samples"]) == {"site-1", "site-3"}
 
 
-def test_too_few_results_leave_the_global_model_and_control_unchanged(controller, monkeypatch):
+def test_too_few_results_leave_the_global_model_and_control_unchanged(controller, monkeypatch, tmp_path):
     ctl, calls = controller
     ctl.min_accepted = 3  # every site needed: with site-2 gone the round must not aggregate
     _drop_site_2(ctl, calls, monkeypatch, {0: {"site-1": (0.5, 0.3), "site-3": (-0.1, 0.9)}})
@@ -96,5 +96,11 @@ def test_too_few_results_leave_the_global_model_and_control_unchanged(controller
 
     params, new_state = ctl._run_round(0, SITES, GLOBAL, state, evaluator=None)
 
-    assert params is GLOBAL and new_state is state and not calls["saved"]
+    assert params is GLOBAL and new_state is state
+    # The round is still persisted (resume continues after it), with the unchanged model.
+    [saved] = calls["saved"]
+    assert all(np.array_equal(saved.params[k], GLOBAL[k]) for k in GLOBAL)
     assert any("only 2 valid result(s), 3 needed" in message for message in calls["errors"])
+    record = json.loads((tmp_path / "metrics" / "round_metrics.jsonl").read_text().splitlines()[-1])
+    assert record["status"] == "failed" and record["aggregated"] == [] and record["rule"] == "scaffold"
+    assert "only 2 valid result(s), 3 needed" in record["failure"]

@@ -7,6 +7,7 @@ update depends only on the global model they receive, the round and the site; a 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -54,9 +55,9 @@ def client_result(site: str, round_num: int, params: dict, meta_in: dict) -> FLM
 class FakeEngineController(FedAlgController):
     """The real controller with NVFlare's engine, persistor and task exchange replaced by in-process fakes."""
 
-    def __init__(self, app_dir: Path, stop_after: int | None = None, **kwargs):
+    def __init__(self, app_dir: Path, stop_after: int | None = None, failing_rounds: tuple[int, ...] = (), **kwargs):
         super().__init__(evaluator_id="", clients_per_round=2, **kwargs)
-        self.app_dir, self.stop_after = app_dir, stop_after
+        self.app_dir, self.stop_after, self.failing_rounds = app_dir, stop_after, failing_rounds
         self.app_dir.mkdir(parents=True, exist_ok=True)
         self.engine = SimpleNamespace(get_clients=lambda: [SimpleNamespace(name=s) for s in SITES])
         self.abort_signal = SimpleNamespace(triggered=False)
@@ -73,6 +74,9 @@ class FakeEngineController(FedAlgController):
     def send_model_and_wait(self, targets, data, min_responses=None, timeout=0):
         self.sent_meta.append(dict(data.meta))
         results = [client_result(site, data.current_round, data.params, data.meta) for site in targets]
+        if data.current_round in self.failing_rounds:  # every site sends NaN: all rejected, the round fails
+            for result in results:
+                result.params["conv.weight"] = np.full_like(result.params["conv.weight"], np.nan)
         self.rounds_run += 1
         if self.stop_after is not None and self.rounds_run >= self.stop_after:
             self.abort_signal.triggered = True  # the job is stopped here (checked before the next round)
@@ -162,3 +166,32 @@ def test_resume_refuses_another_rules_state_and_missing_files(tmp_path):
         load_resume_point(tmp_path / "nowhere", "fedadam")
     point = load_resume_point(app, "fedadam")
     assert point.next_round == 1 and point.state["step"] == 1 and point.run_id
+
+
+def test_resume_after_a_round_without_valid_results_continues_after_it(tmp_path):
+    """The failed round is a completed round: the checkpoint records it as the last attempted (and the round before
+    as the last aggregated), and the resumed job goes on with the next round, as the uninterrupted job did."""
+    settings = {"rule": "fedyogi", "companions": {"scaffold_control": {}}, "failing_rounds": (1,)}
+    straight = FakeEngineController(tmp_path / "straight" / "app", num_rounds=ROUNDS, **settings)
+    straight.run()
+    first = FakeEngineController(tmp_path / "first" / "app", stop_after=STOP_AFTER, num_rounds=ROUNDS, **settings)
+    first.run()
+    payload = torch.load(tmp_path / "first" / "app" / STATE_FILE, weights_only=True)
+    assert payload["round"] == STOP_AFTER - 1 == 1 and payload["last_aggregated_round"] == 0
+    point = load_resume_point(tmp_path / "first" / "app", "fedyogi+scaffold_control")
+    assert point.next_round == STOP_AFTER and point.last_aggregated_round == 0
+    lines = (tmp_path / "first" / "metrics" / "round_metrics.jsonl").read_text().splitlines()
+    failed = json.loads(lines[-1])
+    assert failed["round"] == 1 and failed["status"] == "failed" and failed["rule"] == "fedyogi+scaffold_control"
+    assert set(failed["rejected"]) == set(failed["sites"]) and "only 0 valid result(s), 1 needed" in failed["failure"]
+
+    resumed = FakeEngineController(
+        tmp_path / "resumed" / "app", num_rounds=ROUNDS, resume_from=str(tmp_path / "first" / "app"), **settings
+    )
+    resumed.run()
+    assert resumed.rounds_run == ROUNDS - STOP_AFTER  # the failed round is not re-run
+    params_a, state_a = _final(tmp_path / "straight" / "app")
+    params_b, state_b = _final(tmp_path / "resumed" / "app")
+    _assert_identical(params_a, params_b, "params")
+    _assert_identical(state_a["state"], state_b["state"])
+    assert state_a["last_aggregated_round"] == state_b["last_aggregated_round"] == ROUNDS - 1

@@ -322,6 +322,7 @@ def test_end_round_meta_is_complete_namespaced_and_never_reserved():
         "train.accuracy",
         meta_keys.CLIENT_ALGORITHM,
         meta_keys.NUM_SAMPLES,
+        meta_keys.FIT_SECONDS,  # the site's compute time, which the round-overhead benchmark subtracts
         meta_keys.PARAM_KEYS,  # which entries are trainable (the rest are buffers)
         meta_keys.FEDNOVA_TAU,  # the local update is plain SGD, so FedNova can normalise it
         meta_keys.FEDNOVA_A_NORM,

@@ -18,7 +18,6 @@ import logging
 from collections.abc import Sequence
 
 import numpy as np
-import torch
 
 from data_prep import DATASETS, SCHEMES
 from lightning_modules.attacks import add_attack_arguments
@@ -121,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from jobs.build import dataset_num_classes
     from lightning_modules import FederatedRoundCallback, FLClassifier
     from lightning_modules.algorithms import build_client_algorithm
-    from lightning_modules.attacks import AttackCallback, attack_config_from_args, site_labels
+    from lightning_modules.attacks import AttackCallback, attack_config_from_args
     from lightning_modules.state_store import ClientStateStore, default_state_root
 
     flare.init()
@@ -151,25 +150,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     attack = attack_config_from_args(args, num_classes)
     attack_callback = AttackCallback(attack, site, index)
     print(f"{site}: {len(dataset)} training samples, label counts {np.bincount(y, minlength=num_classes).tolist()}")
+    # The round itself is lightning_modules/site.py's, shared with the in-process runner (same bits, tested).
+    from lightning_modules.site import LocalTraining, SiteRound
+
+    site_round = SiteRound(
+        site, index, module, x, y, LocalTraining.from_namespace(args), round_callback, attack_callback, dataset
+    )
     while flare.is_running():
         received = flare.receive()
         if received is None:
             break
-        seed = round_seed(args.seed, index, received.current_round or 0)
-        torch.manual_seed(seed)
-        generator = torch.Generator().manual_seed(seed)
-        attack_callback.round_num = received.current_round or 0
-        labels = site_labels(y, attack, site, attack_callback.round_num)
-        round_data = dataset if labels is y else to_tensor_dataset(x, labels)
-        loader = torch.utils.data.DataLoader(round_data, batch_size=args.batch_size, shuffle=True, generator=generator)
-        epochs = local_epochs(args, index, received.current_round or 0)
-        trainer = make_trainer(args, round_callback, epochs, [attack_callback])
-        # restore_state=False: FedAvg-family clients start every round with a fresh optimizer (ALGORITHMS.md §2),
+        round_num = received.current_round or 0
+        # restore_state=False: FedAvg-family clients start every round with a fresh optimizer (as FedAvg specifies),
         # and in-memory optimizer state would differ between one-process and process-per-round simulations.
-        flare.patch(trainer, restore_state=False)
-        trainer.fit(module, train_dataloaders=loader)
-        meta = round_callback.last_meta
-        log_round_metrics(tracker, meta, received.current_round or 0)
+        meta = site_round.fit(round_num, lambda trainer: flare.patch(trainer, restore_state=False))
+        log_round_metrics(tracker, meta, round_num)
         print(
             f"{site} round {received.current_round}: {meta.get(meta_keys.NUM_STEPS)} steps, "
             f"train loss {meta.get(meta_keys.TRAIN_LOSS):.4f}, train acc {meta.get(meta_keys.TRAIN_ACCURACY):.4f}",

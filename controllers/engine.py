@@ -1,0 +1,403 @@
+"""The one round engine: select sites -> broadcast -> validate results -> aggregate -> record, free of any framework.
+
+Both ways of running a federation drive this class, so a benchmark table comes from the code a job runs:
+
+- :class:`controllers.fedalg_controller.FedAlgController` (NVFlare) gives it a transport that calls
+  ``send_model_and_wait`` and a host that saves the model through the persistor, writes the rule-state checkpoint
+  and appends ``round_metrics.jsonl``;
+- :class:`InProcessTransport` runs sites as plain callables in this process (``controllers/in_process.py`` plugs in
+  the same Lightning site round as the NVFlare client script; the robustness benchmark uses it).
+
+What the engine guarantees, whatever the rule does:
+
+- a client result is used only after every check passed: parameter keys, shapes, dtypes and finite values, a valid
+  sample count, the meta the rule requires, no NVFlare-reserved algorithm keys, a usable ``train.param_keys``, and
+  the rule's own ``update_problems``. A failing site is rejected by name with every reason; the others go on;
+- no exception raised by the rule (site selection, broadcast meta, update checks, aggregation) ends the job: the
+  round is recorded as failed with the rule's name and the reason, and the global model and rule state stay as
+  they were (the state as the rule's selection left it, which is what the round was run with);
+- a non-finite aggregate (NaN/Inf), or one whose keys or shapes differ from the global model, is never persisted nor
+  broadcast: the previous model is kept and the round is recorded as failed;
+- every round, aggregated or failed, is handed to the host to persist. A failed round is a completed round: the
+  federation moves on to the next round with the model unchanged, so the checkpoint says which round was last
+  *attempted* (and, separately, which was last *aggregated*) and a resumed job continues after the attempted one,
+  exactly as an uninterrupted run would (see :func:`controllers.checkpoint.load_resume_point`).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from aggregators import AggregationRule, ClientUpdate, RoundContext, meta_keys
+from aggregators.deltas import param_keys_problems
+from aggregators.validation import meta_problems, num_samples_problems, param_problems
+from controllers.adapters import Rejection
+from controllers.checkpoint import params_digest
+from controllers.sampling import clients_per_round_count, sample_sites
+
+LOG = logging.getLogger("fedalg.engine")
+Params = dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class SiteResult:
+    """What one site sent back for a round: its full model after local training and its meta."""
+
+    site: str
+    params: Mapping[str, Any]
+    meta: Mapping[str, Any]
+
+
+class Transport(Protocol):
+    """Delivers the global model and meta of a round to the target sites and returns what came back.
+
+    A transport may return fewer results than targets (a site dropped out or timed out); results arrive in any order.
+    """
+
+    def train(
+        self, round_num: int, targets: Sequence[str], params: Params, meta: Mapping[str, Any]
+    ) -> Sequence[SiteResult]: ...
+
+
+class Host:
+    """Where the engine's outputs go. The defaults keep nothing and log through :mod:`logging`; the NVFlare
+    controller and the in-process runner override what they need."""
+
+    def persist(
+        self,
+        round_num: int,
+        params: Params,
+        state: Mapping[str, Any],
+        digest: str,
+        updates: Sequence[ClientUpdate],
+        aggregated: bool,
+    ) -> None:
+        """Called once per round, failed or not, with the global model and rule state the next round starts from."""
+
+    def evaluate(self, params: Params) -> dict[str, float]:
+        """Metrics of the global model (e.g. test accuracy) for the round's record."""
+        return {}
+
+    def record(self, record: dict[str, Any]) -> None:
+        """One JSON-able line per stage (``initial``/``resumed``, then every ``round``)."""
+
+    def log(self, level: int, message: str) -> None:
+        LOG.log(level, message)
+
+
+#: Called with (round_num, global params before aggregation, accepted updates, context) once per round that has
+#: accepted updates, before the rule aggregates (the attack-adaptive capture of training rounds uses it).
+RoundObserver = Callable[[int, Params, Sequence[ClientUpdate], RoundContext], None]
+
+
+@dataclass
+class RoundOutcome:
+    """The global model and rule state after one round, the metrics line, and whether the rule's aggregate was used."""
+
+    params: Params
+    state: dict[str, Any]
+    record: dict[str, Any]
+    aggregated: bool
+    updates: list[ClientUpdate] = field(default_factory=list)
+
+
+class RuleFailure(Exception):
+    """The rule raised or produced something unusable; the message names the rule and what it was doing."""
+
+
+def validate_result(
+    result: SiteResult,
+    global_params: Mapping[str, np.ndarray],
+    required_meta: Iterable[str] = (),
+    rule_check: Callable[[ClientUpdate], list[str]] | None = None,
+) -> ClientUpdate | Rejection:
+    """The checked :class:`ClientUpdate` of one site, or every reason it cannot be used (module docstring)."""
+    params, meta = dict(result.params or {}), dict(result.meta or {})
+    problems = param_problems(global_params, params)
+    problems += meta_problems(meta, [meta_keys.NUM_SAMPLES, *required_meta])
+    num_samples = meta.get(meta_keys.NUM_SAMPLES)
+    if meta_keys.NUM_SAMPLES in meta:
+        problems += num_samples_problems(num_samples)
+    reserved = sorted(set(meta) & set(meta_keys.NVFLARE_RESERVED))
+    if reserved:
+        # NVFlare's built-in Lightning handler ran on that client: its correction came on top of ours.
+        problems.append(f"meta carries NVFlare's reserved keys {reserved}: a built-in algorithm handler was active")
+    problems += param_keys_problems(meta.get(meta_keys.PARAM_KEYS), global_params)
+    if problems:
+        return Rejection(site=result.site, problems=tuple(problems))
+    update = ClientUpdate(site=result.site, params=params, num_samples=int(num_samples), meta=meta)
+    rule_problems = rule_check(update) if rule_check is not None else []
+    return Rejection(site=result.site, problems=tuple(rule_problems)) if rule_problems else update
+
+
+def aggregate_problems(global_params: Mapping[str, np.ndarray], params: Mapping[str, Any]) -> list[str]:
+    """Why a rule's new global model must not be used: keys, shapes or types that differ from the current model,
+    or NaN/Inf (the same checks a client result passes)."""
+    if not isinstance(params, Mapping):
+        return [f"the aggregate is a {type(params).__name__}, not a mapping of parameter arrays"]
+    return param_problems(global_params, params)
+
+
+class RoundEngine:
+    """Federated rounds driven by an aggregation rule; see the module docstring for what it guarantees.
+
+    Args:
+        rule: the aggregation rule (a composed rule when the client algorithm needs companion state).
+        num_rounds: number of rounds of the federation.
+        clients_per_round: ``None`` for all sites, an int count or a float fraction in (0, 1].
+        min_accepted: fewest valid results needed to aggregate (at least 1); with fewer the round fails and the
+            model is kept.
+        seed: seeds the site sampling (rules with their own selection get it too).
+        rule_label: the rule name broadcast to clients (``server.rule``) and used in messages; the rule's own
+            ``name`` when ``None``.
+        observers: called before each aggregation with the accepted updates (see :data:`RoundObserver`).
+    """
+
+    def __init__(
+        self,
+        rule: AggregationRule,
+        *,
+        num_rounds: int,
+        clients_per_round: int | float | None = None,
+        min_accepted: int = 1,
+        seed: int = 0,
+        rule_label: str | None = None,
+        observers: Sequence[RoundObserver] = (),
+    ) -> None:
+        if isinstance(min_accepted, bool) or not isinstance(min_accepted, int | np.integer) or min_accepted < 1:
+            raise ValueError(
+                f"min_accepted must be an integer >= 1 (a round needs at least one valid result to aggregate), "
+                f"got {min_accepted!r}"
+            )
+        if isinstance(num_rounds, bool) or not isinstance(num_rounds, int | np.integer) or num_rounds < 0:
+            raise ValueError(f"num_rounds must be an integer >= 0, got {num_rounds!r}")
+        self.rule = rule
+        self.num_rounds = int(num_rounds)
+        self.clients_per_round = clients_per_round
+        self.min_accepted = int(min_accepted)
+        self.seed = seed
+        self.rule_label = rule_label or rule.name
+        self.observers = tuple(observers)
+
+    # -- the whole federation -------------------------------------------------------------------------------------
+
+    def initial_record(self, params: Params, host: Host, stage: str = "initial") -> dict[str, Any]:
+        """The metrics line of the starting model (``stage`` is ``initial`` or ``resumed``)."""
+        record = {"stage": stage, "round": None, "rule": self.rule.name, "global_sha256": params_digest(params)}
+        record.update(host.evaluate(params))
+        host.record(record)
+        return record
+
+    def run(
+        self,
+        population: Sequence[str],
+        params: Params,
+        state: dict[str, Any],
+        transport: Transport,
+        host: Host,
+        *,
+        run_id: str,
+        first_round: int = 0,
+        stage: str = "initial",
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> tuple[Params, dict[str, Any]]:
+        """Rounds ``first_round`` .. ``num_rounds - 1``; returns the final global model and rule state.
+
+        ``should_stop`` is asked before every round (NVFlare's abort signal).
+        """
+        population = tuple(sorted(population))
+        self.initial_record(params, host, stage)
+        for round_num in range(first_round, self.num_rounds):
+            if should_stop():
+                host.log(logging.WARNING, f"abort requested; stopping before round {round_num + 1}")
+                break
+            outcome = self.run_round(round_num, population, params, state, transport, host, run_id=run_id)
+            params, state = outcome.params, outcome.state
+        return params, state
+
+    # -- one round ----------------------------------------------------------------------------------------------------
+
+    def run_round(
+        self,
+        round_num: int,
+        population: Sequence[str],
+        params: Params,
+        state: dict[str, Any],
+        transport: Transport,
+        host: Host,
+        *,
+        run_id: str,
+    ) -> RoundOutcome:
+        """One round. When it fails, the outcome's params are the input params (the same object) and its state is
+        the input state as the rule's site selection left it."""
+        started = time.monotonic()
+        population = tuple(population)
+        record: dict[str, Any] = {"stage": "round", "round": round_num, "rule": self.rule.name}
+        updates: list[ClientUpdate] = []
+        rejections: list[Rejection] = []
+        new_params, new_state, failure = params, state, None
+        try:
+            targets, state = self._select(population, state, round_num)
+            new_state = state
+            record["sites"] = targets
+            host.log(logging.INFO, f"round {round_num + 1}/{self.num_rounds}: training on {targets}")
+            results = transport.train(round_num, targets, params, self.broadcast_meta(round_num, state, run_id))
+            updates, rejections = self.validate(results, params, state)
+            for rejection in rejections:
+                host.log(logging.ERROR, f"round {round_num + 1}: {rejection}")
+            if len(updates) < self.min_accepted:
+                failure = (
+                    f"only {len(updates)} valid result(s), {self.min_accepted} needed; "
+                    "the global model is left unchanged this round"
+                )
+            else:
+                context = RoundContext(round_num=round_num, num_rounds=self.num_rounds, population=population)
+                new_params, new_state = self._aggregate(params, updates, state, context)
+        except RuleFailure as exc:
+            failure = f"{exc}; the global model is left unchanged this round"
+        if failure is not None:
+            host.log(logging.ERROR, f"round {round_num + 1}: {failure}")
+            new_params = params
+        record.setdefault("sites", [])
+        record["rejected"] = {r.site: list(r.problems) for r in rejections}
+        aggregated = failure is None
+        record["status"] = "aggregated" if aggregated else "failed"
+        if failure is not None:
+            record["failure"] = failure
+        record["aggregated"] = [u.site for u in updates] if aggregated else []
+        digest = params_digest(new_params)
+        record["global_sha256"] = digest
+        host.persist(round_num, new_params, new_state, digest, updates, aggregated)
+        record.update(site_metrics(updates))
+        record.update(host.evaluate(new_params))
+        record["elapsed_s"] = round(time.monotonic() - started, 3)
+        host.record(record)
+        return RoundOutcome(params=new_params, state=new_state, record=record, aggregated=aggregated, updates=updates)
+
+    def broadcast_meta(self, round_num: int, state: Mapping[str, Any], run_id: str) -> dict[str, Any]:
+        """Round bookkeeping plus the rule's own broadcast (e.g. SCAFFOLD's global control)."""
+        rule_meta = self._call("broadcast_meta", lambda: self.rule.broadcast_meta(state))
+        return {
+            meta_keys.ROUND: round_num,
+            meta_keys.NUM_ROUNDS: self.num_rounds,
+            meta_keys.AGGREGATION_RULE: self.rule_label,
+            meta_keys.RUN_ID: run_id,
+            **rule_meta,
+        }
+
+    def validate(
+        self, results: Sequence[SiteResult], params: Params, state: Mapping[str, Any]
+    ) -> tuple[list[ClientUpdate], list[Rejection]]:
+        """Accepted updates sorted by site (aggregation never depends on arrival order) and the rejections.
+
+        A second result from a site already seen is rejected: a site counts once per round.
+        """
+        check = _rule_hook(self.rule, "update_problems")
+
+        def rule_check(update: ClientUpdate) -> list[str]:
+            if check is None:
+                return []
+            try:
+                return list(check(update, params, state))
+            except Exception as exc:  # a rule's check that crashes rejects the site, never the job
+                return [f"rule '{self.rule.name}' raised while checking the update: {type(exc).__name__}: {exc}"]
+
+        updates: list[ClientUpdate] = []
+        rejections: list[Rejection] = []
+        seen: set[str] = set()
+        for result in results:
+            if result.site in seen:
+                rejections.append(Rejection(result.site, ("a second result from this site in the same round",)))
+                continue
+            seen.add(result.site)
+            checked = validate_result(result, params, self.rule.required_meta, rule_check)
+            (updates if isinstance(checked, ClientUpdate) else rejections).append(checked)
+        return sorted(updates, key=lambda u: u.site), rejections
+
+    def _select(
+        self, population: tuple[str, ...], state: dict[str, Any], round_num: int
+    ) -> tuple[list[str], dict[str, Any]]:
+        count = clients_per_round_count(self.clients_per_round, len(population))
+        select = _rule_hook(self.rule, "select_sites")
+        if select is None:
+            return sample_sites(population, count, self.seed, round_num), state
+        sites, state = self._call("select_sites", lambda: select(population, count, state, self.seed, round_num))
+        unknown = sorted(set(sites) - set(population))
+        if not sites or unknown:
+            raise RuleFailure(f"rule '{self.rule.name}' selected {list(sites)}: empty or not in the population")
+        return list(sites), state
+
+    def _aggregate(
+        self, params: Params, updates: list[ClientUpdate], state: dict[str, Any], context: RoundContext
+    ) -> tuple[Params, dict[str, Any]]:
+        for observer in self.observers:
+            observer(context.round_num, params, updates, context)
+        result = self._call("aggregate", lambda: self.rule.aggregate(params, updates, state, context))
+        problems = aggregate_problems(params, getattr(result, "params", None))
+        if problems:
+            raise RuleFailure(f"rule '{self.rule.name}' produced an unusable model: " + "; ".join(problems))
+        return dict(result.params), result.state
+
+    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except Exception as exc:  # no rule error may end the job (module docstring)
+            raise RuleFailure(f"rule '{self.rule.name}' failed in {what}: {type(exc).__name__}: {exc}") from exc
+
+
+def _rule_hook(rule: Any, name: str) -> Callable[..., Any] | None:
+    """An optional rule hook, or ``None`` when the rule does not define one."""
+    return getattr(rule, name, None)
+
+
+def scalar_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The namespaced scalar values a client reported (e.g. ``train.accuracy``, ``fedprox.mu``) for the metrics log."""
+    return {
+        key: value
+        for key, value in sorted(meta.items())
+        if meta_keys.is_namespaced(key) and isinstance(value, bool | int | float | str | np.generic)
+    }
+
+
+def site_metrics(updates: Sequence[ClientUpdate]) -> dict[str, Any]:
+    """Per-site training loss, sample and step counts and scalar meta of the accepted updates."""
+    return {
+        "site_train_loss": {u.site: u.meta.get(meta_keys.TRAIN_LOSS) for u in updates},
+        "site_num_samples": {u.site: u.num_samples for u in updates},
+        "site_num_steps": {u.site: u.meta.get(meta_keys.NUM_STEPS) for u in updates},
+        "site_meta": {u.site: scalar_meta(u.meta) for u in updates},
+    }
+
+
+SiteFn = Callable[[int, Params, Mapping[str, Any]], tuple[Mapping[str, Any], Mapping[str, Any]]]
+
+
+class InProcessTransport:
+    """Sites as callables in this process: ``site(round_num, global params, meta) -> (params, meta)``.
+
+    Each site gets its own copy of the model and meta, as over a network, so no site can alter what another
+    receives. Sites train one after the other in sorted order.
+    """
+
+    def __init__(self, sites: Mapping[str, SiteFn]) -> None:
+        self.sites = dict(sites)
+
+    def train(
+        self, round_num: int, targets: Sequence[str], params: Params, meta: Mapping[str, Any]
+    ) -> list[SiteResult]:
+        unknown = sorted(set(targets) - set(self.sites))
+        if unknown:
+            raise KeyError(f"no in-process site called {unknown}; sites: {sorted(self.sites)}")
+        results = []
+        for site in sorted(targets):
+            sent = {key: np.array(value, copy=True) for key, value in params.items()}
+            site_params, site_meta = self.sites[site](round_num, sent, copy.deepcopy(dict(meta)))
+            results.append(SiteResult(site=site, params=site_params, meta=site_meta))
+        return results

@@ -1,0 +1,110 @@
+"""NVFlare assembly: a validated :class:`jobs.spec.JobSpec` -> an NVFlare ``FedJob`` -> a job folder.
+
+Built with NVFlare's job API (``FedJob``, ``ScriptRunner``, ``PTModel``). The bundle's packages are declared as
+app packages, so they are not copied into the job: they must be installed on every site (``pip install .``);
+only the client script travels in ``app/custom/``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from jobs.settings import dataset_num_classes
+from jobs.spec import JobSpec, client_script_args, companion_rules, model_arch_args
+
+JOBS_DIR = Path(__file__).resolve().parent
+CLIENT_SCRIPT = "client.py"
+APP_PACKAGES = ("aggregators", "controllers", "data_prep", "jobs", "lightning_modules")
+
+
+@contextlib.contextmanager
+def inside_directory(directory: Path) -> Iterator[None]:
+    # NVFlare writes the script path as given into the job config, so it must be relative to the job's custom/.
+    previous = Path.cwd()
+    os.chdir(directory)
+    try:
+        yield
+    finally:
+        os.chdir(previous)
+
+
+def build_job(spec: JobSpec) -> Any:
+    """Assemble the NVFlare ``FedJob`` for ``spec`` (server: persistor, evaluator, controller; clients: script)."""
+    from nvflare.app_opt.pt.job_config.model import PTModel
+    from nvflare.job_config.api import FedJob
+    from nvflare.job_config.script_runner import ScriptRunner
+
+    from controllers.evaluator import TestSetEvaluator
+    from controllers.fedalg_controller import FedAlgController
+
+    num_classes = dataset_num_classes(spec.dataset)
+    job = FedJob(name=spec.name, min_clients=spec.num_sites)
+    job.set_app_packages(list(APP_PACKAGES))
+    arch_args = model_arch_args(spec)
+    model_args: dict[str, Any] = {"arch": spec.arch, "num_classes": num_classes, "init_seed": spec.seed}
+    if arch_args:  # the server's model and evaluator must build what the clients build (MOON's projection head)
+        model_args["arch_args"] = arch_args
+    job.to_server(PTModel({"path": "lightning_modules.classifier.FLClassifier", "args": model_args}))
+    evaluator = TestSetEvaluator(
+        arch=spec.arch,
+        num_classes=num_classes,
+        arch_args=arch_args or None,
+        dataset=spec.dataset,
+        max_test_samples=spec.max_test_samples,
+    )
+    job.to_server(evaluator, id="evaluator")
+    controller = FedAlgController(
+        num_rounds=spec.num_rounds,
+        rule=spec.server,
+        rule_args=dict(spec.server_args) or None,
+        clients_per_round=spec.clients_per_round,
+        min_responses=spec.min_responses,
+        min_accepted=spec.min_accepted,
+        train_timeout=spec.train_timeout,
+        seed=spec.seed,
+        save_client_updates=spec.save_client_updates,
+        companions=companion_rules(spec),
+        resume_from=spec.resume_from,
+    )
+    job.to_server(controller)
+    job.to_clients(ScriptRunner(script=CLIENT_SCRIPT, script_args=client_script_args(spec)))
+    add_tracking(job)
+    return job
+
+
+def add_tracking(job: Any) -> None:
+    """Stream each site's training curves to the server: the client script logs through NVFlare's tracking API,
+    each site converts those events into federated events, and the server writes TensorBoard event files under
+    ``<run dir>/tb_events/<site>/`` (``tensorboard --logdir <run dir>/tb_events``)."""
+    from nvflare.apis.analytix import ANALYTIC_EVENT_TYPE
+    from nvflare.app_common.widgets.convert_to_fed_event import ConvertToFedEvent
+    from nvflare.app_opt.tracking.tb.tb_receiver import TBAnalyticsReceiver
+
+    job.to_server(TBAnalyticsReceiver(events=["fed." + ANALYTIC_EVENT_TYPE]), id="tb_receiver")
+    job.to_clients(ConvertToFedEvent(events_to_convert=[ANALYTIC_EVENT_TYPE], fed_event_prefix="fed."), id="to_fed")
+
+
+def export_job(spec: JobSpec, output_dir: Path) -> Path:
+    """Write ``output_dir/<spec.name>/`` (replacing an older export of the same name) and return its path.
+
+    The job is written to a scratch folder beside the target first and moved into place only when complete, so
+    a job that fails to assemble or export leaves ``output_dir`` as it was.
+    """
+    output_dir = Path(output_dir).resolve()
+    target = output_dir / spec.name
+    with inside_directory(JOBS_DIR):
+        job = build_job(spec)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=output_dir, prefix=f".{spec.name}.") as scratch:
+        with inside_directory(JOBS_DIR):
+            job.export_job(scratch)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(Path(scratch) / spec.name, target)
+    return target

@@ -1,0 +1,476 @@
+"""Every job-level setting, declared once: type, default, help text, allowed values and ranges.
+
+Each group of settings is a frozen dataclass whose fields carry their own metadata (help, bounds, where the
+setting is used). Everything else is derived from these declarations:
+
+- :class:`jobs.spec.JobSpec` (the flat spec of a job, used by ``python -m jobs.build`` and the recipe) inherits
+  every group, so a setting is a field of the spec without being written again;
+- the options of ``python -m jobs.build`` and of the client script ``jobs/client.py`` (:func:`add_arguments`);
+- the command line the builder hands every site's client script (:func:`jobs.spec.client_script_args`);
+- the per-value checks (:func:`setting_problem`): type, finiteness, ranges, ``Literal`` options.
+
+This module imports only the standard library, so the client script can use it on a site before (and without)
+importing torch, Lightning or NVFlare's job API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import math
+import sys
+import types
+import typing
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, NoReturn
+
+#: Where a setting is used. ``client``: part of the job and of every site's client command line; ``server``: part
+#: of the job, used by the server components only; ``site``: chosen on the site, never by the job (client script).
+CLIENT, SERVER, SITE = "client", "server", "site"
+
+
+class JobBuildError(ValueError):
+    """The requested job cannot be built (unknown names, a meaningless combination, bad settings)."""
+
+
+def setting(
+    default: Any,
+    help: str,
+    *,
+    side: str = CLIENT,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    registry: str | None = None,
+    exported_when: Callable[[Any], bool] | None = None,
+) -> Any:
+    """A settings field. ``registry`` (``"module:NAME"``) names the dict whose keys are the allowed values, looked
+    up only when a job is validated (it imports torch); ``exported_when`` drops the option from the client command
+    line when it returns False for the spec (keeps committed jobs unchanged for settings added later)."""
+    metadata = {
+        "help": help,
+        "side": side,
+        "bounds": (ge, gt, le, lt),
+        "registry": registry,
+        "exported_when": exported_when,
+    }
+    if isinstance(default, dict):
+        return field(default_factory=dict, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The groups. Field order is the order of the client command line (kept stable: committed jobs are diffed).
+# --------------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class DataSettings:
+    """Data and its split. In simulation every site derives its shard from these; provisioned sites use their own
+    data, configured on the site (docs/deployment.md)."""
+
+    dataset: Literal["fashion_mnist", "mnist", "digits"] = setting("fashion_mnist", "dataset")
+    scheme: Literal["iid", "dirichlet", "shards", "quantity"] = setting(
+        "dirichlet", "how labels are split across sites"
+    )
+    alpha: float = setting(0.5, "Dirichlet concentration for dirichlet/quantity (smaller = more skewed)", gt=0)
+    classes_per_site: int = setting(2, "labels per site for the shards scheme (#C=k)", ge=1)
+    num_sites: int = setting(3, "number of sites the data is split into (= clients the job needs)", ge=1)
+    max_train_samples: int | None = setting(None, "use a seeded subset of the training set (quick runs)", ge=1)
+    max_test_samples: int | None = setting(
+        None, "evaluate the global model on the first n test samples", side=SERVER, ge=1
+    )
+    seed: int = setting(0, "seeds the split, the initial model, the shuffling and the site sampling", ge=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSettings:
+    arch: str = setting(
+        "lenet5", "model: lenet5, simple_cnn (28x28 images) or mlp (digits)", registry="lightning_modules.models:MODELS"
+    )
+    arch_args: dict[str, Any] = setting(
+        {}, 'model constructor arguments, a JSON object (e.g. {"projection_dim":256} for MOON\'s head)'
+    )
+
+
+def _not_constant(spec: Any) -> bool:
+    return spec.pattern != "constant"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalTrainingSettings:
+    """The local optimizer (SGD) and how long each site trains per round."""
+
+    epochs: int = setting(1, "local epochs per round (pattern constant)", ge=1)
+    pattern: Literal["constant", "uniform_random"] = setting(
+        "constant",
+        "local epochs per site and round: constant (= --epochs) or uniform_random (seeded draw from "
+        "[2, --max-local-epochs] per site and round, FedNova's heterogeneous-work setting)",
+        exported_when=_not_constant,
+    )
+    max_local_epochs: int = setting(
+        10, "upper bound (inclusive) of the uniform_random pattern", ge=1, exported_when=_not_constant
+    )
+    batch_size: int = setting(64, "local batch size", ge=1)
+    lr: float = setting(0.05, "local SGD learning rate", gt=0)
+    momentum: float = setting(0.0, "local SGD momentum (0 = vanilla SGD, what SCAFFOLD's analysis assumes)", ge=0, lt=1)
+    weight_decay: float = setting(0.0, "local SGD weight decay", ge=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecisionSettings:
+    precision: Literal["32-true", "bf16-mixed"] = setting(
+        "32-true", "Lightning precision (fp16 GradScaler and bf16-true are refused: docs/deployment.md)"
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClientAlgorithmSettings:
+    client: str = setting(
+        "fedavg", "client algorithm", registry="lightning_modules.algorithms.registry:CLIENT_ALGORITHMS"
+    )
+    client_args: dict[str, Any] = setting({}, 'client algorithm hyperparameters, a JSON object (e.g. {"mu":0.01})')
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundSettings:
+    """The server: its rule, the rounds and which sites take part in each."""
+
+    server: str = setting("fedavg", "server aggregation rule", side=SERVER, registry="aggregators.registry:RULES")
+    server_args: dict[str, Any] = setting({}, "server rule hyperparameters, a JSON object", side=SERVER)
+    num_rounds: int = setting(10, "federated rounds", side=SERVER, ge=1)
+    clients_per_round: int | float | None = setting(
+        None,
+        "sites per round: none = all, an integer count in [1, num_sites], or a fraction in (0, 1] written with a "
+        "dot (0.5, 1.0)",
+        side=SERVER,
+        gt=0,
+    )
+    min_responses: int | None = setting(
+        None,
+        "results a round waits for: none = every sampled site; fewer ends the round as soon as that many arrived "
+        "(later ones are dropped), so a site that drops out cannot stall the job",
+        side=SERVER,
+        ge=1,
+    )
+    min_accepted: int = setting(
+        1,
+        "valid results a round needs to update the global model (fewer: the model stays unchanged that round)",
+        side=SERVER,
+        ge=1,
+    )
+    train_timeout: int = setting(
+        0,
+        "seconds a round waits for results (0 = forever); at the timeout the round aggregates what arrived",
+        side=SERVER,
+        ge=0,
+    )
+    save_client_updates: bool = setting(
+        False, "also save every accepted client model per round (audits, tests)", side=SERVER
+    )
+    resume_from: str | None = setting(
+        None,
+        "continue a stopped job: a previous run's server app folder holding server_state.pt and the global model "
+        "(e.g. <workspace>/server/simulate_job/app_server)",
+        side=SERVER,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttackSettings:
+    """Simulated attacks of malicious sites (robustness experiments; default: none)."""
+
+    attack: Literal["none", "sign_flip", "scale", "gaussian", "label_flip"] = setting(
+        "none", "what the malicious sites do"
+    )
+    attack_strength: float | None = setting(None, "attack strength (none = the attack's default)")
+    attack_start_round: int = setting(0, "first round (0-based) the malicious sites attack", ge=0)
+    malicious_fraction: float = setting(
+        0.0,
+        "share of sites that attack, drawn with the seed (ignored if malicious_sites is set)",
+        side=SERVER,
+        ge=0,
+        le=1,
+    )
+    malicious_sites: str = setting("", "comma-separated malicious site names, e.g. site-2,site-5")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SiteSettings:
+    """Chosen by each site for itself, never written into a job (client script only)."""
+
+    data_dir: str | None = setting(None, "directory with the dataset files (default: where installed)", side=SITE)
+    accelerator: str = setting("auto", "Lightning accelerator: auto, cpu, gpu", side=SITE)
+
+
+#: The groups that make up a job, in client command-line order.
+JOB_GROUPS: tuple[type, ...] = (
+    DataSettings,
+    ModelSettings,
+    LocalTrainingSettings,
+    PrecisionSettings,
+    ClientAlgorithmSettings,
+    RoundSettings,
+    AttackSettings,
+)
+#: Options the builder renders in its own way at the end of the client command line (resolved sites, JSON).
+ATTACK_FIELDS = frozenset(f.name for f in dataclasses.fields(AttackSettings))
+JSON_FIELDS = frozenset({"arch_args", "client_args", "server_args"})
+
+# All datasets shipped here have ten classes (data_prep/datasets.py).
+NUM_CLASSES = {"fashion_mnist": 10, "mnist": 10, "digits": 10}
+
+
+def dataset_num_classes(dataset: str) -> int:
+    """Number of classes of a dataset, known without loading it (the server builds its model before any data)."""
+    try:
+        return NUM_CLASSES[dataset]
+    except KeyError:
+        raise JobBuildError(f"unknown dataset '{dataset}'; choose one of {sorted(NUM_CLASSES)}") from None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Reading the declarations
+# --------------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Kind:
+    """A field's type, read from its annotation: base types, ``None`` allowed, ``Literal`` options."""
+
+    types: tuple[type, ...]
+    optional: bool = False
+    choices: tuple[str, ...] | None = None
+
+
+def _kind(hint: Any) -> Kind:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return Kind((str,), choices=tuple(typing.get_args(hint)))
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        rest = [a for a in args if a is not type(None)]
+        optional = len(rest) < len(args)
+        if len(rest) == 1:
+            inner = _kind(rest[0])
+            return Kind(inner.types, optional, inner.choices)
+        return Kind(tuple(typing.get_origin(a) or a for a in rest), optional)
+    return Kind((origin or hint,))
+
+
+def setting_fields(groups: Sequence[type] = JOB_GROUPS) -> Iterator[tuple[dataclasses.Field, Kind]]:
+    """Every field of ``groups`` with its kind, in declaration order."""
+    for group in groups:
+        hints = typing.get_type_hints(group)
+        for spec_field in dataclasses.fields(group):
+            yield spec_field, _kind(hints[spec_field.name])
+
+
+def _bounds_text(bounds: tuple[float | None, ...]) -> str:
+    ge, gt, le, lt = bounds
+    low = f"[{ge}" if ge is not None else f"({gt}" if gt is not None else None
+    high = f"{le}]" if le is not None else f"{lt})" if lt is not None else None
+    if low and high:
+        return f"in {low}, {high}"
+    if low:
+        return f">= {ge}" if ge is not None else f"> {gt}"
+    if high:
+        return f"<= {le}" if le is not None else f"< {lt}"
+    return ""
+
+
+def allowed_text(kind: Kind, bounds: tuple[float | None, ...]) -> str:
+    """What a field accepts, in words (the error messages and ``--help``)."""
+    ge, gt, le, lt = bounds
+    if kind.choices is not None:
+        text = f"one of {list(kind.choices)}"
+    elif kind.types == (int,) and ge is not None and gt is le is lt is None:
+        text = f"at least {ge:g} (an integer)"
+    elif kind.types == (int,):
+        text = f"an integer {_bounds_text(bounds)}".rstrip()
+    elif float in kind.types:
+        text = f"a finite number {_bounds_text(bounds)}".rstrip()
+    elif kind.types == (dict,):
+        text = "a JSON object"
+    elif kind.types == (bool,):
+        text = "true or false"
+    else:
+        text = "text"
+    return f"{text} or none" if kind.optional else text
+
+
+def _in_bounds(value: float, bounds: tuple[float | None, ...]) -> bool:
+    ge, gt, le, lt = bounds
+    return (
+        (ge is None or value >= ge)
+        and (gt is None or value > gt)
+        and (le is None or value <= le)
+        and (lt is None or value < lt)
+    )
+
+
+def setting_problem(spec_field: dataclasses.Field, kind: Kind, value: Any) -> str | None:
+    """One line naming the setting, the value and what is allowed, or ``None`` when the value is fine."""
+    name, bounds = spec_field.name, spec_field.metadata.get("bounds", (None,) * 4)
+    if value is None:
+        return None if kind.optional else f"{name} must be {allowed_text(kind, bounds)}, got None"
+    if kind.choices is not None:
+        return None if value in kind.choices else f"unknown {name} {value!r}; choose one of {list(kind.choices)}"
+    is_number = isinstance(value, int | float) and not isinstance(value, bool)
+    if kind.types == (int,):
+        fits = isinstance(value, int) and not isinstance(value, bool)
+    elif float in kind.types:  # float and int | float: any finite real number
+        fits = is_number and math.isfinite(value)
+    else:
+        fits = isinstance(value, kind.types)
+    if not fits or (is_number and not _in_bounds(value, bounds)):
+        return f"{name} must be {allowed_text(kind, bounds)}, got {value!r}"
+    return None
+
+
+def registry_problem(spec_field: dataclasses.Field, value: Any) -> str | None:
+    """Names outside a registry (client algorithms, rules, models), with the valid ones; imports the registry."""
+    where = spec_field.metadata.get("registry")
+    if where is None:
+        return None
+    module, attribute = where.split(":")
+    valid = getattr(importlib.import_module(module), attribute)
+    return None if value in valid else f"unknown {spec_field.name} {value!r}; choose one of {sorted(valid)}"
+
+
+def check_settings(values: Any, groups: Sequence[type] = JOB_GROUPS, *, registries: bool = True) -> None:
+    """Raise :class:`JobBuildError` for the first field of ``values`` (an object with the fields as attributes)
+    that its declaration refuses."""
+    for spec_field, kind in setting_fields(groups):
+        if not hasattr(values, spec_field.name):
+            continue
+        value = getattr(values, spec_field.name)
+        problem = setting_problem(spec_field, kind, value)
+        if problem is None and registries:
+            problem = registry_problem(spec_field, value)
+        if problem:
+            raise JobBuildError(problem)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Command lines
+# --------------------------------------------------------------------------------------------------------------------
+def compact_json(value: Mapping[str, Any]) -> str:
+    """JSON without whitespace: NVFlare splits ``task_script_args`` on whitespace and does not honour quotes."""
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"))
+    if any(ch.isspace() for ch in text):
+        raise JobBuildError(
+            f"client hyperparameters must not contain whitespace (NVFlare splits arguments on it): {text}"
+        )
+    return text
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def parse_json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def parse_number_or_none(text: str) -> int | float | None:
+    """``none`` -> None, ``3`` -> 3, ``0.5`` / ``nan`` / ``1e-3`` -> float (a dot or exponent makes a fraction)."""
+    if text.lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, a number or none, got {text!r}") from None
+
+
+def _optional(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    def parse_optional(text: str) -> Any:
+        return None if text.lower() == "none" else parse(text)
+
+    parse_optional.__name__ = getattr(parse, "__name__", "value")
+    return parse_optional
+
+
+def _parser_type(kind: Kind) -> Callable[[str], Any]:
+    if kind.types == (dict,):
+        return parse_json_object
+    if len(kind.types) > 1:
+        return parse_number_or_none
+    base = kind.types[0] if kind.types[0] in (int, float) else str
+    return _optional(base) if kind.optional else base
+
+
+def add_arguments(
+    parser: argparse.ArgumentParser,
+    groups: Sequence[type],
+    *,
+    sides: Sequence[str],
+    json_as_text: bool = False,
+    choices_help: Mapping[str, str] | None = None,
+) -> None:
+    """Add one option per field of ``groups`` used on ``sides``, in an argument group per settings group.
+
+    ``json_as_text``: JSON settings stay text (the client script parses them itself). Options are not checked by
+    argparse beyond their type: :func:`check_settings` checks values, so every entry point words errors alike.
+    """
+    for group in groups:
+        title = group.__name__.removesuffix("Settings")
+        arguments = parser.add_argument_group(title.lower(), (group.__doc__ or "").strip().split("\n\n")[0] or None)
+        hints = typing.get_type_hints(group)
+        for spec_field in dataclasses.fields(group):
+            if spec_field.metadata["side"] not in sides:
+                continue
+            kind = _kind(hints[spec_field.name])
+            default = spec_field.default if spec_field.default is not dataclasses.MISSING else {}
+            description = (choices_help or {}).get(spec_field.name) or spec_field.metadata["help"]
+            if kind.types == (bool,):
+                arguments.add_argument(flag(spec_field.name), action="store_true", help=description)
+                continue
+            if kind.types == (dict,) and json_as_text:
+                arguments.add_argument(flag(spec_field.name), default="{}", help=f"{description} (default: {{}})")
+                continue
+            allowed = allowed_text(kind, spec_field.metadata["bounds"])
+            arguments.add_argument(
+                flag(spec_field.name),
+                type=_parser_type(kind),
+                default=default,
+                metavar=spec_field.name.upper() if kind.choices is None else "{" + ",".join(kind.choices) + "}",
+                help=f"{description}; {allowed} (default: {default})",
+            )
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr (``error: ...``) and exit code 2, as the builder's
+    refusals of bad settings are."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+class ClientArgumentParser(argparse.ArgumentParser):
+    """The client script's parser: after parsing, every value is checked against its declaration (type,
+    finiteness, range, options), so a hand-written command line is refused as the builder would refuse it."""
+
+    def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> tuple[Any, list[str]]:
+        parsed, extra = super().parse_known_args(args, namespace)
+        checked = argparse.Namespace(**vars(parsed))
+        for name in JSON_FIELDS & set(vars(parsed)):
+            try:
+                setattr(checked, name, parse_json_object(getattr(parsed, name)))
+            except argparse.ArgumentTypeError as exc:
+                self.error(f"{flag(name)}: {exc}")
+        try:
+            check_settings(checked, (*JOB_GROUPS, SiteSettings), registries=False)
+        except JobBuildError as exc:
+            self.error(str(exc))
+        return parsed, extra

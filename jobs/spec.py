@@ -1,0 +1,209 @@
+"""The spec of a job (every setting of :mod:`jobs.settings` in one flat, validated object) and the client command
+line derived from it.
+
+A :class:`JobSpec` that exists is buildable: its constructor checks each value against its declaration, then the
+combinations (dataset and model, sampling and the number of sites, the client algorithm and the server rule), and
+constructs the model, the client algorithm and the server rule with the given arguments, so their own checks refuse
+bad hyperparameters when the job is built rather than when it runs. Every refusal is a :class:`JobBuildError` with
+one line naming the setting, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from jobs.settings import (
+    ATTACK_FIELDS,
+    CLIENT,
+    JSON_FIELDS,
+    AttackSettings,
+    ClientAlgorithmSettings,
+    DataSettings,
+    JobBuildError,
+    LocalTrainingSettings,
+    ModelSettings,
+    PrecisionSettings,
+    RoundSettings,
+    check_settings,
+    compact_json,
+    dataset_num_classes,
+    flag,
+    setting_fields,
+)
+
+
+# Base classes are listed last-to-first: a dataclass orders inherited fields from the end of its MRO.
+@dataclass(frozen=True, kw_only=True)
+class JobSpec(
+    AttackSettings,
+    RoundSettings,
+    ClientAlgorithmSettings,
+    PrecisionSettings,
+    LocalTrainingSettings,
+    ModelSettings,
+    DataSettings,
+):
+    """Everything that defines an exported job: a name plus every field of the settings groups."""
+
+    name: str
+
+    def __post_init__(self) -> None:
+        # Whole numbers given for float settings (lr=1) are floats, so the recipe and the CLI export the same text.
+        for spec_field, kind in setting_fields():
+            value = getattr(self, spec_field.name)
+            if kind.types == (float,) and isinstance(value, int) and not isinstance(value, bool):
+                object.__setattr__(self, spec_field.name, float(value))
+        validate_spec(self)
+
+
+def validate_spec(spec: JobSpec) -> None:
+    """Reject bad values, unknown names and impossible combinations at build time (one line each)."""
+    if not isinstance(spec.name, str) or not spec.name or "/" in spec.name or spec.name in (".", ".."):
+        raise JobBuildError(f"name must be a folder name (no '/'), got {spec.name!r}")
+    check_settings(spec)
+    _check_composition_of(spec)
+    if spec.pattern == "uniform_random" and spec.max_local_epochs < 2:
+        raise JobBuildError(f"max_local_epochs must be at least 2 for uniform_random, got {spec.max_local_epochs}")
+    if (spec.dataset == "digits") != (spec.arch == "mlp"):
+        raise JobBuildError(f"arch '{spec.arch}' does not fit dataset '{spec.dataset}': use mlp for digits only")
+    _check_sampling(spec)
+    _check_arch_args(spec)
+    _check_client_algorithm(spec)
+    _check_server_rule(spec)
+    job_attack_args(spec)  # unknown attack, no malicious site, bad share: refused at build time
+
+
+def sampled_sites(spec: JobSpec) -> int:
+    """Sites trained per round (the controller's own resolution of ``clients_per_round``)."""
+    from controllers.sampling import clients_per_round_count
+
+    return clients_per_round_count(spec.clients_per_round, spec.num_sites)
+
+
+def _check_sampling(spec: JobSpec) -> None:
+    value, sites = spec.clients_per_round, spec.num_sites
+    if isinstance(value, float) and not 0 < value <= 1:
+        raise JobBuildError(f"clients_per_round {value!r} is a fraction outside (0, 1]; use a fraction or a count")
+    if isinstance(value, int) and not 1 <= value <= sites:
+        raise JobBuildError(f"clients_per_round must be a count in [1, num_sites={sites}] or a fraction, got {value}")
+    sampled = sampled_sites(spec)
+    if spec.min_responses is not None and spec.min_responses > sampled:
+        raise JobBuildError(
+            f"min_responses must be at most the {sampled} site(s) sampled per round, got {spec.min_responses}"
+        )
+    enough = sampled if spec.min_responses is None else spec.min_responses
+    if spec.min_accepted > enough:
+        raise JobBuildError(
+            f"min_accepted must be at most the {enough} result(s) a round waits for (clients_per_round, "
+            f"min_responses), got {spec.min_accepted}: the global model would never change"
+        )
+
+
+def job_attack_args(spec: JobSpec) -> list[str]:
+    """The client options of the job's simulated attack (robustness experiments; empty without one)."""
+    from lightning_modules.attacks import attack_script_args, resolve_malicious_sites
+
+    try:
+        sites = resolve_malicious_sites(spec.num_sites, spec.malicious_fraction, spec.malicious_sites, spec.seed)
+        return attack_script_args(spec.attack, spec.attack_strength, spec.attack_start_round, sites, spec.num_sites)
+    except ValueError as exc:
+        raise JobBuildError(str(exc)) from None
+
+
+def model_arch_args(spec: JobSpec) -> dict[str, Any]:
+    """The model arguments every side builds with: the client algorithm's needs (MOON's projection head) + the job's."""
+    from lightning_modules.algorithms import CLIENT_ALGORITHMS
+
+    return {**CLIENT_ALGORITHMS[spec.client].default_arch_args, **spec.arch_args}
+
+
+def _check_arch_args(spec: JobSpec) -> None:
+    from lightning_modules.models import build_model
+
+    try:
+        build_model(spec.arch, num_classes=dataset_num_classes(spec.dataset), **model_arch_args(spec))
+    except (TypeError, ValueError) as exc:
+        raise JobBuildError(
+            f"arch '{spec.arch}' cannot be built with arch_args {model_arch_args(spec)}: {exc}"
+        ) from None
+
+
+def _check_client_algorithm(spec: JobSpec) -> None:
+    """The client algorithm, constructed with ``client_args`` exactly as every site will construct it."""
+    from lightning_modules.algorithms import ClientAlgorithmError, build_client_algorithm
+
+    compact_json(spec.client_args)  # whitespace would break NVFlare's split of the command line
+    try:
+        build_client_algorithm(spec.client, **spec.client_args)
+    except (ClientAlgorithmError, TypeError, ValueError) as exc:
+        raise JobBuildError(f"client_args {compact_json(spec.client_args)}: {exc}") from None
+
+
+def _check_server_rule(spec: JobSpec) -> None:
+    """The server rule and its companions, constructed with ``server_args`` as the controller will."""
+    from aggregators import build_rule
+    from aggregators.compose import compose
+
+    try:
+        compose(build_rule(spec.server, **spec.server_args), companion_rules(spec))
+    except (TypeError, ValueError) as exc:
+        raise JobBuildError(f"server_args {spec.server_args}: {exc}") from None
+
+
+def _check_composition(client_cls: type, rule_cls: type) -> tuple[str, ...]:
+    """A client algorithm and a server rule compose when each gets what it needs, possibly through companion rules
+    that keep the client algorithm's server state (SCAFFOLD's c beside FedYogi); returns their names, or raises
+    with the reason the pair is meaningless (aggregators/compose.py)."""
+    from aggregators.compose import CompositionError, plan_composition
+
+    try:
+        return plan_composition(client_cls, rule_cls)
+    except CompositionError as exc:
+        raise JobBuildError(str(exc)) from None
+
+
+def _check_composition_of(spec: JobSpec) -> tuple[str, ...]:
+    from aggregators import RULES
+    from lightning_modules.algorithms import CLIENT_ALGORITHMS
+
+    return _check_composition(CLIENT_ALGORITHMS[spec.client], RULES[spec.server])
+
+
+def companion_rules(spec: JobSpec) -> dict[str, dict[str, Any]] | None:
+    """The companion rules the job's controller runs beside its rule (``None``: none)."""
+    return {name: {} for name in _check_composition_of(spec)} or None
+
+
+def client_script_args(spec: JobSpec) -> str:
+    """The command line every site's client script receives (deterministic order: the export is diffed).
+
+    Every client-side setting in declaration order (``None`` and options whose ``exported_when`` says no are left
+    out), then the attack options, then the JSON ones, compact: NVFlare splits the line on whitespace.
+    """
+    parts = []
+    for spec_field, _ in setting_fields():
+        name = spec_field.name
+        if spec_field.metadata["side"] != CLIENT or name in ATTACK_FIELDS or name in JSON_FIELDS:
+            continue
+        exported_when = spec_field.metadata["exported_when"]
+        value = getattr(spec, name)
+        if value is None or (exported_when is not None and not exported_when(spec)):
+            continue
+        parts.append(f"{flag(name)} {value}")
+    parts += job_attack_args(spec)
+    if model_arch_args(spec):
+        parts.append(f"--arch-args {compact_json(model_arch_args(spec))}")
+    if spec.client_args:
+        parts.append(f"--client-args {compact_json(spec.client_args)}")
+    return " ".join(parts)
+
+
+def spec_from_values(name: str, values: dict[str, Any]) -> JobSpec:
+    """A spec from a mapping of setting names (unknown names are refused with the known ones)."""
+    known = {f.name for f in dataclasses.fields(JobSpec)} - {"name"}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise JobBuildError(f"unknown setting(s) {unknown}; known settings: {sorted(known)}")
+    return JobSpec(name=name, **values)

@@ -1,0 +1,212 @@
+"""One site's round of local training, the same in the NVFlare client script and in process.
+
+``jobs/client.py`` calls :meth:`SiteRound.fit` once per received model, connecting the round's Trainer to NVFlare
+with ``flare.patch`` (NVFlare's FLCallback loads the global weights and sends the result); the in-process runner
+(``controllers/in_process.py``) calls :meth:`SiteRound.train` with the global state_dict and the server meta, and
+gets the result back as numpy arrays + meta. Both go through the same steps, so both give the same bits:
+
+1. seed torch and the shuffling from (job seed, site, round) (:func:`round_seed`), so reruns, one-process and
+   process-per-round simulations and the in-process runner shuffle identically;
+2. the labels of the round (flipped for a label-flipping malicious site), a seeded ``DataLoader``;
+3. the round's local epochs (:func:`local_epochs`: constant, or FedNova's seeded heterogeneous draw);
+4. a fresh Trainer (:func:`make_trainer`) with the :class:`FederatedRoundCallback` (starts the client algorithm's
+   round once the global weights are in, and writes the meta) and the :class:`AttackCallback`, then the exchange:
+   NVFlare's FLCallback, or :class:`LocalExchange` which does what FLCallback does at the same points of the fit
+   (load the global weights at ``on_train_start``, take the module's state_dict on CPU at ``on_train_end``, after
+   our callbacks);
+5. ``trainer.fit``. The client algorithm keeps the state it must carry between rounds in the site's state store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import TensorDataset
+
+from data_prep import to_tensor_dataset
+from lightning_modules.attacks import AttackCallback, AttackConfig, attack_config_from_args, site_labels
+from lightning_modules.classifier import FLClassifier
+from lightning_modules.fl_callback import FederatedRoundCallback, MetaSource, nvflare_meta_source
+from lightning_modules.state_store import ClientStateStore
+
+__all__ = [
+    "LocalExchange",
+    "LocalTraining",
+    "SiteRound",
+    "build_site_round",
+    "local_epochs",
+    "make_trainer",
+    "round_seed",
+]
+
+
+@dataclass(frozen=True)
+class LocalTraining:
+    """The client script's local-training settings a round needs (field names = the script's options)."""
+
+    seed: int = 0
+    epochs: int = 1
+    pattern: str = "constant"
+    max_local_epochs: int = 10
+    batch_size: int = 64
+    precision: str = "32-true"
+    accelerator: str = "auto"
+
+    @classmethod
+    def from_namespace(cls, args: Any) -> LocalTraining:
+        """From the parsed client options (or any object with these attribute names)."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+def round_seed(seed: int, site_index: int, round_num: int) -> int:
+    """One seed per (job seed, site, round): reruns and single-/multi-process simulations shuffle identically."""
+    return int(np.random.SeedSequence([seed, site_index, round_num]).generate_state(1)[0])
+
+
+def local_epochs(training: Any, site_index: int, round_num: int) -> int:
+    """This site's local epochs this round: ``epochs``, or for ``uniform_random`` a draw from
+    [2, ``max_local_epochs``] (both inclusive) seeded by (job seed, site, round), so reruns repeat it."""
+    if training.pattern == "constant":
+        return training.epochs
+    rng = np.random.default_rng([training.seed, site_index, round_num, 1])  # 1: a stream apart from round_seed's
+    return int(rng.integers(2, training.max_local_epochs, endpoint=True))
+
+
+def make_trainer(
+    training: Any, round_callback: pl.Callback, epochs: int | None = None, extra_callbacks: Sequence = ()
+) -> pl.Trainer:
+    """A fresh Trainer for every round: a Trainer reused across fits carries loop state that changes the batch
+    order of later rounds, so a site that keeps its process (``-t N``) would train differently from one that is
+    restarted every round (``-t 1``). Fresh trainers make both bit-identical (tested end to end)."""
+    return pl.Trainer(
+        max_epochs=epochs or training.epochs,
+        accelerator=training.accelerator,
+        devices=1,
+        precision=training.precision,
+        callbacks=[round_callback, *extra_callbacks],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+
+
+class LocalExchange(pl.Callback):
+    """In-process stand-in for NVFlare's FLCallback, at the same points of the fit (it must come last).
+
+    ``on_train_start`` loads the global state_dict strictly, as FLCallback does once the round's callbacks have
+    run; ``on_train_end`` moves the module to CPU, as FLCallback does before sending, and keeps its state_dict as
+    numpy arrays in :attr:`result`.
+    """
+
+    def __init__(self, global_params: Mapping[str, Any]) -> None:
+        self.global_params = global_params
+        self.result: dict[str, np.ndarray] | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        state = {key: torch.as_tensor(np.array(value, copy=True)) for key, value in self.global_params.items()}
+        pl_module.load_state_dict(state, strict=True)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        state = pl_module.cpu().state_dict()
+        self.result = {key: value.detach().numpy().copy() for key, value in state.items()}
+
+
+@dataclass
+class SiteRound:
+    """Everything a site keeps between rounds: its module (with the client algorithm bound), data and callbacks."""
+
+    site: str
+    site_index: int
+    module: pl.LightningModule
+    x: np.ndarray
+    y: np.ndarray
+    training: LocalTraining
+    round_callback: FederatedRoundCallback
+    attack_callback: AttackCallback
+    dataset: TensorDataset | None = None  # ``to_tensor_dataset(x, y)``, built here unless the caller has it already
+
+    def __post_init__(self) -> None:
+        if self.dataset is None:
+            self.dataset = to_tensor_dataset(self.x, self.y)
+
+    @property
+    def attack(self) -> AttackConfig:
+        return self.attack_callback.config
+
+    def fit(self, round_num: int, connect: Callable[[pl.Trainer], None]) -> dict[str, Any]:
+        """Train one round; ``connect(trainer)`` attaches the exchange (``flare.patch`` or :class:`LocalExchange`)
+        after our callbacks. Returns the meta the site sends (``pl_module.__fl_meta__``)."""
+        seed = round_seed(self.training.seed, self.site_index, round_num)
+        torch.manual_seed(seed)
+        generator = torch.Generator().manual_seed(seed)
+        self.attack_callback.round_num = round_num
+        labels = site_labels(self.y, self.attack, self.site, round_num)
+        round_data = self.dataset if labels is self.y else to_tensor_dataset(self.x, labels)
+        loader = torch.utils.data.DataLoader(
+            round_data, batch_size=self.training.batch_size, shuffle=True, generator=generator
+        )
+        epochs = local_epochs(self.training, self.site_index, round_num)
+        trainer = make_trainer(self.training, self.round_callback, epochs, [self.attack_callback])
+        connect(trainer)
+        trainer.fit(self.module, train_dataloaders=loader)
+        return self.round_callback.last_meta
+
+    def train(
+        self, round_num: int, global_params: Mapping[str, Any], server_meta: Mapping[str, Any]
+    ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """One round in process: the global model and server meta in, the site's model (numpy) and meta out."""
+        exchange = LocalExchange(global_params)
+        previous_source = self.round_callback.meta_source
+        self.round_callback.meta_source = lambda: dict(server_meta)
+        try:
+            meta = self.fit(round_num, lambda trainer: trainer.callbacks.append(exchange))
+        finally:
+            self.round_callback.meta_source = previous_source
+        assert exchange.result is not None, "the fit ended without reaching on_train_end"
+        return exchange.result, dict(meta)
+
+
+def build_site_round(
+    args: argparse.Namespace,
+    site: str,
+    site_index: int,
+    x: np.ndarray,
+    y: np.ndarray,
+    num_classes: int,
+    state_store: ClientStateStore | None,
+    meta_source: MetaSource = nvflare_meta_source,
+) -> SiteRound:
+    """A site as the client script sets it up, from its parsed options (``jobs/client.py --help``) and its data."""
+    from lightning_modules.algorithms import build_client_algorithm
+
+    module = FLClassifier(
+        arch=args.arch,
+        num_classes=num_classes,
+        arch_args=json.loads(args.arch_args),
+        lr=args.lr,
+        momentum=args.momentum,
+        weight_decay=args.weight_decay,
+    )
+    algorithm = build_client_algorithm(args.client, **json.loads(args.client_args))
+    algorithm.bind(site, state_store)
+    module.set_algorithm(algorithm)
+    attack = attack_config_from_args(args, num_classes)
+    return SiteRound(
+        site=site,
+        site_index=site_index,
+        module=module,
+        x=x,
+        y=y,
+        training=LocalTraining.from_namespace(args),
+        round_callback=FederatedRoundCallback(num_samples=len(y), site=site, meta_source=meta_source),
+        attack_callback=AttackCallback(attack, site, site_index),
+    )
