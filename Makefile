@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_JOBS ?= scaffold
 
-.PHONY: setup demo demo-compare poc bench bench-agg bench-algorithms pretrain-attention bench-robust test test-fast lint format jobs check-jobs clean
+.PHONY: setup demo demo-compare poc bench bench-agg bench-algorithms pretrain-attention bench-robust compare test test-fast lint format jobs check-jobs clean
 
 setup: $(VENV)/.setup-done
 
@@ -46,6 +46,11 @@ pretrain-attention: setup
 
 bench-robust: setup
 	$(PY) -m benchmarks.robustness --out benchmarks/results/robustness.md --plot docs/img/robustness.png
+
+# Every algorithm on the same non-IID splits, several seeds (docs: benchmarks/README.md). Resumable: rerun to continue.
+COMPARE_OUT ?= runs/compare
+compare: setup
+	$(PY) -m benchmarks.compare --out $(COMPARE_OUT)
 
 test: setup lint
 	$(PY) -m pytest

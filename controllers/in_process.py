@@ -23,14 +23,14 @@ import contextlib
 import logging
 import uuid
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from aggregators import build_rule
 from aggregators.compose import compose
-from controllers.engine import Host, InProcessTransport, Params, RoundEngine, RoundObserver
+from controllers.engine import Host, InProcessTransport, Params, RoundEngine, RoundObserver, Transport
 from controllers.evaluator import TestSetEvaluator
 from data_prep import SiteDataConfig, site_split
 from data_prep.site_config import seed_index
@@ -111,8 +111,12 @@ def run_in_process(
     observers: Sequence[RoundObserver] = (),
     host: RecordingHost | None = None,
     run_id: str | None = None,
+    wrap_transport: Callable[[Transport], Transport] | None = None,
 ) -> InProcessRun:
-    """Run ``spec``'s federation here (module docstring); ``state_root`` holds the sites' client state files."""
+    """Run ``spec``'s federation here (module docstring); ``state_root`` holds the sites' client state files.
+
+    ``wrap_transport`` wraps the sites' transport, e.g. to count the bytes each round sends (benchmarks/compare.py).
+    """
     from jobs.build import companion_rules, dataset_num_classes, model_arch_args
 
     rule = compose(build_rule(spec.server, **dict(spec.server_args)), companion_rules(spec))
@@ -138,7 +142,9 @@ def run_in_process(
         host = RecordingHost(evaluator)
     sites = site_rounds(spec, state_root)
     params = initial_params(spec)
-    transport = InProcessTransport({name: site.train for name, site in sites.items()})
+    transport: Transport = InProcessTransport({name: site.train for name, site in sites.items()})
+    if wrap_transport is not None:
+        transport = wrap_transport(transport)
     final, state = engine.run(
         tuple(sites), params, rule.init_state(params), transport, host, run_id=run_id or uuid.uuid4().hex
     )

@@ -1,0 +1,476 @@
+"""The comparison harness: every algorithm on the same non-IID splits, several seeds, one command, one report.
+
+    python -m benchmarks.compare --out runs/compare                  # the headline grid (hours on a 2-core CPU)
+    python -m benchmarks.compare --grid smoke --out /tmp/cmp          # a minute: what the tests run
+    python -m benchmarks.compare --out runs/compare --report-only     # rewrite report.md + plots from finished cells
+
+A *cell* is one federation: (algorithm, partition, participation, seed). Every cell is a :class:`jobs.spec.JobSpec`
+run by :func:`controllers.in_process.run_in_process`, i.e. the round engine the NVFlare controller drives and the
+Lightning site round the client script runs (``tests/e2e/test_e2e_engine_equivalence.py`` checks that the two give
+bit-identical global models), without NVFlare's processes and polling. Cells run in parallel on every core, each
+finished cell is written to ``<out>/cells/<cell>.json`` at once and never recomputed (kill and rerun to resume), and
+a progress bar shows the ETA.
+
+``report.md`` (with PNGs beside it) gives per partition and participation, over seeds: test accuracy over rounds
+(mean and a min-max band), final and best accuracy (mean ± standard deviation), rounds to reach the target
+accuracy, the spread of the sites' local training losses, the worst site's local training accuracy, bytes sent per
+site per round (model and algorithm meta, both directions), client state on disk per site, and wall time per round.
+A difference smaller than the seed spread is reported as a tie with the best.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+#: Algorithms by label: the committed job's client and server settings (jobs/presets.py) unless given here.
+#: FedAvgM and the robust rules run with FedAvg clients; robust rules assume one Byzantine site.
+EXTRA_ALGORITHMS: dict[str, dict[str, Any]] = {
+    "fedavgm": {"server": "fedavgm"},  # eta = 1, server momentum 0.9 (the rule's defaults)
+    "median": {"server": "median"},
+    "trimmed_mean": {"server": "trimmed_mean", "server_args": {"beta": 0.1}},
+    "krum": {"server": "krum", "server_args": {"num_byzantine": 1, "num_selected": 1}},
+}
+#: Settings copied from a preset: what defines the algorithm, not the data or the protocol.
+ALGORITHM_FIELDS = (
+    "client",
+    "client_args",
+    "server",
+    "server_args",
+    "momentum",
+    "weight_decay",
+    "pattern",
+    "max_local_epochs",
+)
+PARTITIONS: dict[str, dict[str, Any]] = {
+    "iid": {"scheme": "iid"},
+    "dir0.5": {"scheme": "dirichlet", "alpha": 0.5},
+    "dir0.1": {"scheme": "dirichlet", "alpha": 0.1},
+    "C3": {"scheme": "shards", "classes_per_site": 3},
+    "C2": {"scheme": "shards", "classes_per_site": 2},
+}
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """Everything a cell shares with the other cells of its grid (data size, model, local work, rounds)."""
+
+    dataset: str = "fashion_mnist"
+    arch: str = "lenet5"
+    num_sites: int = 10
+    rounds: int = 30
+    max_train_samples: int | None = 12000
+    test_samples: int = 2000
+    epochs: int = 1
+    batch_size: int = 64
+    lr: float = 0.05
+    target_accuracy: float = 0.7
+
+
+@dataclass(frozen=True)
+class Grid:
+    algorithms: tuple[str, ...]
+    partitions: tuple[str, ...]
+    participations: tuple[float, ...]  # share of sites per round
+    seeds: tuple[int, ...]
+    protocol: Protocol
+
+
+def _all_algorithms() -> tuple[str, ...]:
+    from jobs.presets import PRESETS
+
+    return (*PRESETS, *EXTRA_ALGORITHMS)
+
+
+GRIDS = {
+    "headline": lambda: Grid(_all_algorithms(), ("dir0.1", "C2"), (1.0, 0.5), (0, 1, 2), Protocol()),
+    "smoke": lambda: Grid(
+        ("fedavg", "scaffold"),
+        ("dir0.1",),
+        (1.0,),
+        (0, 1),
+        Protocol(dataset="digits", arch="mlp", num_sites=3, rounds=2, max_train_samples=300, test_samples=200),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Cell:
+    algorithm: str
+    partition: str
+    participation: float
+    seed: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.algorithm}__{self.partition}__p{self.participation:g}__s{self.seed}"
+
+
+def algorithm_settings(algorithm: str) -> dict[str, Any]:
+    """The JobSpec fields that make ``algorithm`` (a preset name or one of :data:`EXTRA_ALGORITHMS`)."""
+    from jobs.presets import PRESETS
+
+    if algorithm in EXTRA_ALGORITHMS:
+        return dict(EXTRA_ALGORITHMS[algorithm])
+    if algorithm not in PRESETS:
+        known = sorted([*PRESETS, *EXTRA_ALGORITHMS])
+        raise SystemExit(f"error: unknown algorithm {algorithm!r}; choose from {known}")
+    preset = PRESETS[algorithm]
+    return {name: getattr(preset, name) for name in ALGORITHM_FIELDS}
+
+
+def cell_spec(cell: Cell, protocol: Protocol) -> Any:
+    """The job of one cell: the algorithm's settings on the grid's data, model and protocol."""
+    from jobs.spec import JobSpec
+
+    settings = algorithm_settings(cell.algorithm)
+    if cell.algorithm == "attack_adaptive" and protocol.arch != "lenet5":
+        raise SystemExit("error: attack_adaptive ships an attention checkpoint for lenet5 only")
+    participation = None if cell.participation >= 1 else cell.participation
+    return JobSpec(
+        name=cell.key,
+        dataset=protocol.dataset,
+        arch=protocol.arch,
+        num_sites=protocol.num_sites,
+        num_rounds=protocol.rounds,
+        max_train_samples=protocol.max_train_samples,
+        max_test_samples=protocol.test_samples,
+        epochs=protocol.epochs,
+        batch_size=protocol.batch_size,
+        lr=protocol.lr,
+        seed=cell.seed,
+        clients_per_round=participation,
+        **PARTITIONS[cell.partition],
+        **settings,
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Running cells
+# --------------------------------------------------------------------------------------------------------------------
+def meta_bytes(meta: Mapping[str, Any]) -> int:
+    """Bytes of the arrays in a meta dict (nested dicts of arrays included); scalars are not counted."""
+    total = 0
+    for value in meta.values():
+        if isinstance(value, np.ndarray):
+            total += value.nbytes
+        elif isinstance(value, Mapping):
+            total += meta_bytes(value)
+        elif isinstance(value, list | tuple) and value and isinstance(value[0], np.ndarray):
+            total += sum(v.nbytes for v in value)
+    return total
+
+
+class CountingTransport:
+    """Counts what each round sends: model and algorithm meta, down to every target and back from every site."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.rounds: list[dict[str, int]] = []
+
+    def train(self, round_num: int, targets: Sequence[str], params: Any, meta: Mapping[str, Any]) -> Any:
+        results = self.inner.train(round_num, targets, params, meta)
+        model = sum(np.asarray(v).nbytes for v in params.values())
+        self.rounds.append(
+            {
+                "sites": len(targets),
+                "model_down": model,
+                "meta_down": meta_bytes(meta),
+                "model_up": sum(sum(np.asarray(v).nbytes for v in r.params.values()) for r in results),
+                "meta_up": sum(meta_bytes(r.meta) for r in results),
+            }
+        )
+        return results
+
+
+def run_cell(cell: Cell, protocol: Protocol, threads: int) -> dict[str, Any]:
+    """One federation; the JSON-able result written to ``cells/<key>.json``."""
+    import torch
+
+    from controllers.in_process import quiet_lightning, run_in_process
+
+    torch.set_num_threads(threads)
+    spec = cell_spec(cell, protocol)
+    counters: list[CountingTransport] = []
+
+    def wrap(transport: Any) -> CountingTransport:
+        counters.append(CountingTransport(transport))
+        return counters[0]
+
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="fedalg_compare_") as state_root, quiet_lightning():
+        run = run_in_process(spec, Path(state_root), run_id=cell.key, wrap_transport=wrap)
+        state_bytes = sum(p.stat().st_size for p in Path(state_root).rglob("*") if p.is_file())
+    return {
+        "cell": asdict(cell),
+        "protocol": asdict(protocol),
+        "records": run.records,
+        "traffic": counters[0].rounds,
+        "client_state_bytes_per_site": state_bytes / protocol.num_sites,
+        "wall_s": time.monotonic() - started,
+    }
+
+
+def _write_json(path: Path, value: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(value, default=float))
+    tmp.replace(path)  # atomic: a killed run never leaves a half-written cell behind
+
+
+def _same_protocol(path: Path, protocol: Protocol) -> None:
+    """Finished cells are reused only under the protocol they ran with."""
+    if path.exists() and json.loads(path.read_text()) != asdict(protocol):
+        raise SystemExit(
+            f"error: {path.parent} holds cells of another protocol ({path.read_text()}); use another --out"
+        )
+    _write_json(path, asdict(protocol))
+
+
+def run_grid(grid: Grid, out: Path, workers: int) -> list[str]:
+    """Run every cell not yet in ``out/cells``; returns the keys of cells that failed (with the reason printed)."""
+    from tqdm import tqdm
+
+    cells_dir = out / "cells"
+    cells_dir.mkdir(parents=True, exist_ok=True)
+    _same_protocol(out / "protocol.json", grid.protocol)
+    cells = [
+        Cell(a, p, share, s)
+        for p in grid.partitions
+        for share in grid.participations
+        for a in grid.algorithms
+        for s in grid.seeds
+    ]
+    for cell in cells:
+        cell_spec(cell, grid.protocol)  # refuse a bad grid before hours of work
+    todo = [c for c in cells if not (cells_dir / f"{c.key}.json").exists()]
+    print(f"{len(cells)} cells, {len(cells) - len(todo)} already done, {len(todo)} to run on {workers} worker(s)")
+    failed: list[str] = []
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    with ProcessPoolExecutor(max_workers=workers) as pool, tqdm(total=len(todo), unit="cell") as bar:
+        futures = {pool.submit(run_cell, c, grid.protocol, threads): c for c in todo}
+        for future in as_completed(futures):
+            cell = futures[future]
+            try:
+                _write_json(cells_dir / f"{cell.key}.json", future.result())
+            except Exception as exc:  # one broken cell must not cost the others
+                failed.append(cell.key)
+                tqdm.write(f"cell {cell.key} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+            bar.update(1)
+    return failed
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Summaries
+# --------------------------------------------------------------------------------------------------------------------
+@dataclass
+class Summary:
+    """One (algorithm, partition, participation) over its seeds."""
+
+    algorithm: str
+    seeds: int
+    curves: np.ndarray  # seeds x (rounds + 1): accuracy of the initial model, then after every round
+    final: tuple[float, float]  # mean, std
+    best: tuple[float, float]
+    rounds_to_target: float | None  # mean over the seeds that reached it
+    reached: int  # seeds that reached the target
+    loss_spread: float  # std of the sites' training losses within a round, mean over rounds and seeds
+    worst_site_train_acc: float  # lowest site training accuracy in the last round, mean over seeds
+    bytes_per_site_round: float
+    meta_share: float  # share of those bytes that is algorithm meta
+    state_bytes_per_site: float
+    wall_per_round: float
+    failed_rounds: int
+
+
+def _mean_std(values: Sequence[float]) -> tuple[float, float]:
+    return float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+
+
+def summarise(algorithm: str, results: Sequence[Mapping[str, Any]], target: float) -> Summary:
+    curves, to_target, spreads, worst, traffic, meta, walls, failed = [], [], [], [], [], [], [], 0
+    for result in results:
+        records = result["records"]
+        accuracy = [r.get("test_accuracy", math.nan) for r in records]
+        curves.append(accuracy)
+        hit = next((i for i, a in enumerate(accuracy) if a >= target), None)
+        if hit is not None:
+            to_target.append(hit)
+        rounds = [r for r in records if r["stage"] == "round"]
+        failed += sum(r["status"] != "aggregated" for r in rounds)
+        losses = [[v for v in r["site_train_loss"].values() if v is not None] for r in rounds]
+        spreads += [float(np.std(x)) for x in losses if len(x) > 1]
+        last_acc = [m.get("train.accuracy") for m in rounds[-1]["site_meta"].values()] if rounds else []
+        worst.append(min((a for a in last_acc if a is not None), default=math.nan))
+        for t in result["traffic"]:
+            sent = t["model_down"] + t["meta_down"] + t["model_up"] + t["meta_up"]
+            traffic.append(sent / max(1, t["sites"]))
+            meta.append((t["meta_down"] + t["meta_up"]) / max(1, sent))
+        walls += [r["elapsed_s"] for r in rounds]
+    curves_array = np.array(curves, dtype=float)
+    return Summary(
+        algorithm=algorithm,
+        seeds=len(results),
+        curves=curves_array,
+        final=_mean_std(curves_array[:, -1]),
+        best=_mean_std(np.nanmax(curves_array[:, 1:], axis=1)),
+        rounds_to_target=float(np.mean(to_target)) if to_target else None,
+        reached=len(to_target),
+        loss_spread=float(np.mean(spreads)) if spreads else math.nan,
+        worst_site_train_acc=float(np.nanmean(worst)) if worst else math.nan,
+        bytes_per_site_round=float(np.mean(traffic)) if traffic else math.nan,
+        meta_share=float(np.mean(meta)) if meta else math.nan,
+        state_bytes_per_site=statistics.fmean(r["client_state_bytes_per_site"] for r in results),
+        wall_per_round=float(np.mean(walls)) if walls else math.nan,
+        failed_rounds=failed,
+    )
+
+
+def load_cells(out: Path) -> dict[tuple[str, float], dict[str, list[dict[str, Any]]]]:
+    """Finished cells grouped by (partition, participation), then by algorithm."""
+    groups: dict[tuple[str, float], dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    for path in sorted((out / "cells").glob("*.json")):
+        result = json.loads(path.read_text())
+        cell = result["cell"]
+        groups[(cell["partition"], cell["participation"])][cell["algorithm"]].append(result)
+    return groups
+
+
+def _pct(pair: tuple[float, float]) -> str:
+    return f"{100 * pair[0]:.1f} ± {100 * pair[1]:.1f}"
+
+
+def ranking_notes(summaries: Sequence[Summary]) -> dict[str, str]:
+    """'best' / 'tie' / '' per algorithm by final accuracy: a gap below either side's seed std is a tie."""
+    best = max(summaries, key=lambda s: s.final[0])
+    notes = {}
+    for s in summaries:
+        gap = best.final[0] - s.final[0]
+        if s is best:
+            notes[s.algorithm] = "best"
+        elif s.seeds > 1 and gap <= max(best.final[1], s.final[1]):
+            notes[s.algorithm] = "tie"
+        else:
+            notes[s.algorithm] = ""
+    return notes
+
+
+def group_table(summaries: Sequence[Summary], target: float) -> list[str]:
+    notes = ranking_notes(summaries)
+    lines = [
+        f"| algorithm | seeds | final acc % | best acc % | rounds to {target:.0%} | site loss spread | "
+        "worst site train acc | KB / site / round (meta share) | client state KB / site | s / round | |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in sorted(summaries, key=lambda s: -s.final[0]):
+        reach = f"{s.rounds_to_target:.1f} ({s.reached}/{s.seeds})" if s.rounds_to_target is not None else "never"
+        failed = f", {s.failed_rounds} failed rounds" if s.failed_rounds else ""
+        lines.append(
+            f"| {s.algorithm} | {s.seeds} | {_pct(s.final)} | {_pct(s.best)} | {reach} | {s.loss_spread:.3f} | "
+            f"{s.worst_site_train_acc:.3f} | {s.bytes_per_site_round / 1024:.0f} ({s.meta_share:.0%}) | "
+            f"{s.state_bytes_per_site / 1024:.0f} | {s.wall_per_round:.2f} | {notes[s.algorithm]}{failed} |"
+        )
+    return lines
+
+
+def plot_group(summaries: Sequence[Summary], title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors = plt.get_cmap("tab20")
+    for i, s in enumerate(sorted(summaries, key=lambda s: -s.final[0])):
+        rounds = np.arange(s.curves.shape[1])
+        mean = np.nanmean(s.curves, axis=0)
+        ax.plot(rounds, mean, label=f"{s.algorithm} ({100 * s.final[0]:.1f})", color=colors(i % 20))
+        if s.seeds > 1:
+            ax.fill_between(rounds, s.curves.min(axis=0), s.curves.max(axis=0), color=colors(i % 20), alpha=0.15)
+    ax.set(xlabel="round", ylabel="test accuracy", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(out: Path, command: str) -> Path:
+    groups = load_cells(out)
+    if not groups:
+        raise SystemExit(f"error: no finished cells in {out / 'cells'}")
+    protocol = Protocol(**next(iter(next(iter(groups.values())).values()))[0]["protocol"])
+    lines = [
+        "# Algorithm comparison",
+        "",
+        f"Produced by `{command}`. Protocol: {protocol.dataset}, {protocol.arch}, {protocol.num_sites} sites, "
+        f"{protocol.rounds} rounds x {protocol.epochs} local epoch(s), batch {protocol.batch_size}, "
+        f"SGD lr {protocol.lr} (the committed jobs' algorithm settings otherwise), "
+        f"{protocol.max_train_samples or 'all'} training samples, test accuracy on {protocol.test_samples} test "
+        "samples. Run in process through the round engine the NVFlare controller uses (bit-identical to the "
+        "simulator, tested). Mean ± std over the seeds named in each table; a gap smaller than the seed spread "
+        "is a tie. Single-seed rows carry no spread and cannot be ranked. Site loss spread: std of the sites' "
+        "local training losses in a round. Worst site: local training accuracy (the sites' own data), last round.",
+        "",
+    ]
+    for (partition, share), by_algorithm in sorted(groups.items()):
+        summaries = [summarise(a, r, protocol.target_accuracy) for a, r in sorted(by_algorithm.items())]
+        title = f"{partition}, {share:.0%} of sites per round"
+        image = f"compare_{partition}_p{share:g}.png"
+        plot_group(summaries, title, out / image)
+        lines += [f"## {title}", "", f"![{title}]({image})", "", *group_table(summaries, protocol.target_accuracy), ""]
+    report = out / "report.md"
+    report.write_text("\n".join(lines))
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.compare", description=__doc__.splitlines()[0])
+    parser.add_argument("--grid", choices=sorted(GRIDS), default="headline", help="which grid (default: headline)")
+    parser.add_argument("--out", type=Path, required=True, help="folder for cells/, report.md and the plots")
+    parser.add_argument("--algorithms", nargs="+", help="run only these (preset names, fedavgm, median, ...)")
+    parser.add_argument("--partitions", nargs="+", choices=sorted(PARTITIONS), help="override the partitions")
+    parser.add_argument("--participations", nargs="+", type=float, help="shares of sites per round, e.g. 1 0.5")
+    parser.add_argument("--seeds", type=int, help="number of seeds (0 .. n-1)")
+    parser.add_argument("--rounds", type=int, help="override the protocol's rounds")
+    parser.add_argument("--max-train-samples", type=int, help="override the training subset size")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="cells run at once (default: cores)")
+    parser.add_argument("--report-only", action="store_true", help="only rewrite the report from finished cells")
+    args = parser.parse_args(argv)
+    grid = GRIDS[args.grid]()
+    protocol = replace(
+        grid.protocol,
+        **{k: v for k, v in (("rounds", args.rounds), ("max_train_samples", args.max_train_samples)) if v},
+    )
+    grid = replace(
+        grid,
+        algorithms=tuple(args.algorithms or grid.algorithms),
+        partitions=tuple(args.partitions or grid.partitions),
+        participations=tuple(args.participations or grid.participations),
+        seeds=tuple(range(args.seeds)) if args.seeds else grid.seeds,
+        protocol=protocol,
+    )
+    failed = [] if args.report_only else run_grid(grid, args.out, max(1, args.workers))
+    command = "python -m benchmarks.compare " + " ".join(argv if argv is not None else sys.argv[1:])
+    print(f"report: {write_report(args.out, command)}")
+    if failed:
+        print(f"error: {len(failed)} cell(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

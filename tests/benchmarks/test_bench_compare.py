@@ -1,0 +1,57 @@
+"""The comparison harness: a tiny grid end to end, resuming, the byte counts and the tie rule."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from benchmarks import compare
+
+
+def test_meta_bytes_counts_arrays_only():
+    meta = {"a": np.zeros(3, np.float32), "b": {"c": np.zeros((2, 2), np.float64)}, "d": 1.5, "e": "x"}
+    assert compare.meta_bytes(meta) == 3 * 4 + 4 * 8
+
+
+def test_every_algorithm_of_the_headline_grid_is_a_valid_job():
+    grid = compare.GRIDS["headline"]()
+    assert {"fedavg", "scaffold", "fedprox", "feddyn", "fedmos", "moon", "fednova", "fedavgm"} <= set(grid.algorithms)
+    for algorithm in grid.algorithms:
+        for partition in grid.partitions:
+            spec = compare.cell_spec(compare.Cell(algorithm, partition, 0.5, 0), grid.protocol)
+            assert spec.num_sites == 10 and spec.clients_per_round == 0.5
+
+
+def _summary(name: str, mean: float, std: float) -> compare.Summary:
+    nan = float("nan")
+    return compare.Summary(name, 3, np.zeros((3, 2)), (mean, std), (mean, std), None, 0, nan, nan, nan, nan, 0, 0, 0)
+
+
+def test_a_gap_below_the_seed_spread_is_a_tie():
+    notes = compare.ranking_notes([_summary("a", 0.80, 0.01), _summary("b", 0.79, 0.02), _summary("c", 0.70, 0.01)])
+    assert notes == {"a": "best", "b": "tie", "c": ""}
+
+
+@pytest.mark.slow
+def test_smoke_grid_writes_a_report_and_resumes(tmp_path, capsys):
+    assert compare.main(["--grid", "smoke", "--out", str(tmp_path), "--workers", "1"]) == 0
+    cells = sorted((tmp_path / "cells").glob("*.json"))
+    assert len(cells) == 4
+    result = json.loads(cells[0].read_text())
+    rounds = [r for r in result["records"] if r["stage"] == "round"]
+    assert len(rounds) == 2 and len(result["traffic"]) == 2
+    report = (tmp_path / "report.md").read_text()
+    assert "| scaffold | 2 |" in report and "| fedavg | 2 |" in report
+    assert (tmp_path / "compare_dir0.1_p1.png").stat().st_size > 0
+    # SCAFFOLD sends its control both ways, as many bytes as the model (all parameters are trainable here); the
+    # global control goes out from round 2 on (round 1 broadcasts none: it is zero).
+    first, second = json.loads((tmp_path / "cells" / "scaffold__dir0.1__p1__s0.json").read_text())["traffic"]
+    assert first["meta_down"] == 0 and first["meta_up"] == first["model_up"]
+    assert second["meta_down"] == second["model_down"]
+    capsys.readouterr()
+    assert compare.main(["--grid", "smoke", "--out", str(tmp_path), "--workers", "1"]) == 0
+    assert "4 cells, 4 already done, 0 to run" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="another protocol"):
+        compare.main(["--grid", "smoke", "--out", str(tmp_path), "--rounds", "3"])
