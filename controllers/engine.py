@@ -190,7 +190,13 @@ class RoundEngine:
 
     def initial_record(self, params: Params, host: Host, stage: str = "initial") -> dict[str, Any]:
         """The metrics line of the starting model (``stage`` is ``initial`` or ``resumed``)."""
-        record = {"stage": stage, "round": None, "rule": self.rule.name, "global_sha256": params_digest(params)}
+        record = {
+            "stage": stage,
+            "round": None,
+            "rule": self.rule.name,
+            "num_rounds": self.num_rounds,  # lets a report tell a finished job from one that stopped early
+            "global_sha256": params_digest(params),
+        }
         record.update(host.evaluate(params))
         host.record(record)
         return record

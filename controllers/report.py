@@ -3,7 +3,9 @@
     python -m controllers.report /tmp/fl-demo/fedavg                      # one run
     python -m controllers.report WS_A WS_B --labels fedavg scaffold        # side by side, one plot
 
-Reads ``<workspace>/server/simulate_job/metrics/round_metrics.jsonl`` as written by the controller.
+Reads ``<workspace>/server/simulate_job/metrics/round_metrics.jsonl`` as written by the controller. The NVFlare
+simulator exits 0 even when a job aborts, so the report checks that every configured round is in the metrics and
+that at least one round aggregated; otherwise it prints why and exits 1 (``make demo`` fails with it).
 """
 
 from __future__ import annotations
@@ -24,6 +26,35 @@ def load_records(workspace: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise FileNotFoundError(f"no metrics at {path}: did the simulation run with this workspace (-w)?")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def completion_problems(records: Sequence[dict[str, Any]]) -> list[str]:
+    """Why the metrics show an unfinished or useless run: rounds missing, or no round that aggregated."""
+    if not records:
+        return ["the metrics file is empty: the server stopped before its first round"]
+    start = records[0]
+    expected = start.get("num_rounds")
+    rounds = [r for r in records if r.get("stage") == "round"]
+    problems = []
+    last = max((r["round"] for r in rounds), default=-1)
+    if isinstance(expected, int) and last + 1 < expected:
+        problems.append(
+            f"the job stopped after round {last + 1} of {expected} (the simulator exits 0 on an abort: "
+            "look for the first Error/Traceback in its log)"
+        )
+    if rounds and not any(r.get("status", "aggregated") == "aggregated" for r in rounds):
+        reason = rounds[-1].get("failure") or "no valid result"
+        problems.append(f"no round updated the global model (last failure: {reason})")
+    return problems
+
+
+def failed_rounds(records: Sequence[dict[str, Any]]) -> list[str]:
+    """One line per round that left the global model unchanged, with the engine's reason."""
+    return [
+        f"round {r['round'] + 1}: {r.get('failure', 'failed')}"
+        for r in records
+        if r.get("stage") == "round" and r.get("status", "aggregated") != "aggregated"
+    ]
 
 
 def format_table(records: Sequence[dict[str, Any]]) -> str:
@@ -89,7 +120,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"metrics:      {workspace / METRICS}")
     plot = plot_runs(runs, args.plot or args.workspaces[0] / "round_metrics.png")
     print(f"plot:         {plot}")
-    return 0
+    status = 0
+    for label, records in runs.items():
+        for line in failed_rounds(records):
+            print(f"warning: {label}: {line}", file=sys.stderr)
+        for problem in completion_problems(records):
+            print(f"error: {label}: {problem}", file=sys.stderr)
+            status = 1
+    return status
 
 
 if __name__ == "__main__":

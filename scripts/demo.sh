@@ -25,4 +25,11 @@ for job in "$@"; do
   wait $sim
   workspaces+=("$ws")
 done
-python -m controllers.report "${workspaces[@]}" --labels "$@" --plot "$DEMO_WS/$(IFS=_; echo "$*").png"
+# The simulator exits 0 even when a job aborts; the report checks the metrics and exits 1 if rounds are missing.
+if ! python -m controllers.report "${workspaces[@]}" --labels "$@" --plot "$DEMO_WS/$(IFS=_; echo "$*").png"; then
+  for ws in "${workspaces[@]}"; do
+    grep -m 3 -E "Error|Traceback" "$ws.log" | sed "s|^|[demo] $(basename "$ws"): |" >&2 || true
+  done
+  echo "[demo] a job did not complete its rounds: see the errors above and the logs in $DEMO_WS" >&2
+  exit 1
+fi

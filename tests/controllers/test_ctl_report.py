@@ -1,0 +1,54 @@
+"""The run report: a job that stopped early or never aggregated makes it exit 1 with the reason (the simulator
+itself exits 0 when a job aborts)."""
+
+from __future__ import annotations
+
+import json
+
+from controllers import report
+
+
+def write_metrics(workspace, records):
+    path = workspace / report.METRICS
+    path.parent.mkdir(parents=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return workspace
+
+
+def initial(num_rounds=3):
+    return {"stage": "initial", "round": None, "num_rounds": num_rounds, "test_accuracy": 0.1}
+
+
+def round_record(i, status="aggregated", **extra):
+    return {"stage": "round", "round": i, "status": status, "test_accuracy": 0.5, **extra}
+
+
+def test_a_finished_run_exits_0(tmp_path, capsys):
+    ws = write_metrics(tmp_path / "ws", [initial(), *(round_record(i) for i in range(3))])
+    assert report.main([str(ws), "--plot", str(tmp_path / "p.png")]) == 0
+    assert "error" not in capsys.readouterr().err
+
+
+def test_missing_rounds_exit_1_and_say_where_the_job_stopped(tmp_path, capsys):
+    ws = write_metrics(tmp_path / "ws", [initial(5), round_record(0), round_record(1)])
+    assert report.main([str(ws), "--plot", str(tmp_path / "p.png")]) == 1
+    assert "stopped after round 2 of 5" in capsys.readouterr().err
+
+
+def test_a_run_whose_rounds_all_failed_exits_1_with_the_last_reason(tmp_path, capsys):
+    rounds = [round_record(i, "failed", failure="rule 'fedadam' failed in aggregate") for i in range(3)]
+    ws = write_metrics(tmp_path / "ws", [initial(), *rounds])
+    assert report.main([str(ws), "--plot", str(tmp_path / "p.png")]) == 1
+    err = capsys.readouterr().err
+    assert "no round updated the global model" in err and "fedadam" in err
+    assert err.count("warning:") == 3
+
+
+def test_some_failed_rounds_are_warnings_not_errors(tmp_path, capsys):
+    ws = write_metrics(tmp_path / "ws", [initial(2), round_record(0, "failed", failure="x"), round_record(1)])
+    assert report.main([str(ws), "--plot", str(tmp_path / "p.png")]) == 0
+    assert "warning: ws: round 1: x" in capsys.readouterr().err
+
+
+def test_an_empty_metrics_file_is_an_error():
+    assert report.completion_problems([]) == ["the metrics file is empty: the server stopped before its first round"]
