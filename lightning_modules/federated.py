@@ -1,0 +1,227 @@
+"""Client algorithms on any LightningModule: one Lightning callback, used together with NVFlare's ``flare.patch``.
+
+    from lightning_modules.federated import FederatedAlgorithm
+
+    callback = FederatedAlgorithm("scaffold", site=flare.get_site_name(), state_store=store)
+    trainer = pl.Trainer(max_epochs=1, callbacks=[callback])   # the callback before NVFlare's, which patch appends
+    flare.patch(trainer, restore_state=False)
+    trainer.fit(my_module, datamodule=my_data)                  # the user's own module, optimizer and data
+
+Where each hook of :class:`lightning_modules.algorithms.base.ClientAlgorithm` runs:
+
+- ``on_round_start``: at the first training epoch of the fit; NVFlare's FLCallback has loaded the global weights
+  (its ``on_train_start``) and the server meta of the round is read from NVFlare;
+- ``correct_gradients``: Lightning's ``on_before_optimizer_step``, i.e. after backward (and after gradient
+  accumulation) and before gradient clipping and the optimizer step;
+- ``after_step``: a post-step hook on the module's optimizer (``torch.optim.Optimizer.register_step_post_hook``), so
+  it runs once per step that was taken, whatever optimizer the module configures;
+- ``loss_terms`` (MOON): only a module can add to its own loss. A module used with such an algorithm calls
+  :func:`algorithm_loss` in ``training_step`` and adds the result; the callback refuses to go on after the first
+  step if it did not;
+- ``on_round_end``: at the end of the fit; its meta, the round's step count, mean training loss, the trainable keys
+  and FedNova's report go to ``pl_module.__fl_meta__``, where NVFlare's FLCallback picks them up.
+
+Gradient-level algorithms (FedAvg, SCAFFOLD Option II, FedProx, FedDyn) need nothing from the module. Algorithms
+that evaluate the task loss elsewhere need the module to provide it (:data:`TASK_LOSS_PROTOCOL`), MOON needs its
+representation (:data:`MOON_PROTOCOL`); each refusal says what to add. What every algorithm does with
+Adam/AdamW, momentum and schedules is in docs/own_model.md.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+
+from aggregators import meta_keys
+from lightning_modules.algorithms.base import ClientAlgorithm, ClientAlgorithmError, check_server_meta
+from lightning_modules.classifier import check_trainer_supports, fednova_meta, sgd_step_settings
+from lightning_modules.fl_callback import MetaSource, nvflare_meta_source
+from lightning_modules.state_store import ClientStateStore
+
+#: What an algorithm that evaluates the task loss at other weights (FedMoS; SCAFFOLD Option I's full-batch
+#: gradient) needs from the module.
+TASK_LOSS_PROTOCOL = (
+    "task_loss(batch, params=None) -> (loss, logits): the mean task loss of a batch, at the module's own weights "
+    "or, when params (a dict keyed like the module's state_dict) is given, at those weights via "
+    "torch.func.functional_call"
+)
+#: What MOON needs: a network it can copy (the global model and the site's previous models) whose projected
+#: representation it reads, plus its contrastive term in the loss.
+MOON_PROTOCOL = (
+    "an attribute net (an nn.Module) whose forward goes through net.projection (the projection head, whose output "
+    "z MOON contrasts) and a method net.embed(x) -> z; and a training_step that returns loss + "
+    "lightning_modules.federated.algorithm_loss(self, batch, logits). lightning_modules.models' networks built "
+    'with arch_args {"projection_dim": 256} have both'
+)
+_ALGORITHM_ATTRIBUTE = "__fl_algorithm__"
+
+
+def needs_task_loss(algorithm: ClientAlgorithm) -> bool:
+    return algorithm.name == "fedmos" or (algorithm.name == "scaffold" and getattr(algorithm, "option", "") == "I")
+
+
+def adds_loss_terms(algorithm: ClientAlgorithm) -> bool:
+    return type(algorithm).loss_terms is not ClientAlgorithm.loss_terms
+
+
+def algorithm_loss(module: pl.LightningModule, batch: Any, logits: torch.Tensor) -> torch.Tensor | float:
+    """The client algorithm's extra loss for this batch (0 without one): ``loss = task + algorithm_loss(...)``."""
+    algorithm = getattr(module, _ALGORITHM_ATTRIBUTE, None)
+    if algorithm is None:
+        return 0.0
+    module.__fl_loss_called__ = True
+    extra = algorithm.loss_terms(module, batch, logits)
+    # Remembered so that the round's training loss is the task loss alone, as with the bundle's own classifier.
+    module.__fl_extra_loss__ = 0.0 if extra is None else float(extra.detach())
+    return 0.0 if extra is None else extra
+
+
+def check_module_protocol(algorithm: ClientAlgorithm, module: pl.LightningModule) -> None:
+    """Refuse a module that lacks what ``algorithm`` needs from it, saying what to add."""
+    who = f"{algorithm.site}: client algorithm '{algorithm.name}'"
+    if needs_task_loss(algorithm) and not callable(getattr(module, "task_loss", None)):
+        raise ClientAlgorithmError(f"{who} needs the module {type(module).__name__} to define {TASK_LOSS_PROTOCOL}")
+    if algorithm.name == "moon":
+        net = getattr(module, "net", None)
+        if not isinstance(net, torch.nn.Module) or not callable(getattr(net, "embed", None)):
+            raise ClientAlgorithmError(f"{who} needs the module {type(module).__name__} to have {MOON_PROTOCOL}")
+
+
+class FederatedAlgorithm(pl.Callback):
+    """Runs a client algorithm inside the fit of any LightningModule (module docstring).
+
+    Args:
+        algorithm: a :class:`ClientAlgorithm` or a registered name (``scaffold``, ``fedprox``, ...).
+        algorithm_args: hyperparameters when ``algorithm`` is a name.
+        site: the site name (errors and state files name it).
+        state_store: where the algorithm keeps its state between rounds (SCAFFOLD's c_i, FedDyn's H_k, ...).
+        num_samples: the FedAvg weight sent to the server; default: the size of the training dataset.
+        meta_source: where the server meta of the round comes from (NVFlare's received model by default).
+    """
+
+    def __init__(
+        self,
+        algorithm: ClientAlgorithm | str = "fedavg",
+        *,
+        algorithm_args: Mapping[str, Any] | None = None,
+        site: str = "local",
+        state_store: ClientStateStore | None = None,
+        num_samples: int | None = None,
+        meta_source: MetaSource = nvflare_meta_source,
+    ) -> None:
+        if isinstance(algorithm, str):
+            from lightning_modules.algorithms import build_client_algorithm
+
+            algorithm = build_client_algorithm(algorithm, **dict(algorithm_args or {}))
+        if isinstance(algorithm, torch.nn.Module):
+            raise ClientAlgorithmError("a client algorithm must not be an nn.Module: it would enter the state_dict")
+        algorithm.bind(site, state_store)
+        self.algorithm = algorithm
+        self.site = site
+        self.num_samples = num_samples
+        self.meta_source = meta_source
+        self.last_meta: dict[str, Any] = {}
+        self._reset_round()
+        self._step_hook: Any = None
+
+    def _reset_round(self) -> None:
+        self._round_started = False
+        self._steps = 0
+        self._losses: list[float] = []
+        self._solver_steps: list[tuple[float, float, float] | None] = []
+        self._fit_started = time.monotonic()
+
+    # -- set-up -------------------------------------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            check_trainer_supports(self.algorithm, trainer, pl_module.automatic_optimization, check_optimizers=False)
+            check_module_protocol(self.algorithm, pl_module)
+            setattr(pl_module, _ALGORITHM_ATTRIBUTE, self.algorithm)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        check_trainer_supports(self.algorithm, trainer, pl_module.automatic_optimization)
+        self._remove_step_hook()
+        optimizer = trainer.optimizers[0]
+        self._step_hook = optimizer.register_step_post_hook(lambda opt, *_: self._after_step(pl_module, opt))
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._reset_round()
+        pl_module.__fl_loss_called__ = False
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._round_started:  # after NVFlare's FLCallback loaded the global weights (on_train_start)
+            meta = self.meta_source()
+            check_server_meta(self.algorithm, meta, self.site)
+            self.algorithm.on_round_start(pl_module, meta)
+            self._round_started = True
+
+    # -- per step -----------------------------------------------------------------------------------------------
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        self.algorithm.correct_gradients(pl_module, optimizer)
+
+    def _after_step(self, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
+        self._steps += 1
+        self._solver_steps.append(sgd_step_settings(optimizer))
+        self.algorithm.after_step(pl_module, optimizer)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        if isinstance(loss, torch.Tensor):
+            self._losses.append(float(loss.detach()) - getattr(pl_module, "__fl_extra_loss__", 0.0))
+        pl_module.__fl_extra_loss__ = 0.0
+        if adds_loss_terms(self.algorithm) and not getattr(pl_module, "__fl_loss_called__", False):
+            raise ClientAlgorithmError(
+                f"{self.site}: client algorithm '{self.algorithm.name}' adds a term to the training loss; "
+                f"{type(pl_module).__name__}.training_step must return loss + "
+                "lightning_modules.federated.algorithm_loss(self, batch, logits)"
+            )
+
+    # -- round end ----------------------------------------------------------------------------------------------
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._remove_step_hook()
+        meta: dict[str, Any] = {
+            meta_keys.NUM_STEPS: self._steps,
+            meta_keys.TRAIN_LOSS: float(sum(self._losses) / len(self._losses)) if self._losses else float("nan"),
+            meta_keys.CLIENT_ALGORITHM: self.algorithm.name,
+            meta_keys.PARAM_KEYS: [name for name, p in pl_module.named_parameters() if p.requires_grad],
+            **fednova_meta(self.algorithm, self._solver_steps),
+        }
+        algorithm_meta = self.algorithm.on_round_end(pl_module)
+        bad_keys = [k for k in algorithm_meta if not meta_keys.is_namespaced(k) or k in meta_keys.NVFLARE_RESERVED]
+        if bad_keys:
+            raise ClientAlgorithmError(
+                f"client algorithm '{self.algorithm.name}' returned meta keys {bad_keys} that are not namespaced "
+                "'<algorithm>.<name>' keys or are reserved by NVFlare's built-in handlers"
+            )
+        meta.update(algorithm_meta)
+        meta[meta_keys.NUM_SAMPLES] = self.num_samples if self.num_samples is not None else _dataset_size(trainer)
+        meta[meta_keys.FIT_SECONDS] = round(time.monotonic() - self._fit_started, 4)
+        self.last_meta = meta
+        pl_module.__fl_meta__ = meta
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._remove_step_hook()
+
+    def _remove_step_hook(self) -> None:
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
+
+
+def _dataset_size(trainer: pl.Trainer) -> int:
+    dataset = getattr(trainer.train_dataloader, "dataset", None)
+    try:
+        return len(dataset)
+    except TypeError:
+        raise ClientAlgorithmError(
+            "the training data has no length (an iterable dataset): pass num_samples= to FederatedAlgorithm, "
+            "the weight FedAvg gives this site"
+        ) from None

@@ -1,0 +1,250 @@
+"""Client algorithms on a user's own LightningModule through the FederatedAlgorithm callback.
+
+- With SGD the callback path gives bit for bit what FLClassifier gives (same net, data and seed).
+- With AdamW, FedProx, FedDyn and SCAFFOLD match an independent plain-torch loop of their update rules.
+- Modules that lack what an algorithm needs are refused at set-up with what to add.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from aggregators import meta_keys
+from lightning_modules import FederatedRoundCallback, FLClassifier
+from lightning_modules.algorithms import CLIENT_ALGORITHMS, build_client_algorithm
+from lightning_modules.algorithms.base import ClientAlgorithmError
+from lightning_modules.federated import FederatedAlgorithm, algorithm_loss
+from lightning_modules.state_store import ClientStateStore
+
+LR, MU, ALPHA, C = 0.05, 0.1, 0.2, 0.1
+N, BATCH = 48, 16
+
+
+class UserModule(pl.LightningModule):
+    """A user's module: its own layout, loss and optimizer; nothing from the bundle."""
+
+    def __init__(self, optimizer: str = "sgd") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+        self.optimizer_name = optimizer
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.body(x), y)
+
+    def configure_optimizers(self):
+        if self.optimizer_name == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.01)
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+def data() -> torch.utils.data.TensorDataset:
+    generator = torch.Generator().manual_seed(1)
+    return torch.utils.data.TensorDataset(torch.rand(N, 64, generator=generator), torch.arange(N) % 10)
+
+
+def server_meta() -> dict:
+    control = {name: np.full(tuple(p.shape), C, np.float32) for name, p in UserModule().named_parameters()}
+    return {
+        meta_keys.ROUND: 0,
+        meta_keys.RUN_ID: "run",
+        meta_keys.SCAFFOLD_CTRL_GLOBAL: control,
+        meta_keys.FEDDYN_ALPHA: ALPHA,
+    }
+
+
+def trainer(callback: pl.Callback, **kwargs) -> pl.Trainer:
+    return pl.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        callbacks=[callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
+def fit_user(tmp_path, name: str, optimizer: str = "sgd", args=None, meta=None) -> tuple[UserModule, dict]:
+    module = UserModule(optimizer)
+    callback = FederatedAlgorithm(
+        name,
+        algorithm_args=args,
+        site="site-1",
+        state_store=ClientStateStore(tmp_path, "site-1"),
+        meta_source=lambda: meta or server_meta(),
+    )
+    torch.manual_seed(2)
+    trainer(callback).fit(module, torch.utils.data.DataLoader(data(), batch_size=BATCH))
+    return module, callback.last_meta
+
+
+#: FLClassifier's MLP keys (under ``net.``) for the user module's keys (under ``body.``).
+KEYS = {
+    "body.0.weight": "net.hidden.0.weight",
+    "body.0.bias": "net.hidden.0.bias",
+    "body.2.weight": "net.classifier.weight",
+    "body.2.bias": "net.classifier.bias",
+}
+
+
+@pytest.mark.parametrize(("name", "args"), [("fedavg", {}), ("scaffold", {}), ("fedprox", {"mu": MU}), ("feddyn", {})])
+def test_with_sgd_the_callback_path_equals_fl_classifier_bit_for_bit(tmp_path, name, args):
+    user, user_meta = fit_user(tmp_path / "user", name, args=args)
+    classifier = FLClassifier(arch="mlp", lr=LR, arch_args={"hidden_sizes": (32,)})
+    classifier.load_state_dict({KEYS[k]: v for k, v in UserModule().state_dict().items()})
+    algorithm = build_client_algorithm(name, **args)
+    algorithm.bind("site-1", ClientStateStore(tmp_path / "classifier", "site-1"))
+    classifier.set_algorithm(algorithm)
+    meta = server_meta()
+    meta[meta_keys.SCAFFOLD_CTRL_GLOBAL] = {KEYS[k]: v for k, v in meta[meta_keys.SCAFFOLD_CTRL_GLOBAL].items()}
+    callback = FederatedRoundCallback(num_samples=N, site="site-1", meta_source=lambda: meta)
+    torch.manual_seed(2)
+    trainer(callback).fit(classifier, torch.utils.data.DataLoader(data(), batch_size=BATCH))
+    trained = classifier.state_dict()
+    for key, value in user.state_dict().items():
+        torch.testing.assert_close(value, trained[KEYS[key]], atol=0, rtol=0)
+    assert user_meta[meta_keys.NUM_STEPS] == callback.last_meta[meta_keys.NUM_STEPS] == N // BATCH
+    assert user_meta[meta_keys.NUM_SAMPLES] == N
+    assert user_meta[meta_keys.TRAIN_LOSS] == pytest.approx(callback.last_meta[meta_keys.TRAIN_LOSS], abs=1e-6)
+    for key in (meta_keys.FEDNOVA_TAU, meta_keys.FEDNOVA_A_NORM):
+        assert user_meta.get(key) == callback.last_meta.get(key)
+
+
+def reference_adamw(pull: float, after_step_shift: float = 0.0) -> tuple[dict, float]:
+    """Plain torch: AdamW on cross-entropy + a gradient pull ``pull * (w - w0)``, then ``w -= lr * shift``."""
+    module = UserModule("adamw")
+    start = {k: v.detach().clone() for k, v in module.named_parameters()}
+    optimizer = module.configure_optimizers()
+    torch.manual_seed(2)
+    loader = torch.utils.data.DataLoader(data(), batch_size=BATCH, shuffle=False)
+    for x, y in loader:
+        optimizer.zero_grad()
+        F.cross_entropy(module.body(x), y).backward()
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                # grad + pull * w - pull * w0, rounded as the algorithms do: Adam divides by sqrt(v), so a rounding
+                # difference on a near-zero gradient entry becomes a visible difference in the step.
+                p.grad.add_(p, alpha=pull).add_(start[name], alpha=-pull)
+        optimizer.step()
+        with torch.no_grad():
+            for p in module.parameters():
+                p -= LR * after_step_shift
+    return {k: v.detach() for k, v in module.named_parameters()}, len(loader) * LR
+
+
+@pytest.mark.parametrize(("name", "args", "pull"), [("fedprox", {"mu": MU}, MU), ("feddyn", {}, ALPHA)])
+def test_gradient_terms_with_adamw_match_an_independent_loop(tmp_path, name, args, pull):
+    module, meta = fit_user(tmp_path, name, "adamw", args)
+    expected, _ = reference_adamw(pull)
+    for key, value in module.named_parameters():
+        torch.testing.assert_close(value.detach(), expected[key], atol=1e-6, rtol=0)
+    assert meta_keys.FEDNOVA_TAU not in meta  # FedNova cannot describe an AdamW step: no report, the server refuses
+
+
+def test_scaffold_with_adamw_matches_an_independent_loop_and_its_option_ii_control(tmp_path):
+    module, meta = fit_user(tmp_path, "scaffold", "adamw")
+    # c = 0.1 everywhere, c_i = 0: every step is followed by y <- y - lr * (c - c_i).
+    expected, lr_sum = reference_adamw(0.0, after_step_shift=C)
+    start = dict(UserModule().named_parameters())
+    for key, value in module.named_parameters():
+        torch.testing.assert_close(value.detach(), expected[key], atol=1e-6, rtol=0)
+        # Option II: c_i+ = c_i - c + (x - y) / (sum of lr); the diff sent is c_i+ - c_i.
+        diff = (start[key].detach() - expected[key]) / lr_sum - C
+        np.testing.assert_allclose(meta[meta_keys.SCAFFOLD_CTRL_DIFF][key], diff.numpy(), atol=1e-5)
+
+
+def test_a_module_without_task_loss_is_refused_for_fedmos_with_what_to_add(tmp_path):
+    with pytest.raises(ClientAlgorithmError, match=r"site-1: client algorithm 'fedmos' needs .*task_loss\(batch"):
+        fit_user(tmp_path, "fedmos")
+
+
+def test_moon_without_the_loss_hook_is_refused_with_what_to_add(tmp_path):
+    with pytest.raises(ClientAlgorithmError, match=r"'moon' needs the module UserModule to have an attribute net"):
+        fit_user(tmp_path, "moon")
+
+
+class MoonUserModule(UserModule):
+    """A user module with a MOON-ready network but a training_step that forgets the contrastive term."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from lightning_modules.models import build_model
+
+        self.net = build_model("mlp", num_classes=10, projection_dim=8)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+
+def test_moon_refuses_a_training_step_without_its_loss_term_after_the_first_step(tmp_path):
+    module = MoonUserModule()
+    callback = FederatedAlgorithm(
+        "moon",
+        site="site-1",
+        state_store=ClientStateStore(tmp_path, "site-1"),
+        meta_source=lambda: {meta_keys.ROUND: 0, meta_keys.RUN_ID: "r"},
+    )
+    with pytest.raises(ClientAlgorithmError, match=r"training_step must return loss \+ .*algorithm_loss"):
+        trainer(callback).fit(module, torch.utils.data.DataLoader(data(), batch_size=BATCH))
+
+
+def test_sample_count_defaults_to_the_dataset_and_meta_is_namespaced(tmp_path):
+    _, meta = fit_user(tmp_path, "fedavg")
+    assert meta[meta_keys.NUM_SAMPLES] == N and meta[meta_keys.CLIENT_ALGORITHM] == "fedavg"
+    assert meta[meta_keys.PARAM_KEYS] == ["body.0.weight", "body.0.bias", "body.2.weight", "body.2.bias"]
+    assert all(meta_keys.is_namespaced(key) for key in meta)
+
+
+class MoonReadyClassifier(FLClassifier):
+    """FLClassifier's network driven from outside: its training_step adds the callback's algorithm loss."""
+
+    def training_step(self, batch, batch_idx):
+        loss, logits = self.task_loss(batch)
+        return loss + algorithm_loss(self, batch, logits)
+
+
+@pytest.mark.parametrize("name", sorted(CLIENT_ALGORITHMS))
+def test_every_algorithm_through_the_callback_equals_the_built_in_classifier_path(tmp_path, name):
+    """FLClassifier with the algorithm set on it (the bundle's own path) vs the same network with the algorithm
+    attached as a callback: the same weights bit for bit and the same meta."""
+    arch_args = dict(CLIENT_ALGORITHMS[name].default_arch_args)
+    meta = {meta_keys.ROUND: 0, meta_keys.RUN_ID: "r", meta_keys.SCAFFOLD_CTRL_GLOBAL: {}, meta_keys.FEDDYN_ALPHA: 0.1}
+    loader = torch.utils.data.DataLoader(data(), batch_size=BATCH)
+
+    built_in = FLClassifier(arch="mlp", lr=LR, arch_args=arch_args, init_seed=0)
+    algorithm = build_client_algorithm(name)
+    algorithm.bind("site-1", ClientStateStore(tmp_path / "a", "site-1"))
+    built_in.set_algorithm(algorithm)
+    reference = FederatedRoundCallback(num_samples=N, site="site-1", meta_source=lambda: meta)
+    torch.manual_seed(2)
+    trainer(reference).fit(built_in, loader)
+
+    attached = MoonReadyClassifier(arch="mlp", lr=LR, arch_args=arch_args, init_seed=0)
+    callback = FederatedAlgorithm(
+        name, site="site-1", state_store=ClientStateStore(tmp_path / "b", "site-1"), meta_source=lambda: meta
+    )
+    torch.manual_seed(2)
+    trainer(callback).fit(attached, loader)
+
+    for key, value in built_in.state_dict().items():
+        torch.testing.assert_close(attached.state_dict()[key], value, atol=0, rtol=0)
+    expected = {k: v for k, v in reference.last_meta.items() if k not in (meta_keys.FIT_SECONDS, "train.accuracy")}
+    got = {k: v for k, v in callback.last_meta.items() if k != meta_keys.FIT_SECONDS}
+    assert set(got) == set(expected)
+    for key, value in expected.items():
+        if isinstance(value, dict):
+            for inner, array in value.items():
+                np.testing.assert_array_equal(got[key][inner], array)
+        elif key == meta_keys.TRAIN_LOSS:
+            assert got[key] == pytest.approx(value, abs=1e-6)
+        else:
+            assert got[key] == value, key
