@@ -14,6 +14,7 @@ NUM_SAMPLES = "train.num_samples"  # training samples of the site: the FedAvg we
 NUM_STEPS = "train.num_steps"  # optimizer steps actually executed this round
 TRAIN_LOSS = "train.loss"  # mean training loss over the round's steps
 FIT_SECONDS = "train.fit_seconds"  # wall seconds of the site's trainer.fit (compute, vs. round wall time)
+EVAL_PREFIX = "eval."  # eval.<metric>: the received global model scored on the site's validation split
 TRAIN_ACCURACY = "train.accuracy"  # share of correct predictions over the round's training batches
 CLIENT_ALGORITHM = "client.algorithm"  # name of the client algorithm that produced the update
 PARAM_KEYS = "train.param_keys"  # names of the trainable parameters; every other entry is a buffer

@@ -373,13 +373,47 @@ def scalar_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def site_metrics(updates: Sequence[ClientUpdate]) -> dict[str, Any]:
-    """Per-site training loss, sample and step counts and scalar meta of the accepted updates."""
-    return {
+    """Per-site training loss, sample and step counts and scalar meta of the accepted updates, and the summary of
+    the sites' evaluations of the global model they received (when they sent ``eval.*`` meta)."""
+    record = {
         "site_train_loss": {u.site: u.meta.get(meta_keys.TRAIN_LOSS) for u in updates},
         "site_num_samples": {u.site: u.num_samples for u in updates},
         "site_num_steps": {u.site: u.meta.get(meta_keys.NUM_STEPS) for u in updates},
         "site_meta": {u.site: scalar_meta(u.meta) for u in updates},
     }
+    summary = site_eval_summary(updates)
+    if summary:
+        record["site_eval"] = summary
+    return record
+
+
+def lower_is_better(metric: str) -> bool:
+    return any(word in metric.lower() for word in ("loss", "error", "mae", "mse", "rmse"))
+
+
+def site_eval_summary(updates: Sequence[ClientUpdate]) -> dict[str, dict[str, Any]]:
+    """Per metric the sites reported under ``eval.``: the sample-weighted mean, the worst site and its value, and
+    the spread (best minus worst). "Worst" is the highest value for losses and errors, the lowest otherwise."""
+    by_metric: dict[str, dict[str, tuple[float, int]]] = {}
+    for update in updates:
+        for key, value in update.meta.items():
+            if key.startswith(meta_keys.EVAL_PREFIX) and isinstance(value, int | float) and np.isfinite(value):
+                name = key[len(meta_keys.EVAL_PREFIX) :]
+                by_metric.setdefault(name, {})[update.site] = (float(value), update.num_samples)
+    summary = {}
+    for name, values in sorted(by_metric.items()):
+        weights = np.array([n for _, n in values.values()], dtype=np.float64)
+        scores = np.array([v for v, _ in values.values()], dtype=np.float64)
+        pick = max if lower_is_better(name) else min
+        worst_site = pick(values, key=lambda site: values[site][0])
+        summary[name] = {
+            "per_site": {site: v for site, (v, _) in sorted(values.items())},
+            "mean": float(np.dot(weights, scores) / weights.sum()),
+            "worst": values[worst_site][0],
+            "worst_site": worst_site,
+            "spread": float(scores.max() - scores.min()),
+        }
+    return summary
 
 
 SiteFn = Callable[[int, Params, Mapping[str, Any]], tuple[Mapping[str, Any], Mapping[str, Any]]]

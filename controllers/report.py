@@ -57,16 +57,31 @@ def failed_rounds(records: Sequence[dict[str, Any]]) -> list[str]:
     ]
 
 
+def site_eval_metric(records: Sequence[dict[str, Any]]) -> str | None:
+    """The site-evaluation metric to show: the first one named like an accuracy, else the first one."""
+    names = sorted({name for r in records for name in (r.get("site_eval") or {})})
+    return next((n for n in names if "acc" in n.lower()), names[0] if names else None)
+
+
 def format_table(records: Sequence[dict[str, Any]]) -> str:
-    lines = [f"{'round':>5}  {'test acc':>8}  {'test loss':>9}  {'mean site train loss':>20}  rejected"]
+    """One line per round. ``site <metric>``: the sites' scores of the global model they received at the start of
+    that round on their own validation data: sample-weighted mean, and the worst site's value."""
+    metric = site_eval_metric(records)
+    site_column = f"  {'site ' + metric + ' mean (worst site)':>36}" if metric else ""
+    lines = [f"{'round':>5}  {'test acc':>8}  {'test loss':>9}  {'mean site train loss':>20}{site_column}  rejected"]
     for record in records:
         label = "init" if record["stage"] == "initial" else str(record["round"] + 1)
         losses = [v for v in (record.get("site_train_loss") or {}).values() if v is not None]
         mean_loss = f"{sum(losses) / len(losses):.4f}" if losses else "-"
         rejected = ",".join(record.get("rejected") or {}) or "-"
+        site = ""
+        if metric:
+            summary = (record.get("site_eval") or {}).get(metric)
+            text = f"{summary['mean']:.4f} ({summary['worst']:.4f} {summary['worst_site']})" if summary else "-"
+            site = f"  {text:>36}"
         lines.append(
             f"{label:>5}  {_fmt(record.get('test_accuracy')):>8}  {_fmt(record.get('test_loss')):>9}  "
-            f"{mean_loss:>20}  {rejected}"
+            f"{mean_loss:>20}{site}  {rejected}"
         )
     return "\n".join(lines)
 
@@ -116,6 +131,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         final = records[-1]
         print(f"\n== {label}: {workspace}\n{format_table(records)}")
         print(f"final global test accuracy: {_fmt(final.get('test_accuracy'))}")
+        metric = site_eval_metric(records)
+        if metric:
+            last = next(r["site_eval"][metric] for r in reversed(records) if metric in (r.get("site_eval") or {}))
+            print(
+                f"site {metric} of the last global model the sites received: mean {last['mean']:.4f}, "
+                f"worst {last['worst']:.4f} ({last['worst_site']}), spread {last['spread']:.4f}"
+            )
         print(f"global model: {workspace / RUN_DIR / 'app_server' / 'FL_global_model.pt'}")
         print(f"metrics:      {workspace / METRICS}")
     plot = plot_runs(runs, args.plot or args.workspaces[0] / "round_metrics.png")

@@ -36,16 +36,44 @@ def inside_directory(directory: Path) -> Iterator[None]:
 
 def build_job(spec: JobSpec) -> Any:
     """Assemble the NVFlare ``FedJob`` for ``spec`` (server: persistor, evaluator, controller; clients: script)."""
-    from nvflare.app_opt.pt.job_config.model import PTModel
     from nvflare.job_config.api import FedJob
     from nvflare.job_config.script_runner import ScriptRunner
 
-    from controllers.evaluator import TestSetEvaluator
     from controllers.fedalg_controller import FedAlgController
 
-    num_classes = dataset_num_classes(spec.dataset)
     job = FedJob(name=spec.name, min_clients=spec.num_sites)
     job.set_app_packages(list(APP_PACKAGES))
+    if spec.model is not None:
+        _add_user_model(job, spec)
+    else:
+        _add_builtin_model(job, spec)
+    controller = FedAlgController(
+        num_rounds=spec.num_rounds,
+        rule=spec.server,
+        rule_args=dict(spec.server_args) or None,
+        clients_per_round=spec.clients_per_round,
+        min_responses=spec.min_responses,
+        min_accepted=spec.min_accepted,
+        train_timeout=spec.train_timeout,
+        seed=spec.seed,
+        save_client_updates=spec.save_client_updates,
+        companions=companion_rules(spec),
+        resume_from=spec.resume_from,
+        **({"evaluator_id": ""} if spec.model is not None else {}),  # the sites evaluate a user's model
+    )
+    job.to_server(controller)
+    job.to_clients(ScriptRunner(script=CLIENT_SCRIPT, script_args=client_script_args(spec)))
+    add_tracking(job)
+    return job
+
+
+def _add_builtin_model(job: Any, spec: JobSpec) -> None:
+    """The server's initial model and test-set evaluator for the built-in models and datasets."""
+    from nvflare.app_opt.pt.job_config.model import PTModel
+
+    from controllers.evaluator import TestSetEvaluator
+
+    num_classes = dataset_num_classes(spec.dataset)
     arch_args = model_arch_args(spec)
     model_args: dict[str, Any] = {"arch": spec.arch, "num_classes": num_classes, "init_seed": spec.seed}
     if arch_args:  # the server's model and evaluator must build what the clients build (MOON's projection head)
@@ -59,23 +87,31 @@ def build_job(spec: JobSpec) -> Any:
         max_test_samples=spec.max_test_samples,
     )
     job.to_server(evaluator, id="evaluator")
-    controller = FedAlgController(
-        num_rounds=spec.num_rounds,
-        rule=spec.server,
-        rule_args=dict(spec.server_args) or None,
-        clients_per_round=spec.clients_per_round,
-        min_responses=spec.min_responses,
-        min_accepted=spec.min_accepted,
-        train_timeout=spec.train_timeout,
-        seed=spec.seed,
-        save_client_updates=spec.save_client_updates,
-        companions=companion_rules(spec),
-        resume_from=spec.resume_from,
-    )
-    job.to_server(controller)
-    job.to_clients(ScriptRunner(script=CLIENT_SCRIPT, script_args=client_script_args(spec)))
-    add_tracking(job)
-    return job
+
+
+def _add_user_model(job: Any, spec: JobSpec) -> None:
+    """The user's LightningModule, built by the server from its import path for the initial global model; the
+    shipped package folders go to the server and to every site. No server-side evaluator: the sites evaluate the
+    global model on their own validation data."""
+    from nvflare.app_opt.pt.job_config.model import PTModel
+
+    from jobs.spec import shipped_folders
+
+    for folder in shipped_folders(spec):  # absolute: JobSpec resolved them where the job was specified
+        job.to_server(ShippedPackage(folder))
+        job.to_clients(ShippedPackage(folder))
+    job.to_server(PTModel({"path": spec.model.replace(":", "."), "args": dict(spec.model_args)}))
+
+
+class ShippedPackage:
+    """A package folder copied into the app's ``custom/<name>/`` (NVFlare's own external-folder option copies the
+    folder's files flat, which would break ``package.module`` imports)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+
+    def add_to_fed_job(self, job: Any, ctx: Any) -> None:
+        job.add_file_source(str(self.folder), self.folder.name, None, ctx)
 
 
 def add_tracking(job: Any) -> None:

@@ -95,6 +95,35 @@ class ModelSettings:
     )
 
 
+def _own_model(spec: Any) -> bool:
+    return spec.model is not None
+
+
+@dataclass(frozen=True, kw_only=True)
+class UserCodeSettings:
+    """Your own LightningModule and LightningDataModule by import path, instead of the built-in models and
+    datasets (docs/own_model.md)."""
+
+    model: str | None = setting(
+        None,
+        "your LightningModule, 'package.module:Class' (replaces --arch and the built-in datasets; needs --data)",
+        exported_when=_own_model,
+    )
+    model_args: dict[str, Any] = setting({}, "your model's constructor arguments, a JSON object")
+    data: str | None = setting(
+        None,
+        "your LightningDataModule, 'package.module:Class' (train_dataloader; val_dataloader for site evaluation)",
+        exported_when=_own_model,
+    )
+    data_args: dict[str, Any] = setting({}, "your data module's constructor arguments, a JSON object")
+    ship: str = setting(
+        "",
+        "comma-separated package folders copied into the job's custom/ so that the server and the sites can import "
+        "your classes without installing them (NVFlare's bring-your-own-code)",
+        side=SERVER,
+    )
+
+
 def _not_constant(spec: Any) -> bool:
     return spec.pattern != "constant"
 
@@ -209,6 +238,7 @@ class SiteSettings:
 JOB_GROUPS: tuple[type, ...] = (
     DataSettings,
     ModelSettings,
+    UserCodeSettings,
     LocalTrainingSettings,
     PrecisionSettings,
     ClientAlgorithmSettings,
@@ -217,7 +247,7 @@ JOB_GROUPS: tuple[type, ...] = (
 )
 #: Options the builder renders in its own way at the end of the client command line (resolved sites, JSON).
 ATTACK_FIELDS = frozenset(f.name for f in dataclasses.fields(AttackSettings))
-JSON_FIELDS = frozenset({"arch_args", "client_args", "server_args"})
+JSON_FIELDS = frozenset({"arch_args", "client_args", "server_args", "model_args", "data_args"})
 
 # All datasets shipped here have ten classes (data_prep/datasets.py).
 NUM_CLASSES = {"fashion_mnist": 10, "mnist": 10, "digits": 10}

@@ -10,8 +10,12 @@ one line naming the setting, the value and what is allowed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from jobs.settings import (
@@ -26,6 +30,7 @@ from jobs.settings import (
     ModelSettings,
     PrecisionSettings,
     RoundSettings,
+    UserCodeSettings,
     check_settings,
     compact_json,
     dataset_num_classes,
@@ -42,6 +47,7 @@ class JobSpec(
     ClientAlgorithmSettings,
     PrecisionSettings,
     LocalTrainingSettings,
+    UserCodeSettings,
     ModelSettings,
     DataSettings,
 ):
@@ -56,6 +62,8 @@ class JobSpec(
             if kind.types == (float,) and isinstance(value, int) and not isinstance(value, bool):
                 object.__setattr__(self, spec_field.name, float(value))
         validate_spec(self)
+        # Shipped folders are named relative to where the job is specified; the export runs elsewhere.
+        object.__setattr__(self, "ship", ",".join(str(p.resolve()) for p in shipped_folders(self)))
 
 
 def validate_spec(spec: JobSpec) -> None:
@@ -66,10 +74,13 @@ def validate_spec(spec: JobSpec) -> None:
     _check_composition_of(spec)
     if spec.pattern == "uniform_random" and spec.max_local_epochs < 2:
         raise JobBuildError(f"max_local_epochs must be at least 2 for uniform_random, got {spec.max_local_epochs}")
-    if (spec.dataset == "digits") != (spec.arch == "mlp"):
-        raise JobBuildError(f"arch '{spec.arch}' does not fit dataset '{spec.dataset}': use mlp for digits only")
     _check_sampling(spec)
-    _check_arch_args(spec)
+    if spec.model is not None or spec.data is not None:
+        _check_user_code(spec)
+    else:
+        if (spec.dataset == "digits") != (spec.arch == "mlp"):
+            raise JobBuildError(f"arch '{spec.arch}' does not fit dataset '{spec.dataset}': use mlp for digits only")
+        _check_arch_args(spec)
     _check_client_algorithm(spec)
     _check_server_rule(spec)
     job_attack_args(spec)  # unknown attack, no malicious site, bad share: refused at build time
@@ -117,6 +128,46 @@ def model_arch_args(spec: JobSpec) -> dict[str, Any]:
     from lightning_modules.algorithms import CLIENT_ALGORITHMS
 
     return {**CLIENT_ALGORITHMS[spec.client].default_arch_args, **spec.arch_args}
+
+
+def shipped_folders(spec: JobSpec) -> list[Path]:
+    """The package folders ``--ship`` copies into the job, checked to exist."""
+    folders = [Path(p.strip()) for p in spec.ship.split(",") if p.strip()]
+    for folder in folders:
+        if not (folder / "__init__.py").is_file():
+            raise JobBuildError(f"ship: {str(folder)!r} is not a package folder (no __init__.py) from {Path.cwd()}")
+    return folders
+
+
+@contextlib.contextmanager
+def importable(folders: list[Path]) -> Iterator[None]:
+    """The shipped packages importable while the job is checked, as they will be in the job's custom/."""
+    added = [str(folder.resolve().parent) for folder in folders]
+    sys.path[:0] = added
+    try:
+        yield
+    finally:
+        for entry in added:
+            sys.path.remove(entry)
+
+
+def _check_user_code(spec: JobSpec) -> None:
+    """The user's model and data classes import, are a LightningModule and a LightningDataModule, and the model
+    builds with its arguments (the server builds the initial global model from it)."""
+    from lightning_modules.own_model import UserCodeError, build_user_module, user_class
+
+    if spec.model is None or spec.data is None:
+        raise JobBuildError("model and data go together: give both --model and --data (import paths)")
+    compact_json(spec.model_args)
+    compact_json(spec.data_args)
+    import pytorch_lightning as pl
+
+    with importable(shipped_folders(spec)):
+        try:
+            build_user_module(spec.model, spec.model_args)
+            user_class(spec.data, pl.LightningDataModule, "data")
+        except UserCodeError as exc:
+            raise JobBuildError(str(exc)) from None
 
 
 def _check_arch_args(spec: JobSpec) -> None:
@@ -197,6 +248,9 @@ def client_script_args(spec: JobSpec) -> str:
         parts.append(f"--arch-args {compact_json(model_arch_args(spec))}")
     if spec.client_args:
         parts.append(f"--client-args {compact_json(spec.client_args)}")
+    for name in ("model_args", "data_args"):
+        if getattr(spec, name):
+            parts.append(f"{flag(name)} {compact_json(getattr(spec, name))}")
     return " ".join(parts)
 
 

@@ -18,6 +18,8 @@ Where each hook of :class:`lightning_modules.algorithms.base.ClientAlgorithm` ru
 - ``loss_terms`` (MOON): only a module can add to its own loss. A module used with such an algorithm calls
   :func:`algorithm_loss` in ``training_step`` and adds the result; the callback refuses to go on after the first
   step if it did not;
+- the global model's scores on the site's validation split, when ``trainer.validate`` runs before ``trainer.fit``
+  (NVFlare's FLCallback loads the received weights for it): sent as ``eval.<metric>`` meta;
 - ``on_round_end``: at the end of the fit; its meta, the round's step count, mean training loss, the trainable keys
   and FedNova's report go to ``pl_module.__fl_meta__``, where NVFlare's FLCallback picks them up.
 
@@ -35,6 +37,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.trainer.states import TrainerFn
 
 from aggregators import meta_keys
 from lightning_modules.algorithms.base import ClientAlgorithm, ClientAlgorithmError, check_server_meta
@@ -125,6 +128,7 @@ class FederatedAlgorithm(pl.Callback):
         self.num_samples = num_samples
         self.meta_source = meta_source
         self.last_meta: dict[str, Any] = {}
+        self._site_eval: dict[str, float] = {}
         self._reset_round()
         self._step_hook: Any = None
 
@@ -184,9 +188,20 @@ class FederatedAlgorithm(pl.Callback):
                 "lightning_modules.federated.algorithm_loss(self, batch, logits)"
             )
 
+    # -- evaluation of the received global model ----------------------------------------------------------------
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Only an explicit trainer.validate before fit scores the received global model (not in-fit validation).
+        if trainer.state.fn == TrainerFn.VALIDATING and not self._round_started:
+            self._site_eval = {
+                meta_keys.EVAL_PREFIX + name: float(value)
+                for name, value in trainer.callback_metrics.items()
+                if isinstance(value, torch.Tensor) and value.numel() == 1
+            }
+
     # -- round end ----------------------------------------------------------------------------------------------
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._remove_step_hook()
+        self._round_started = False  # the next trainer.validate scores the next round's global model
         meta: dict[str, Any] = {
             meta_keys.NUM_STEPS: self._steps,
             meta_keys.TRAIN_LOSS: float(sum(self._losses) / len(self._losses)) if self._losses else float("nan"),
@@ -202,6 +217,8 @@ class FederatedAlgorithm(pl.Callback):
                 "'<algorithm>.<name>' keys or are reserved by NVFlare's built-in handlers"
             )
         meta.update(algorithm_meta)
+        meta.update(self._site_eval)
+        self._site_eval = {}
         meta[meta_keys.NUM_SAMPLES] = self.num_samples if self.num_samples is not None else _dataset_size(trainer)
         meta[meta_keys.FIT_SECONDS] = round(time.monotonic() - self._fit_started, 4)
         self.last_meta = meta

@@ -56,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--weight-decay", type=float, default=0.0)
     train.add_argument("--precision", default="32-true", help="Lightning precision: 32-true or bf16-mixed")
     train.add_argument("--accelerator", default="auto", help="Lightning accelerator: auto, cpu, gpu")
+    own = parser.add_argument_group("your own model and data (docs/own_model.md)")
+    own.add_argument("--model", default=None, help="your LightningModule, 'package.module:Class'")
+    own.add_argument("--model-args", default="{}", help="JSON object of your model's constructor arguments")
+    own.add_argument("--data", default=None, help="your LightningDataModule, 'package.module:Class'")
+    own.add_argument("--data-args", default="{}", help="JSON object of your data module's constructor arguments")
     algo = parser.add_argument_group("client algorithm")
     algo.add_argument("--client", default="fedavg", help="client algorithm name")
     algo.add_argument("--client-args", default="{}", help="JSON object of the client algorithm's hyperparameters")
@@ -111,6 +116,11 @@ def log_round_metrics(tracker: object, meta: dict, round_num: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.model is not None:  # the user's own LightningModule and data module (lightning_modules/own_model.py)
+        from lightning_modules.own_model import run_site
+
+        run_site(args)
+        return
     import nvflare.client.lightning as flare
     from nvflare.client.tracking import SummaryWriter
 

@@ -1,0 +1,105 @@
+"""Jobs built from a user's own LightningModule and LightningDataModule by import path (examples/custom_model).
+
+Bad user code is refused by the builder with one line naming the path, and nothing is written.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from jobs.build import main
+from jobs.settings import JobBuildError
+from jobs.spec import JobSpec
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_model"
+OWN = {
+    "model": "custom_model.model:DigitsClassifier",
+    "data": "custom_model.data:DigitsSites",
+    "ship": str(EXAMPLE),
+}
+
+
+def build(tmp_path, capsys, *extra: str) -> tuple[int, str]:
+    argv = ["--client", "scaffold", "--server", "scaffold", "--name", "own", "--output-dir", str(tmp_path / "out")]
+    code = main([*argv, *extra])
+    return code, capsys.readouterr().err
+
+
+def test_the_example_exports_with_its_package_shipped_and_the_server_building_the_users_model(tmp_path, capsys):
+    code, err = build(tmp_path, capsys, *(f"--{k}={v}" for k, v in OWN.items()), "--model-args", '{"hidden":32}')
+    assert code == 0, err
+    app = tmp_path / "out" / "own" / "app"
+    shipped = sorted(p.name for p in (app / "custom" / "custom_model").glob("*.py"))
+    assert shipped == ["__init__.py", "data.py", "model.py"]
+    server_config = (app / "config" / "config_fed_server.json").read_text()
+    paths = [c["path"] for c in json.loads(server_config)["components"]]
+    assert '"path": "custom_model.model.DigitsClassifier"' in server_config  # the persistor's initial model
+    assert "controllers.evaluator.TestSetEvaluator" not in paths  # the sites evaluate a user's model
+    client = json.loads((app / "config" / "config_fed_client.json").read_text())
+    args = client["executors"][0]["executor"]["args"]["task_script_args"]
+    assert "--model custom_model.model:DigitsClassifier --data custom_model.data:DigitsSites" in args
+    assert args.endswith('--model-args {"hidden":32}')
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"model": "no_such_pkg.model:Net", "data": OWN["data"]}, "cannot import module 'no_such_pkg.model'"),
+        ({"model": "custom_model.model:Nope", "data": OWN["data"]}, "has no attribute 'Nope'"),
+        ({"model": "custom_model.model:DigitsNet", "data": OWN["data"]}, "not a subclass of pytorch_lightning"),
+        ({"model": "custom_model.model", "data": OWN["data"]}, "must look like 'package.module:ClassName'"),
+        ({"model": OWN["model"], "data": "custom_model.model:DigitsClassifier"}, "not a subclass of"),
+        ({"model": OWN["model"]}, "model and data go together"),
+        ({"model": OWN["model"], "data": OWN["data"], "model_args": {"widht": 3}}, "bad model_args"),
+    ],
+)
+def test_bad_user_code_is_refused_at_build_time(settings, message):
+    with pytest.raises(JobBuildError, match=message):
+        JobSpec(name="own", ship=OWN["ship"], **settings)
+
+
+def test_a_data_module_without_training_data_is_refused_on_the_site(tmp_path):
+    from lightning_modules.own_model import UserCodeError, build_user_data
+
+    package = tmp_path / "nodata"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "dm.py").write_text(
+        textwrap.dedent(
+            """
+            import pytorch_lightning as pl
+
+            class Empty(pl.LightningDataModule):
+                def __init__(self, site="site-1"):
+                    super().__init__()
+            """
+        )
+    )
+    import sys
+
+    sys.path.insert(0, str(tmp_path))
+    try:
+        with pytest.raises(UserCodeError, match=r"site-7: data 'nodata\.dm:Empty' defines no train_dataloader"):
+            build_user_data("nodata.dm:Empty", {}, "site-7")
+    finally:
+        sys.path.remove(str(tmp_path))
+
+
+def test_a_bad_ship_folder_exits_2_and_writes_nothing(tmp_path, capsys):
+    code, err = build(tmp_path, capsys, "--model", OWN["model"], "--data", OWN["data"], "--ship", str(tmp_path))
+    assert code == 2 and "is not a package folder" in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_data_module_is_told_its_site_and_the_number_of_sites():
+    from jobs.spec import importable
+    from lightning_modules.own_model import build_user_data
+
+    with importable([EXAMPLE]):
+        first = build_user_data(OWN["data"], {"alpha": 0.5}, "site-1", 3)
+        second = build_user_data(OWN["data"], {"alpha": 0.5}, "site-2", 3)
+    assert len(first.train) + len(first.val) != len(second.train) + len(second.val)
