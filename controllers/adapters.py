@@ -13,8 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from aggregators import ClientUpdate, meta_keys
-from aggregators.validation import meta_problems, num_samples_problems, param_problems
+from aggregators import ClientUpdate
 
 
 @dataclass(frozen=True)
@@ -46,22 +45,14 @@ def to_client_update(
 
     ``rule_check`` adds the aggregation rule's own checks (e.g. the SCAFFOLD control's keys and shapes).
     """
-    site = result_site(result)
-    params = getattr(result, "params", None) or {}
-    meta = dict(getattr(result, "meta", None) or {})
-    num_samples = meta.get(meta_keys.NUM_SAMPLES)
-    problems = param_problems(global_params, params) + meta_problems(meta, [meta_keys.NUM_SAMPLES, *required_meta])
-    if meta_keys.NUM_SAMPLES in meta:
-        problems += num_samples_problems(num_samples)
-    reserved = sorted(set(meta) & set(meta_keys.NVFLARE_RESERVED))
-    if reserved:
-        # NVFlare's built-in Lightning handler ran on that client: its correction came on top of ours.
-        problems.append(f"meta carries NVFlare's reserved keys {reserved}: a built-in algorithm handler was active")
-    if problems:
-        return Rejection(site=site, problems=tuple(problems))
-    update = ClientUpdate(site=site, params=dict(params), num_samples=int(num_samples), meta=meta)
-    rule_problems = rule_check(update) if rule_check is not None else []
-    return Rejection(site=site, problems=tuple(rule_problems)) if rule_problems else update
+    from controllers.engine import SiteResult, validate_result  # the engine's one validation path
+
+    site_result = SiteResult(
+        site=result_site(result),
+        params=getattr(result, "params", None) or {},
+        meta=getattr(result, "meta", None) or {},
+    )
+    return validate_result(site_result, global_params, required_meta, rule_check)
 
 
 def split_results(

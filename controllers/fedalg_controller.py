@@ -195,6 +195,13 @@ class FedAlgController(ModelController):
         print(message, flush=True)
 
 
+def outgoing_model(round_num: int, num_rounds: int, params: dict[str, np.ndarray], meta: Mapping[str, Any]) -> FLModel:
+    """What the server sends a site for a round: the full global model and the engine's broadcast meta."""
+    return FLModel(
+        params_type=ParamsType.FULL, params=params, current_round=round_num, total_rounds=num_rounds, meta=dict(meta)
+    )
+
+
 class _FLModelTransport:
     """The engine's transport over NVFlare: one ``FLModel`` out to the targets, ``FLModel`` results back."""
 
@@ -205,13 +212,7 @@ class _FLModelTransport:
         self, round_num: int, targets: Sequence[str], params: dict[str, np.ndarray], meta: Mapping[str, Any]
     ) -> list[SiteResult]:
         ctl = self.controller
-        outgoing = FLModel(
-            params_type=ParamsType.FULL,
-            params=params,
-            current_round=round_num,
-            total_rounds=ctl.num_rounds,
-            meta=dict(meta),
-        )
+        outgoing = outgoing_model(round_num, ctl.num_rounds, params, meta)
         results = ctl.send_model_and_wait(
             targets=list(targets), data=outgoing, min_responses=ctl.min_responses, timeout=ctl.train_timeout
         )

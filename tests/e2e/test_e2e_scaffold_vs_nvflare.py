@@ -42,7 +42,7 @@ from nvflare.app_opt.lightning.algorithm import _AlgorithmHandlerManager
 
 from aggregators import meta_keys
 from controllers.checkpoint import RoundCapture, load_updates
-from controllers.fedalg_controller import FedAlgController
+from controllers.fedalg_controller import FedAlgController, outgoing_model
 from jobs.build import JobSpec, export_job
 from jobs.nvflare_reference import CONTROL_LOG_PREFIX, export_reference_job
 from lightning_modules.state_store import ClientStateStore
@@ -161,9 +161,9 @@ def test_nvflares_builtin_handler_never_activates_in_our_job(runs):
     assert "nvflare.app_common.workflows.scaffold.Scaffold" not in json.dumps(config)
     params = _global_model(workspace)
     controller = FedAlgController(num_rounds=NUM_ROUNDS, rule="scaffold")
-    controller._run_id = "cross-check"
     state = {"control": {key: np.ones_like(value) for key, value in params.items()}}
-    broadcast = controller._outgoing_model(1, params, state)
+    meta = controller._round_engine().broadcast_meta(1, state, "cross-check")
+    broadcast = outgoing_model(1, NUM_ROUNDS, params, meta)
     assert meta_keys.SCAFFOLD_CTRL_GLOBAL in broadcast.meta
     assert not set(broadcast.meta) & {AlgorithmConstants.SCAFFOLD_CTRL_GLOBAL, AlgorithmConstants.FEDPROX_MU}
     manager = _AlgorithmHandlerManager()

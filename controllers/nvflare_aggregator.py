@@ -1,0 +1,101 @@
+"""Our aggregation rules inside NVFlare's own jobs: a ``ModelAggregator`` for NVFlare's stock FedAvg controller.
+
+    from nvflare.app_common.workflows.fedavg import FedAvg
+    from controllers.nvflare_aggregator import RuleAggregator
+
+    job.to_server(FedAvg(num_clients=3, num_rounds=5, aggregator=RuleAggregator("median")))
+    # or: FedAvgRecipe(..., aggregator=RuleAggregator("trimmed_mean", {"beta": 0.2}))
+
+NVFlare's FedAvg controller hands an aggregator the sites' results one by one and takes back the new global
+weights; it never shows the aggregator the current global model, and it broadcasts nothing but the model. So only
+rules that need neither can run there:
+
+- no broadcast state (SCAFFOLD's control, FedDyn's h, FedMoS's selection, FedOpt's moments) and no required meta
+  beyond the sample count;
+- a result that does not depend on the global model x: the rule is *translation equivariant*,
+  ``rule(x, {y_i}) = rule(0, {y_i})`` — FedAvg with ``server_lr = 1`` (x + Σ p_i (y_i − x) = Σ p_i y_i), the
+  coordinate-wise median and trimmed mean, and Krum (distances between the y_i do not involve x).
+
+Every other rule is refused when the aggregator is built, with the reason. Each result passes the same
+validation as in our own controller (keys, shapes, finite values, sample count), against the first result's keys
+and shapes; a bad site is left out by name and the round goes on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import numpy as np
+from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
+from nvflare.app_common.aggregators.model_aggregator import ModelAggregator
+
+from aggregators import AggregationError, ClientUpdate, RoundContext, build_rule
+from controllers.adapters import Rejection, to_client_update
+
+
+class RuleAggregator(ModelAggregator):
+    """A rule of :data:`aggregators.RULES` as an NVFlare ``ModelAggregator`` (module docstring)."""
+
+    #: Rules whose result does not depend on the global model, with the settings under which that holds.
+    EQUIVARIANT: ClassVar[dict[str, str]] = {
+        "fedavg": "server_lr = 1",
+        "median": "",
+        "trimmed_mean": "",
+        "krum": "",
+    }
+
+    def __init__(self, rule: str = "fedavg", rule_args: Mapping[str, Any] | None = None) -> None:
+        super().__init__()
+        self.rule_name = rule
+        self.rule_args = dict(rule_args or {})
+        self.rule = build_rule(rule, **self.rule_args)
+        _check_usable(self.rule, rule)
+        self.state = self.rule.init_state({})
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.updates: list[ClientUpdate] = []
+        self.rejections: list[Rejection] = []
+        self.reference: dict[str, np.ndarray] | None = None
+        self.round_num = 0
+
+    def accept_model(self, model: FLModel) -> None:
+        params = {key: np.asarray(value) for key, value in (model.params or {}).items()}
+        if self.reference is None:
+            self.reference = {key: np.zeros_like(value) for key, value in params.items()}
+        self.round_num = model.current_round or self.round_num
+        checked = to_client_update(model, self.reference, self.rule.required_meta)
+        if isinstance(checked, Rejection):
+            self.rejections.append(checked)
+            self.error(str(checked))
+        else:
+            self.updates.append(checked)
+
+    def aggregate_model(self) -> FLModel:
+        if not self.updates:
+            raise AggregationError(f"{self.rule_name}: no valid result this round ({len(self.rejections)} rejected)")
+        updates = sorted(self.updates, key=lambda u: u.site)
+        sites = tuple(u.site for u in updates)
+        context = RoundContext(round_num=self.round_num, num_rounds=self.round_num + 1, population=sites)
+        # Translation equivariance (module docstring): aggregating around x = 0 gives the rule's result for any x.
+        result = self.rule.aggregate(self.reference, updates, self.state, context)
+        self.state = result.state
+        meta = {"nr_aggregated": len(updates), "aggregation_rule": self.rule_name}
+        return FLModel(params_type=ParamsType.FULL, params=result.params, meta=meta)
+
+
+def _check_usable(rule: Any, name: str) -> None:
+    if name not in RuleAggregator.EQUIVARIANT:
+        raise AggregationError(
+            f"rule '{name}' cannot run as an NVFlare ModelAggregator: NVFlare's FedAvg controller neither shows an "
+            "aggregator the global model nor broadcasts a rule's meta; usable there: "
+            f"{sorted(RuleAggregator.EQUIVARIANT)}. Use our controller (python -m jobs.build --server {name})."
+        )
+    if getattr(rule, "broadcast_keys", ()) or set(rule.required_meta) - {"train.num_samples"}:
+        raise AggregationError(f"rule '{name}' needs broadcast or extra meta, which NVFlare's FedAvg does not carry")
+    if name == "fedavg" and getattr(rule, "server_lr", 1.0) != 1.0:
+        raise AggregationError(
+            f"rule 'fedavg' with server_lr={rule.server_lr} needs the global model; as an NVFlare ModelAggregator "
+            "only server_lr = 1 is exact"
+        )

@@ -1,0 +1,75 @@
+"""Our rules as NVFlare ModelAggregators: the result equals the rule's own with the real global model, bad sites are
+left out by name, and rules that need the global model or broadcast meta are refused with the reason."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from nvflare.app_common.abstract.fl_model import FLModel
+
+from aggregators import AggregationError, ClientUpdate, RoundContext, build_rule, meta_keys
+from controllers.nvflare_aggregator import RuleAggregator
+
+RNG = np.random.default_rng(0)
+X = {"w": RNG.normal(size=(3, 4)).astype(np.float32), "b": RNG.normal(size=4).astype(np.float32)}
+SAMPLES = {"site-1": 10, "site-2": 20, "site-3": 30, "site-4": 40, "site-5": 50}
+Y = {site: {k: (v + RNG.normal(size=v.shape)).astype(np.float32) for k, v in X.items()} for site in SAMPLES}
+
+
+def result(site: str, params=None, **meta) -> FLModel:
+    base = {"client_name": site, meta_keys.NUM_SAMPLES: SAMPLES[site], meta_keys.PARAM_KEYS: ["w", "b"]}
+    return FLModel(params=params if params is not None else Y[site], meta={**base, **meta}, current_round=2)
+
+
+@pytest.mark.parametrize(
+    ("rule", "args"), [("fedavg", {}), ("median", {}), ("trimmed_mean", {"beta": 0.2}), ("krum", {"num_byzantine": 1})]
+)
+def test_result_equals_the_rule_applied_with_the_real_global_model(rule, args):
+    aggregator = RuleAggregator(rule, args)
+    for site in reversed(SAMPLES):  # arrival order does not matter
+        aggregator.accept_model(result(site))
+    ours = aggregator.aggregate_model().params
+    reference_rule = build_rule(rule, **args)
+    updates = [ClientUpdate(s, Y[s], n, {meta_keys.PARAM_KEYS: ["w", "b"]}) for s, n in SAMPLES.items()]
+    context = RoundContext(round_num=2, num_rounds=3, population=tuple(SAMPLES))
+    expected = reference_rule.aggregate(X, updates, reference_rule.init_state(X), context).params
+    for key in X:
+        np.testing.assert_allclose(ours[key], expected[key], atol=1e-6, rtol=0)
+
+
+def test_fedavg_is_the_sample_weighted_mean_in_closed_form():
+    aggregator = RuleAggregator("fedavg")
+    for site in SAMPLES:
+        aggregator.accept_model(result(site))
+    weights = np.array(list(SAMPLES.values()), dtype=np.float64) / sum(SAMPLES.values())
+    expected = sum(w * Y[s]["w"].astype(np.float64) for w, s in zip(weights, SAMPLES, strict=True))
+    np.testing.assert_allclose(aggregator.aggregate_model().params["w"], expected, atol=1e-6)
+
+
+def test_a_bad_site_is_left_out_by_name_and_the_round_goes_on():
+    aggregator = RuleAggregator("median")
+    aggregator.accept_model(result("site-1"))
+    bad = {k: v.copy() for k, v in Y["site-2"].items()}
+    bad["w"][0, 0] = np.nan
+    aggregator.accept_model(result("site-2", bad))
+    aggregator.accept_model(result("site-3"))
+    assert [r.site for r in aggregator.rejections] == ["site-2"]
+    assert aggregator.rejections[0].problems == ("parameter 'w' contains NaN or Inf",)
+    assert aggregator.aggregate_model().meta["nr_aggregated"] == 2
+    aggregator.reset_stats()
+    with pytest.raises(AggregationError, match="no valid result"):
+        aggregator.aggregate_model()
+
+
+@pytest.mark.parametrize(
+    ("rule", "args", "message"),
+    [
+        ("fedadam", {}, "cannot run as an NVFlare ModelAggregator"),
+        ("scaffold", {}, "cannot run as an NVFlare ModelAggregator"),
+        ("fedatt", {}, "cannot run as an NVFlare ModelAggregator"),
+        ("fedavg", {"server_lr": 0.5}, "only server_lr = 1 is exact"),
+    ],
+)
+def test_rules_that_need_the_global_model_or_broadcast_meta_are_refused(rule, args, message):
+    with pytest.raises(AggregationError, match=message):
+        RuleAggregator(rule, args)
