@@ -24,6 +24,7 @@ and shapes; a bad site is left out by name and the round goes on.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -32,6 +33,7 @@ from nvflare.app_common.aggregators.model_aggregator import ModelAggregator
 
 from aggregators import AggregationError, ClientUpdate, RoundContext, build_rule
 from controllers.adapters import Rejection, to_client_update
+from controllers.checkpoint import save_updates
 
 
 class RuleAggregator(ModelAggregator):
@@ -45,13 +47,18 @@ class RuleAggregator(ModelAggregator):
         "krum": "",
     }
 
-    def __init__(self, rule: str = "fedavg", rule_args: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self, rule: str = "fedavg", rule_args: Mapping[str, Any] | None = None, save_updates_dir: str = ""
+    ) -> None:
+        """``save_updates_dir``: also save every round's accepted site models and the result there (audits)."""
         super().__init__()
-        self.rule_name = rule
+        # NVFlare's job export reads the constructor's arguments back from attributes of the same names.
+        self.rule = rule
         self.rule_args = dict(rule_args or {})
-        self.rule = build_rule(rule, **self.rule_args)
-        _check_usable(self.rule, rule)
-        self.state = self.rule.init_state({})
+        self.save_updates_dir = save_updates_dir
+        self.aggregation_rule = build_rule(rule, **self.rule_args)
+        _check_usable(self.aggregation_rule, rule)
+        self.state = self.aggregation_rule.init_state({})
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -65,7 +72,7 @@ class RuleAggregator(ModelAggregator):
         if self.reference is None:
             self.reference = {key: np.zeros_like(value) for key, value in params.items()}
         self.round_num = model.current_round or self.round_num
-        checked = to_client_update(model, self.reference, self.rule.required_meta)
+        checked = to_client_update(model, self.reference, self.aggregation_rule.required_meta)
         if isinstance(checked, Rejection):
             self.rejections.append(checked)
             self.error(str(checked))
@@ -74,14 +81,16 @@ class RuleAggregator(ModelAggregator):
 
     def aggregate_model(self) -> FLModel:
         if not self.updates:
-            raise AggregationError(f"{self.rule_name}: no valid result this round ({len(self.rejections)} rejected)")
+            raise AggregationError(f"{self.rule}: no valid result this round ({len(self.rejections)} rejected)")
         updates = sorted(self.updates, key=lambda u: u.site)
         sites = tuple(u.site for u in updates)
         context = RoundContext(round_num=self.round_num, num_rounds=self.round_num + 1, population=sites)
         # Translation equivariance (module docstring): aggregating around x = 0 gives the rule's result for any x.
-        result = self.rule.aggregate(self.reference, updates, self.state, context)
+        result = self.aggregation_rule.aggregate(self.reference, updates, self.state, context)
         self.state = result.state
-        meta = {"nr_aggregated": len(updates), "aggregation_rule": self.rule_name}
+        if self.save_updates_dir:
+            save_updates(Path(self.save_updates_dir) / f"round_{self.round_num:05d}.npz", updates, result.params)
+        meta = {"nr_aggregated": len(updates), "aggregation_rule": self.rule}
         return FLModel(params_type=ParamsType.FULL, params=result.params, meta=meta)
 
 
