@@ -44,6 +44,10 @@ EXTRA_ALGORITHMS: dict[str, dict[str, Any]] = {
     "median": {"server": "median"},
     "trimmed_mean": {"server": "trimmed_mean", "server_args": {"beta": 0.1}},
     "krum": {"server": "krum", "server_args": {"num_byzantine": 1, "num_selected": 1}},
+    # SCAFFOLD's model average weighted by sample counts, as FedAvg's (the paper's rule is uniform).
+    "scaffold_samples": {"client": "scaffold", "server": "scaffold", "server_args": {"weighting": "samples"}},
+    # SCAFFOLD with the paper's Option I control (the full local gradient at the global model).
+    "scaffold_option1": {"client": "scaffold", "client_args": {"option": "I"}, "server": "scaffold"},
 }
 #: Settings copied from a preset: what defines the algorithm, not the data or the protocol.
 ALGORITHM_FIELDS = (
@@ -447,14 +451,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, help="number of seeds (0 .. n-1)")
     parser.add_argument("--rounds", type=int, help="override the protocol's rounds")
     parser.add_argument("--max-train-samples", type=int, help="override the training subset size")
+    parser.add_argument("--lr", type=float, help="override the local learning rate")
+    parser.add_argument("--epochs", type=int, help="override the local epochs per round")
+    parser.add_argument("--batch-size", type=int, help="override the local batch size")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="cells run at once (default: cores)")
     parser.add_argument("--report-only", action="store_true", help="only rewrite the report from finished cells")
     args = parser.parse_args(argv)
     grid = GRIDS[args.grid]()
-    protocol = replace(
-        grid.protocol,
-        **{k: v for k, v in (("rounds", args.rounds), ("max_train_samples", args.max_train_samples)) if v},
-    )
+    overrides = ("rounds", "max_train_samples", "lr", "epochs", "batch_size")
+    protocol = replace(grid.protocol, **{k: getattr(args, k) for k in overrides if getattr(args, k)})
     grid = replace(
         grid,
         algorithms=tuple(args.algorithms or grid.algorithms),
