@@ -35,6 +35,7 @@ from jobs.spec import (
     JobSpec,
     _check_arch_args,
     _check_composition,
+    advisories,
     client_script_args,
     companion_rules,
     job_attack_args,
@@ -98,6 +99,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         values = {f.name: getattr(args, f.name) for f in dataclasses.fields(JobSpec) if f.name != "name"}
         spec = spec_from_values(args.name or f"{args.client}_{args.server}", values)
         print(f"exported {export_job(spec, args.output_dir)}")
+        for note in advisories(spec):
+            print(f"note: {note}", file=sys.stderr)
     except (JobBuildError, ValueError) as exc:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2

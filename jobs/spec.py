@@ -86,6 +86,20 @@ def validate_spec(spec: JobSpec) -> None:
     job_attack_args(spec)  # unknown attack, no malicious site, bad share: refused at build time
 
 
+def advisories(spec: JobSpec) -> list[str]:
+    """Notes about a valid but risky job (printed by the builder, never refused): measured pitfalls."""
+    notes = []
+    strong_skew = (spec.scheme == "dirichlet" and spec.alpha <= 0.1) or (
+        spec.scheme == "shards" and spec.classes_per_site <= 2
+    )
+    if spec.client == "scaffold" and strong_skew and spec.lr > 0.02:
+        notes.append(
+            f"SCAFFOLD with lr {spec.lr:g} under strong label skew ({spec.scheme}) fell below FedAvg and diverged in "
+            "our measurements (benchmarks/results/scaffold_label_skew.md); consider FedAvg/FedProx or lr <= 0.02"
+        )
+    return notes
+
+
 def sampled_sites(spec: JobSpec) -> int:
     """Sites trained per round (the controller's own resolution of ``clients_per_round``)."""
     from controllers.sampling import clients_per_round_count

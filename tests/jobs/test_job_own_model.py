@@ -103,3 +103,10 @@ def test_the_data_module_is_told_its_site_and_the_number_of_sites():
         first = build_user_data(OWN["data"], {"alpha": 0.5}, "site-1", 3)
         second = build_user_data(OWN["data"], {"alpha": 0.5}, "site-2", 3)
     assert len(first.train) + len(first.val) != len(second.train) + len(second.val)
+
+
+def test_scaffold_under_strong_label_skew_gets_a_note_pointing_to_the_measurements(tmp_path, capsys):
+    code = main(["--client", "scaffold", "--server", "scaffold", "--alpha", "0.1", "--output-dir", str(tmp_path)])
+    assert code == 0 and "benchmarks/results/scaffold_label_skew.md" in capsys.readouterr().err
+    code = main(["--client", "scaffold", "--server", "scaffold", "--alpha", "0.5", "--output-dir", str(tmp_path)])
+    assert code == 0 and "note:" not in capsys.readouterr().err
