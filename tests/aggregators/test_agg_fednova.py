@@ -154,7 +154,8 @@ def test_missing_or_bad_fednova_meta_rejects_the_site(meta):
 
 
 def test_uniform_random_pattern_draws_seeded_epochs_in_two_to_max_per_site_and_round():
-    from jobs.client import build_parser, local_epochs
+    from jobs.client import build_parser
+    from lightning_modules.site import local_epochs
 
     args = build_parser().parse_args(["--pattern", "uniform_random", "--max-local-epochs", "4", "--seed", "3"])
     draws = [[local_epochs(args, site, r) for r in range(40)] for site in range(3)]

@@ -14,9 +14,10 @@ import torch
 
 from aggregators import meta_keys
 from jobs.build import JobBuildError, JobSpec, client_script_args
-from jobs.client import build_parser, make_trainer
+from jobs.client import build_parser
 from lightning_modules import FederatedRoundCallback, FLClassifier
 from lightning_modules.algorithms import ClientAlgorithmError, build_client_algorithm
+from lightning_modules.site import make_trainer
 from lightning_modules.state_store import ClientStateStore
 
 
