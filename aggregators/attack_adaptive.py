@@ -47,7 +47,7 @@ from aggregators.attention import (
 )
 from aggregators.capture import CapturedRound, capture_labels, new_run_dir, write_round
 from aggregators.robust import assemble, finite_updates, robust_keys
-from aggregators.types import AggregationError, AggregationResult, ClientUpdate, RoundContext
+from aggregators.types import AggregationError, AggregationResult, AggregationRule, ClientUpdate, RoundContext
 from aggregators.validation import check_int, check_number
 
 LOG = logging.getLogger("fedalg.attack_adaptive")
@@ -76,7 +76,7 @@ def layer_shapes(global_params: Mapping[str, np.ndarray]) -> dict[str, list[int]
 
 
 @dataclass(frozen=True)
-class AttackAdaptive:
+class AttackAdaptive(AggregationRule):
     """Attack-adaptive aggregation; defaults are the paper's aggregation settings (ALGORITHMS.md §11)."""
 
     attention_model_path: str | None = None
@@ -90,8 +90,6 @@ class AttackAdaptive:
     random_attention_seed: int = 0
 
     name: ClassVar[str] = "attack_adaptive"
-    required_meta: ClassVar[tuple[str, ...]] = ()
-    broadcast_keys: ClassVar[tuple[str, ...]] = ()
 
     _loaded: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -118,9 +116,6 @@ class AttackAdaptive:
         if self.dataset_capture_dir is None:
             return {}
         return {"capture_run_dir": str(new_run_dir(self.dataset_capture_dir))}
-
-    def broadcast_meta(self, state: Mapping[str, Any]) -> dict[str, Any]:
-        return {}
 
     def attention_net(self, global_params: Mapping[str, np.ndarray]) -> AttentionNet:
         """The frozen network, checked against this model's layers (or, if allowed, a seeded random one)."""

@@ -14,35 +14,29 @@ a rule class has ``name``, ``required_meta``, ``broadcast_keys`` and optionally 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from aggregators import meta_keys
 from aggregators.scaffold import ScaffoldControl
-from aggregators.types import AggregationError, AggregationResult, AggregationRule, ClientUpdate, RoundContext
+from aggregators.types import (
+    AggregationError,
+    AggregationResult,
+    AggregationRule,
+    ClientUpdate,
+    CompanionRule,
+    RoundContext,
+)
 
 
 class CompositionError(AggregationError):
     """A client algorithm and a server rule that cannot run together, with the reason."""
 
 
-class Companion(Protocol):
-    """Server-side state of a client algorithm, kept beside any model-update rule."""
-
-    name: str
-    required_meta: tuple[str, ...]
-    broadcast_keys: tuple[str, ...]
-
-    def init_state(self, global_params: Mapping[str, np.ndarray]) -> dict[str, Any]: ...
-
-    def broadcast_meta(self, state: Mapping[str, Any]) -> dict[str, Any]: ...
-
-    def update_state(
-        self, updates: Sequence[ClientUpdate], state: Mapping[str, Any], context: RoundContext
-    ) -> dict[str, Any]: ...
+Companion = CompanionRule  # server-side state of a client algorithm, kept beside any model-update rule
 
 
 COMPANIONS: dict[str, type] = {ScaffoldControl.name: ScaffoldControl}
@@ -79,7 +73,7 @@ def client_sent_meta(client_cls: type) -> set[str]:
 def plan_composition(client_cls: type, rule_cls: type) -> tuple[str, ...]:
     """Companion rule names the pair needs (often none); raises :class:`CompositionError` saying why it cannot run."""
     who = f"client algorithm '{client_cls.name}' with server rule '{rule_cls.name}'"
-    if getattr(rule_cls, "needs_linear_local_solver", False) and client_cls.local_update == "drift":
+    if rule_cls.needs_linear_local_solver and client_cls.local_update == "drift":
         raise CompositionError(
             f"{who}: FedNova normalises each update by ||a_i||_1, the weight of the local gradients in x - y_i; "
             f"'{client_cls.name}' adds a correction that is not a local gradient, so no such ||a_i||_1 exists and "
@@ -110,14 +104,14 @@ def plan_composition(client_cls: type, rule_cls: type) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
-class ComposedRule:
+class ComposedRule(AggregationRule):
     """A model-update rule plus companion state rules; state = ``{"rule": ..., "companions": {name: ...}}``."""
 
     rule: AggregationRule
     companions: tuple[Companion, ...]
 
     @property
-    def name(self) -> str:
+    def name(self) -> str:  # type: ignore[override]  (a composed rule is named after its parts)
         return "+".join([self.rule.name, *(c.name for c in self.companions)])
 
     @property
@@ -131,17 +125,22 @@ class ComposedRule:
         return tuple(dict.fromkeys(keys))
 
     @property
-    def select_sites(self) -> Callable[..., tuple[list[str], dict[str, Any]]] | None:
+    def mean_type(self) -> bool:  # type: ignore[override]
+        return self.rule.mean_type
+
+    @property
+    def needs_linear_local_solver(self) -> bool:  # type: ignore[override]
+        return self.rule.needs_linear_local_solver
+
+    def select_sites(
+        self, population: Sequence[str], count: int, state: Mapping[str, Any], seed: int, round_num: int
+    ) -> tuple[list[str], dict[str, Any]] | None:
         """The model rule's own site selection (FedMoS), on its part of the state; ``None`` when it has none."""
-        inner = getattr(self.rule, "select_sites", None)
-        if inner is None:
+        selection = self.rule.select_sites(population, count, state["rule"], seed, round_num)
+        if selection is None:
             return None
-
-        def select(population: Sequence[str], count: int, state: Mapping[str, Any], seed: int, round_num: int):
-            sites, rule_state = inner(population, count, state["rule"], seed, round_num)
-            return sites, {**state, "rule": rule_state}
-
-        return select
+        sites, rule_state = selection
+        return sites, {**state, "rule": rule_state}
 
     def init_state(self, global_params: Mapping[str, np.ndarray]) -> dict[str, Any]:
         return {
@@ -158,14 +157,9 @@ class ComposedRule:
     def update_problems(
         self, update: ClientUpdate, global_params: Mapping[str, np.ndarray], state: Mapping[str, Any]
     ) -> list[str]:
-        problems = []
-        rule_check = getattr(self.rule, "update_problems", None)
-        if rule_check is not None:
-            problems += rule_check(update, global_params, state["rule"])
+        problems = list(self.rule.update_problems(update, global_params, state["rule"]))
         for companion in self.companions:
-            check = getattr(companion, "update_problems", None)
-            if check is not None:
-                problems += check(update, global_params, state["companions"][companion.name])
+            problems += companion.update_problems(update, global_params, state["companions"][companion.name])
         return problems
 
     def aggregate(

@@ -30,7 +30,7 @@ import numpy as np
 
 from aggregators.deltas import average_buffers, delta_gram, split_keys, trainable_keys, weighted_sum
 from aggregators.functional import by_site, sample_weights
-from aggregators.types import AggregationResult, ClientUpdate, RoundContext
+from aggregators.types import AggregationResult, AggregationRule, ClientUpdate, RoundContext
 from aggregators.validation import check_number
 
 
@@ -80,23 +80,18 @@ def client_angles(
 
 
 @dataclass(frozen=True)
-class FedAdp:
+class FedAdp(AggregationRule):
     """FedAdp server rule. ``alpha`` is the Gompertz steepness (paper: 5; unrelated to FedDyn's alpha)."""
 
     alpha: float = 5.0
 
     name: ClassVar[str] = "fedadp"
-    required_meta: ClassVar[tuple[str, ...]] = ()
-    broadcast_keys: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         check_number(self.name, "alpha", self.alpha, low=0.0, low_open=True)
 
     def init_state(self, global_params: Mapping[str, np.ndarray]) -> dict[str, Any]:
         return {"angles": {}, "counts": {}}
-
-    def broadcast_meta(self, state: Mapping[str, Any]) -> dict[str, Any]:
-        return {}
 
     def aggregate(
         self,

@@ -25,7 +25,7 @@ import numpy as np
 
 from aggregators.deltas import average_buffers, delta_gram, split_keys, trainable_keys, weighted_sum
 from aggregators.functional import by_site
-from aggregators.types import AggregationError, AggregationResult, ClientUpdate, RoundContext
+from aggregators.types import AggregationError, AggregationResult, AggregationRule, ClientUpdate, RoundContext
 from aggregators.validation import check_number
 
 
@@ -41,7 +41,7 @@ def layer_distances(x: np.ndarray, layers: Sequence[np.ndarray]) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class FedAtt:
+class FedAtt(AggregationRule):
     """FedAtt server rule.
 
     Args:
@@ -56,8 +56,8 @@ class FedAtt:
     seed: int = 0
 
     name: ClassVar[str] = "fedatt"
-    required_meta: ClassVar[tuple[str, ...]] = ()
-    broadcast_keys: ClassVar[tuple[str, ...]] = ()
+    #: x + epsilon * sum_i alpha_i (y_i - x): a step of size epsilon towards the clients, plus noise.
+    mean_type: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         check_number(self.name, "epsilon", self.epsilon, low=0.0)
@@ -66,12 +66,6 @@ class FedAtt:
             raise AggregationError("fedatt: epsilon must be > 0 (0 never moves the model)")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise AggregationError(f"fedatt: seed must be a non-negative integer, got {self.seed!r}")
-
-    def init_state(self, global_params: Mapping[str, np.ndarray]) -> dict[str, Any]:
-        return {}
-
-    def broadcast_meta(self, state: Mapping[str, Any]) -> dict[str, Any]:
-        return {}
 
     def aggregate(
         self,

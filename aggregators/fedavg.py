@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 
 from aggregators.functional import by_site, is_float_array, sample_weights, weighted_average_params
-from aggregators.types import AggregationResult, ClientUpdate, RoundContext
+from aggregators.types import AggregationRule, ClientUpdate, Params, RoundContext
 from aggregators.validation import check_number
 
 
@@ -53,29 +53,17 @@ def _server_step(current: np.ndarray, averaged: np.ndarray, server_lr: float) ->
 
 
 @dataclass(frozen=True)
-class FedAvg:
+class FedAvg(AggregationRule):
     """FedAvg as an aggregation rule (stateless). ``server_lr`` is eta_g; 1.0 is the paper's FedAvg."""
 
     server_lr: float = 1.0
 
     name: ClassVar[str] = "fedavg"
-    required_meta: ClassVar[tuple[str, ...]] = ()
-    broadcast_keys: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         check_number(self.name, "server_lr", self.server_lr, low=0.0, low_open=True)
 
-    def init_state(self, global_params: Mapping[str, np.ndarray]) -> dict[str, Any]:
-        return {}
-
-    def broadcast_meta(self, state: Mapping[str, Any]) -> dict[str, Any]:
-        return {}
-
-    def aggregate(
-        self,
-        global_params: Mapping[str, np.ndarray],
-        updates: Sequence[ClientUpdate],
-        state: Mapping[str, Any],
-        context: RoundContext,
-    ) -> AggregationResult:
-        return AggregationResult(params=fedavg_params(global_params, updates, self.server_lr), state=dict(state))
+    def aggregate_params(
+        self, global_params: Mapping[str, np.ndarray], updates: Sequence[ClientUpdate], context: RoundContext
+    ) -> Params:
+        return fedavg_params(global_params, updates, self.server_lr)

@@ -46,7 +46,7 @@ import numpy as np
 
 from aggregators import meta_keys
 from aggregators.functional import by_site, is_float_array, weighted_average_params, weighted_mean
-from aggregators.types import AggregationError, AggregationResult, ClientUpdate, RoundContext
+from aggregators.types import AggregationError, AggregationResult, AggregationRule, ClientUpdate, RoundContext
 
 DEFAULT_ALPHA = 0.01
 HSum = dict[str, np.ndarray]
@@ -117,7 +117,7 @@ def feddyn_params(
 
 
 @dataclass(frozen=True)
-class FedDyn:
+class FedDyn(AggregationRule):
     """FedDyn server rule.
 
     Args:
@@ -129,6 +129,8 @@ class FedDyn:
     population_size: int | None = None
 
     name: ClassVar[str] = "feddyn"
+    #: x = mean(y) - h / alpha: the correction h moves it off the clients' common model.
+    mean_type: ClassVar[bool] = False
     required_meta: ClassVar[tuple[str, ...]] = (meta_keys.FEDDYN_ALPHA_K, meta_keys.FEDDYN_PARAM_KEYS)
     broadcast_keys: ClassVar[tuple[str, ...]] = (meta_keys.FEDDYN_ALPHA,)
 

@@ -46,7 +46,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from aggregators.functional import by_site, is_float_array, sample_weights, weighted_mean
-from aggregators.types import AggregationError, AggregationResult, ClientUpdate, RoundContext
+from aggregators.types import AggregationError, AggregationResult, AggregationRule, ClientUpdate, RoundContext
 from aggregators.validation import check_number
 
 SELECTIONS = ("uniform", "adaptive")
@@ -131,7 +131,7 @@ def momentum_step(
 
 
 @dataclass(frozen=True)
-class FedMoS:
+class FedMoS(AggregationRule):
     """FedMoS server rule.
 
     Args:
@@ -145,8 +145,8 @@ class FedMoS:
     site_num_samples: dict[str, int] | None = None
 
     name: ClassVar[str] = "fedmos"
-    required_meta: ClassVar[tuple[str, ...]] = ()
-    broadcast_keys: ClassVar[tuple[str, ...]] = ()
+    #: Server momentum carries earlier rounds into this one.
+    mean_type: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         check_number(self.name, "beta (server momentum)", self.beta, low=0.0, high=1.0, high_open=True)
@@ -158,9 +158,6 @@ class FedMoS:
 
     def init_state(self, global_params: Mapping[str, np.ndarray]) -> dict[str, Any]:
         return {"momentum": {}, "num_samples": dict(self.site_num_samples or {}), "selection": {}}
-
-    def broadcast_meta(self, state: Mapping[str, Any]) -> dict[str, Any]:
-        return {}
 
     def select_sites(
         self, population: Sequence[str], count: int, state: Mapping[str, Any], seed: int, round_num: int

@@ -36,7 +36,7 @@ import numpy as np
 from aggregators import meta_keys
 from aggregators.deltas import average_buffers, split_keys, trainable_keys, weighted_sum
 from aggregators.functional import by_site, sample_weights
-from aggregators.types import AggregationError, AggregationResult, ClientUpdate, RoundContext
+from aggregators.types import AggregationError, AggregationResult, AggregationRule, ClientUpdate, RoundContext
 from aggregators.validation import check_number
 
 TAU_EFF_CHOICES = ("a_norm", "steps")
@@ -78,7 +78,7 @@ def nova_problems(meta: Mapping[str, Any]) -> list[str]:
 
 
 @dataclass(frozen=True)
-class FedNova:
+class FedNova(AggregationRule):
     """FedNova server rule.
 
     Args:
@@ -92,7 +92,6 @@ class FedNova:
 
     name: ClassVar[str] = "fednova"
     required_meta: ClassVar[tuple[str, ...]] = (meta_keys.FEDNOVA_TAU, meta_keys.FEDNOVA_A_NORM)
-    broadcast_keys: ClassVar[tuple[str, ...]] = ()
     #: Client algorithms whose local update is not eta * G a (a drift that is not a local gradient) cannot compose.
     needs_linear_local_solver: ClassVar[bool] = True
 
@@ -103,9 +102,6 @@ class FedNova:
 
     def init_state(self, global_params: Mapping[str, np.ndarray]) -> dict[str, Any]:
         return {"momentum": {}}
-
-    def broadcast_meta(self, state: Mapping[str, Any]) -> dict[str, Any]:
-        return {}
 
     def update_problems(
         self, update: ClientUpdate, global_params: Mapping[str, np.ndarray], state: Mapping[str, Any]

@@ -37,7 +37,7 @@ import numpy as np
 
 from aggregators.deltas import average_buffers, split_keys, trainable_keys, weighted_sum
 from aggregators.functional import by_site, sample_weights
-from aggregators.types import AggregationError, AggregationResult, ClientUpdate, RoundContext
+from aggregators.types import AggregationError, AggregationResult, AggregationRule, ClientUpdate, RoundContext
 from aggregators.validation import check_number
 
 WEIGHTINGS = ("samples", "uniform")
@@ -74,7 +74,7 @@ def effective_lr(server_lr: float, beta1: float, beta2: float, step: int, bias_c
 
 
 @dataclass(frozen=True)
-class FedOpt:
+class FedOpt(AggregationRule):
     """Server optimizer rule; use the registered variants ``fedadam``, ``fedadagrad``, ``fedyogi``, ``fedavgm``.
 
     Args:
@@ -96,9 +96,9 @@ class FedOpt:
     weighting: str = "samples"
 
     name: ClassVar[str] = "fedopt"
+    #: A server optimizer steps from x along its moments, not to the clients' common model.
+    mean_type: ClassVar[bool] = False
     variant: ClassVar[str] = "adam"
-    required_meta: ClassVar[tuple[str, ...]] = ()
-    broadcast_keys: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         default_lr, default_beta1 = VARIANT_DEFAULTS[self.variant]
@@ -122,9 +122,6 @@ class FedOpt:
     def init_state(self, global_params: Mapping[str, np.ndarray]) -> dict[str, Any]:
         # Empty moments mean "not yet created": m = 0 and v = v0 on first use (the trainable keys are known then).
         return {"m": {}, "v": {}, "step": 0}
-
-    def broadcast_meta(self, state: Mapping[str, Any]) -> dict[str, Any]:
-        return {}
 
     def initial_v(self) -> float:
         return self.tau**2 if self.v0 is None else float(self.v0)

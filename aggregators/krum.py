@@ -22,8 +22,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from aggregators.robust import StatelessRule, assemble, finite_updates, robust_keys, stacked
-from aggregators.types import AggregationError, AggregationResult, ClientUpdate, RoundContext
+from aggregators.robust import assemble, finite_updates, robust_keys, stacked
+from aggregators.types import AggregationError, AggregationResult, AggregationRule, ClientUpdate, RoundContext
 from aggregators.validation import check_int
 
 
@@ -60,7 +60,7 @@ def krum_params(
 
 
 @dataclass(frozen=True)
-class Krum(StatelessRule):
+class Krum(AggregationRule):
     """Krum (``num_selected=1``) or Multi-Krum (``num_selected=m``); ``num_byzantine`` is the assumed f."""
 
     num_byzantine: int = 1

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 
-from aggregators.robust import StatelessRule, assemble, finite_updates, robust_keys, stacked
-from aggregators.types import AggregationResult, ClientUpdate, RoundContext
+from aggregators.robust import assemble, finite_updates, robust_keys, stacked
+from aggregators.types import AggregationRule, ClientUpdate, Params, RoundContext
 
 
 def median_params(global_params: Mapping[str, np.ndarray], updates: Sequence[ClientUpdate]) -> dict[str, np.ndarray]:
@@ -32,16 +32,12 @@ def median_params(global_params: Mapping[str, np.ndarray], updates: Sequence[Cli
 
 
 @dataclass(frozen=True)
-class Median(StatelessRule):
+class Median(AggregationRule):
     """Coordinate-wise median of the client updates (stateless, no hyperparameters)."""
 
     name: ClassVar[str] = "median"
 
-    def aggregate(
-        self,
-        global_params: Mapping[str, np.ndarray],
-        updates: Sequence[ClientUpdate],
-        state: Mapping[str, Any],
-        context: RoundContext,
-    ) -> AggregationResult:
-        return AggregationResult(params=median_params(global_params, updates), state=dict(state))
+    def aggregate_params(
+        self, global_params: Mapping[str, np.ndarray], updates: Sequence[ClientUpdate], context: RoundContext
+    ) -> Params:
+        return median_params(global_params, updates)

@@ -14,7 +14,6 @@ NUM_SAMPLES = "train.num_samples"  # training samples of the site: the FedAvg we
 NUM_STEPS = "train.num_steps"  # optimizer steps actually executed this round
 TRAIN_LOSS = "train.loss"  # mean training loss over the round's steps
 FIT_SECONDS = "train.fit_seconds"  # wall seconds of the site's trainer.fit (compute, vs. round wall time)
-EVAL_PREFIX = "eval."  # eval.<metric>: the received global model scored on the site's validation split
 TRAIN_ACCURACY = "train.accuracy"  # share of correct predictions over the round's training batches
 CLIENT_ALGORITHM = "client.algorithm"  # name of the client algorithm that produced the update
 PARAM_KEYS = "train.param_keys"  # names of the trainable parameters; every other entry is a buffer
@@ -62,6 +61,16 @@ MOON_HISTORY_MODELS = "moon.history_models"
 
 # NVFlare's own reserved keys: never sent by this bundle (a test pins it).
 NVFLARE_RESERVED = ("scaffold_c_global", "scaffold_c_diff", "fedprox_mu")
+
+
+def eval_key(metric: str) -> str:
+    """``eval.<metric>``: a site's score of the global model it received, on its own validation split."""
+    return f"eval.{metric}"
+
+
+def eval_metric(key: str) -> str | None:
+    """The metric name of an ``eval.<metric>`` key, else ``None``."""
+    return key[len("eval.") :] if key.startswith("eval.") and len(key) > len("eval.") else None
 
 
 def is_namespaced(key: str) -> bool:

@@ -11,7 +11,6 @@ rule 2).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
 
 import numpy as np
 
@@ -75,16 +74,3 @@ def assemble(
         like = np.asarray(global_params[key])
         result[key] = (like.astype(np.float64) + step).astype(like.dtype)
     return {key: result[key] for key in global_params}
-
-
-class StatelessRule:
-    """Protocol boilerplate of the stateless robust rules: no required meta, nothing broadcast, empty state."""
-
-    required_meta: ClassVar[tuple[str, ...]] = ()
-    broadcast_keys: ClassVar[tuple[str, ...]] = ()
-
-    def init_state(self, global_params: Mapping[str, np.ndarray]) -> dict[str, Any]:
-        return {}
-
-    def broadcast_meta(self, state: Mapping[str, Any]) -> dict[str, Any]:
-        return {}

@@ -26,7 +26,14 @@ import numpy as np
 from aggregators import meta_keys
 from aggregators.fedavg import weighted_model_step
 from aggregators.functional import by_site, sample_weights
-from aggregators.types import AggregationError, AggregationResult, ClientUpdate, RoundContext
+from aggregators.types import (
+    AggregationError,
+    AggregationResult,
+    AggregationRule,
+    ClientUpdate,
+    CompanionRule,
+    RoundContext,
+)
 
 Controls = dict[str, np.ndarray]
 WEIGHTINGS = ("uniform", "samples")
@@ -83,7 +90,7 @@ def update_global_control(
 
 
 @dataclass(frozen=True)
-class ScaffoldControl:
+class ScaffoldControl(CompanionRule):
     """SCAFFOLD's server control c alone, as a companion of another model-update rule (aggregators/compose.py).
 
     Keeps c <- c + (1/N) * sum_{i in S} delta_c_i and broadcasts it; the model step is left to the rule it is composed
@@ -122,7 +129,7 @@ class ScaffoldControl:
 
 
 @dataclass(frozen=True)
-class Scaffold:
+class Scaffold(AggregationRule):
     """SCAFFOLD server rule.
 
     Args:

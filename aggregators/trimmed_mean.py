@@ -16,12 +16,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 
-from aggregators.robust import StatelessRule, assemble, finite_updates, robust_keys, stacked
-from aggregators.types import AggregationError, AggregationResult, ClientUpdate, RoundContext
+from aggregators.robust import assemble, finite_updates, robust_keys, stacked
+from aggregators.types import AggregationError, AggregationRule, ClientUpdate, Params, RoundContext
 from aggregators.validation import check_number
 
 
@@ -46,7 +46,7 @@ def trimmed_mean_params(
 
 
 @dataclass(frozen=True)
-class TrimmedMean(StatelessRule):
+class TrimmedMean(AggregationRule):
     """Coordinate-wise trimmed mean; ``beta`` is the fraction trimmed on each side (default 0.1)."""
 
     beta: float = 0.1
@@ -56,11 +56,7 @@ class TrimmedMean(StatelessRule):
     def __post_init__(self) -> None:
         check_number(self.name, "beta", self.beta, low=0.0, high=0.5, high_open=True)
 
-    def aggregate(
-        self,
-        global_params: Mapping[str, np.ndarray],
-        updates: Sequence[ClientUpdate],
-        state: Mapping[str, Any],
-        context: RoundContext,
-    ) -> AggregationResult:
-        return AggregationResult(params=trimmed_mean_params(global_params, updates, self.beta), state=dict(state))
+    def aggregate_params(
+        self, global_params: Mapping[str, np.ndarray], updates: Sequence[ClientUpdate], context: RoundContext
+    ) -> Params:
+        return trimmed_mean_params(global_params, updates, self.beta)

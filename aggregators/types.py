@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -52,21 +52,43 @@ class AggregationResult:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-@runtime_checkable
-class AggregationRule(Protocol):
-    """The interface the controller drives. State is returned, never mutated, so it can be checkpointed.
+class AggregationRule:
+    """The base of every aggregation rule: what the round engine (``controllers/engine.py``) calls, with defaults.
 
-    A rule may also define ``update_problems(update, global_params, state) -> list[str]``: its own checks of a
-    client's update (e.g. a control variate's keys and shapes); a non-empty list rejects that site's result.
+    A rule declares ``name``, the meta every client result must carry (``required_meta``) and the meta keys it
+    broadcasts (``broadcast_keys``), and overrides only the hooks it needs:
+
+    - :meth:`aggregate` (stateful rules) or :meth:`aggregate_params` (stateless ones: the state passes through);
+    - :meth:`init_state` / :meth:`broadcast_meta`: its server state and what the clients receive from it;
+    - :meth:`update_problems`: its own checks of a client's update (a non-empty list rejects that site);
+    - :meth:`select_sites`: its own choice of the round's sites (``None``: the engine's seeded sampling).
+
+    State is returned, never mutated, so it can be checkpointed.
     """
 
-    name: str
-    required_meta: tuple[str, ...]  # meta every client result must carry
-    broadcast_keys: tuple[str, ...]  # meta keys broadcast_meta() sends besides the round bookkeeping
+    name: ClassVar[str] = ""
+    required_meta: ClassVar[tuple[str, ...]] = ()
+    broadcast_keys: ClassVar[tuple[str, ...]] = ()
+    #: FedNova's normaliser needs clients whose local update is linear in their gradients (aggregators/compose.py).
+    needs_linear_local_solver: ClassVar[bool] = False
+    #: Identical client models give exactly that model (a weighted-mean-type rule); the contract tests check it.
+    mean_type: ClassVar[bool] = True
 
-    def init_state(self, global_params: Mapping[str, np.ndarray]) -> dict[str, Any]: ...
+    def init_state(self, global_params: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        return {}
 
-    def broadcast_meta(self, state: Mapping[str, Any]) -> dict[str, Any]: ...
+    def broadcast_meta(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        return {}
+
+    def update_problems(
+        self, update: ClientUpdate, global_params: Mapping[str, np.ndarray], state: Mapping[str, Any]
+    ) -> list[str]:
+        return []
+
+    def select_sites(
+        self, population: Sequence[str], count: int, state: Mapping[str, Any], seed: int, round_num: int
+    ) -> tuple[list[str], dict[str, Any]] | None:
+        return None
 
     def aggregate(
         self,
@@ -74,4 +96,35 @@ class AggregationRule(Protocol):
         updates: Sequence[ClientUpdate],
         state: Mapping[str, Any],
         context: RoundContext,
-    ) -> AggregationResult: ...
+    ) -> AggregationResult:
+        return AggregationResult(params=self.aggregate_params(global_params, updates, context), state=dict(state))
+
+    def aggregate_params(
+        self, global_params: Mapping[str, np.ndarray], updates: Sequence[ClientUpdate], context: RoundContext
+    ) -> Params:
+        """The next global model of a stateless rule (stateful rules override :meth:`aggregate` instead)."""
+        raise NotImplementedError(f"rule '{self.name}' implements neither aggregate nor aggregate_params")
+
+
+class CompanionRule:
+    """Server-side state of a client algorithm kept beside any model-update rule (``aggregators/compose.py``)."""
+
+    name: ClassVar[str] = ""
+    required_meta: ClassVar[tuple[str, ...]] = ()
+    broadcast_keys: ClassVar[tuple[str, ...]] = ()
+
+    def init_state(self, global_params: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        return {}
+
+    def broadcast_meta(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        return {}
+
+    def update_problems(
+        self, update: ClientUpdate, global_params: Mapping[str, np.ndarray], state: Mapping[str, Any]
+    ) -> list[str]:
+        return []
+
+    def update_state(
+        self, updates: Sequence[ClientUpdate], state: Mapping[str, Any], context: RoundContext
+    ) -> dict[str, Any]:
+        raise NotImplementedError(f"companion '{self.name}' implements no update_state")

@@ -305,13 +305,10 @@ class RoundEngine:
 
         A second result from a site already seen is rejected: a site counts once per round.
         """
-        check = _rule_hook(self.rule, "update_problems")
 
         def rule_check(update: ClientUpdate) -> list[str]:
-            if check is None:
-                return []
             try:
-                return list(check(update, params, state))
+                return list(self.rule.update_problems(update, params, state))
             except Exception as exc:  # a rule's check that crashes rejects the site, never the job
                 return [f"rule '{self.rule.name}' raised while checking the update: {type(exc).__name__}: {exc}"]
 
@@ -331,10 +328,12 @@ class RoundEngine:
         self, population: tuple[str, ...], state: dict[str, Any], round_num: int
     ) -> tuple[list[str], dict[str, Any]]:
         count = clients_per_round_count(self.clients_per_round, len(population))
-        select = _rule_hook(self.rule, "select_sites")
-        if select is None:
+        selection = self._call(
+            "select_sites", lambda: self.rule.select_sites(population, count, state, self.seed, round_num)
+        )
+        if selection is None:  # the rule leaves the choice to the engine's seeded sampling
             return sample_sites(population, count, self.seed, round_num), state
-        sites, state = self._call("select_sites", lambda: select(population, count, state, self.seed, round_num))
+        sites, state = selection
         unknown = sorted(set(sites) - set(population))
         if not sites or unknown:
             raise RuleFailure(f"rule '{self.rule.name}' selected {list(sites)}: empty or not in the population")
@@ -356,11 +355,6 @@ class RoundEngine:
             return fn()
         except Exception as exc:  # no rule error may end the job (module docstring)
             raise RuleFailure(f"rule '{self.rule.name}' failed in {what}: {type(exc).__name__}: {exc}") from exc
-
-
-def _rule_hook(rule: Any, name: str) -> Callable[..., Any] | None:
-    """An optional rule hook, or ``None`` when the rule does not define one."""
-    return getattr(rule, name, None)
 
 
 def scalar_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -397,8 +391,8 @@ def site_eval_summary(updates: Sequence[ClientUpdate]) -> dict[str, dict[str, An
     by_metric: dict[str, dict[str, tuple[float, int]]] = {}
     for update in updates:
         for key, value in update.meta.items():
-            if key.startswith(meta_keys.EVAL_PREFIX) and isinstance(value, int | float) and np.isfinite(value):
-                name = key[len(meta_keys.EVAL_PREFIX) :]
+            name = meta_keys.eval_metric(key)
+            if name is not None and isinstance(value, int | float) and np.isfinite(value):
                 by_metric.setdefault(name, {})[update.site] = (float(value), update.num_samples)
     summary = {}
     for name, values in sorted(by_metric.items()):

@@ -48,10 +48,10 @@ def select_round_sites(
     A rule that selects (FedMoS: by data share) returns ``(sites, state)``; the state carries the aggregation
     weights its selection implies to the rule's ``aggregate`` (and into the server checkpoint).
     """
-    select = getattr(rule, "select_sites", None)
-    if select is None:
+    selection = rule.select_sites(population, count, state, seed, round_num)
+    if selection is None:
         return sample_sites(population, count, seed, round_num), state
-    sites, state = select(population, count, state, seed, round_num)
+    sites, state = selection
     unknown = sorted(set(sites) - set(population))
     if not sites or unknown:
         raise ValueError(f"rule '{getattr(rule, 'name', rule)}' selected {sites}: empty or not in the population")

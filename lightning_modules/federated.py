@@ -193,7 +193,7 @@ class FederatedAlgorithm(pl.Callback):
         # Only an explicit trainer.validate before fit scores the received global model (not in-fit validation).
         if trainer.state.fn == TrainerFn.VALIDATING and not self._round_started:
             self._site_eval = {
-                meta_keys.EVAL_PREFIX + name: float(value)
+                meta_keys.eval_key(name): float(value)
                 for name, value in trainer.callback_metrics.items()
                 if isinstance(value, torch.Tensor) and value.numel() == 1
             }

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aggregators import AggregationResult, build_rule, meta_keys
+from aggregators import AggregationResult, AggregationRule, build_rule, meta_keys
 from controllers.engine import (
     Host,
     InProcessTransport,
@@ -67,11 +67,8 @@ def run_one_round(rule, sites=None, **engine_args):
     return outcome, host, state
 
 
-class FakeRule:
-    """A rule whose aggregate is given by ``fn``; optional hooks set per test."""
-
-    required_meta: tuple[str, ...] = ()
-    broadcast_keys: tuple[str, ...] = ()
+class FakeRule(AggregationRule):
+    """A rule whose aggregate is given by ``fn``; hooks replaced per test."""
 
     def __init__(self, fn, name: str = "fake") -> None:
         self.fn = fn
@@ -79,9 +76,6 @@ class FakeRule:
 
     def init_state(self, global_params):
         return {"n": 0}
-
-    def broadcast_meta(self, state):
-        return {}
 
     def aggregate(self, global_params, updates, state, context):
         return self.fn(global_params, updates, state)
