@@ -52,7 +52,26 @@ class AggregationResult:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-class AggregationRule:
+class ServerState:
+    """What rules and companions share: a name, the meta they require and broadcast, their state and checks."""
+
+    name: ClassVar[str] = ""
+    required_meta: ClassVar[tuple[str, ...]] = ()
+    broadcast_keys: ClassVar[tuple[str, ...]] = ()
+
+    def init_state(self, global_params: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        return {}
+
+    def broadcast_meta(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        return {}
+
+    def update_problems(
+        self, update: ClientUpdate, global_params: Mapping[str, np.ndarray], state: Mapping[str, Any]
+    ) -> list[str]:
+        return []
+
+
+class AggregationRule(ServerState):
     """The base of every aggregation rule: what the round engine (``controllers/engine.py``) calls, with defaults.
 
     A rule declares ``name``, the meta every client result must carry (``required_meta``) and the meta keys it
@@ -66,24 +85,10 @@ class AggregationRule:
     State is returned, never mutated, so it can be checkpointed.
     """
 
-    name: ClassVar[str] = ""
-    required_meta: ClassVar[tuple[str, ...]] = ()
-    broadcast_keys: ClassVar[tuple[str, ...]] = ()
     #: FedNova's normaliser needs clients whose local update is linear in their gradients (aggregators/compose.py).
     needs_linear_local_solver: ClassVar[bool] = False
     #: Identical client models give exactly that model (a weighted-mean-type rule); the contract tests check it.
     mean_type: ClassVar[bool] = True
-
-    def init_state(self, global_params: Mapping[str, np.ndarray]) -> dict[str, Any]:
-        return {}
-
-    def broadcast_meta(self, state: Mapping[str, Any]) -> dict[str, Any]:
-        return {}
-
-    def update_problems(
-        self, update: ClientUpdate, global_params: Mapping[str, np.ndarray], state: Mapping[str, Any]
-    ) -> list[str]:
-        return []
 
     def select_sites(
         self, population: Sequence[str], count: int, state: Mapping[str, Any], seed: int, round_num: int
@@ -106,23 +111,8 @@ class AggregationRule:
         raise NotImplementedError(f"rule '{self.name}' implements neither aggregate nor aggregate_params")
 
 
-class CompanionRule:
+class CompanionRule(ServerState):
     """Server-side state of a client algorithm kept beside any model-update rule (``aggregators/compose.py``)."""
-
-    name: ClassVar[str] = ""
-    required_meta: ClassVar[tuple[str, ...]] = ()
-    broadcast_keys: ClassVar[tuple[str, ...]] = ()
-
-    def init_state(self, global_params: Mapping[str, np.ndarray]) -> dict[str, Any]:
-        return {}
-
-    def broadcast_meta(self, state: Mapping[str, Any]) -> dict[str, Any]:
-        return {}
-
-    def update_problems(
-        self, update: ClientUpdate, global_params: Mapping[str, np.ndarray], state: Mapping[str, Any]
-    ) -> list[str]:
-        return []
 
     def update_state(
         self, updates: Sequence[ClientUpdate], state: Mapping[str, Any], context: RoundContext
