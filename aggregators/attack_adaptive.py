@@ -1,7 +1,7 @@
 """Attack-adaptive aggregation (AAA): a pretrained attention network weights the client deltas.
 
 Reference: Wan & Chen, "Robust Federated Learning with Attack-Adaptive Aggregation", FTL-IJCAI'21, arXiv:2102.05257
-(ALGORITHMS.md §11). Per round, with the attention core of :mod:`aggregators.attention`:
+(docs/robustness.md, attack-adaptive aggregation). Per round, with the attention core of :mod:`aggregators.attention`:
 
 1. Delta_j = y_j - x over the robust entries (float, not BatchNorm statistics); clients with NaN/Inf deltas are
    dropped first;
@@ -77,7 +77,8 @@ def layer_shapes(global_params: Mapping[str, np.ndarray]) -> dict[str, list[int]
 
 @dataclass(frozen=True)
 class AttackAdaptive(AggregationRule):
-    """Attack-adaptive aggregation; defaults are the paper's aggregation settings (ALGORITHMS.md §11)."""
+    """Attack-adaptive aggregation; defaults are the paper's aggregation settings (docs/robustness.md, attack-adaptive
+    aggregation)."""
 
     attention_model_path: str | None = None
     allow_random_attention: bool = False

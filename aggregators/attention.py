@@ -1,7 +1,7 @@
 """The attention core of attack-adaptive aggregation: per-layer "PCA" projections and the shared attention network.
 
 Reference: Wan & Chen, "Robust Federated Learning with Attack-Adaptive Aggregation", FTL-IJCAI'21,
-arXiv:2102.05257 (ALGORITHMS.md §11, steps 1-6).
+arXiv:2102.05257 (docs/robustness.md, attack-adaptive aggregation, steps 1-6).
 
 Projections (numpy, float64, CPU, deterministic):
 

@@ -3,7 +3,8 @@
 Two jobs:
 
 - which entries are trainable. Corrections, moments, attention and angles apply to trainable parameters only;
-  buffers (BatchNorm running statistics, ``num_batches_tracked``) are averaged (ALGORITHMS.md §1, rule 2). Clients
+  buffers (BatchNorm running statistics, ``num_batches_tracked``) are averaged (docs/algorithms.md, rules every
+  algorithm follows, rule 2). Clients
   name their trainable parameters under ``train.param_keys``; without that meta every float entry counts as
   trainable (hand-made updates in tests, foreign clients) and integer entries are always buffers.
 - streaming sums. Sums run key by key and client by client through one scratch buffer, in the parameter's own

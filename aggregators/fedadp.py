@@ -1,7 +1,7 @@
 """FedAdp: adaptive weighting by the angle between each client's update and the global update.
 
 Reference: Wu, Wang, "Fast-Convergent Federated Learning with Adaptive Weighting", IEEE TCCN 2021,
-arXiv:2012.00661 (ALGORITHMS.md §9). Per round, over the flattened trainable deltas Delta_i = y_i - x:
+arXiv:2012.00661 (docs/server_rules.md, FedAdp). Per round, over the flattened trainable deltas Delta_i = y_i - x:
 
     Delta        = sum_i (D_i / sum_j D_j) Delta_i                (D_i: the client's sample count)
     theta_i      = arccos(<Delta, Delta_i> / (||Delta|| ||Delta_i||))   (0 when a norm is 0; cosine clipped to [-1, 1])

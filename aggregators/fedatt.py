@@ -1,7 +1,7 @@
 """FedAtt: layer-wise attentive aggregation.
 
 Reference: Ji, Pan, Long, Li, Jiang, Huang, "Learning Private Neural Language Modeling with Attentive Aggregation",
-IJCNN 2019, arXiv:1812.07108 (ALGORITHMS.md §8). Per trainable layer l and client k:
+IJCNN 2019, arXiv:1812.07108 (docs/server_rules.md, FedAtt). Per trainable layer l and client k:
 
     s_k^l   = ||x^l - y_k^l||_F                      (Frobenius / flattened L2; the authors' scipy call gives the
                                                        spectral norm for matrices, which the paper does not intend)

@@ -6,7 +6,7 @@ AISTATS 2017, arXiv:1602.05629 (Algorithm 1, the server step).
     x_{t+1} = sum_{i in S} p_i * y_i,        p_i = n_i / sum_{j in S} n_j
 
 With a server learning rate eta_g != 1 the step is x + eta_g * sum_i p_i (y_i - x) (eta_g = 1 is vanilla
-FedAvg). Weights are the clients' training-sample counts (DESIGN.md, decision 6), not NVFlare's default
+FedAvg). Weights are the clients' training-sample counts (docs/design.md, decision 6), not NVFlare's default
 step counts. Buffers are averaged with the same weights; integer buffers (``num_batches_tracked``) are averaged
 in float and rounded back, and are never moved by the server learning rate.
 """

@@ -1,7 +1,7 @@
 """FedDyn, server side: the participants' mean plus the population mean of the clients' dynamic-regulariser state.
 
 Reference: Acar, Zhao, Matas, Mattina, Whatmough, Saligrama, "Federated Learning Based on Dynamic Regularization",
-ICLR 2021, arXiv:2111.04263, Algorithm 1 (server lines; ALGORITHMS.md §5). The paper keeps h and updates
+ICLR 2021, arXiv:2111.04263, Algorithm 1 (server lines; docs/algorithms.md, FedDyn). The paper keeps h and updates
 
     h^t     = h^{t-1} - alpha * (1/m) * sum_{k in P_t} (theta_k^t - theta^{t-1})
     theta^t = (1/|P_t|) * sum_{k in P_t} theta_k^t - (1/alpha) * h^t

@@ -1,7 +1,8 @@
 """FedMoS, server side: server momentum and client selection by data share.
 
 Reference: Wang, Xu, Hu, Xu, Shen, Xu, "FedMoS: Taming Client Drift in Federated Learning with Double Momentum and
-Adaptive Selection", IEEE INFOCOM 2023; the server follows the authors' released ``main_fed.py`` (ALGORITHMS.md §6;
+Adaptive Selection", IEEE INFOCOM 2023; the server follows the authors' released ``main_fed.py`` (docs/fedmos_moon.md,
+FedMoS;
 the paper text was not available). The client side (STORM momentum + proximal pull) is
 :mod:`lightning_modules.algorithms.fedmos`.
 

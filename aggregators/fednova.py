@@ -1,7 +1,8 @@
 """FedNova: normalized averaging of heterogeneous local updates.
 
 Reference: Wang, Liu, Liang, Joshi, Poor, "Tackling the Objective Inconsistency Problem in Heterogeneous Federated
-Optimization", NeurIPS 2020, arXiv:2007.07481 (ALGORITHMS.md §10). A client whose local solver is linear in its
+Optimization", NeurIPS 2020, arXiv:2007.07481 (docs/server_rules.md, FedNova). A client whose local solver is linear in
+its
 stochastic gradients moves by x - y_i = eta * G_i a_i; it reports tau_i (optimizer steps) and ||a_i||_1. The server:
 
     p_i     = n_i / sum_{j in S} n_j                      (data shares, renormalised over the participants)

@@ -1,7 +1,7 @@
 """FedOpt: server optimizers on the pseudo-gradient — FedAdam, FedAdagrad, FedYogi, and FedAvgM.
 
 Reference: Reddi, Charles, Zaheer, Garrett, Rush, Konečný, Kumar, McMahan, "Adaptive Federated Optimization",
-ICLR 2021, arXiv:2003.00295, Algorithm 2 (ALGORITHMS.md §12). Per round, with Delta_i = y_i - x:
+ICLR 2021, arXiv:2003.00295, Algorithm 2 (docs/server_rules.md, FedOpt). Per round, with Delta_i = y_i - x:
 
     Delta_t = sum_i p_i Delta_i                                   (p_i: sample weights, or 1/|S| with "uniform")
     m_t     = beta1 * m_{t-1} + (1 - beta1) * Delta_t
@@ -84,7 +84,7 @@ class FedOpt(AggregationRule):
         tau: adaptivity, added to sqrt(v_t) (Adam, Yogi, Adagrad).
         bias_correction: Kingma-Ba bias correction of eta (off in Algorithm 2).
         v0: initial second moment (``None``: tau^2).
-        weighting: ``samples`` (p_i = n_i / n, DESIGN.md decision 6) or ``uniform`` (1/|S|, Algorithm 2's mean).
+        weighting: ``samples`` (p_i = n_i / n, docs/design.md decision 6) or ``uniform`` (1/|S|, Algorithm 2's mean).
     """
 
     server_lr: float | None = None

@@ -27,7 +27,8 @@ def is_float_array(value: np.ndarray) -> bool:
 def weighted_mean(arrays: Sequence[np.ndarray], weights: np.ndarray, like: np.ndarray) -> np.ndarray:
     """sum_i w_i * a_i accumulated in float64, returned with the dtype and shape of ``like``.
 
-    Integer arrays are averaged in float and rounded back to their integer dtype (ALGORITHMS.md §1, rule 2):
+    Integer arrays are averaged in float and rounded back to their integer dtype (docs/algorithms.md, rules every
+    algorithm follows, rule 2):
     adding or averaging ``int64`` counters directly would either overflow the meaning or truncate.
     """
     total = np.zeros(np.shape(like), dtype=np.float64)

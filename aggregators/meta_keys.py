@@ -2,7 +2,7 @@
 
 Keys are dotted and namespaced (``<namespace>.<name>``). NVFlare 2.9 switches on its own Lightning
 SCAFFOLD/FedProx handlers when it sees ``scaffold_c_global`` or ``fedprox_mu`` in the received meta,
-so this bundle never sends those names: a correction must never be applied twice (DESIGN.md, decision 3).
+so this bundle never sends those names: a correction must never be applied twice (docs/design.md, decision 3).
 
 This module is pure Python so that both sides (the Lightning client and the NVFlare server) can import it.
 """
@@ -10,7 +10,7 @@ This module is pure Python so that both sides (the Lightning client and the NVFl
 from __future__ import annotations
 
 # Client -> server: what every client reports after local training.
-NUM_SAMPLES = "train.num_samples"  # training samples of the site: the FedAvg weight (DESIGN.md, decision 6)
+NUM_SAMPLES = "train.num_samples"  # training samples of the site: the FedAvg weight (docs/design.md, decision 6)
 NUM_STEPS = "train.num_steps"  # optimizer steps actually executed this round
 TRAIN_LOSS = "train.loss"  # mean training loss over the round's steps
 FIT_SECONDS = "train.fit_seconds"  # wall seconds of the site's trainer.fit (compute, vs. round wall time)
@@ -43,7 +43,7 @@ ATTACK_APPLIED = "attack.applied"
 ATTACK_NAME = "attack.name"
 
 # FedNova (Wang et al. 2020), client -> server: optimizer steps tau_i and the L1 norm of the local solver's
-# gradient-weight vector a_i, in units of the round's first learning rate (ALGORITHMS.md §10).
+# gradient-weight vector a_i, in units of the round's first learning rate (docs/server_rules.md, FedNova).
 FEDNOVA_TAU = "fednova.tau"
 FEDNOVA_A_NORM = "fednova.a_norm"
 

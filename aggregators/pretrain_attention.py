@@ -2,7 +2,8 @@
 
     python -m aggregators.pretrain_attention --dataset-dir CAPTURE_DIR --save-path attention.pt
 
-Reference: Wan & Chen, FTL-IJCAI'21, arXiv:2102.05257 (ALGORITHMS.md §11, "Pretraining"). Every captured round is
+Reference: Wan & Chen, FTL-IJCAI'21, arXiv:2102.05257 (docs/robustness.md, attack-adaptive aggregation, "Pretraining").
+Every captured round is
 one sample: the clients' projections P (n, C) and the benign/malicious labels. The network runs exactly the
 aggregation-time attention (aggregators/attention.py: median query, loops, scale, hard threshold, L1
 renormalisation) and is trained with Adam to minimise the L1 distance between the final query sum_j w_j P_j and the

@@ -20,11 +20,11 @@ from aggregators.types import AggregationError, AggregationRule
 
 RULES: dict[str, type] = {FedAvg.name: FedAvg, Scaffold.name: Scaffold}
 RULES[FedDyn.name] = FedDyn
-# FedMoS (issue 4): server momentum and client selection by data share.
+# FedMoS: server momentum and client selection by data share.
 RULES[FedMoS.name] = FedMoS
-# Server optimizers and re-weighting rules (issue 5): FedAdam, FedYogi, FedAdagrad, FedAvgM, FedNova, FedAtt, FedAdp.
+# Server optimizers and re-weighting rules: FedAdam, FedYogi, FedAdagrad, FedAvgM, FedNova, FedAtt, FedAdp.
 RULES.update({rule.name: rule for rule in (*FEDOPT_RULES, FedNova, FedAtt, FedAdp)})
-# Byzantine-robust rules (issue 6).
+# Byzantine-robust rules.
 RULES.update({rule.name: rule for rule in (Median, TrimmedMean, Krum, AttackAdaptive)})
 
 

@@ -4,7 +4,8 @@ Which entries a robust statistic applies to: every floating-point entry of the m
 statistics (names ending in ``running_mean`` / ``running_var``). The rules see plain numpy dicts and cannot ask the
 model which tensors are trainable, so the split is by name; for the bundle's models (LeNet-5, the simple CNN, the
 MLP) every float entry is a trainable parameter. The rest — BatchNorm statistics and integer buffers such as
-``num_batches_tracked`` — is averaged with sample weights as in FedAvg, integers rounded back (ALGORITHMS.md §1,
+``num_batches_tracked`` — is averaged with sample weights as in FedAvg, integers rounded back (docs/algorithms.md,
+rules every algorithm follows,
 rule 2).
 """
 

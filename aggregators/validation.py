@@ -1,4 +1,4 @@
-"""Checks a client result must pass before any rule sees it (DESIGN.md, decision 8).
+"""Checks a client result must pass before any rule sees it (docs/design.md, decision 8).
 
 Each check returns human-readable problems naming the key; the controller rejects the site with them and
 carries on with the others. The global model never absorbs an update that failed here.

@@ -1,6 +1,6 @@
 """FLModel <-> ClientUpdate: the only place server-side code touches NVFlare's result type.
 
-Every result is validated before a rule sees it (DESIGN.md, decision 8): a site whose result has wrong keys,
+Every result is validated before a rule sees it (docs/design.md, decision 8): a site whose result has wrong keys,
 wrong shapes, NaN/Inf, a bad sample count or missing required meta is rejected *by name*, and the round goes on
 with the others.
 """

@@ -1,6 +1,6 @@
 """Server-side files: the rule's state checkpoint, the resume point it makes, and the per-round metrics log.
 
-The rule state is written next to the global model after every round (DESIGN.md, decision 5), atomically, with
+The rule state is written next to the global model after every round (docs/design.md, decision 5), atomically, with
 ``torch.save`` of plain tensors so it loads with ``weights_only=True``. It records the round, the run id and the
 SHA-256 of the global model it belongs to, so :func:`load_resume_point` can restart a stopped job from a previous
 run's server app folder (``server_state.pt`` + the persistor's ``FL_global_model.pt``) and refuse a model and a

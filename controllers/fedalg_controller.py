@@ -141,7 +141,7 @@ class FedAlgController(ModelController):
         self.info(f"rule={self.rule} {self.rule_args or {}}; population={list(population)}; rounds={self.num_rounds}")
         first_round, stage = 0, "initial"
         if self.resume_from:
-            # DESIGN.md decision 5: continue a stopped job as if it had never stopped.
+            # docs/design.md decision 5: continue a stopped job as if it had never stopped.
             resume = load_resume_point(Path(self.resume_from), self._rule.name)
             first_round, stage = resume.next_round, "resumed"
             global_params, state, self._run_id = resume.global_params, resume.state, resume.run_id or self._run_id

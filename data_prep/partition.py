@@ -2,7 +2,7 @@
 
 Every scheme returns one sorted int64 index array per site. The result is a pure function of
 ``(labels, num_sites, scheme, seed, parameters)``: each site can recompute the whole partition on its own and take its
-part, with no coordination (DESIGN.md decision 9). No sample is given to two sites and no site is left empty.
+part, with no coordination (docs/design.md decision 9). No sample is given to two sites and no site is left empty.
 
 Schemes (the settings of NIID-Bench, Li et al., "Federated Learning on Non-IID Data Silos: An Experimental Study",
 ICDE 2022, arXiv:2102.02079):

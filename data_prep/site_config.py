@@ -1,6 +1,7 @@
 """Where a site's training data comes from: the site's own configuration on real sites, derived shards in simulation.
 
-A job never names a data path (DESIGN.md decision 9): the same exported job runs in the simulator and on provisioned
+A job never names a data path (docs/design.md decision 9): the same exported job runs in the simulator and on
+provisioned
 sites. The client script asks :func:`resolve_site_data` and gets one of two answers, in this order:
 
 1. ``$FEDALG_SITE_DATA`` (set in the site's environment, e.g. in its ``startup/start.sh`` shell): a site data file

@@ -1,4 +1,4 @@
-"""Per-site data for simulated federations (DESIGN.md decision 9).
+"""Per-site data for simulated federations (docs/design.md decision 9).
 
 A site named ``site-i`` (NVFlare's simulator naming, ``i`` from 1 to ``num_sites``) derives its own training shard from
 a :class:`SiteDataConfig` alone: load the dataset, optionally take a seeded subset, partition the labels with the

@@ -26,7 +26,7 @@ PRESETS: dict[str, JobSpec] = {
         momentum=0.9,
         weight_decay=1e-5,
     ),
-    # Server rules of issue 5 (docs/server_rules.md): plain local SGD clients, the same data and model as above;
+    # Server rules (docs/server_rules.md): plain local SGD clients, the same data and model as above;
     # server settings picked by short measured runs (docs/server_rules.md, "Presets").
     "fedadam": JobSpec(name="fedadam", server="fedadam", server_args={"server_lr": 0.03, "tau": 0.001}),
     "fedadagrad": JobSpec(name="fedadagrad", server="fedadagrad", server_args={"server_lr": 0.02, "tau": 0.01}),

@@ -1,6 +1,6 @@
 """The one LightningModule of the bundle: an image/vector classifier that drives a client algorithm.
 
-Hook placement (DESIGN.md, decision 2; NVFLARE_NOTES.md):
+Hook placement (docs/design.md, decision 2 and the NVFlare facts there):
 
 - ``training_step`` adds the algorithm's extra loss terms (MOON, FedProx-as-a-loss);
 - ``optimizer_step`` wraps Lightning's closure: the closure runs ``training_step`` + backward, so gradients
@@ -168,7 +168,8 @@ def sgd_step_settings(optimizer: Any) -> tuple[float, float, float] | None:
 
 
 def fednova_meta(algorithm: ClientAlgorithm, steps: list[tuple[float, float, float] | None]) -> dict[str, Any]:
-    """``fednova.tau`` and ``fednova.a_norm`` (ALGORITHMS.md §10) when this round's local update is eta * G a.
+    """``fednova.tau`` and ``fednova.a_norm`` (docs/server_rules.md, FedNova) when this round's local update is eta * G
+    a.
 
     Empty when it is not (a ``drift`` algorithm, an optimizer the normaliser does not model, momentum settings that
     changed within the round, no positive first lr): a FedNova server then rejects the result by name.

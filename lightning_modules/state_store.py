@@ -4,7 +4,7 @@ Why disk and not memory: ``nvflare simulator JOB -n 3`` runs with one thread by 
 is a fresh process whose working directory is the site workspace. State held in memory (SCAFFOLD's c_i, FedDyn's
 per-client state, MOON's previous local model) would silently reset to zero every round and the algorithm would
 quietly degrade to something else. On real sites the same file lets a crashed client come back with its state.
-So each algorithm writes its state here at round end and reads it at round start (DESIGN.md decision 4).
+So each algorithm writes its state here at round end and reads it at round start (docs/design.md decision 4).
 
 A bad file is never used and never dropped silently: every problem raises :class:`StateStoreError` naming the site,
 the file and the problem. Algorithm state must be fp32 (or fp64) — bf16/fp16 would quantise the small per-round

@@ -1,4 +1,4 @@
-"""The client-algorithm plug-in interface (DESIGN.md, decision 2).
+"""The client-algorithm plug-in interface (docs/design.md, decision 2).
 
 A client algorithm is a small object with hooks that the LightningModule drives:
 

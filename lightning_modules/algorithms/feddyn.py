@@ -1,7 +1,7 @@
 """FedDyn, client side: the dynamic regulariser, in the authors' displacement form.
 
 Reference: Acar, Zhao, Matas, Mattina, Whatmough, Saligrama, "Federated Learning Based on Dynamic Regularization",
-ICLR 2021, arXiv:2111.04263, Algorithm 1 (ALGORITHMS.md §5). The paper's local problem in round t is
+ICLR 2021, arXiv:2111.04263, Algorithm 1 (docs/algorithms.md, FedDyn). The paper's local problem in round t is
 
     theta_k^t = argmin_theta  L_k(theta) - <grad L_k(theta_k^{t-1}), theta> + (alpha/2) * ||theta - theta^{t-1}||^2
     grad L_k(theta_k^t) = grad L_k(theta_k^{t-1}) - alpha * (theta_k^t - theta^{t-1})          (state update)

@@ -1,7 +1,8 @@
 """FedMoS, client side: STORM-type momentum with a proximal pull towards the round's global model.
 
 Reference: Wang, Xu, Hu, Xu, Shen, Xu, "FedMoS: Taming Client Drift in Federated Learning with Double Momentum and
-Adaptive Selection", IEEE INFOCOM 2023 (ALGORITHMS.md §6; the paper text itself was not available, the equations
+Adaptive Selection", IEEE INFOCOM 2023 (docs/fedmos_moon.md, FedMoS; the paper text itself was not available, the
+equations
 are those of the authors' code and of the STORM estimator the method is named after). Per local step t:
 
     d_t     = g(w_t; xi_t) + (1 - a) * (d_{t-1} - g(w_{t-1}; xi_t)),     d_1 = g(w_1; xi_1)       (STORM)
@@ -19,7 +20,8 @@ update above. So the optimizer must be plain SGD: momentum, Nesterov, weight dec
 update (FedMoS carries its own momentum d) and are refused, as are gradient clipping (it would clip d_t plus the
 pull) and gradient accumulation (the current batch would be only the last micro-batch).
 
-``estimator="authors"`` reproduces the authors' released optimizer instead (the quirk of ALGORITHMS.md §6): the
+``estimator="authors"`` reproduces the authors' released optimizer instead (the quirk of docs/fedmos_moon.md, FedMoS):
+the
 stored "previous gradient" is 0 in step 2 and the previous step's own gradient afterwards, which makes
 d_t = g_t + (1 - a)^{t-1} * g_1 (only the first gradient is remembered) and needs no second pass. Not the default.
 

@@ -3,7 +3,7 @@
 Reference: Li, Sahu, Zaheer, Sanjabi, Talwalkar, Smith, "Federated Optimization in Heterogeneous Networks",
 MLSys 2020, arXiv:1812.06127, Algorithm 2, local objective h_k:
 
-    h_k(w; w_t) = F_k(w) + (mu / 2) * ||w - w_t||^2          (SQUARED Euclidean norm, ALGORITHMS.md §3)
+    h_k(w; w_t) = F_k(w) + (mu / 2) * ||w - w_t||^2          (SQUARED Euclidean norm, docs/algorithms.md, FedProx)
 
 w_t is the global model the site received this round: a detached float32 snapshot of the trainable parameters
 taken in ``on_round_start`` (after the global weights were loaded, before the first step). Buffers (BatchNorm

@@ -1,7 +1,7 @@
 """MOON, client side: model-contrastive learning against the global model and the site's previous local models.
 
 Reference: Li, He, Song, "Model-Contrastive Federated Learning", CVPR 2021, arXiv:2103.16257, Eq. (2)-(4)
-(ALGORITHMS.md §7). The local loss of a batch is
+(docs/fedmos_moon.md, MOON). The local loss of a batch is
 
     l = CE(logits, y) + mu * l_con
     l_con = -log( exp(sim(z, z_glob)/tau) / (exp(sim(z, z_glob)/tau) + sum_j exp(sim(z, z_prev_j)/tau)) )

@@ -55,7 +55,7 @@ def option_ii_control(
     y: Mapping[str, torch.Tensor],
     lr_sum: Mapping[str, float],
 ) -> Tensors:
-    """c_i+ = c_i - c + (x - y) / sum_k eta_k, per parameter (ALGORITHMS.md §4, Option II)."""
+    """c_i+ = c_i - c + (x - y) / sum_k eta_k, per parameter (docs/algorithms.md, SCAFFOLD, Option II)."""
     return {name: c_local[name] - c_global[name] + (x[name] - y[name]) / lr_sum[name] for name in c_local}
 
 

@@ -1,4 +1,5 @@
-"""Attack-adaptive aggregation rule (ALGORITHMS.md §11): checkpoint loading and checks, the aggregation step
+"""Attack-adaptive aggregation rule (docs/robustness.md, attack-adaptive aggregation): checkpoint loading and checks,
+the aggregation step
 against independent numpy, capture on/off, and the shipped LeNet-5 checkpoint."""
 
 from __future__ import annotations

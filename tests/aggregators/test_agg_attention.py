@@ -1,4 +1,5 @@
-"""Attention core of attack-adaptive aggregation (ALGORITHMS.md §11): PCA projections, sign canonicalisation,
+"""Attention core of attack-adaptive aggregation (docs/robustness.md, attack-adaptive aggregation): PCA projections,
+sign canonicalisation,
 and the attention loop on an identity-like feature map, against a few lines of independent numpy."""
 
 from __future__ import annotations

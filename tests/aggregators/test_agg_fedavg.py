@@ -1,4 +1,4 @@
-"""FedAvg (ALGORITHMS.md §2, DESIGN.md decisions 6 and 7): closed-form expectations derived by hand.
+"""FedAvg (docs/algorithms.md, FedAvg, docs/design.md decisions 6 and 7): closed-form expectations derived by hand.
 
 Two clients A and B with sample counts 1 and 3 give p = (0.25, 0.75) throughout unless a test says otherwise.
 """

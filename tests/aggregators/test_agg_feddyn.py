@@ -1,4 +1,5 @@
-"""FedDyn server rule: closed forms of ALGORITHMS.md §5, the running-sum identity h_sum = sum of every client's H_k
+"""FedDyn server rule: closed forms of docs/algorithms.md, FedDyn, the running-sum identity h_sum = sum of every
+client's H_k
 under partial participation, population (m) scaling, buffers, checkpointing, and bad client meta."""
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def _round(rule: FedDyn, theta: float, values: dict[str, float], state, populati
 
 
 def test_exact_minimisation_example_by_hand():
-    # ALGORITHMS.md §5, alpha = 1, m = |P| = 2, exact local solutions (derived in test_lm_feddyn.py):
+    # docs/algorithms.md, FedDyn, alpha = 1, m = |P| = 2, exact local solutions (derived in test_lm_feddyn.py):
     # round 1 from 0: theta_k = (0, 3) -> h_sum = 3, theta = 1.5 + 3/2 = 3;
     # round 2 from 3: theta_k = (1.5, 3) -> h_sum = 3 + (-1.5 + 0) = 1.5, theta = 2.25 + 1.5/2 = 3.
     rule = FedDyn(alpha=1.0)

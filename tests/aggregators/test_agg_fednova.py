@@ -22,7 +22,7 @@ TAU, A_NORM = meta_keys.FEDNOVA_TAU, meta_keys.FEDNOVA_A_NORM
     ("lrs", "momentum", "mu", "expected"),
     [
         ([0.1] * 5, 0.0, 0.0, 5.0),  # vanilla: tau
-        ([0.1] * 3, 0.5, 0.0, 4.25),  # ALGORITHMS.md §10: momentum 0.5, tau 3
+        ([0.1] * 3, 0.5, 0.0, 4.25),  # docs/server_rules.md, FedNova: momentum 0.5, tau 3
         ([0.1] * 4, 0.5, 0.0, 6.125),
         ([0.1] * 4, 0.0, 1.0, 3.439),  # proximal, eta * mu = 0.1, tau 4
         ([0.1, 0.05, 0.05], 0.0, 0.0, 2.0),  # lrs that change within the round count as eta_k / eta_0

@@ -53,7 +53,7 @@ def _run(rule, rounds):
 
 
 def test_first_round_matches_the_hand_computed_adam_example():
-    # ALGORITHMS.md §12: Delta_1 = (0.1, -0.2), Delta_2 = (0.1, 0.2) -> Delta_t = (0.1, 0); m = (0.01, 0),
+    # docs/server_rules.md, FedOpt: Delta_1 = (0.1, -0.2), Delta_2 = (0.1, 0.2) -> Delta_t = (0.1, 0); m = (0.01, 0),
     # v = (1e-4, 0): x = 0.01 * 0.01 / (0.01 + 0.001) = 0.00909090..., second coordinate unchanged.
     rule = build_rule("fedadam", server_lr=0.01, beta1=0.9, beta2=0.99, tau=1e-3, v0=0.0)
     x, state = _run(rule, [[np.array([0.1, -0.2]), np.array([0.1, 0.2])]])

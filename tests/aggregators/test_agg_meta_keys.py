@@ -1,4 +1,4 @@
-"""``aggregators.meta_keys``: every wire key is namespaced, none is NVFlare's own name (DESIGN.md, decision 3)."""
+"""``aggregators.meta_keys``: every wire key is namespaced, none is NVFlare's own name (docs/design.md, decision 3)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``aggregators.validation``: every problem with a client result is reported by key (DESIGN.md, decision 8)."""
+"""``aggregators.validation``: every problem with a client result is reported by key (docs/design.md, decision 8)."""
 
 from __future__ import annotations
 

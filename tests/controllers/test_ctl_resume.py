@@ -1,4 +1,4 @@
-"""Resume (DESIGN.md decision 5): k rounds, stop, resume for the rest == one uninterrupted run, bit for bit.
+"""Resume (docs/design.md decision 5): k rounds, stop, resume for the rest == one uninterrupted run, bit for bit.
 
 The controller's ``run()`` is driven with NVFlare's engine calls replaced by deterministic fakes: clients whose
 update depends only on the global model they receive, the round and the site; a persistor that writes

@@ -1,4 +1,4 @@
-"""Exported job folders are generated, committed, and checked (DESIGN.md, decision 10)."""
+"""Exported job folders are generated, committed, and checked (docs/design.md, decision 10)."""
 
 from __future__ import annotations
 

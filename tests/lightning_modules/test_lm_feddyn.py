@@ -1,4 +1,5 @@
-"""FedDyn client (and client + server rule together): closed forms of ALGORITHMS.md §5, agreement with an independent
+"""FedDyn client (and client + server rule together): closed forms of docs/algorithms.md, FedDyn, agreement with an
+independent
 numpy reference written in the paper's form, H_k persisted across restarts and runs, hook path == the authors'
 explicit loss in a real Lightning fit, alpha_k weighting, bad meta and hyperparameters."""
 
@@ -32,7 +33,7 @@ pytestmark = [
 
 ETA, K = 0.1, 3
 DATA_AND_MODEL_FIELDS = {f.name for f in fields(JobSpec)} - {"name", "client", "client_args", "server", "server_args"}
-# ALGORITHMS.md §5: L_k = h_k/2 (theta - a_k)^2 with h = (1, 3), a = (0, 4); alpha = 1; m = |P| = 2.
+# docs/algorithms.md, FedDyn: L_k = h_k/2 (theta - a_k)^2 with h = (1, 3), a = (0, 4); alpha = 1; m = |P| = 2.
 CURVATURE = {"site-1": 1.0, "site-2": 3.0, "site-3": 2.0}
 TARGET = {"site-1": 0.0, "site-2": 4.0, "site-3": -1.0}
 
@@ -137,7 +138,7 @@ def test_first_round_closed_form(tmp_path):
 
 
 def test_exact_local_minimisation_reaches_the_global_optimum_in_one_round(tmp_path):
-    # By hand (ALGORITHMS.md §5, exact local minimisation, alpha = 1, m = |P| = 2):
+    # By hand (docs/algorithms.md, FedDyn, exact local minimisation, alpha = 1, m = |P| = 2):
     # round 1: theta_1 = argmin t^2/2 + t^2/2 = 0; theta_2 = argmin 3/2 (t-4)^2 + t^2/2 = 3;
     #          h = -1/2 (0 + 3) = -1.5; theta = 1.5 + 1.5 = 3 (= the optimum (1*0 + 3*4)/4 of the sum).
     # round 2: g = (0, -3); theta_1 = argmin t^2/2 + (t-3)^2/2 = 1.5; theta_2 = argmin 3/2(t-4)^2 + 3t + (t-3)^2/2 = 3;
@@ -154,7 +155,7 @@ def test_exact_local_minimisation_reaches_the_global_optimum_in_one_round(tmp_pa
 
 
 def test_sgd_rounds_match_the_paper_form_reference(tmp_path):
-    # The §5 set-up with inexact local solves (K = 3 SGD steps), three rounds.
+    # The closed-form set-up above with inexact local solves (K = 3 SGD steps), three rounds.
     participants = [["site-1", "site-2"]] * 3
     history, _ = run_federation(tmp_path, participants, alpha=1.0, population=2)
     reference = paper_feddyn(participants, alpha=1.0, m=2, steps=K)

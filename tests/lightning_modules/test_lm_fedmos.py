@@ -1,4 +1,5 @@
-"""FedMoS client: the stochastic 1-D STORM trajectory of ALGORITHMS.md §6 (differs from SGD by hand-derived amounts),
+"""FedMoS client: the stochastic 1-D STORM trajectory of docs/fedmos_moon.md, FedMoS (differs from SGD by hand-derived
+amounts),
 the authors' variant, the proximal pull, per-round momentum, a real Lightning fit against an independent reference,
 BatchNorm statistics updated once per step, refusals (bad a / mu, momentum, weight decay, clipping, accumulation)."""
 
@@ -65,7 +66,7 @@ def run_1d(a: float, mu: float, estimator: str = "storm", w0: float = 0.0) -> li
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# the stochastic 1-D case of ALGORITHMS.md §6: batches A, B, A, B; w0 = 0, eta = 0.1, a = 0.1, mu = 0
+# the stochastic 1-D case of docs/fedmos_moon.md, FedMoS: batches A, B, A, B; w0 = 0, eta = 0.1, a = 0.1, mu = 0
 
 
 def test_storm_trajectory_matches_the_hand_derivation_and_differs_from_sgd():

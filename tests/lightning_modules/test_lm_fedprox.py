@@ -1,4 +1,5 @@
-"""FedProx client: the closed form of ALGORITHMS.md §3, hook path == explicit squared-norm loss, mu = 0 is FedAvg
+"""FedProx client: the closed form of docs/algorithms.md, FedProx, hook path == explicit squared-norm loss, mu = 0 is
+FedAvg
 bit for bit (real Lightning fits), buffers untouched, meta, composition and bad mu."""
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def numpy_prox_path(w0: float, w_t: float, target: float, mu: float, lr: float, 
 
 
 def test_closed_form_two_sgd_steps():
-    # ALGORITHMS.md §3: F(w) = 1/2 (w - 1)^2, w_t = 0, eta = 0.1, mu = 1.
+    # docs/algorithms.md, FedProx: F(w) = 1/2 (w - 1)^2, w_t = 0, eta = 0.1, mu = 1.
     # Step 1 at w = w_t: the prox gradient is exactly 0 -> w = 0 - 0.1 * (-1) = 0.1.
     # Step 2: grad = (0.1 - 1) + 1 * 0.1 = -0.8 -> w = 0.1 + 0.08 = 0.18.
     algorithm = FedProx(mu=1.0)

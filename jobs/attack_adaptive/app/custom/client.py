@@ -81,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         weight_decay=args.weight_decay,
     )
     algorithm = build_client_algorithm(args.client, **json.loads(args.client_args))
-    # State that must outlive a round lives on disk in the site workspace, per job (DESIGN.md, decision 4).
+    # State that must outlive a round lives on disk in the site workspace, per job (docs/design.md, decision 4).
     algorithm.bind(site, ClientStateStore(default_state_root() / flare.get_job_id(), site))
     module.set_algorithm(algorithm)
     round_callback = FederatedRoundCallback(num_samples=len(dataset), site=site)
