@@ -62,19 +62,6 @@ def trainable_keys(global_params: Mapping[str, np.ndarray], updates: Sequence[Cl
 CHUNK = 1 << 14  # elements per client in one delta block: 10 clients x 16K x 8 bytes stays in cache
 
 
-def weighted_sum(arrays: Sequence[np.ndarray], weights: Sequence[float], like: np.ndarray) -> np.ndarray:
-    """sum_i w_i * a_i typed like ``like`` (a float array), through one scratch buffer: no per-client allocation."""
-    like = np.asarray(like)
-    total = np.zeros(like.shape, dtype=like.dtype)
-    scratch = np.empty(like.shape, dtype=like.dtype)
-    for weight, array in zip(weights, arrays, strict=True):
-        if np.shape(array) != like.shape:
-            raise AggregationError(f"client array of shape {np.shape(array)} for a parameter of shape {like.shape}")
-        np.multiply(array, float(weight), out=scratch, casting="same_kind")
-        total += scratch
-    return total
-
-
 def delta_gram(x: np.ndarray, arrays: Sequence[np.ndarray], diagonal_only: bool = False) -> np.ndarray:
     """G_ij = <y_i - x, y_j - x> over one tensor in float64 (or just the squared norms G_ii), streamed in chunks."""
     flat_x = np.asarray(x).reshape(-1)

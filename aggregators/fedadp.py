@@ -28,8 +28,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from aggregators.deltas import average_buffers, delta_gram, split_keys, trainable_keys, weighted_sum
-from aggregators.functional import by_site, sample_weights
+from aggregators.deltas import average_buffers, delta_gram, split_keys, trainable_keys
+from aggregators.functional import by_site, sample_weights, weighted_sum
 from aggregators.types import AggregationResult, AggregationRule, ClientUpdate, RoundContext
 from aggregators.validation import check_number
 

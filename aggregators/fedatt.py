@@ -23,8 +23,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from aggregators.deltas import average_buffers, delta_gram, split_keys, trainable_keys, weighted_sum
-from aggregators.functional import by_site
+from aggregators.deltas import average_buffers, delta_gram, split_keys, trainable_keys
+from aggregators.functional import by_site, weighted_sum
 from aggregators.types import AggregationError, AggregationResult, AggregationRule, ClientUpdate, RoundContext
 from aggregators.validation import check_number
 

@@ -35,8 +35,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from aggregators import meta_keys
-from aggregators.deltas import average_buffers, split_keys, trainable_keys, weighted_sum
-from aggregators.functional import by_site, sample_weights
+from aggregators.deltas import average_buffers, split_keys, trainable_keys
+from aggregators.functional import by_site, sample_weights, weighted_sum
 from aggregators.types import AggregationError, AggregationResult, AggregationRule, ClientUpdate, RoundContext
 from aggregators.validation import check_number
 

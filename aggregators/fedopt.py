@@ -35,8 +35,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from aggregators.deltas import average_buffers, split_keys, trainable_keys, weighted_sum
-from aggregators.functional import by_site, sample_weights
+from aggregators.deltas import average_buffers, split_keys, trainable_keys
+from aggregators.functional import by_site, sample_weights, weighted_sum
 from aggregators.types import AggregationError, AggregationResult, AggregationRule, ClientUpdate, RoundContext
 from aggregators.validation import check_number
 
@@ -107,9 +107,11 @@ class FedOpt(AggregationRule):
         if self.beta1 is None:
             object.__setattr__(self, "beta1", default_beta1)
         check_number(self.name, "server_lr", self.server_lr, low=0.0, low_open=True)
-        check_number(self.name, "beta1", self.beta1, low=0.0, high=1.0)
-        check_number(self.name, "beta2", self.beta2, low=0.0, high=1.0)
-        check_number(self.name, "tau", self.tau, low=0.0)
+        # beta = 1 would freeze a moment (and divide by zero with bias correction); tau = 0 makes every coordinate
+        # that no client moved 0 / 0 = NaN in an adaptive step.
+        check_number(self.name, "beta1", self.beta1, low=0.0, high=1.0, high_open=True)
+        check_number(self.name, "beta2", self.beta2, low=0.0, high=1.0, high_open=True)
+        check_number(self.name, "tau", self.tau, low=0.0, low_open=self.variant != "avgm")
         if self.v0 is not None:
             check_number(self.name, "v0", self.v0, low=0.0)
         if not isinstance(self.bias_correction, bool):
@@ -169,8 +171,8 @@ class FedOpt(AggregationRule):
         self, x: np.ndarray, ys: Sequence[np.ndarray], weights: np.ndarray, m_prev: np.ndarray, v_prev: Any, lr: float
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | int]:
         """(x_{t+1}, m_t, v_t) on one slice of a parameter; Delta_t's buffer is reused once Delta_t^2 is taken."""
-        delta = weighted_sum(ys, weights, x).astype(np.float32, copy=False)
-        delta -= x
+        # sum_i p_i (y_i - x): differences first, so a coordinate no client moved has exactly Delta = 0.
+        delta = weighted_sum(ys, weights, x, minus=x, dtype=np.float32)
         m = np.multiply(m_prev, self.beta1, dtype=np.float32)
         if self.variant == "avgm":
             m += delta

@@ -24,6 +24,37 @@ def is_float_array(value: np.ndarray) -> bool:
     return np.issubdtype(np.asarray(value).dtype, np.floating)
 
 
+def weighted_sum(
+    arrays: Sequence[np.ndarray],
+    weights: Sequence[float],
+    like: np.ndarray,
+    *,
+    minus: np.ndarray | None = None,
+    dtype: np.dtype | type | None = None,
+) -> np.ndarray:
+    """The one weighted-sum kernel of the rules: sum_i w_i * (a_i - minus) (``minus=None``: sum_i w_i * a_i).
+
+    Accumulated in ``dtype`` (default: ``like``'s dtype) through one scratch buffer: no per-client temporaries, memory
+    O(model). With ``minus`` the differences are formed before weighting, so a coordinate that no client moved sums
+    to exactly 0 whatever the precision (FedOpt's pseudo-gradient).
+    """
+    like = np.asarray(like)
+    accumulate = np.dtype(dtype or like.dtype)
+    total = np.zeros(like.shape, dtype=accumulate)
+    scratch = np.empty(like.shape, dtype=accumulate)
+    for weight, array in zip(weights, arrays, strict=True):
+        if np.shape(array) != like.shape:
+            # Never let numpy broadcast a wrongly shaped client array over the parameter.
+            raise AggregationError(f"client array of shape {np.shape(array)} for a parameter of shape {like.shape}")
+        if minus is None:
+            np.multiply(np.asarray(array, dtype=accumulate), float(weight), out=scratch)
+        else:
+            np.subtract(array, minus, out=scratch, dtype=accumulate)
+            scratch *= float(weight)
+        total += scratch
+    return total
+
+
 def weighted_mean(arrays: Sequence[np.ndarray], weights: np.ndarray, like: np.ndarray) -> np.ndarray:
     """sum_i w_i * a_i accumulated in float64, returned with the dtype and shape of ``like``.
 
@@ -31,12 +62,7 @@ def weighted_mean(arrays: Sequence[np.ndarray], weights: np.ndarray, like: np.nd
     algorithm follows, rule 2):
     adding or averaging ``int64`` counters directly would either overflow the meaning or truncate.
     """
-    total = np.zeros(np.shape(like), dtype=np.float64)
-    for weight, array in zip(weights, arrays, strict=True):
-        if np.shape(array) != np.shape(like):
-            # Never let numpy broadcast a wrongly shaped client array over the parameter.
-            raise AggregationError(f"client array of shape {np.shape(array)} for a parameter of shape {np.shape(like)}")
-        total += weight * np.asarray(array, dtype=np.float64)
+    total = weighted_sum(arrays, weights, like, dtype=np.float64)
     if is_float_array(like):
         return total.astype(np.asarray(like).dtype)
     return np.asarray(np.rint(total)).astype(np.asarray(like).dtype)

@@ -220,3 +220,30 @@ def test_a_stored_moment_of_the_wrong_shape_is_an_error():
     state = {"m": {"w": np.zeros(3, np.float32)}, "v": {}, "step": 1}
     with pytest.raises(AggregationError, match="shape"):
         rule.aggregate(X0, [_update("site-1", [0.1, 0.1])], state, CONTEXT)
+
+
+@pytest.mark.parametrize(
+    ("rule", "args", "message"),
+    [
+        ("fedadam", {"tau": 0.0}, r"tau must lie in \(0.0, inf\]"),
+        ("fedyogi", {"tau": 0.0}, r"tau must lie in \(0.0, inf\]"),
+        ("fedadagrad", {"tau": -1.0}, r"tau must lie in \(0.0, inf\]"),
+        ("fedadam", {"beta1": 1.0}, r"beta1 must lie in \[0.0, 1.0\)"),
+        ("fedavgm", {"beta1": 1.0}, r"beta1 must lie in \[0.0, 1.0\)"),
+        ("fedadam", {"beta2": 1.0}, r"beta2 must lie in \[0.0, 1.0\)"),
+    ],
+)
+def test_settings_that_make_nan_or_a_frozen_moment_are_refused(rule, args, message):
+    with pytest.raises(AggregationError, match=message):
+        build_rule(rule, **args)
+
+
+def test_a_coordinate_no_client_moved_stays_exactly_where_it_was():
+    """Delta = sum_i p_i (y_i - x): unmoved coordinates give exactly 0 even with a tiny tau and a large x."""
+    x = {"w": np.array([1234.567, -0.1, 3.0], dtype=np.float32)}
+    ys = [{"w": x["w"] + np.array([0.0, 0.5, 0.0], dtype=np.float32)} for _ in range(3)]
+    updates = [ClientUpdate(f"site-{i}", y, n) for i, (y, n) in enumerate(zip(ys, (7, 11, 13), strict=True))]
+    rule = build_rule("fedadam", tau=1e-9, server_lr=0.1)
+    result = rule.aggregate(x, updates, rule.init_state(x), RoundContext(0, 1, ("site-0", "site-1", "site-2")))
+    assert result.params["w"][0] == x["w"][0] and result.params["w"][2] == x["w"][2]
+    assert result.params["w"][1] != x["w"][1]
