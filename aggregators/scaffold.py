@@ -34,43 +34,35 @@ from aggregators.types import (
     CompanionRule,
     RoundContext,
 )
+from aggregators.wire import ControlVariate
 
 Controls = dict[str, np.ndarray]
 WEIGHTINGS = ("uniform", "samples")
 
 
 def control_problems(
-    diff: Any, global_params: Mapping[str, np.ndarray], global_control: Mapping[str, np.ndarray]
+    diff: Any,
+    global_params: Mapping[str, np.ndarray],
+    global_control: Mapping[str, np.ndarray],
+    param_keys: Sequence[str] | None = None,
 ) -> list[str]:
-    """Why a client's ``scaffold.ctrl.diff`` cannot be used (empty list: it can)."""
-    if not isinstance(diff, Mapping) or not diff:
-        return [f"'{meta_keys.SCAFFOLD_CTRL_DIFF}' must be a non-empty dict of arrays, got {type(diff).__name__}"]
-    problems = []
-    unknown = sorted(set(diff) - set(global_params))
-    if unknown:
-        problems.append(f"'{meta_keys.SCAFFOLD_CTRL_DIFF}' has keys that are not model parameters: {unknown[:5]}")
-    if global_control and set(diff) != set(global_control):
-        missing, extra = sorted(set(global_control) - set(diff)), sorted(set(diff) - set(global_control))
-        problems.append(
-            f"'{meta_keys.SCAFFOLD_CTRL_DIFF}' keys differ from the global control: "
-            f"missing {missing[:5]}, unexpected {extra[:5]}"
-        )
-    for key in sorted(set(diff) & set(global_params)):
-        problems.extend(_control_array_problems(key, diff[key], global_params[key]))
-    return problems
+    """Why a client's ``scaffold.ctrl.diff`` cannot be used (empty list: it can), through the wire contract.
 
-
-def _control_array_problems(key: str, value: Any, param: np.ndarray) -> list[str]:
-    where = f"'{meta_keys.SCAFFOLD_CTRL_DIFF}' entry '{key}'"
-    if not isinstance(value, np.ndarray) or not np.issubdtype(value.dtype, np.floating):
-        return [f"{where} must be a float numpy array, got {type(value).__name__}"]
-    if value.shape != np.shape(param):
-        return [f"{where} has shape {value.shape}, the parameter has {np.shape(param)}"]
-    if not np.issubdtype(np.asarray(param).dtype, np.floating):
-        return [f"{where} controls an integer buffer; controls cover trainable parameters only"]
-    if not np.all(np.isfinite(value)):
-        return [f"{where} contains NaN or Inf"]
-    return []
+    It must cover exactly the trainable parameters: those of the global control once there is one, before that (the
+    first round) the parameters the site reports as trainable (``train.param_keys``), else every float entry.
+    """
+    if global_control:
+        trainable = list(global_control)
+    elif param_keys:
+        trainable = [key for key in param_keys if key in global_params]
+    else:
+        trainable = [key for key, value in global_params.items() if np.issubdtype(np.asarray(value).dtype, np.floating)]
+    shapes = {key: np.shape(global_params[key]) for key in trainable}
+    buffers = frozenset(k for k, v in global_params.items() if not np.issubdtype(np.asarray(v).dtype, np.floating))
+    parsed = ControlVariate.from_meta(
+        {meta_keys.SCAFFOLD_CTRL_DIFF: diff}, meta_keys.SCAFFOLD_CTRL_DIFF, shapes, allow_empty=False, buffers=buffers
+    )
+    return parsed.lines()
 
 
 def update_global_control(
@@ -116,7 +108,12 @@ class ScaffoldControl(CompanionRule):
     def update_problems(
         self, update: ClientUpdate, global_params: Mapping[str, np.ndarray], state: Mapping[str, Any]
     ) -> list[str]:
-        return control_problems(update.meta.get(meta_keys.SCAFFOLD_CTRL_DIFF), global_params, state["control"])
+        return control_problems(
+            update.meta.get(meta_keys.SCAFFOLD_CTRL_DIFF),
+            global_params,
+            state["control"],
+            update.meta.get(meta_keys.PARAM_KEYS),
+        )
 
     def update_state(
         self, updates: Sequence[ClientUpdate], state: Mapping[str, Any], context: RoundContext

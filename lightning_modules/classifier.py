@@ -28,6 +28,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from aggregators import meta_keys
 from aggregators.fednova import normalizer_l1
+from aggregators.wire import FedNovaReport
 from lightning_modules.algorithms.base import ClientAlgorithm, ClientAlgorithmError, check_server_meta
 from lightning_modules.models import build_model
 
@@ -181,7 +182,7 @@ def fednova_meta(algorithm: ClientAlgorithm, steps: list[tuple[float, float, flo
     momentum, dampening = steps[0][1], steps[0][2]
     mu = algorithm.proximal_coefficient() if algorithm.local_update == "proximal" else 0.0
     a_norm = normalizer_l1([step[0] for step in steps], momentum=momentum, dampening=dampening, mu=mu)
-    return {meta_keys.FEDNOVA_TAU: len(steps), meta_keys.FEDNOVA_A_NORM: a_norm}
+    return FedNovaReport(len(steps), a_norm).to_meta()
 
 
 def check_trainer_supports(

@@ -138,6 +138,13 @@ def save_run_state(
     """Persist per-parameter state atomically for the next round (tagged with the run that wrote it)."""
     if algorithm.state_store is None:
         raise ClientAlgorithmError(f"{algorithm.site}: {algorithm.name} has no state store bound")
+    bad = sorted(name for name, value in tensors.items() if not bool(torch.isfinite(value).all()))
+    if bad:
+        # One diverging round must not poison the site's state for the rest of the job: keep the committed one.
+        raise ClientAlgorithmError(
+            f"{algorithm.site}: {algorithm.name} refuses to save non-finite state for {bad[:5]}; the previous state "
+            "is kept and this round's result is not sent"
+        )
     state: dict[str, Any] = {name: value.detach().cpu() for name, value in tensors.items()}
     state[RUN_ID_KEY] = run_id
     algorithm.state_store.save(algorithm.name, state, round_num=round_num)

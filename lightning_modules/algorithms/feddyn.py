@@ -58,6 +58,7 @@ import torch
 from torch import nn
 
 from aggregators import meta_keys
+from aggregators.wire import FedDynReport
 from lightning_modules.algorithms.base import (
     ClientAlgorithm,
     ClientAlgorithmError,
@@ -198,4 +199,4 @@ class FedDyn(ClientAlgorithm):
         h_new = {name: p.detach().to(torch.float32) - self.pull_target[name] for name, p in self._params.items()}
         save_run_state(self, h_new, self._run_id, self._round)
         self.h_local = h_new
-        return {meta_keys.FEDDYN_ALPHA_K: self.alpha_k, meta_keys.FEDDYN_PARAM_KEYS: list(self._params)}
+        return FedDynReport(self.alpha_k, tuple(self._params)).to_meta()

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from aggregators import meta_keys
+from aggregators.wire import ControlVariate
 from lightning_modules.algorithms.base import (
     ClientAlgorithm,
     ClientAlgorithmError,
@@ -60,27 +61,21 @@ def option_ii_control(
 
 
 def parse_global_control(value: Any, params: Mapping[str, nn.Parameter], site: str) -> Tensors:
-    """The server's c as float32 tensors on the parameters' devices; an empty dict means c = 0 (first round)."""
-    if not isinstance(value, Mapping):
-        raise ClientAlgorithmError(f"{site}: '{meta_keys.SCAFFOLD_CTRL_GLOBAL}' must be a dict, got {type(value)}")
-    if not value:
+    """The server's c as float32 tensors on the parameters' devices; an empty dict means c = 0 (first round).
+
+    Checked by the wire contract (the server checks the diffs with the same code): the trainable parameters' names
+    and shapes, float arrays, finite values. A NaN or Inf in c is refused here, before it can reach c_i.
+    """
+    shapes = {name: tuple(p.shape) for name, p in params.items()}
+    key = meta_keys.SCAFFOLD_CTRL_GLOBAL
+    parsed = ControlVariate.from_meta({key: value}, key, shapes, allow_empty=True)
+    if not parsed.ok:
+        raise ClientAlgorithmError(f"{site}: {'; '.join(parsed.lines())}; is the server running the same model?")
+    if not parsed.value.arrays:
         return {name: torch.zeros_like(p, dtype=torch.float32) for name, p in params.items()}
-    if set(value) != set(params):
-        missing, extra = sorted(set(params) - set(value)), sorted(set(value) - set(params))
-        raise ClientAlgorithmError(
-            f"{site}: '{meta_keys.SCAFFOLD_CTRL_GLOBAL}' does not match this model's trainable parameters "
-            f"(missing {missing[:5]}, unexpected {extra[:5]}); is the server running the same model?"
-        )
-    control = {}
-    for name, p in params.items():
-        array = np.asarray(value[name])
-        if array.shape != tuple(p.shape):
-            raise ClientAlgorithmError(
-                f"{site}: '{meta_keys.SCAFFOLD_CTRL_GLOBAL}' entry '{name}' has shape {array.shape}, "
-                f"the parameter has {tuple(p.shape)}"
-            )
-        control[name] = torch.as_tensor(array, dtype=torch.float32).to(p.device)
-    return control
+    return {
+        name: torch.as_tensor(parsed.value.arrays[name], dtype=torch.float32).to(p.device) for name, p in params.items()
+    }
 
 
 class Scaffold(ClientAlgorithm):
@@ -159,7 +154,7 @@ class Scaffold(ClientAlgorithm):
             c_new = option_ii_control(self.c_local, self.c_global, self.x, y, self.lr_sum)
         diff = {name: (c_new[name] - self.c_local[name]).cpu().numpy().astype(np.float32) for name in self._params}
         save_run_state(self, c_new, self._run_id, self._round)
-        return {meta_keys.SCAFFOLD_CTRL_DIFF: diff}
+        return ControlVariate(meta_keys.SCAFFOLD_CTRL_DIFF, diff).to_meta()
 
 
 def full_local_gradient(module: nn.Module, params: Mapping[str, nn.Parameter]) -> Tensors:

@@ -90,12 +90,12 @@ def test_inputs_are_not_mutated_and_order_does_not_matter():
     [
         (None, {}, "must be a non-empty dict"),
         ({}, {}, "must be a non-empty dict"),
-        ({"nope": np.zeros(1, np.float32)}, {}, "not model parameters"),
+        ({"nope": np.zeros(1, np.float32)}, {}, "unexpected ['nope']"),
         ({"w": np.zeros(2, np.float32)}, {}, "has shape"),
         ({"w": np.array([np.nan], np.float32)}, {}, "NaN or Inf"),
         ({"w": [0.0]}, {}, "float numpy array"),
         ({"count": np.zeros((), np.float32)}, {}, "integer buffer"),
-        ({"w": np.zeros(1, np.float32)}, {"v": np.zeros(1, np.float32)}, "keys differ from the global control"),
+        ({"w": np.zeros(1, np.float32)}, {"v": np.zeros(1, np.float32)}, "missing ['v'], unexpected ['w']"),
     ],
 )
 def test_bad_controls_are_named(diff, control, message):
@@ -119,3 +119,11 @@ def test_population_smaller_than_participants_and_bad_settings_raise():
         build_rule("scaffold", weighting="median")
     with pytest.raises(AggregationError, match="server_lr"):
         build_rule("scaffold", server_lr=0)
+
+
+def test_in_round_one_a_diff_with_other_keys_than_the_trainable_parameters_is_refused():
+    """Before any global control exists the diff is checked against the site's trainable parameters."""
+    params = {**GLOBAL, "v": np.zeros(1, np.float32)}
+    problems = control_problems({"w": np.zeros(1, np.float32)}, params, {}, param_keys=["w", "v"])
+    assert problems and "missing ['v']" in problems[0]
+    assert control_problems({"w": np.zeros(1, np.float32)}, params, {}, param_keys=["w"]) == []

@@ -180,3 +180,22 @@ def test_bad_hyperparameters():
         build_client_algorithm("scaffold", option="III")
     with pytest.raises(ClientAlgorithmError, match="correction"):
         build_client_algorithm("scaffold", correction="sideways")
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_non_finite_global_control_is_refused_by_key_and_never_reaches_c_i(tmp_path, bad):
+    local_round(make(tmp_path), 0.0, 3.0, 4.0, meta())  # a committed c_i
+    store = ClientStateStore(tmp_path, "site-1")
+    before = store.load("scaffold").state["w"].clone()
+    with pytest.raises(ClientAlgorithmError, match=r"site-1: 'scaffold.ctrl.global': entry 'w' contains NaN or Inf"):
+        make(tmp_path).on_round_start(Quadratic(0.0), meta(c=bad, round_num=1))
+    torch.testing.assert_close(store.load("scaffold").state["w"], before, atol=0, rtol=0)
+
+
+def test_a_diverged_round_saves_no_non_finite_state(tmp_path):
+    local_round(make(tmp_path), 0.0, 3.0, 4.0, meta())
+    store = ClientStateStore(tmp_path, "site-1")
+    before = store.load("scaffold").state["w"].clone()
+    with pytest.raises(ClientAlgorithmError, match=r"site-1: scaffold refuses to save non-finite state for \['w'\]"):
+        local_round(make(tmp_path), 0.0, 3.0e38, 4.0, meta(round_num=1))  # the gradient overflows to inf
+    torch.testing.assert_close(store.load("scaffold").state["w"], before, atol=0, rtol=0)

@@ -1,0 +1,249 @@
+"""The wire contract: one typed message per thing that travels between the server and the sites.
+
+Both sides import this module (it needs only numpy), so a message is written and checked by the same code:
+``to_meta()`` gives the namespaced meta entries (the keys of ``aggregators/meta_keys.py``, unchanged, so exported
+jobs keep their meaning) and ``from_meta(meta, ...)`` reads them back, checking keys, types, shapes and finiteness
+once, and returns a :class:`Parsed`: the message, or every problem by key. Nothing here raises on bad input; the
+server rejects the site by name, the client refuses the round with the site's name.
+
+| message | direction | keys |
+|---|---|---|
+| :class:`RoundInfo` | down | ``server.round``, ``server.num_rounds``, ``server.rule``, ``server.run_id`` |
+| :class:`ControlVariate` (global) | down | ``scaffold.ctrl.global`` |
+| :class:`ControlVariate` (diff) | up | ``scaffold.ctrl.diff`` |
+| :class:`FedDynReport` | up | ``feddyn.alpha_k``, ``feddyn.param_keys`` |
+| :class:`FedNovaReport` | up | ``fednova.tau``, ``fednova.a_norm`` |
+| :class:`TrainingStats` | up | ``train.num_samples``, ``train.num_steps``, ``train.loss``, ``train.param_keys`` |
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+
+from aggregators import meta_keys
+
+T = TypeVar("T")
+Shapes = Mapping[str, tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class Parsed(Generic[T]):
+    """A message read from meta, or the problems found, by meta key (``value`` is ``None`` when there are any)."""
+
+    value: T | None
+    problems: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def lines(self) -> list[str]:
+        return [f"'{key}': {problem}" for key, problem in self.problems.items()]
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
+
+
+def _finite_number(value: Any, low: float | None = None, low_open: bool = False) -> str | None:
+    if not _is_number(value) or not math.isfinite(float(value)):
+        return f"must be a finite number, got {value!r}"
+    if low is not None and (value < low or (low_open and value == low)):
+        return f"must be {'>' if low_open else '>='} {low}, got {value}"
+    return None
+
+
+def _count(value: Any, minimum: int) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
+        return f"must be an integer >= {minimum}, got {value!r}"
+    return None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RoundInfo:
+    """What every broadcast carries besides the model: the round, the number of rounds, the rule, the run id."""
+
+    round: int
+    num_rounds: int
+    rule: str
+    run_id: str
+
+    def to_meta(self) -> dict[str, Any]:
+        return {
+            meta_keys.ROUND: self.round,
+            meta_keys.NUM_ROUNDS: self.num_rounds,
+            meta_keys.AGGREGATION_RULE: self.rule,
+            meta_keys.RUN_ID: self.run_id,
+        }
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> Parsed[RoundInfo]:
+        problems = {}
+        for key, minimum in ((meta_keys.ROUND, 0), (meta_keys.NUM_ROUNDS, 1)):
+            problem = _count(meta.get(key), minimum)
+            if problem:
+                problems[key] = problem
+        for key in (meta_keys.AGGREGATION_RULE, meta_keys.RUN_ID):
+            if not isinstance(meta.get(key), str):
+                problems[key] = f"must be text, got {meta.get(key)!r}"
+        if problems:
+            return Parsed(None, problems)
+        return Parsed(
+            cls(
+                int(meta[meta_keys.ROUND]),
+                int(meta[meta_keys.NUM_ROUNDS]),
+                meta[meta_keys.AGGREGATION_RULE],
+                meta[meta_keys.RUN_ID],
+            )
+        )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ControlVariate:
+    """SCAFFOLD's control over the trainable parameters: the global c going down (``scaffold.ctrl.global``; empty in
+    the first round, meaning c = 0) or a site's change delta c_i going up (``scaffold.ctrl.diff``)."""
+
+    key: str
+    arrays: dict[str, np.ndarray]
+
+    def to_meta(self) -> dict[str, Any]:
+        return {self.key: {name: np.asarray(value, dtype=np.float32) for name, value in self.arrays.items()}}
+
+    @classmethod
+    def from_meta(
+        cls,
+        meta: Mapping[str, Any],
+        key: str,
+        shapes: Shapes,
+        *,
+        allow_empty: bool,
+        buffers: frozenset[str] = frozenset(),
+    ) -> Parsed[ControlVariate]:
+        """Read ``key`` and check it against ``shapes`` (the trainable parameters, by name): the same names, the same
+        shapes, float arrays, finite values. ``buffers`` are model entries a control must never cover."""
+        value = meta.get(key)
+        if not isinstance(value, Mapping) or (not value and not allow_empty):
+            return Parsed(
+                None,
+                {key: f"must be a {'' if allow_empty else 'non-empty '}dict of arrays, got {type(value).__name__}"},
+            )
+        if not value:
+            return Parsed(cls(key, {}))
+        problems = []
+        covered = sorted(set(value) & buffers)
+        if covered:
+            problems.append(f"controls an integer buffer {covered[:5]}; controls cover trainable parameters only")
+        unknown = sorted(set(value) - set(shapes) - buffers)
+        missing = sorted(set(shapes) - set(value))
+        if unknown or missing:
+            problems.append(
+                f"does not match this model's trainable parameters (missing {missing[:5]}, unexpected {unknown[:5]})"
+            )
+        for name in sorted(set(value) & set(shapes)):
+            problem = _array_problem(value[name], shapes[name])
+            if problem:
+                problems.append(f"entry '{name}' {problem}")
+        if problems:
+            return Parsed(None, {key: "; ".join(problems)})
+        return Parsed(cls(key, {name: np.asarray(array) for name, array in value.items()}))
+
+
+def _array_problem(value: Any, shape: tuple[int, ...]) -> str | None:
+    if not isinstance(value, np.ndarray) or not np.issubdtype(value.dtype, np.floating):
+        return f"must be a float numpy array, got {type(value).__name__}"
+    if value.shape != tuple(shape):
+        return f"has shape {value.shape}, the parameter has {tuple(shape)}"
+    if not np.all(np.isfinite(value)):
+        return "contains NaN or Inf"
+    return None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FedNovaReport:
+    """tau_i, the optimizer steps taken, and ||a_i||_1, the normaliser of the local update (FedNova)."""
+
+    tau: int
+    a_norm: float
+
+    def to_meta(self) -> dict[str, Any]:
+        return {meta_keys.FEDNOVA_TAU: self.tau, meta_keys.FEDNOVA_A_NORM: self.a_norm}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> Parsed[FedNovaReport]:
+        problems = {}
+        problem = _count(meta.get(meta_keys.FEDNOVA_TAU), 1)
+        if problem:
+            problems[meta_keys.FEDNOVA_TAU] = problem
+        problem = _finite_number(meta.get(meta_keys.FEDNOVA_A_NORM), 0.0, low_open=True)
+        if problem:
+            problems[meta_keys.FEDNOVA_A_NORM] = problem
+        if problems:
+            return Parsed(None, problems)
+        return Parsed(cls(int(meta[meta_keys.FEDNOVA_TAU]), float(meta[meta_keys.FEDNOVA_A_NORM])))
+
+
+@dataclass(frozen=True)
+class FedDynReport:
+    """alpha_k, the site's FedDyn coefficient, and the parameters its state H_k covers."""
+
+    alpha_k: float
+    param_keys: tuple[str, ...]
+
+    def to_meta(self) -> dict[str, Any]:
+        return {meta_keys.FEDDYN_ALPHA_K: self.alpha_k, meta_keys.FEDDYN_PARAM_KEYS: list(self.param_keys)}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> Parsed[FedDynReport]:
+        problems = {}
+        problem = _finite_number(meta.get(meta_keys.FEDDYN_ALPHA_K), 0.0, low_open=True)
+        if problem:
+            problems[meta_keys.FEDDYN_ALPHA_K] = problem
+        keys = meta.get(meta_keys.FEDDYN_PARAM_KEYS)
+        if not isinstance(keys, list | tuple) or not keys or not all(isinstance(k, str) for k in keys):
+            problems[meta_keys.FEDDYN_PARAM_KEYS] = f"must be a non-empty list of parameter names, got {keys!r}"
+        if problems:
+            return Parsed(None, problems)
+        return Parsed(cls(float(meta[meta_keys.FEDDYN_ALPHA_K]), tuple(keys)))
+
+
+@dataclass(frozen=True)
+class TrainingStats:
+    """What every site reports about its round: the FedAvg weight, the steps, the loss and the trainable keys."""
+
+    num_samples: int
+    num_steps: int
+    loss: float
+    param_keys: tuple[str, ...]
+
+    def to_meta(self) -> dict[str, Any]:
+        return {
+            meta_keys.NUM_SAMPLES: self.num_samples,
+            meta_keys.NUM_STEPS: self.num_steps,
+            meta_keys.TRAIN_LOSS: self.loss,
+            meta_keys.PARAM_KEYS: list(self.param_keys),
+        }
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> Parsed[TrainingStats]:
+        problems = {}
+        for key in (meta_keys.NUM_SAMPLES, meta_keys.NUM_STEPS):
+            problem = _count(meta.get(key), 0)
+            if problem:
+                problems[key] = problem
+        loss = meta.get(meta_keys.TRAIN_LOSS)
+        if not _is_number(loss):  # NaN is allowed: a site that took no step reports no loss
+            problems[meta_keys.TRAIN_LOSS] = f"must be a number, got {loss!r}"
+        keys = meta.get(meta_keys.PARAM_KEYS)
+        if not isinstance(keys, list | tuple) or not all(isinstance(k, str) for k in keys):
+            problems[meta_keys.PARAM_KEYS] = f"must be a list of parameter names, got {keys!r}"
+        if problems:
+            return Parsed(None, problems)
+        return Parsed(cls(int(meta[meta_keys.NUM_SAMPLES]), int(meta[meta_keys.NUM_STEPS]), float(loss), tuple(keys)))

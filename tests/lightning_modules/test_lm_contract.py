@@ -1,0 +1,77 @@
+"""The contract every client algorithm keeps, checked for every algorithm in the registry (no hand-kept list):
+a short fit leaves finite weights and finite numeric meta; the meta validates through the wire contract; the state
+the algorithm keeps between rounds is finite, reads back identically through a new store, and a new instance of
+the algorithm (a restarted site process) starts its next round from it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import pytorch_lightning as pl
+import torch
+
+from aggregators import meta_keys
+from aggregators.wire import ControlVariate, FedDynReport, FedNovaReport, TrainingStats
+from lightning_modules import FederatedRoundCallback, FLClassifier
+from lightning_modules.algorithms import CLIENT_ALGORITHMS, build_client_algorithm
+from lightning_modules.state_store import ClientStateStore
+
+META = {meta_keys.ROUND: 0, meta_keys.RUN_ID: "run", meta_keys.SCAFFOLD_CTRL_GLOBAL: {}, meta_keys.FEDDYN_ALPHA: 0.1}
+
+
+def fit(name: str, root, round_num: int = 0) -> tuple[FLClassifier, dict]:
+    torch.manual_seed(0)
+    module = FLClassifier(arch="mlp", lr=0.05, arch_args=dict(CLIENT_ALGORITHMS[name].default_arch_args), init_seed=0)
+    algorithm = build_client_algorithm(name)
+    algorithm.bind("site-1", ClientStateStore(root, "site-1"))
+    module.set_algorithm(algorithm)
+    meta = {**META, meta_keys.ROUND: round_num}
+    callback = FederatedRoundCallback(num_samples=48, site="site-1", meta_source=lambda: meta)
+    data = torch.utils.data.TensorDataset(torch.rand(48, 64), torch.arange(48) % 10)
+    trainer = pl.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        callbacks=[callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=16))
+    return module, callback.last_meta
+
+
+@pytest.mark.parametrize("name", sorted(CLIENT_ALGORITHMS))
+def test_outputs_are_finite_and_the_meta_validates_through_the_wire(tmp_path, name):
+    module, meta = fit(name, tmp_path)
+    assert all(bool(torch.isfinite(v).all()) for v in module.state_dict().values() if v.is_floating_point())
+    numbers = {k: v for k, v in meta.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+    assert all(math.isfinite(v) for v in numbers.values()), numbers
+    assert all(meta_keys.is_namespaced(key) for key in meta)
+    stats = TrainingStats.from_meta(meta)
+    assert stats.ok, stats.problems
+    trainable = {n: tuple(p.shape) for n, p in module.named_parameters() if p.requires_grad}
+    assert set(stats.value.param_keys) == set(trainable)
+    if meta_keys.SCAFFOLD_CTRL_DIFF in meta:
+        key = meta_keys.SCAFFOLD_CTRL_DIFF
+        assert ControlVariate.from_meta(meta, key, trainable, allow_empty=False).ok
+    if meta_keys.FEDDYN_ALPHA_K in meta:
+        assert FedDynReport.from_meta(meta).ok
+    if meta_keys.FEDNOVA_TAU in meta:
+        assert FedNovaReport.from_meta(meta).ok
+
+
+@pytest.mark.parametrize("name", sorted(CLIENT_ALGORITHMS))
+def test_the_kept_state_reads_back_and_a_restarted_site_starts_from_it(tmp_path, name):
+    fit(name, tmp_path)
+    stored = ClientStateStore(tmp_path, "site-1").load(name)
+    if stored is None:
+        assert not list(tmp_path.rglob("*.state")), f"{name} wrote state it does not read"
+        return  # a stateless algorithm (FedAvg, FedProx, FedMoS: per-round state only)
+    again = ClientStateStore(tmp_path, "site-1").load(name)
+    tensors = {k: v for k, v in stored.state.items() if isinstance(v, torch.Tensor)}
+    assert all(bool(torch.isfinite(v).all()) for v in tensors.values())
+    for key, value in tensors.items():
+        torch.testing.assert_close(again.state[key], value, atol=0, rtol=0)
+    fit(name, tmp_path, round_num=1)  # a new instance (a restarted process) runs its next round from the file
