@@ -46,7 +46,8 @@ from aggregators.attention import (
     projection_width,
 )
 from aggregators.capture import CapturedRound, capture_labels, new_run_dir, write_round
-from aggregators.robust import assemble, finite_updates, robust_keys
+from aggregators.deltas import model_trainable_keys, trainable_keys
+from aggregators.robust import assemble, finite_updates
 from aggregators.types import AggregationError, AggregationResult, AggregationRule, ClientUpdate, RoundContext
 from aggregators.validation import check_int, check_number
 
@@ -72,7 +73,7 @@ def resolve_checkpoint(path: str) -> Path:
 
 def layer_shapes(global_params: Mapping[str, np.ndarray]) -> dict[str, list[int]]:
     """Shapes of the entries AAA projects, in model order (what a checkpoint must have been trained for)."""
-    return {key: list(np.shape(global_params[key])) for key in robust_keys(global_params)}
+    return {key: list(np.shape(global_params[key])) for key in model_trainable_keys(global_params)}
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,7 @@ class AttackAdaptive(AggregationRule):
         state: Mapping[str, Any],
         context: RoundContext,
     ) -> AggregationResult:
-        keys = robust_keys(global_params)
+        keys = trainable_keys(global_params, updates)
         kept, deltas, dropped = finite_updates(global_params, updates, keys, self.name)
         if dropped:
             LOG.warning(f"attack_adaptive: dropped clients with non-finite deltas: {dropped}")

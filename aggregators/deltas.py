@@ -43,15 +43,24 @@ def param_keys_problems(value: Any, global_params: Mapping[str, np.ndarray]) -> 
     return []
 
 
+#: Float buffers that are statistics, not parameters (BatchNorm), by name suffix.
+STATISTICS_SUFFIXES = ("running_mean", "running_var")
+
+
+def model_trainable_keys(global_params: Mapping[str, np.ndarray]) -> list[str]:
+    """What counts as trainable when no site says: float entries that are not BatchNorm statistics."""
+    return [k for k, v in global_params.items() if is_float_array(v) and not k.endswith(STATISTICS_SUFFIXES)]
+
+
 def trainable_keys(global_params: Mapping[str, np.ndarray], updates: Sequence[ClientUpdate]) -> list[str]:
     """The trainable entries of the model, in the global model's key order.
 
-    All clients must agree: either none reports ``train.param_keys`` (then every float entry is trainable) or all
-    report the same set.
+    The one definition of "trainable" for every rule: the sites' ``train.param_keys`` (all must report the same
+    set), or, when none reports it, :func:`model_trainable_keys`.
     """
     reported = {u.site: u.meta.get(meta_keys.PARAM_KEYS) for u in updates}
     if all(value is None for value in reported.values()):
-        return [k for k, v in global_params.items() if is_float_array(v)]
+        return model_trainable_keys(global_params)
     sets = {frozenset(value) for value in reported.values() if value is not None}
     if len(sets) != 1 or any(value is None for value in reported.values()):
         raise AggregationError(f"the sites disagree on their trainable parameters ('{meta_keys.PARAM_KEYS}')")

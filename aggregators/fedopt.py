@@ -36,11 +36,10 @@ from typing import Any, ClassVar
 import numpy as np
 
 from aggregators.deltas import average_buffers, split_keys, trainable_keys
-from aggregators.functional import by_site, sample_weights, weighted_sum
+from aggregators.functional import WEIGHTINGS, by_site, sample_weights, weighted_sum
 from aggregators.types import AggregationError, AggregationResult, AggregationRule, ClientUpdate, RoundContext
 from aggregators.validation import check_number
 
-WEIGHTINGS = ("samples", "uniform")
 CHUNK = 1 << 16  # elements per slice of a parameter: ~16 slices of 256 KiB stay in cache
 # Per variant: (server lr eta, beta1). Adam/Yogi/Adagrad follow Flower's and google-research/federated's
 # starting points; Adagrad has no momentum in the released code; FedAvgM uses momentum 0.9 at eta = 1.

@@ -8,6 +8,9 @@ import numpy as np
 
 from aggregators.types import AggregationError, ClientUpdate
 
+#: How a rule may weight the sites' models: by sample count (p_i = n_i / n) or uniformly (1 / |S|).
+WEIGHTINGS = ("samples", "uniform")
+
 
 def sample_weights(updates: Sequence[ClientUpdate]) -> np.ndarray:
     """Normalised sample weights p_i = n_i / sum_j n_j over the participants (float64)."""

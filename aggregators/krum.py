@@ -22,7 +22,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from aggregators.robust import assemble, finite_updates, robust_keys, stacked
+from aggregators.deltas import trainable_keys
+from aggregators.robust import assemble, finite_updates, stacked
 from aggregators.types import AggregationError, AggregationResult, AggregationRule, ClientUpdate, RoundContext
 from aggregators.validation import check_int
 
@@ -50,7 +51,7 @@ def krum_params(
     global_params: Mapping[str, np.ndarray], updates: Sequence[ClientUpdate], num_byzantine: int, num_selected: int
 ) -> tuple[dict[str, np.ndarray], list[str]]:
     """The (Multi-)Krum step as a pure function; also returns the selected sites."""
-    keys = robust_keys(global_params)
+    keys = trainable_keys(global_params, updates)
     kept, deltas, _ = finite_updates(global_params, updates, keys, Krum.name)
     flat = np.stack([np.concatenate([np.ravel(d[key]) for key in keys]) for d in deltas])
     chosen = krum_select(flat, num_byzantine, num_selected)

@@ -19,13 +19,14 @@ from typing import ClassVar
 
 import numpy as np
 
-from aggregators.robust import assemble, finite_updates, robust_keys, stacked
+from aggregators.deltas import trainable_keys
+from aggregators.robust import assemble, finite_updates, stacked
 from aggregators.types import AggregationRule, ClientUpdate, Params, RoundContext
 
 
 def median_params(global_params: Mapping[str, np.ndarray], updates: Sequence[ClientUpdate]) -> dict[str, np.ndarray]:
     """The coordinate-wise median step as a pure function; inputs are never modified."""
-    keys = robust_keys(global_params)
+    keys = trainable_keys(global_params, updates)
     kept, deltas, _ = finite_updates(global_params, updates, keys, Median.name)
     step = {key: np.median(stacked(deltas, key), axis=0) for key in keys}
     return assemble(global_params, step, kept)

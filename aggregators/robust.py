@@ -15,17 +15,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from aggregators.functional import by_site, is_float_array, sample_weights, weighted_average_params
+from aggregators.functional import by_site, sample_weights, weighted_average_params
 from aggregators.types import AggregationError, ClientUpdate
-
-STATISTICS_SUFFIXES = ("running_mean", "running_var")
-
-
-def robust_keys(global_params: Mapping[str, np.ndarray]) -> list[str]:
-    """Keys a robust statistic applies to, in model order: float entries that are not BatchNorm statistics."""
-    return [
-        key for key, value in global_params.items() if is_float_array(value) and not key.endswith(STATISTICS_SUFFIXES)
-    ]
 
 
 def client_deltas(

@@ -25,7 +25,7 @@ import numpy as np
 
 from aggregators import meta_keys
 from aggregators.fedavg import weighted_model_step
-from aggregators.functional import by_site, sample_weights
+from aggregators.functional import WEIGHTINGS, by_site, sample_weights
 from aggregators.types import (
     AggregationError,
     AggregationResult,
@@ -37,7 +37,6 @@ from aggregators.types import (
 from aggregators.wire import ControlVariate
 
 Controls = dict[str, np.ndarray]
-WEIGHTINGS = ("uniform", "samples")
 
 
 def control_problems(

@@ -20,7 +20,8 @@ from typing import ClassVar
 
 import numpy as np
 
-from aggregators.robust import assemble, finite_updates, robust_keys, stacked
+from aggregators.deltas import trainable_keys
+from aggregators.robust import assemble, finite_updates, stacked
 from aggregators.types import AggregationError, AggregationRule, ClientUpdate, Params, RoundContext
 from aggregators.validation import check_number
 
@@ -39,7 +40,7 @@ def trimmed_mean_params(
     global_params: Mapping[str, np.ndarray], updates: Sequence[ClientUpdate], beta: float
 ) -> dict[str, np.ndarray]:
     """The trimmed-mean step as a pure function; inputs are never modified."""
-    keys = robust_keys(global_params)
+    keys = trainable_keys(global_params, updates)
     kept, deltas, _ = finite_updates(global_params, updates, keys, TrimmedMean.name)
     step = {key: trimmed_mean(stacked(deltas, key), beta) for key in keys}
     return assemble(global_params, step, kept)
