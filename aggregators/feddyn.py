@@ -47,6 +47,7 @@ import numpy as np
 from aggregators import meta_keys
 from aggregators.functional import by_site, is_float_array, weighted_average_params, weighted_mean
 from aggregators.types import AggregationError, AggregationResult, AggregationRule, ClientUpdate, RoundContext
+from aggregators.wire import FedDynReport
 
 DEFAULT_ALPHA = 0.01
 HSum = dict[str, np.ndarray]
@@ -73,12 +74,9 @@ def param_keys_problems(value: Any, global_params: Mapping[str, np.ndarray], h_s
 
 
 def alpha_k_problems(value: Any) -> list[str]:
-    """The alpha_k a client reports must be a finite positive number."""
-    if isinstance(value, bool) or not isinstance(value, int | float | np.floating | np.integer):
-        return [f"'{meta_keys.FEDDYN_ALPHA_K}' must be a number, got {type(value).__name__}"]
-    if not math.isfinite(float(value)) or value <= 0:
-        return [f"'{meta_keys.FEDDYN_ALPHA_K}' must be finite and > 0, got {value}"]
-    return []
+    """The alpha_k a client reports must be a finite positive number (the wire contract's check)."""
+    report = FedDynReport.from_meta({meta_keys.FEDDYN_ALPHA_K: value, meta_keys.FEDDYN_PARAM_KEYS: ["-"]})
+    return report.lines()
 
 
 def accumulate_displacements(

@@ -27,7 +27,6 @@ so sites must only agree on eta_0 (the job's learning rate).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -39,6 +38,7 @@ from aggregators.deltas import average_buffers, split_keys, trainable_keys
 from aggregators.functional import by_site, sample_weights, weighted_sum
 from aggregators.types import AggregationError, AggregationResult, AggregationRule, ClientUpdate, RoundContext
 from aggregators.validation import check_number
+from aggregators.wire import FedNovaReport
 
 TAU_EFF_CHOICES = ("a_norm", "steps")
 
@@ -67,15 +67,8 @@ def normalizer_l1(lrs: Sequence[float], momentum: float = 0.0, dampening: float 
 
 
 def nova_problems(meta: Mapping[str, Any]) -> list[str]:
-    """Why a client's FedNova meta cannot be used (empty list: it can)."""
-    tau, a_norm = meta.get(meta_keys.FEDNOVA_TAU), meta.get(meta_keys.FEDNOVA_A_NORM)
-    problems = []
-    if isinstance(tau, bool) or not isinstance(tau, int | np.integer) or tau < 1:
-        problems.append(f"'{meta_keys.FEDNOVA_TAU}' must be a positive number of optimizer steps, got {tau!r}")
-    valid_number = isinstance(a_norm, int | float | np.floating | np.integer) and not isinstance(a_norm, bool)
-    if not valid_number or not math.isfinite(float(a_norm)) or a_norm <= 0:
-        problems.append(f"'{meta_keys.FEDNOVA_A_NORM}' must be a finite positive number, got {a_norm!r}")
-    return problems
+    """Why a client's FedNova report cannot be used (empty list: it can): the wire contract's check."""
+    return FedNovaReport.from_meta(meta).lines()
 
 
 @dataclass(frozen=True)

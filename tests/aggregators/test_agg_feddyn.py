@@ -214,11 +214,11 @@ def test_broadcast_and_required_meta():
         ({KEYS: ["w", "nope"]}, {}, "not in the model: ['nope']"),
         ({KEYS: ["w", "count"]}, {}, "integer buffers ['count']"),
         ({KEYS: ["w", "bn.running_mean"]}, {"w": np.zeros(1, np.float32)}, "differs from earlier rounds"),
-        ({ALPHA_K: None}, {}, f"'{ALPHA_K}' must be a number"),
-        ({ALPHA_K: "0.1"}, {}, f"'{ALPHA_K}' must be a number"),
-        ({ALPHA_K: True}, {}, f"'{ALPHA_K}' must be a number"),
-        ({ALPHA_K: math.nan}, {}, f"'{ALPHA_K}' must be finite and > 0"),
-        ({ALPHA_K: -0.1}, {}, f"'{ALPHA_K}' must be finite and > 0"),
+        ({ALPHA_K: None}, {}, f"'{ALPHA_K}': must be a finite number"),
+        ({ALPHA_K: "0.1"}, {}, f"'{ALPHA_K}': must be a finite number"),
+        ({ALPHA_K: True}, {}, f"'{ALPHA_K}': must be a finite number"),
+        ({ALPHA_K: math.nan}, {}, f"'{ALPHA_K}': must be a finite number"),
+        ({ALPHA_K: -0.1}, {}, f"'{ALPHA_K}': must be > 0.0"),
     ],
 )
 def test_bad_client_meta_is_named(meta, h_sum, message):
