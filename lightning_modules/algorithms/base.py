@@ -105,9 +105,10 @@ def load_run_state(
 ) -> dict[str, torch.Tensor]:
     """The algorithm's per-parameter fp32 state persisted by this run of the job, or zeros when there is none.
 
-    A file whose shapes or dtypes do not match the model, or that is corrupt, raises ``StateStoreError``. A file
-    written by another run (a reused workspace) is ignored with a warning: the site then starts as one that never
-    participated. ``what`` names the state in that warning (e.g. ``"SCAFFOLD control c_i"``).
+    The run id is checked first: a file written by another run (a reused workspace) is ignored with a warning,
+    whatever its shapes, and the site starts as one that never participated. A file of this run whose shapes or
+    dtypes do not match the model, or a corrupt file, raises ``StateStoreError``. ``what`` names the state in the
+    warning (e.g. ``"SCAFFOLD control c_i"``).
     """
     if algorithm.state_store is None:
         raise ClientAlgorithmError(
@@ -115,7 +116,7 @@ def load_run_state(
         )
     zeros = {name: torch.zeros_like(p, dtype=torch.float32) for name, p in params.items()}
     expected = {name: (tuple(p.shape), torch.float32) for name, p in params.items()}
-    stored = algorithm.state_store.load(algorithm.name, expected=expected)
+    stored = algorithm.state_store.load(algorithm.name)  # integrity only; shapes once we know it is this run's
     if stored is None:
         return zeros
     if stored.state.get(RUN_ID_KEY) != run_id:
@@ -129,6 +130,7 @@ def load_run_state(
             run_id,
         )
         return zeros
+    stored = algorithm.state_store.load(algorithm.name, expected=expected)
     return {name: stored.state[name].to(p.device) for name, p in params.items()}
 
 

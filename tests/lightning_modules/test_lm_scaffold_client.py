@@ -199,3 +199,15 @@ def test_a_diverged_round_saves_no_non_finite_state(tmp_path):
     with pytest.raises(ClientAlgorithmError, match=r"site-1: scaffold refuses to save non-finite state for \['w'\]"):
         local_round(make(tmp_path), 0.0, 3.0e38, 4.0, meta(round_num=1))  # the gradient overflows to inf
     torch.testing.assert_close(store.load("scaffold").state["w"], before, atol=0, rtol=0)
+
+
+def test_a_state_file_of_another_run_is_ignored_whatever_its_shapes(tmp_path):
+    """The run id is checked before the shapes: a reused workspace with another model is a fresh start, not an error."""
+    store = ClientStateStore(tmp_path, "site-1")
+    store.save("scaffold", {"w": torch.zeros(5), "__run_id__": "old-run"}, round_num=3)
+    algorithm = make(tmp_path)
+    algorithm.on_round_start(Quadratic(0.0), meta(run_id="new-run"))
+    assert algorithm.c_local["w"].shape == (1,) and algorithm.c_local["w"].item() == 0.0
+    store.save("scaffold", {"w": torch.zeros(5), "__run_id__": "new-run"}, round_num=3)
+    with pytest.raises(StateStoreError):
+        make(tmp_path).on_round_start(Quadratic(0.0), meta(run_id="new-run"))
