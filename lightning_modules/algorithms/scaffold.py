@@ -102,6 +102,12 @@ class Scaffold(ClientAlgorithm):
 
     # -- round start ---------------------------------------------------------------------------------------------
     def on_round_start(self, module: nn.Module, meta: Mapping[str, Any]) -> None:
+        if self.correction == "grad" and clips_gradients(module):
+            raise ClientAlgorithmError(
+                f"{self.site}: scaffold with correction='grad' and gradient clipping would clip c - c_i together with "
+                "the gradient, and Option II would then return wrong controls; use correction='step' (the default) "
+                "or turn gradient clipping off"
+            )
         self._params = trainable_parameters(module)
         self._round = int(meta.get(meta_keys.ROUND, 0))
         self._run_id = str(meta.get(meta_keys.RUN_ID, ""))
@@ -155,6 +161,15 @@ class Scaffold(ClientAlgorithm):
         diff = {name: (c_new[name] - self.c_local[name]).cpu().numpy().astype(np.float32) for name in self._params}
         save_run_state(self, c_new, self._run_id, self._round)
         return ControlVariate(meta_keys.SCAFFOLD_CTRL_DIFF, diff).to_meta()
+
+
+def clips_gradients(module: nn.Module) -> bool:
+    """True when a Lightning trainer drives ``module`` with gradient clipping on."""
+    try:
+        trainer = module.trainer  # a LightningModule not attached to a trainer raises RuntimeError
+    except (AttributeError, RuntimeError):
+        return False
+    return bool(getattr(trainer, "gradient_clip_val", None))
 
 
 def full_local_gradient(module: nn.Module, params: Mapping[str, nn.Parameter]) -> Tensors:

@@ -10,7 +10,7 @@ from torch import nn
 
 from aggregators import meta_keys
 from lightning_modules import FederatedRoundCallback, FLClassifier
-from lightning_modules.algorithms import build_client_algorithm
+from lightning_modules.algorithms import ClientAlgorithmError, build_client_algorithm
 from lightning_modules.state_store import ClientStateStore
 
 LR = 0.05
@@ -78,3 +78,25 @@ def test_a_nonzero_global_control_moves_the_weights_against_it(tmp_path):
     for name, p in corrected.named_parameters():
         shift = (plain.state_dict()[name] - p.detach()).numpy()
         np.testing.assert_allclose(shift, LR * 0.1, atol=1e-6)
+
+
+def test_gradient_correction_with_gradient_clipping_is_refused_with_the_reason(tmp_path):
+    module = FLClassifier(arch="mlp", lr=LR, init_seed=0)
+    algorithm = build_client_algorithm("scaffold", correction="grad")
+    algorithm.bind("site-1", ClientStateStore(tmp_path, "site-1"))
+    module.set_algorithm(algorithm)
+    meta = {meta_keys.SCAFFOLD_CTRL_GLOBAL: {}, meta_keys.ROUND: 0, meta_keys.RUN_ID: "run"}
+    callback = FederatedRoundCallback(num_samples=16, site="site-1", meta_source=lambda: meta)
+    trainer = pl.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        gradient_clip_val=1.0,
+        callbacks=[callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    data = torch.utils.data.TensorDataset(torch.rand(16, 64), torch.randint(0, 10, (16,)))
+    with pytest.raises(ClientAlgorithmError, match="site-1: scaffold with correction='grad' and gradient clipping"):
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=16))
