@@ -28,7 +28,8 @@ Controls and the snapshot of x are float32 copies of the trainable parameters on
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 import numpy as np
@@ -184,12 +185,31 @@ def full_local_gradient(module: nn.Module, params: Mapping[str, nn.Parameter]) -
     unshuffled = torch.utils.data.DataLoader(dataset, batch_size=getattr(loader, "batch_size", None) or 256)
     totals = {name: torch.zeros_like(p, dtype=torch.float32) for name, p in params.items()}
     seen = 0
-    for batch in unshuffled:
-        batch = [t.to(module.device) for t in batch]
-        loss, _ = module.task_loss(batch)
-        grads = torch.autograd.grad(loss, list(params.values()))
-        size = len(batch[0])
-        for (name, _), grad in zip(params.items(), grads, strict=True):
-            totals[name] += grad.to(torch.float32) * size
-        seen += size
+    with buffers_and_dropout_untouched(module):
+        for batch in unshuffled:
+            batch = [t.to(module.device) for t in batch]
+            loss, _ = module.task_loss(batch)
+            grads = torch.autograd.grad(loss, list(params.values()))
+            size = len(batch[0])
+            for (name, _), grad in zip(params.items(), grads, strict=True):
+                totals[name] += grad.to(torch.float32) * size
+            seen += size
     return {name: total / seen for name, total in totals.items()}
+
+
+@contextlib.contextmanager
+def buffers_and_dropout_untouched(module: nn.Module) -> Iterator[None]:
+    """An extra pass that must not change the round: BatchNorm running statistics (and every other buffer) are
+    restored afterwards, and dropout is off during it (a gradient of the loss, not of a random mask)."""
+    saved = {name: buffer.detach().clone() for name, buffer in module.named_buffers()}
+    dropouts = [m for m in module.modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.training]
+    for dropout in dropouts:
+        dropout.eval()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, buffer in module.named_buffers():
+                buffer.copy_(saved[name])
+        for dropout in dropouts:
+            dropout.train()

@@ -100,3 +100,27 @@ def test_gradient_correction_with_gradient_clipping_is_refused_with_the_reason(t
     data = torch.utils.data.TensorDataset(torch.rand(16, 64), torch.randint(0, 10, (16,)))
     with pytest.raises(ClientAlgorithmError, match="site-1: scaffold with correction='grad' and gradient clipping"):
         trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=16))
+
+
+def test_option_one_full_gradient_pass_leaves_batchnorm_buffers_and_uses_no_dropout(tmp_path):
+    from lightning_modules.algorithms.scaffold import full_local_gradient
+
+    torch.manual_seed(0)
+    module = FLClassifier(arch="mlp", lr=LR, init_seed=0)
+    module.net.hidden.append(nn.BatchNorm1d(64))
+    module.net.hidden.append(nn.Dropout(0.5))
+    data = torch.utils.data.TensorDataset(torch.rand(32, 64), torch.randint(0, 10, (32,)))
+
+    class Loader:
+        dataset, batch_size = data, 16
+
+    module.trainer = type("T", (), {"train_dataloader": Loader()})()
+    params = {n: p for n, p in module.named_parameters()}
+    before = {n: b.clone() for n, b in module.named_buffers()}
+    first = full_local_gradient(module, params)
+    second = full_local_gradient(module, params)
+    for name, value in before.items():
+        torch.testing.assert_close(dict(module.named_buffers())[name], value, atol=0, rtol=0)
+    for name in first:  # no dropout mask: the same gradient twice
+        torch.testing.assert_close(first[name], second[name], atol=0, rtol=0)
+    assert module.net.hidden[-1].training  # the dropout layer is back in training mode
