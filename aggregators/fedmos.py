@@ -42,7 +42,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, get_args
 
 import numpy as np
 
@@ -50,7 +50,8 @@ from aggregators.functional import by_site, is_float_array, sample_weights, weig
 from aggregators.types import AggregationError, AggregationResult, AggregationRule, ClientUpdate, RoundContext
 from aggregators.validation import check_number
 
-SELECTIONS = ("uniform", "adaptive")
+Selection = Literal["uniform", "adaptive"]
+SELECTIONS = get_args(Selection)
 _SELECTION_STREAM = 0x466D53  # separates the selection's random stream from other seeded draws of the job
 
 
@@ -142,7 +143,7 @@ class FedMoS(AggregationRule):
     """
 
     beta: float = 0.8
-    selection: str = "uniform"
+    selection: Selection = "uniform"
     site_num_samples: dict[str, int] | None = None
 
     name: ClassVar[str] = "fedmos"

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, get_args
 
 import numpy as np
 
@@ -40,7 +40,8 @@ from aggregators.types import AggregationError, AggregationResult, AggregationRu
 from aggregators.validation import check_number
 from aggregators.wire import FedNovaReport
 
-TAU_EFF_CHOICES = ("a_norm", "steps")
+TauEff = Literal["a_norm", "steps"]
+TAU_EFF_CHOICES = get_args(TauEff)
 
 
 def normalizer_l1(lrs: Sequence[float], momentum: float = 0.0, dampening: float = 0.0, mu: float = 0.0) -> float:
@@ -81,7 +82,7 @@ class FedNova(AggregationRule):
         server_momentum: gmf >= 0 (0 = none).
     """
 
-    tau_eff: str = "a_norm"
+    tau_eff: TauEff = "a_norm"
     server_momentum: float = 0.0
 
     name: ClassVar[str] = "fednova"

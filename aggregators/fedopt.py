@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from aggregators.deltas import average_buffers, split_keys, trainable_keys
-from aggregators.functional import WEIGHTINGS, by_site, sample_weights, weighted_sum
+from aggregators.functional import WEIGHTINGS, Weighting, by_site, sample_weights, weighted_sum
 from aggregators.types import AggregationError, AggregationResult, AggregationRule, ClientUpdate, RoundContext
 from aggregators.validation import check_number
 
@@ -92,7 +92,7 @@ class FedOpt(AggregationRule):
     tau: float = 1e-3
     bias_correction: bool = False
     v0: float | None = None
-    weighting: str = "samples"
+    weighting: Weighting = "samples"
 
     name: ClassVar[str] = "fedopt"
     #: A server optimizer steps from x along its moments, not to the clients' common model.

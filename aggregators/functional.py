@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Literal, get_args
 
 import numpy as np
 
 from aggregators.types import AggregationError, ClientUpdate
 
 #: How a rule may weight the sites' models: by sample count (p_i = n_i / n) or uniformly (1 / |S|).
-WEIGHTINGS = ("samples", "uniform")
+Weighting = Literal["samples", "uniform"]
+WEIGHTINGS = get_args(Weighting)
 
 
 def sample_weights(updates: Sequence[ClientUpdate]) -> np.ndarray:

@@ -25,7 +25,7 @@ import numpy as np
 
 from aggregators import meta_keys
 from aggregators.fedavg import weighted_model_step
-from aggregators.functional import WEIGHTINGS, by_site, sample_weights
+from aggregators.functional import WEIGHTINGS, Weighting, by_site, sample_weights
 from aggregators.types import (
     AggregationError,
     AggregationResult,
@@ -135,7 +135,7 @@ class Scaffold(AggregationRule):
     """
 
     server_lr: float = 1.0
-    weighting: str = "uniform"
+    weighting: Weighting = "uniform"
     population_size: int | None = None
 
     name: ClassVar[str] = "scaffold"

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, get_args
 
 import torch
 from torch import nn
@@ -68,7 +68,8 @@ from lightning_modules.algorithms.base import (
 )
 from lightning_modules.algorithms.kernels import pull_before_plain_sgd_step_
 
-ALPHA_WEIGHTINGS = ("uniform", "samples")
+AlphaWeighting = Literal["uniform", "samples"]
+ALPHA_WEIGHTINGS = get_args(AlphaWeighting)
 Tensors = dict[str, torch.Tensor]
 
 
@@ -119,7 +120,10 @@ class FedDyn(ClientAlgorithm):
     local_update: ClassVar[str] = "drift"  # not a local gradient: FedNova cannot normalise it
 
     def __init__(
-        self, alpha_weighting: str = "uniform", population_size: int | None = None, total_samples: int | None = None
+        self,
+        alpha_weighting: AlphaWeighting = "uniform",
+        population_size: int | None = None,
+        total_samples: int | None = None,
     ) -> None:
         if alpha_weighting not in ALPHA_WEIGHTINGS:
             raise ClientAlgorithmError(

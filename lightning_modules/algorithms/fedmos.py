@@ -42,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, get_args
 
 import torch
 from torch import nn
@@ -52,7 +52,8 @@ from lightning_modules.algorithms.base import ClientAlgorithm, ClientAlgorithmEr
 
 DEFAULT_A = 0.1
 DEFAULT_MU = 0.001
-ESTIMATORS = ("storm", "authors")
+Estimator = Literal["storm", "authors"]
+ESTIMATORS = get_args(Estimator)
 Tensors = dict[str, torch.Tensor]
 
 
@@ -121,7 +122,7 @@ class FedMoS(ClientAlgorithm):
     sent_meta: ClassVar[tuple[str, ...]] = (meta_keys.FEDMOS_A, meta_keys.FEDMOS_MU)
     local_update: ClassVar[str] = "drift"  # not a local gradient: FedNova cannot normalise it
 
-    def __init__(self, a: float = DEFAULT_A, mu: float = DEFAULT_MU, estimator: str = "storm") -> None:
+    def __init__(self, a: float = DEFAULT_A, mu: float = DEFAULT_MU, estimator: Estimator = "storm") -> None:
         self.a = check_a(a)
         self.mu = check_mu(mu)
         if estimator not in ESTIMATORS:

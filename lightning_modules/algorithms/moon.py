@@ -47,7 +47,7 @@ import copy
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -63,7 +63,8 @@ DEFAULT_MU = 5.0
 DEFAULT_TEMPERATURE = 0.5
 DEFAULT_HISTORY_SIZE = 1
 DEFAULT_PROJECTION_DIM = 256
-BAD_HISTORY_ACTIONS = ("error", "reset")
+BadHistoryAction = Literal["error", "reset"]
+BAD_HISTORY_ACTIONS = get_args(BadHistoryAction)
 HISTORY_KEY = "models"
 
 StateDict = dict[str, torch.Tensor]
@@ -134,7 +135,7 @@ class Moon(ClientAlgorithm):
         mu: float = DEFAULT_MU,
         temperature: float = DEFAULT_TEMPERATURE,
         history_size: int = DEFAULT_HISTORY_SIZE,
-        on_bad_history: str = "error",
+        on_bad_history: BadHistoryAction = "error",
     ) -> None:
         if isinstance(mu, bool) or not isinstance(mu, int | float) or not math.isfinite(mu) or mu < 0:
             raise ClientAlgorithmError(f"moon: hyperparameter 'mu' must be a finite number >= 0, got {mu!r}")

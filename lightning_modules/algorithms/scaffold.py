@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -87,7 +87,7 @@ class Scaffold(ClientAlgorithm):
     sent_meta: ClassVar[tuple[str, ...]] = (meta_keys.SCAFFOLD_CTRL_DIFF,)
     local_update: ClassVar[str] = "drift"  # not a local gradient: FedNova cannot normalise it
 
-    def __init__(self, option: str = "II", correction: str = "step") -> None:
+    def __init__(self, option: Literal["I", "II"] = "II", correction: Literal["step", "grad"] = "step") -> None:
         if option not in ("I", "II"):
             raise ClientAlgorithmError(f"scaffold: option must be 'I' or 'II', got {option!r}")
         if correction not in ("step", "grad"):
