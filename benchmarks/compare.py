@@ -23,13 +23,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import os
 import statistics
 import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -264,16 +265,26 @@ def run_grid(grid: Grid, out: Path, workers: int) -> list[str]:
     print(f"{len(cells)} cells, {len(cells) - len(todo)} already done, {len(todo)} to run on {workers} worker(s)")
     failed: list[str] = []
     threads = max(1, (os.cpu_count() or 1) // workers)
-    with ProcessPoolExecutor(max_workers=workers) as pool, tqdm(total=len(todo), unit="cell") as bar:
-        futures = {pool.submit(run_cell, c, grid.protocol, threads): c for c in todo}
-        for future in as_completed(futures):
-            cell = futures[future]
-            try:
-                _write_json(cells_dir / f"{cell.key}.json", future.result())
-            except Exception as exc:  # one broken cell must not cost the others
-                failed.append(cell.key)
-                tqdm.write(f"cell {cell.key} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-            bar.update(1)
+
+    def finish(cell: Cell, outcome: Callable[[], dict[str, Any]], bar: Any) -> None:
+        try:
+            _write_json(cells_dir / f"{cell.key}.json", outcome())
+        except Exception as exc:  # one broken cell must not cost the others
+            failed.append(cell.key)
+            tqdm.write(f"cell {cell.key} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        bar.update(1)
+
+    with tqdm(total=len(todo), unit="cell") as bar:
+        if workers == 1:  # in this process: no pool to start
+            for cell in todo:
+                finish(cell, lambda cell=cell: run_cell(cell, grid.protocol, threads), bar)
+            return failed
+        # spawn, not fork: a forked child of a process that already ran torch's OpenMP threads can hang.
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+            futures = {pool.submit(run_cell, c, grid.protocol, threads): c for c in todo}
+            for future in as_completed(futures):
+                finish(futures[future], future.result, bar)
     return failed
 
 
