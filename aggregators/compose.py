@@ -162,6 +162,12 @@ class ComposedRule(AggregationRule):
             problems += companion.update_problems(update, global_params, state["companions"][companion.name])
         return problems
 
+    def diagnostics(self, state: Mapping[str, Any]) -> dict[str, float]:
+        values = dict(self.rule.diagnostics(state["rule"]))
+        for companion in self.companions:
+            values.update(companion.diagnostics(state["companions"][companion.name]))
+        return values
+
     def aggregate(
         self,
         global_params: Mapping[str, np.ndarray],

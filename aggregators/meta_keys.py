@@ -27,6 +27,10 @@ RUN_ID = "server.run_id"  # identifies one run of a job: client state from anoth
 # SCAFFOLD (Karimireddy et al. 2020): global control c down, control change delta c_i up; fp32, trainable params only.
 SCAFFOLD_CTRL_GLOBAL = "scaffold.ctrl.global"
 SCAFFOLD_CTRL_DIFF = "scaffold.ctrl.diff"
+# Diagnostics (scalars): a site's ||delta c_i|| and ||c_i|| after the round; the server's ||c|| per round.
+SCAFFOLD_CTRL_DIFF_NORM = "scaffold.ctrl.diff_norm"
+SCAFFOLD_CTRL_LOCAL_NORM = "scaffold.ctrl.local_norm"
+SCAFFOLD_CTRL_GLOBAL_NORM = "scaffold.ctrl.global_norm"
 
 # FedProx (Li et al. 2020): the proximal coefficient mu the client trained with, client -> server (for the logs).
 FEDPROX_MU = "fedprox.mu"

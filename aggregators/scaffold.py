@@ -64,6 +64,11 @@ def control_problems(
     return parsed.lines()
 
 
+def l2_norm(arrays: Mapping[str, np.ndarray]) -> float:
+    """The Euclidean norm of all arrays together (0 for none), in float64."""
+    return float(np.sqrt(sum(float(np.sum(np.square(np.asarray(a, dtype=np.float64)))) for a in arrays.values())))
+
+
 def update_global_control(
     control: Mapping[str, np.ndarray], diffs: Sequence[Mapping[str, np.ndarray]], population_size: int
 ) -> Controls:
@@ -103,6 +108,9 @@ class ScaffoldControl(CompanionRule):
 
     def broadcast_meta(self, state: Mapping[str, Any]) -> dict[str, Any]:
         return {meta_keys.SCAFFOLD_CTRL_GLOBAL: dict(state["control"])}
+
+    def diagnostics(self, state: Mapping[str, Any]) -> dict[str, float]:
+        return {meta_keys.SCAFFOLD_CTRL_GLOBAL_NORM: l2_norm(state["control"])}
 
     def update_problems(
         self, update: ClientUpdate, global_params: Mapping[str, np.ndarray], state: Mapping[str, Any]
@@ -159,6 +167,9 @@ class Scaffold(AggregationRule):
 
     def broadcast_meta(self, state: Mapping[str, Any]) -> dict[str, Any]:
         return self.control.broadcast_meta(state)
+
+    def diagnostics(self, state: Mapping[str, Any]) -> dict[str, float]:
+        return self.control.diagnostics(state)
 
     def update_problems(
         self, update: ClientUpdate, global_params: Mapping[str, np.ndarray], state: Mapping[str, Any]

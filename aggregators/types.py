@@ -70,6 +70,11 @@ class ServerState:
     ) -> list[str]:
         return []
 
+    def diagnostics(self, state: Mapping[str, Any]) -> dict[str, float]:
+        """Scalars of the state worth watching per round (e.g. the norm of SCAFFOLD's global control); the engine
+        writes them to the round's metrics line under ``rule_diagnostics``."""
+        return {}
+
 
 class AggregationRule(ServerState):
     """The base of every aggregation rule: what the round engine (``controllers/engine.py``) calls, with defaults.

@@ -21,6 +21,7 @@ A difference smaller than the seed spread is reported as a tie with the best.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import multiprocessing
@@ -230,28 +231,26 @@ def run_cell(cell: Cell, protocol: Protocol, threads: int) -> dict[str, Any]:
     }
 
 
-def _write_json(path: Path, value: Any) -> None:
+def write_json(path: Path, value: Any) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(value, default=float))
     tmp.replace(path)  # atomic: a killed run never leaves a half-written cell behind
 
 
-def _same_protocol(path: Path, protocol: Protocol) -> None:
+def same_protocol(path: Path, protocol: Any) -> None:
     """Finished cells are reused only under the protocol they ran with."""
     if path.exists() and json.loads(path.read_text()) != asdict(protocol):
         raise SystemExit(
             f"error: {path.parent} holds cells of another protocol ({path.read_text()}); use another --out"
         )
-    _write_json(path, asdict(protocol))
+    write_json(path, asdict(protocol))
 
 
 def run_grid(grid: Grid, out: Path, workers: int) -> list[str]:
     """Run every cell not yet in ``out/cells``; returns the keys of cells that failed (with the reason printed)."""
-    from tqdm import tqdm
-
     cells_dir = out / "cells"
     cells_dir.mkdir(parents=True, exist_ok=True)
-    _same_protocol(out / "protocol.json", grid.protocol)
+    same_protocol(out / "protocol.json", grid.protocol)
     cells = [
         Cell(a, p, share, s)
         for p in grid.partitions
@@ -261,14 +260,23 @@ def run_grid(grid: Grid, out: Path, workers: int) -> list[str]:
     ]
     for cell in cells:
         cell_spec(cell, grid.protocol)  # refuse a bad grid before hours of work
+    return run_cells(cells, functools.partial(run_cell, protocol=grid.protocol), cells_dir, workers)
+
+
+def run_cells(cells: Sequence[Any], run: Callable[..., dict[str, Any]], cells_dir: Path, workers: int) -> list[str]:
+    """Run every cell (anything with a ``key``) whose ``cells_dir/<key>.json`` does not exist yet, ``workers`` at a
+    time, with a progress bar; ``run(cell, threads=...)`` must be picklable (a module-level function or a partial of
+    one). Returns the keys of cells that failed (with the reason printed)."""
+    from tqdm import tqdm
+
     todo = [c for c in cells if not (cells_dir / f"{c.key}.json").exists()]
     print(f"{len(cells)} cells, {len(cells) - len(todo)} already done, {len(todo)} to run on {workers} worker(s)")
     failed: list[str] = []
     threads = max(1, (os.cpu_count() or 1) // workers)
 
-    def finish(cell: Cell, outcome: Callable[[], dict[str, Any]], bar: Any) -> None:
+    def finish(cell: Any, outcome: Callable[[], dict[str, Any]], bar: Any) -> None:
         try:
-            _write_json(cells_dir / f"{cell.key}.json", outcome())
+            write_json(cells_dir / f"{cell.key}.json", outcome())
         except Exception as exc:  # one broken cell must not cost the others
             failed.append(cell.key)
             tqdm.write(f"cell {cell.key} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -277,12 +285,12 @@ def run_grid(grid: Grid, out: Path, workers: int) -> list[str]:
     with tqdm(total=len(todo), unit="cell") as bar:
         if workers == 1:  # in this process: no pool to start
             for cell in todo:
-                finish(cell, lambda cell=cell: run_cell(cell, grid.protocol, threads), bar)
+                finish(cell, lambda cell=cell: run(cell, threads=threads), bar)
             return failed
         # spawn, not fork: a forked child of a process that already ran torch's OpenMP threads can hang.
         context = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-            futures = {pool.submit(run_cell, c, grid.protocol, threads): c for c in todo}
+            futures = {pool.submit(run, c, threads=threads): c for c in todo}
             for future in as_completed(futures):
                 finish(futures[future], future.result, bar)
     return failed
@@ -480,8 +488,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         protocol=protocol,
     )
     failed = [] if args.report_only else run_grid(grid, args.out, max(1, args.workers))
-    command = "python -m benchmarks.compare " + " ".join(argv if argv is not None else sys.argv[1:])
-    print(f"report: {write_report(args.out, command)}")
+    return finish(write_report, args.out, "benchmarks.compare", argv, failed)
+
+
+def finish(
+    write: Callable[[Path, str], Path], out: Path, module: str, argv: Sequence[str] | None, failed: Sequence[str]
+) -> int:
+    """Write the report (naming the command that produced it), say which cells failed; the exit status."""
+    command = f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:])
+    print(f"report: {write(out, command)}")
     if failed:
         print(f"error: {len(failed)} cell(s) failed: {', '.join(failed)}", file=sys.stderr)
         return 1

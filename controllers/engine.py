@@ -282,6 +282,9 @@ class RoundEngine:
         record["global_sha256"] = digest
         host.persist(round_num, new_params, new_state, digest, updates, aggregated)
         record.update(site_metrics(updates))
+        diagnostics = self._diagnostics(new_state, host) if aggregated else {}
+        if diagnostics:
+            record["rule_diagnostics"] = diagnostics
         record.update(host.evaluate(new_params))
         record["elapsed_s"] = round(time.monotonic() - started, 3)
         host.record(record)
@@ -349,6 +352,13 @@ class RoundEngine:
         if problems:
             raise RuleFailure(f"rule '{self.rule.name}' produced an unusable model: " + "; ".join(problems))
         return dict(result.params), result.state
+
+    def _diagnostics(self, state: Mapping[str, Any], host: Host) -> dict[str, float]:
+        try:
+            return dict(self._call("diagnostics", lambda: self.rule.diagnostics(state)))
+        except RuleFailure as exc:  # only a log line: the round itself succeeded
+            host.log(logging.WARNING, str(exc))
+            return {}
 
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
         try:

@@ -35,7 +35,7 @@ from controllers.evaluator import TestSetEvaluator
 from data_prep import SiteDataConfig, site_split
 from data_prep.site_config import seed_index
 from lightning_modules.classifier import FLClassifier
-from lightning_modules.site import SiteRound, build_site_round
+from lightning_modules.site import build_site_round
 from lightning_modules.state_store import ClientStateStore
 
 
@@ -60,6 +60,8 @@ class InProcessRun:
     params: Params
     state: dict[str, Any]
     records: list[dict[str, Any]] = field(default_factory=list)
+    #: site -> the final global model's validation metrics on that site's split (user models only)
+    final_site_scores: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def rounds(self) -> list[dict[str, Any]]:
@@ -74,11 +76,16 @@ def site_args(spec: Any) -> Any:
     return build_parser().parse_args(client_script_args(spec).split())
 
 
-def site_rounds(spec: Any, state_root: Path) -> dict[str, SiteRound]:
+def site_rounds(spec: Any, state_root: Path) -> dict[str, Any]:
     """``site-1`` .. ``site-N`` of ``spec`` as the client script sets them up in the simulator."""
     from jobs.build import dataset_num_classes
 
     args = site_args(spec)
+    if spec.model is not None:  # the user's own module and data module (lightning_modules/own_model.py)
+        from lightning_modules.own_model import UserSite
+
+        names = [f"site-{i + 1}" for i in range(spec.num_sites)]
+        return {site: UserSite(args, site, ClientStateStore(Path(state_root), site)) for site in names}
     config = SiteDataConfig.from_namespace(args)
     num_classes = dataset_num_classes(spec.dataset)
     sites = {}
@@ -91,9 +98,15 @@ def site_rounds(spec: Any, state_root: Path) -> dict[str, SiteRound]:
 
 
 def initial_params(spec: Any) -> Params:
-    """The job's initial global model: what its persistor builds (``FLClassifier`` seeded with the job seed)."""
+    """The job's initial global model: what its persistor builds (``FLClassifier`` seeded with the job seed, or
+    the user's module from its import path)."""
     from jobs.build import dataset_num_classes, model_arch_args
 
+    if spec.model is not None:
+        from lightning_modules.own_model import build_user_module
+
+        module = build_user_module(spec.model, spec.model_args)
+        return {key: value.detach().cpu().numpy().copy() for key, value in module.state_dict().items()}
     model = FLClassifier(
         arch=spec.arch,
         num_classes=dataset_num_classes(spec.dataset),
@@ -131,7 +144,7 @@ def run_in_process(
     )
     if host is None:
         evaluator = None
-        if evaluate:
+        if evaluate and spec.model is None:  # a user model's job has no server-side test set: sites evaluate
             evaluator = TestSetEvaluator(
                 arch=spec.arch,
                 num_classes=dataset_num_classes(spec.dataset),
@@ -148,7 +161,8 @@ def run_in_process(
     final, state = engine.run(
         tuple(sites), params, rule.init_state(params), transport, host, run_id=run_id or uuid.uuid4().hex
     )
-    return InProcessRun(params=final, state=state, records=host.records)
+    scores = {name: site.score(final) for name, site in sites.items() if getattr(site, "evaluate", False)}
+    return InProcessRun(params=final, state=state, records=host.records, final_site_scores=scores)
 
 
 @contextlib.contextmanager

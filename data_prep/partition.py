@@ -18,6 +18,10 @@ ICDE 2022, arXiv:2102.02079):
     "#C=k" label skew. Every site holds exactly ``k`` distinct labels; each label's samples are split evenly among the
     sites that hold it. Labels are dealt least-used first, so every label is used whenever ``num_sites * k >= classes``
     (otherwise the samples of unassigned labels are left out).
+``population``
+    Site = population (label shift, and for genotype data covariate shift with it): all samples of class ``c`` go
+    to site ``c mod num_sites``, so each site holds whole classes and no class is split. Needs
+    ``num_sites <= classes``.
 ``quantity``
     Quantity skew. Labels stay IID; site sizes follow ``Dir(alpha)`` proportions (redrawn until every site has
     ``min_samples`` samples).
@@ -32,9 +36,9 @@ import numpy as np
 
 from data_prep.errors import DataPrepError
 
-__all__ = ["SCHEMES", "dirichlet", "iid", "partition", "quantity", "shards"]
+__all__ = ["SCHEMES", "dirichlet", "iid", "partition", "population", "quantity", "shards"]
 
-SCHEMES: tuple[str, ...] = ("iid", "dirichlet", "shards", "quantity")
+SCHEMES: tuple[str, ...] = ("iid", "dirichlet", "shards", "quantity", "population")
 MAX_DRAWS = 1000
 
 
@@ -147,11 +151,24 @@ def quantity(
     )
 
 
+def population(labels: np.ndarray, num_sites: int, *, seed: int = 0) -> list[np.ndarray]:
+    """Site = population: class ``c`` goes whole to site ``c mod num_sites`` (``seed`` is not needed)."""
+    labels = _check_labels(labels, num_sites)
+    classes = np.unique(labels)
+    if num_sites > len(classes):
+        raise DataPrepError(
+            f"population: {num_sites} sites but only {len(classes)} populations (classes); a site holds whole "
+            "populations, so use at most as many sites as populations"
+        )
+    return _finish([np.flatnonzero(np.isin(labels, classes[s::num_sites])) for s in range(num_sites)], "population")
+
+
 _SCHEME_FUNCTIONS: dict[str, Callable[..., list[np.ndarray]]] = {
     "iid": iid,
     "dirichlet": dirichlet,
     "shards": shards,
     "quantity": quantity,
+    "population": population,
 }
 
 
@@ -186,6 +203,8 @@ def partition(
         return _SCHEME_FUNCTIONS[scheme](labels, num_sites, seed=seed, alpha=alpha, min_samples=min_samples)
     if scheme == "shards":
         return shards(labels, num_sites, seed=seed, classes_per_site=classes_per_site)
+    if scheme == "population":
+        return population(labels, num_sites)
     return iid(labels, num_sites, seed=seed)
 
 

@@ -5,6 +5,15 @@ from __future__ import annotations
 
 from jobs.spec import JobSpec
 
+SNP_JOB = {
+    "model": "genomics.model:SnpClassifier",
+    "model_args": {"arch": "cnn_transformer", "n_snps": 127, "num_classes": 5, "lr": 1e-3},
+    "data": "genomics.data:SnpSites",
+    "data_args": {"source": "1kg", "split": "dirichlet", "alpha": 0.1, "batch_size": 128},
+    "ship": "examples/genomics",
+    "num_rounds": 10,
+}
+
 PRESETS: dict[str, JobSpec] = {
     "fedavg": JobSpec(name="fedavg"),
     "scaffold": JobSpec(name="scaffold", client="scaffold", server="scaffold"),
@@ -34,6 +43,10 @@ PRESETS: dict[str, JobSpec] = {
     "fednova": JobSpec(name="fednova", server="fednova", pattern="uniform_random", max_local_epochs=3),
     "fedatt": JobSpec(name="fedatt", server="fedatt", server_args={"epsilon": 1.0, "noise": 0.0001}),
     "fedadp": JobSpec(name="fedadp", server="fedadp", server_args={"alpha": 5.0}),
+    # The genomics consortium (docs/genomics.md): its own cnn_transformer and data module by import path, shipped in
+    # the job (custom/genomics/); 1000 Genomes panel, Dirichlet 0.1 over super-populations, AdamW.
+    "snp_scaffold": JobSpec(name="snp_scaffold", client="scaffold", server="scaffold", **SNP_JOB),
+    "snp_fedavg": JobSpec(name="snp_fedavg", **SNP_JOB),
     # Attack-adaptive aggregation (docs/robustness.md): the shipped LeNet-5 attention checkpoint, 10 sites.
     "attack_adaptive": JobSpec(
         name="attack_adaptive",

@@ -95,42 +95,86 @@ def evaluates_at_the_site(module: pl.LightningModule, data: pl.LightningDataModu
     )
 
 
+class UserSite:
+    """One site with the user's module and data: the same round in the NVFlare client and in process.
+
+    :meth:`fit` runs a round with the exchange ``connect`` attaches (``flare.patch``, or the in-process
+    :class:`lightning_modules.site.LocalExchange`): seed torch from (job seed, site, round), a fresh Trainer with
+    the algorithm callback, site evaluation of the received model (``trainer.validate``), then ``trainer.fit``.
+    """
+
+    def __init__(self, args: Any, site: str, state_store: Any, meta_source: Any = None) -> None:
+        from data_prep.site_config import seed_index
+        from lightning_modules.federated import FederatedAlgorithm
+
+        self.args, self.site = args, site
+        self.module = build_user_module(args.model, _json(args.model_args))
+        self.data = build_user_data(args.data, _json(args.data_args), site, args.num_sites)
+        extra = {"meta_source": meta_source} if meta_source is not None else {}
+        self.callback = FederatedAlgorithm(
+            args.client, algorithm_args=_json(args.client_args), site=site, state_store=state_store, **extra
+        )
+        self.evaluate = evaluates_at_the_site(self.module, self.data)
+        if not self.evaluate:
+            print(f"{site}: no validation_step/val_dataloader: the global model is not evaluated at this site")
+        self.index = seed_index(site, args.num_sites)
+
+    def fit(self, round_num: int, connect: Any) -> dict[str, Any]:
+        import torch
+
+        from lightning_modules.site import local_epochs, make_trainer, round_seed
+
+        torch.manual_seed(round_seed(self.args.seed, self.index, round_num))
+        trainer = make_trainer(self.args, self.callback, local_epochs(self.args, self.index, round_num))
+        connect(trainer)
+        if self.evaluate:
+            trainer.validate(self.module, datamodule=self.data, verbose=False)
+        trainer.fit(self.module, datamodule=self.data)
+        return self.callback.last_meta
+
+    def train(self, round_num: int, global_params: Mapping[str, Any], server_meta: Mapping[str, Any]):
+        """One round in process: the global model and server meta in, the site's model (numpy) and meta out."""
+        from lightning_modules.site import LocalExchange
+
+        exchange = LocalExchange(global_params)
+
+        def connect(trainer: pl.Trainer) -> None:
+            exchange.on_train_start(trainer, self.module)  # the received weights, for the validation too
+            trainer.callbacks.append(exchange)
+
+        self.callback.meta_source = lambda: dict(server_meta)
+        meta = self.fit(round_num, connect)
+        assert exchange.result is not None, "the fit ended without reaching on_train_end"
+        return exchange.result, dict(meta)
+
+    def score(self, params: Mapping[str, Any]) -> dict[str, float]:
+        """The validation metrics of ``params`` on this site's validation split (a site x model table)."""
+        from lightning_modules.site import LocalExchange, make_trainer
+
+        LocalExchange(params).on_train_start(None, self.module)
+        trainer = make_trainer(self.args, self.callback)
+        results = trainer.validate(self.module, datamodule=self.data, verbose=False)
+        self.callback._site_eval = {}  # not a round's evaluation
+        return {k: float(v) for k, v in (results[0] if results else {}).items()}
+
+
 def run_site(args: Any) -> None:
     """The client loop for a user model (called by ``jobs/client.py`` when the job names ``--model``)."""
     import nvflare.client.lightning as flare
-    import torch
 
-    from data_prep.site_config import seed_index
-    from lightning_modules.federated import FederatedAlgorithm
-    from lightning_modules.site import local_epochs, make_trainer, round_seed
     from lightning_modules.state_store import ClientStateStore, default_state_root
 
     flare.init()
-    site = flare.get_site_name()
-    module = build_user_module(args.model, _json(args.model_args))
-    data = build_user_data(args.data, _json(args.data_args), site, args.num_sites)
-    callback = FederatedAlgorithm(
-        args.client,
-        algorithm_args=_json(args.client_args),
-        site=site,
-        state_store=ClientStateStore(default_state_root() / flare.get_job_id(), site),
-    )
-    evaluate = evaluates_at_the_site(module, data)
-    if not evaluate:
-        print(f"{site}: no validation_step/val_dataloader: the global model is not evaluated at this site")
-    index = seed_index(site, args.num_sites)
+    site_name = flare.get_site_name()
+    site = UserSite(args, site_name, ClientStateStore(default_state_root() / flare.get_job_id(), site_name))
     while flare.is_running():
         received = flare.receive()
         if received is None:
             break
         round_num = received.current_round or 0
-        torch.manual_seed(round_seed(args.seed, index, round_num))
-        trainer = make_trainer(args, callback, local_epochs(args, index, round_num))
-        flare.patch(trainer, restore_state=False)  # a fresh optimizer every round, as FedAvg's clients have
-        if evaluate:
-            trainer.validate(module, datamodule=data, verbose=False)
-        trainer.fit(module, datamodule=data)
-        print(f"{site} round {round_num}: {json.dumps(_scalars(callback.last_meta), sort_keys=True)}", flush=True)
+        # A fresh optimizer every round, as FedAvg's clients have.
+        meta = site.fit(round_num, lambda trainer: flare.patch(trainer, restore_state=False))
+        print(f"{site_name} round {round_num}: {json.dumps(_scalars(meta), sort_keys=True)}", flush=True)
 
 
 def _json(value: Any) -> dict[str, Any]:

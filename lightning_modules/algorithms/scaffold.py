@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from aggregators import meta_keys
+from aggregators.scaffold import l2_norm
 from aggregators.wire import ControlVariate
 from lightning_modules.algorithms.base import (
     ClientAlgorithm,
@@ -161,7 +162,12 @@ class Scaffold(ClientAlgorithm):
             c_new = option_ii_control(self.c_local, self.c_global, self.x, y, self.lr_sum)
         diff = {name: (c_new[name] - self.c_local[name]).cpu().numpy().astype(np.float32) for name in self._params}
         save_run_state(self, c_new, self._run_id, self._round)
-        return ControlVariate(meta_keys.SCAFFOLD_CTRL_DIFF, diff).to_meta()
+        return {
+            **ControlVariate(meta_keys.SCAFFOLD_CTRL_DIFF, diff).to_meta(),
+            # What a user watches to see the control variates working (the server logs ||c||).
+            meta_keys.SCAFFOLD_CTRL_DIFF_NORM: l2_norm(diff),
+            meta_keys.SCAFFOLD_CTRL_LOCAL_NORM: l2_norm({k: v.cpu().numpy() for k, v in c_new.items()}),
+        }
 
 
 def clips_gradients(module: nn.Module) -> bool:

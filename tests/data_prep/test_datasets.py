@@ -182,4 +182,4 @@ def test_digits_split_is_the_same_after_cache_clear() -> None:
 
 
 def test_dataset_names_are_exported() -> None:
-    assert DATASETS == ("fashion_mnist", "mnist", "digits")
+    assert DATASETS == ("fashion_mnist", "mnist", "digits", "snp_1kg", "snp_sim")

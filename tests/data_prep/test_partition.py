@@ -40,7 +40,7 @@ def test_same_seed_gives_identical_partition(labels: np.ndarray, scheme: str) ->
         np.testing.assert_array_equal(a, b)
 
 
-@ALL_SCHEMES
+@pytest.mark.parametrize("scheme", [s for s in SCHEMES if s != "population"])  # population uses no randomness
 def test_different_seed_gives_different_partition(labels: np.ndarray, scheme: str) -> None:
     first, second = _split(labels, scheme, seed=1), _split(labels, scheme, seed=2)
     assert any(len(a) != len(b) or not np.array_equal(a, b) for a, b in zip(first, second, strict=True))
@@ -75,6 +75,18 @@ def test_dispatcher_matches_direct_functions(labels: np.ndarray) -> None:
         got = partition(labels, 4, scheme, seed=3, alpha=0.3, classes_per_site=3, min_samples=5)
         for a, b in zip(got, parts, strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+def test_population_gives_whole_classes_round_robin() -> None:
+    labels = np.array([0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 4])
+    parts = partition(labels, 3, "population", seed=0)
+    # classes 0 and 3 -> site-1, 1 and 4 -> site-2, 2 -> site-3
+    assert [p.tolist() for p in parts] == [[0, 3, 5, 8], [1, 4, 6, 9, 10], [2, 7]]
+
+
+def test_population_refuses_more_sites_than_classes() -> None:
+    with pytest.raises(DataPrepError, match="6 sites but only 5 populations"):
+        partition(np.arange(10) % 5, 6, "population", seed=0)
 
 
 def test_iid_sizes_differ_by_at_most_one(labels: np.ndarray) -> None:

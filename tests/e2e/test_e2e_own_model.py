@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from controllers import report
+from controllers.in_process import quiet_lightning, run_in_process
+from jobs.spec import JobSpec
 
 REPO = Path(__file__).resolve().parents[2]
 ROUNDS = 3
@@ -28,7 +30,7 @@ def simulate(job: Path, workspace: Path, threads: int) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_example_model_trains_with_site_evaluation_and_is_thread_count_independent(tmp_path):
+def test_example_model_trains_with_site_evaluation_and_is_thread_count_independent(tmp_path, monkeypatch):
     build = [sys.executable, "-m", "jobs.build", "--client", "scaffold", "--server", "scaffold"]
     build += ["--name", "custom_scaffold", "--output-dir", str(tmp_path), "--num-rounds", str(ROUNDS)]
     build += ["--model", "custom_model.model:DigitsClassifier", "--data", "custom_model.data:DigitsSites"]
@@ -45,6 +47,23 @@ def test_example_model_trains_with_site_evaluation_and_is_thread_count_independe
     assert meta["client.algorithm"] == "scaffold" and "fednova.tau" not in meta  # AdamW: no FedNova report
     assert report.main([str(tmp_path / "t3"), "--plot", str(tmp_path / "p.png")]) == 0
     assert json.dumps(by_process[-1]["site_eval"])  # JSON-able as written
+    # SCAFFOLD's diagnostics: the server's ||c|| and every site's ||delta c_i||, each round.
+    assert all(r["rule_diagnostics"]["scaffold.ctrl.global_norm"] > 0 for r in by_process[1:])
+    assert all(m["scaffold.ctrl.diff_norm"] > 0 for m in by_process[-1]["site_meta"].values())
+    # The in-process runner (benchmarks) gives the simulator's global models bit for bit for a user model too.
+    monkeypatch.syspath_prepend(str(REPO / "examples"))
+    spec = JobSpec(
+        name="custom_scaffold",
+        client="scaffold",
+        server="scaffold",
+        num_rounds=ROUNDS,
+        model="custom_model.model:DigitsClassifier",
+        data="custom_model.data:DigitsSites",
+    )
+    with quiet_lightning():
+        run = run_in_process(spec, tmp_path / "in_process_state")
+    assert [r["global_sha256"] for r in run.records] == [r["global_sha256"] for r in by_process]
+    assert set(run.final_site_scores) == {"site-1", "site-2", "site-3"}
 
 
 OTHERS = {
@@ -74,3 +93,21 @@ def test_example_model_runs_under_every_other_client_algorithm(tmp_path, client)
     assert all(r["rejected"] == {} for r in rounds)
     assert {m["client.algorithm"] for m in rounds[-1]["site_meta"].values()} == {client}
     assert "val_accuracy" in rounds[-1]["site_eval"]
+
+
+@pytest.mark.slow
+def test_the_genomics_job_runs_with_the_users_command_shape(tmp_path):
+    """The consortium's own model and data (examples/genomics) as the committed snp_scaffold job, shortened."""
+    build = [sys.executable, "-m", "jobs.build", "--client", "scaffold", "--server", "scaffold", "--name", "snp"]
+    build += ["--output-dir", str(tmp_path), "--num-rounds", "2", "--ship", "examples/genomics"]
+    build += ["--model", "genomics.model:SnpClassifier", "--data", "genomics.data:SnpSites"]
+    build += ["--model-args", '{"arch":"mlp","n_snps":127,"num_classes":5,"lr":0.001}']
+    build += ["--data-args", '{"source":"1kg","split":"population","batch_size":128}']
+    subprocess.run(build, check=True, cwd=REPO, capture_output=True)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    command = ["nvflare", "simulator", str(tmp_path / "snp"), "-w", str(tmp_path / "ws"), "-n", "3"]
+    completed = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
+    rounds = [r for r in report.load_records(tmp_path / "ws") if r["stage"] == "round"]
+    assert [r["status"] for r in rounds] == ["aggregated", "aggregated"], completed.stdout[-3000:]
+    assert set(rounds[-1]["site_eval"]["val_accuracy"]["per_site"]) == {"site-1", "site-2", "site-3"}
+    assert rounds[-1]["rule_diagnostics"]["scaffold.ctrl.global_norm"] > 0

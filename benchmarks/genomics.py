@@ -1,0 +1,487 @@
+"""The genomics results table: federated algorithms vs local-only and pooled training on genotype data.
+
+    python -m benchmarks.genomics --source 1kg --out benchmarks/results/genomics_1kg     # the committed table
+    python -m benchmarks.genomics --source sim --out benchmarks/results/genomics_sim
+    python -m benchmarks.genomics --grid smoke --out /tmp/gen                           # a minute: what tests run
+
+A *cell* is (algorithm, split, seed). Federated cells are jobs built from the consortium's own classes by import
+path (``examples/genomics``: ``genomics.model:SnpClassifier`` and ``genomics.data:SnpSites``), run by the round
+engine with the sites' Lightning rounds in this process (:func:`controllers.in_process.run_in_process`, the code
+path the NVFlare jobs run). Two baselines per split and seed use the same model, optimizer and data:
+
+- ``local``: every site trains alone on its own share for as many epochs as the federation's rounds;
+- ``pooled``: one model trained on all sites' training shares together (centralised training), as many epochs.
+
+Every model is scored on each site's validation split (per-site and mean accuracy; a local model on its own site's
+split) and on a held-out test set of all populations that no site trains on (a simulation-only yardstick). For
+SCAFFOLD the report also gives the norm of the global control c and the mean norm of the sites' control changes per
+round. Cells are resumable and run in parallel (``benchmarks.compare.run_cells``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.compare import finish, run_cells, same_protocol
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+MODEL, DATA = "genomics.model:SnpClassifier", "genomics.data:SnpSites"
+#: The split label -> the data module's split settings.
+SPLITS: dict[str, dict[str, Any]] = {
+    "iid": {"split": "iid"},
+    "dir1.0": {"split": "dirichlet", "alpha": 1.0},
+    "dir0.1": {"split": "dirichlet", "alpha": 0.1},
+    "population": {"split": "population"},
+}
+#: Algorithm label -> JobSpec client/server settings and model overrides. FedNova's normaliser describes SGD steps
+#: only, so its sites train with plain SGD (``sgd_lr``) instead of AdamW.
+ALGORITHMS: dict[str, dict[str, Any]] = {
+    "fedavg": {},
+    "fedprox": {"client": "fedprox", "client_args": {"mu": 0.01}},
+    "scaffold": {"client": "scaffold", "server": "scaffold"},
+    "feddyn": {"client": "feddyn", "server": "feddyn", "server_args": {"alpha": 0.01}},
+    "fednova": {"server": "fednova", "model": {"optimizer": "sgd"}},
+    "fedavgm": {"server": "fedavgm"},
+}
+BASELINES = ("local", "pooled")
+
+
+@dataclass(frozen=True)
+class Protocol:
+    source: str = "1kg"
+    arch: str = "mlp"
+    num_sites: int = 5
+    rounds: int = 30
+    lr: float = 1e-3
+    sgd_lr: float = 0.05
+    batch_size: int = 128
+    n_snps: int = 1000  # simulated cohorts
+    samples_per_population: int = 250
+
+    @property
+    def num_classes(self) -> int:
+        return 5 if self.source == "1kg" else 4
+
+    @property
+    def input_snps(self) -> int:
+        return 127 if self.source == "1kg" else self.n_snps
+
+
+@dataclass(frozen=True)
+class Cell:
+    algorithm: str
+    split: str
+    seed: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.algorithm}__{self.split}__s{self.seed}"
+
+
+GRIDS = {
+    # The simulated cohort has 4 populations: 4 sites, so that "site = population" gives each site one.
+    "table": lambda source: (
+        tuple(ALGORITHMS) + BASELINES,
+        tuple(SPLITS),
+        (0, 1, 2),
+        Protocol(source=source, num_sites=5 if source == "1kg" else 4),
+    ),
+    "smoke": lambda source: (
+        ("fedavg", "scaffold", "local", "pooled"),
+        ("dir0.1",),
+        (0,),
+        Protocol(source=source, num_sites=3, rounds=2),
+    ),
+}
+
+
+def model_args(protocol: Protocol, algorithm: str, seed: int) -> dict[str, Any]:
+    args = {
+        "arch": protocol.arch,
+        "n_snps": protocol.input_snps,
+        "num_classes": protocol.num_classes,
+        "lr": protocol.lr,
+        "seed": seed,
+        **ALGORITHMS.get(algorithm, {}).get("model", {}),
+    }
+    if args.get("optimizer") == "sgd":
+        args["lr"] = protocol.sgd_lr
+    return args
+
+
+def data_args(protocol: Protocol, split: str, seed: int) -> dict[str, Any]:
+    args = {"source": protocol.source, "seed": seed, "batch_size": protocol.batch_size, **SPLITS[split]}
+    if protocol.source == "sim":
+        args.update(n_snps=protocol.n_snps, samples_per_population=protocol.samples_per_population)
+    return args
+
+
+def examples_importable() -> None:
+    """The consortium's package (examples/genomics) importable as ``genomics``, as a job ships it."""
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+
+
+def cell_spec(cell: Cell, protocol: Protocol) -> Any:
+    from jobs.spec import JobSpec
+
+    examples_importable()
+    settings = {k: v for k, v in ALGORITHMS[cell.algorithm].items() if k != "model"}
+    return JobSpec(
+        name=cell.key,
+        num_sites=protocol.num_sites,
+        num_rounds=protocol.rounds,
+        seed=cell.seed,
+        model=MODEL,
+        model_args=model_args(protocol, cell.algorithm, cell.seed),
+        data=DATA,
+        data_args=data_args(protocol, cell.split, cell.seed),
+        **settings,
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Running cells
+# --------------------------------------------------------------------------------------------------------------------
+def run_cell(cell: Cell, protocol: Protocol, threads: int) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(threads)
+    examples_importable()
+    started = time.monotonic()
+    result = _baseline(cell, protocol) if cell.algorithm in BASELINES else _federated(cell, protocol)
+    return {"cell": asdict(cell), "protocol": asdict(protocol), "wall_s": time.monotonic() - started, **result}
+
+
+def _federated(cell: Cell, protocol: Protocol) -> dict[str, Any]:
+    from controllers.in_process import quiet_lightning, run_in_process
+
+    with tempfile.TemporaryDirectory(prefix="fedalg_genomics_") as state_root, quiet_lightning():
+        run = run_in_process(cell_spec(cell, protocol), Path(state_root), run_id=cell.key)
+    rounds = run.rounds
+    curve = [r.get("site_eval", {}).get("val_accuracy", {}).get("mean", float("nan")) for r in rounds]
+    final = {site: scores["val_accuracy"] for site, scores in run.final_site_scores.items()}
+    module = _module(protocol, cell.algorithm, cell.seed)
+    module.load_state_dict({k: _tensor(v) for k, v in run.params.items()})
+    return {
+        "curve": [*curve[1:], _weighted_mean(final, _site_sizes(cell, protocol))],  # after rounds 1 .. R
+        "site_val_accuracy": final,
+        "test_accuracy": _test_accuracy(module, cell, protocol),
+        "control_global_norm": [r.get("rule_diagnostics", {}).get("scaffold.ctrl.global_norm") for r in rounds],
+        "control_diff_norm": [_mean_site_meta(r, "scaffold.ctrl.diff_norm") for r in rounds],
+    }
+
+
+def _baseline(cell: Cell, protocol: Protocol) -> dict[str, Any]:
+    import torch
+    from torch.utils.data import ConcatDataset, DataLoader
+
+    from controllers.in_process import quiet_lightning
+
+    sites = _data_modules(cell, protocol)
+    scores, tests = {}, []
+    with quiet_lightning():
+        if cell.algorithm == "local":
+            for name, data in sites.items():
+                torch.manual_seed(cell.seed)
+                module = _train(protocol, cell, data.train_dataloader())
+                scores[name] = _accuracy(module, data.val)
+                tests.append(_test_accuracy(module, cell, protocol))
+        else:
+            torch.manual_seed(cell.seed)
+            pooled = ConcatDataset([data.train for data in sites.values()])
+            module = _train(protocol, cell, DataLoader(pooled, batch_size=protocol.batch_size, shuffle=True))
+            scores = {name: _accuracy(module, data.val) for name, data in sites.items()}
+            tests.append(_test_accuracy(module, cell, protocol))
+    return {"site_val_accuracy": scores, "test_accuracy": float(np.mean(tests))}
+
+
+def _train(protocol: Protocol, cell: Cell, loader: Any) -> Any:
+    import pytorch_lightning as pl
+
+    module = _module(protocol, "fedavg", cell.seed)
+    trainer = pl.Trainer(
+        max_epochs=protocol.rounds,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, train_dataloaders=loader)
+    return module
+
+
+@functools.lru_cache(maxsize=8)
+def _data_modules_cached(protocol: Protocol, split: str, seed: int) -> dict[str, Any]:
+    from genomics.data import SnpSites
+
+    args = data_args(protocol, split, seed)
+    return {
+        f"site-{i + 1}": SnpSites(site=f"site-{i + 1}", num_sites=protocol.num_sites, **args)
+        for i in range(protocol.num_sites)
+    }
+
+
+def _data_modules(cell: Cell, protocol: Protocol) -> dict[str, Any]:
+    return _data_modules_cached(protocol, cell.split, cell.seed)
+
+
+def _site_sizes(cell: Cell, protocol: Protocol) -> dict[str, int]:
+    return {name: len(data.train) for name, data in _data_modules(cell, protocol).items()}
+
+
+def _module(protocol: Protocol, algorithm: str, seed: int) -> Any:
+    from genomics.model import SnpClassifier
+
+    return SnpClassifier(**model_args(protocol, algorithm, seed))
+
+
+def _tensor(value: Any) -> Any:
+    import torch
+
+    return torch.as_tensor(np.array(value, copy=True))
+
+
+def _accuracy(module: Any, dataset: Any) -> float:
+    import torch
+
+    states, labels = dataset.tensors
+    module.eval()
+    with torch.no_grad():
+        return float((module(states).argmax(dim=1) == labels).float().mean())
+
+
+def _test_accuracy(module: Any, cell: Cell, protocol: Protocol) -> float:
+    return _accuracy(module, next(iter(_data_modules(cell, protocol).values())).test)
+
+
+def _weighted_mean(values: Mapping[str, float], weights: Mapping[str, int]) -> float:
+    total = sum(weights[s] for s in values)
+    return float(sum(values[s] * weights[s] for s in values) / total) if total else float("nan")
+
+
+def _mean_site_meta(record: Mapping[str, Any], key: str) -> float | None:
+    values = [meta[key] for meta in record.get("site_meta", {}).values() if key in meta]
+    return float(np.mean(values)) if values else None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Client memory per site
+# --------------------------------------------------------------------------------------------------------------------
+MEMORY_ALGORITHMS = ("fedavg", "fedprox", "feddyn", "scaffold")
+
+
+def memory_rows(protocol: Protocol) -> list[list[str]]:
+    """Per algorithm: what a site holds beyond its model after one round (tensors reachable from the client
+    algorithm, shared storages once) and what it writes to disk (its state file), in units of the model's
+    parameter bytes. One round of site-1 with the server's first broadcast, as the sites run it."""
+    from aggregators import build_rule
+    from aggregators.compose import compose
+    from benchmarks.client_algorithms import algorithm_state_bytes
+    from controllers.engine import RoundEngine
+    from controllers.in_process import initial_params, quiet_lightning, site_rounds
+    from jobs.spec import companion_rules
+
+    rows = []
+    for algorithm in MEMORY_ALGORITHMS:
+        spec = cell_spec(Cell(algorithm, "iid", 0), replace(protocol, rounds=1))
+        rule = compose(build_rule(spec.server, **dict(spec.server_args)), companion_rules(spec))
+        params = initial_params(spec)
+        meta = RoundEngine(rule, num_rounds=1).broadcast_meta(0, rule.init_state(params), "memory")
+        with tempfile.TemporaryDirectory(prefix="fedalg_memory_") as root, quiet_lightning():
+            site = site_rounds(spec, Path(root))["site-1"]
+            site.train(0, params, meta)
+            held = algorithm_state_bytes(site.callback.algorithm, exclude=list(site.module.parameters()))
+            on_disk = sum(p.stat().st_size for p in Path(root).rglob("*") if p.is_file())
+        model = sum(p.numel() * p.element_size() for p in site.module.parameters())
+        rows.append([algorithm, f"{model / 1e6:.3f}", f"{held / model:.2f}x", f"{on_disk / model:.2f}x"])
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------------------------------
+def _mean_sd(values: Sequence[float]) -> str:
+    values = [v for v in values if v is not None and np.isfinite(v)]
+    if not values:
+        return "–"
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{100 * statistics.fmean(values):.1f} ± {100 * sd:.1f}"
+
+
+def load_cells(out: Path) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    grouped: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for path in sorted((out / "cells").glob("*.json")):
+        result = json.loads(path.read_text())
+        grouped[(result["cell"]["algorithm"], result["cell"]["split"])].append(result)
+    return grouped
+
+
+def summary_rows(grouped: Mapping[tuple[str, str], list[dict[str, Any]]], split: str) -> list[list[str]]:
+    order = [*ALGORITHMS, *BASELINES]
+    rows = []
+    for algorithm in sorted({a for a, s in grouped if s == split}, key=order.index):
+        results = grouped[(algorithm, split)]
+        site_means = [statistics.fmean(r["site_val_accuracy"].values()) for r in results]
+        worst = [min(r["site_val_accuracy"].values()) for r in results]
+        early = [r["curve"][min(4, len(r["curve"]) - 1)] for r in results if r.get("curve")]
+        rows.append(
+            [
+                algorithm,
+                str(len(results)),
+                _mean_sd([r["test_accuracy"] for r in results]),
+                _mean_sd(site_means),
+                _mean_sd(worst),
+                _mean_sd(early) if early else "–",
+            ]
+        )
+    return rows
+
+
+def per_site_table(grouped: Mapping[tuple[str, str], list[dict[str, Any]]], split: str) -> list[str]:
+    results = {a: rs for (a, s), rs in grouped.items() if s == split}
+    sites = sorted({site for rs in results.values() for r in rs for site in r["site_val_accuracy"]})
+    lines = ["| algorithm | " + " | ".join(sites) + " |", "|---" * (len(sites) + 1) + "|"]
+    order = [*ALGORITHMS, *BASELINES]
+    for algorithm in sorted(results, key=order.index):
+        cells = [_mean_sd([r["site_val_accuracy"].get(site) for r in results[algorithm]]) for site in sites]
+        lines.append(f"| {algorithm} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def plot_curves(grouped: Mapping[tuple[str, str], list[dict[str, Any]]], splits: Sequence[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(splits), figsize=(4.2 * len(splits), 3.4), squeeze=False, sharey=True)
+    for ax, split in zip(axes[0], splits, strict=True):
+        for (algorithm, s), results in sorted(grouped.items()):
+            curves = [r["curve"] for r in results if s == split and r.get("curve")]
+            if not curves:
+                continue
+            curves_arr = np.array(curves, dtype=float)
+            x = np.arange(1, curves_arr.shape[1] + 1)
+            ax.plot(x, curves_arr.mean(axis=0), label=algorithm)
+            ax.fill_between(x, curves_arr.min(axis=0), curves_arr.max(axis=0), alpha=0.15)
+        ax.set_title(split)
+        ax.set_xlabel("round")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("mean site validation accuracy")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_controls(grouped: Mapping[tuple[str, str], list[dict[str, Any]]], splits: Sequence[str], path: Path) -> bool:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    drawn = False
+    for split in splits:
+        for r in grouped.get(("scaffold", split), [])[:1]:
+            norms = [v for v in r.get("control_global_norm", []) if v is not None]
+            diffs = [v for v in r.get("control_diff_norm", []) if v is not None]
+            if norms:
+                line = ax.plot(range(1, len(norms) + 1), norms, label=f"||c|| {split}")[0]
+                ax.plot(range(1, len(diffs) + 1), diffs, "--", color=line.get_color(), label=f"mean ||Δc_i|| {split}")
+                drawn = True
+    if drawn:
+        ax.set_xlabel("round")
+        ax.set_yscale("log")
+        ax.set_title("SCAFFOLD control variates (seed 0)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return drawn
+
+
+def write_report(out: Path, command: str) -> Path:
+    grouped = load_cells(out)
+    protocol = json.loads((out / "protocol.json").read_text())
+    splits = [s for s in SPLITS if any(split == s for _, split in grouped)]
+    lines = [
+        f"# Genomics: federated algorithms vs local-only and pooled training ({protocol['source']})",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Protocol: {json.dumps(protocol)}. Accuracies in %, mean ± standard deviation over the seeds (column `n`).",
+        "`test`: the final model on a held-out 20 % of all populations that no site trains on; `sites`: mean of the",
+        "sites' validation accuracies (a local model on its own site); `worst site`: the lowest site; `round 5`:",
+        "the federated model's mean site validation accuracy after 5 rounds. Differences within the seed spread",
+        "are ties.",
+        "",
+    ]
+    for split in splits:
+        lines += [f"## {split}", "", "| algorithm | n | test | sites | worst site | round 5 |", "|---" * 6 + "|"]
+        lines += ["| " + " | ".join(row) + " |" for row in summary_rows(grouped, split)]
+        lines += ["", "Per site (validation accuracy):", "", *per_site_table(grouped, split), ""]
+    plot_curves(grouped, splits, out / "curves.png")
+    lines += ["![mean site validation accuracy per round](curves.png)", ""]
+    if plot_controls(grouped, splits, out / "scaffold_controls.png"):
+        lines += ["![SCAFFOLD control norms](scaffold_controls.png)", ""]
+    path = out / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.genomics", description=__doc__.splitlines()[0])
+    parser.add_argument("--source", choices=("1kg", "sim"), default="1kg", help="genotype source (default: 1kg)")
+    parser.add_argument("--grid", choices=sorted(GRIDS), default="table", help="which grid (default: table)")
+    parser.add_argument("--out", type=Path, required=True, help="folder for cells/, report.md and the plots")
+    parser.add_argument("--algorithms", nargs="+", choices=[*ALGORITHMS, *BASELINES], help="run only these")
+    parser.add_argument("--splits", nargs="+", choices=sorted(SPLITS), help="override the splits")
+    parser.add_argument("--seeds", type=int, help="number of seeds (0 .. n-1)")
+    parser.add_argument("--arch", choices=("mlp", "cnn_transformer"), help="override the model")
+    parser.add_argument("--rounds", type=int, help="override the rounds")
+    parser.add_argument("--lr", type=float, help="override the AdamW learning rate")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="cells run at once (default: cores)")
+    parser.add_argument("--report-only", action="store_true", help="only rewrite the report from finished cells")
+    parser.add_argument("--memory", action="store_true", help="only print the client memory per site and exit")
+    args = parser.parse_args(argv)
+    algorithms, splits, seeds, protocol = GRIDS[args.grid](args.source)
+    protocol = replace(protocol, **{k: getattr(args, k) for k in ("arch", "rounds", "lr") if getattr(args, k)})
+    if args.memory:
+        rows = memory_rows(protocol)
+        print(f"client memory per site, {protocol.arch} on {protocol.source} (x = times the model's parameter bytes)")
+        print("| algorithm | model MB | held by the algorithm after a round | state file |\n|---|---|---|---|")
+        print("\n".join("| " + " | ".join(row) + " |" for row in rows))
+        return 0
+    cells = [
+        Cell(a, s, seed)
+        for s in (args.splits or splits)
+        for a in (args.algorithms or algorithms)
+        for seed in (range(args.seeds) if args.seeds else seeds)
+    ]
+    failed: list[str] = []
+    if not args.report_only:
+        (args.out / "cells").mkdir(parents=True, exist_ok=True)
+        same_protocol(args.out / "protocol.json", protocol)
+        failed = run_cells(cells, functools.partial(run_cell, protocol=protocol), args.out / "cells", args.workers)
+    return finish(write_report, args.out, "benchmarks.genomics", argv, failed)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
