@@ -287,8 +287,8 @@ MEMORY_ALGORITHMS = ("fedavg", "fedprox", "feddyn", "scaffold")
 
 
 def memory_rows(protocol: Protocol) -> list[list[str]]:
-    """Per algorithm: what a site holds beyond its model after one round (tensors reachable from the client
-    algorithm, shared storages once) and what it writes to disk (its state file), in units of the model's
+    """Per algorithm: what a site holds beyond its model during a round (tensors reachable from the client
+    algorithm once every step is taken, shared storages once) and what it writes to disk (its state file), in units of the model's
     parameter bytes. One round of site-1 with the server's first broadcast, as the sites run it."""
     from aggregators import build_rule
     from aggregators.compose import compose
@@ -305,8 +305,16 @@ def memory_rows(protocol: Protocol) -> list[list[str]]:
         meta = RoundEngine(rule, num_rounds=1).broadcast_meta(0, rule.init_state(params), "memory")
         with tempfile.TemporaryDirectory(prefix="fedalg_memory_") as root, quiet_lightning():
             site = site_rounds(spec, Path(root))["site-1"]
+            client, peak = site.callback.algorithm, []
+            end_round = client.on_round_end
+
+            def measured_end(module: Any) -> dict[str, Any]:  # the state at its largest: all steps taken
+                peak.append(algorithm_state_bytes(client, exclude=list(module.parameters())))
+                return end_round(module)
+
+            client.on_round_end = measured_end
             site.train(0, params, meta)
-            held = algorithm_state_bytes(site.callback.algorithm, exclude=list(site.module.parameters()))
+            held = peak[0]
             on_disk = sum(p.stat().st_size for p in Path(root).rglob("*") if p.is_file())
         model = sum(p.numel() * p.element_size() for p in site.module.parameters())
         rows.append([algorithm, f"{model / 1e6:.3f}", f"{held / model:.2f}x", f"{on_disk / model:.2f}x"])
@@ -466,7 +474,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.memory:
         rows = memory_rows(protocol)
         print(f"client memory per site, {protocol.arch} on {protocol.source} (x = times the model's parameter bytes)")
-        print("| algorithm | model MB | held by the algorithm after a round | state file |\n|---|---|---|---|")
+        print("| algorithm | model MB | held by the algorithm during a round | state file |\n|---|---|---|---|")
         print("\n".join("| " + " | ".join(row) + " |" for row in rows))
         return 0
     cells = [

@@ -62,6 +62,20 @@ def option_ii_control(
     return {name: c_local[name] - c_global[name] + (x[name] - y[name]) / lr_sum[name] for name in c_local}
 
 
+def option_ii_from_correction(
+    correction: Mapping[str, torch.Tensor],
+    x: Mapping[str, torch.Tensor],
+    y: Mapping[str, torch.Tensor],
+    lr_sum: Mapping[str, float],
+) -> Tensors:
+    """Option II from the correction c - c_i that the round's steps use: (x - y) / sum_k eta_k - (c - c_i).
+
+    Bit for bit :func:`option_ii_control` (a - b is exactly -(b - a) in IEEE arithmetic and addition commutes), so
+    a site need not keep c itself during the round: c_i, x and c - c_i are 3x the trainable parameters, not 4x.
+    """
+    return {name: (x[name] - y[name]) / lr_sum[name] - correction[name] for name in correction}
+
+
 def parse_global_control(value: Any, params: Mapping[str, nn.Parameter], site: str) -> Tensors:
     """The server's c as float32 tensors on the parameters' devices; an empty dict means c = 0 (first round).
 
@@ -113,13 +127,15 @@ class Scaffold(ClientAlgorithm):
         self._params = trainable_parameters(module)
         self._round = int(meta.get(meta_keys.ROUND, 0))
         self._run_id = str(meta.get(meta_keys.RUN_ID, ""))
-        self.c_global = parse_global_control(meta[meta_keys.SCAFFOLD_CTRL_GLOBAL], self._params, self.site)
+        c_global = parse_global_control(meta[meta_keys.SCAFFOLD_CTRL_GLOBAL], self._params, self.site)
         self.c_local = load_run_state(self, self._params, self._run_id, "SCAFFOLD control c_i")
         self.x = {name: p.detach().to(torch.float32).clone() for name, p in self._params.items()}
         self.lr_sum = dict.fromkeys(self._params, 0.0)
         self.steps = 0
-        # c - c_i, kept in float32 and applied in the parameter's dtype.
-        self.correction_term = {name: self.c_global[name] - self.c_local[name] for name in self._params}
+        # c - c_i, kept in float32 and applied in the parameter's dtype; c itself is not kept (Option II needs only
+        # c - c_i: option_ii_from_correction).
+        self.correction_term = {name: c_global[name] - self.c_local[name] for name in self._params}
+        del c_global
         self._names_by_id = {id(p): name for name, p in self._params.items()}
         self.gradient_at_x = full_local_gradient(module, self._params) if self.option == "I" else None
 
@@ -159,7 +175,7 @@ class Scaffold(ClientAlgorithm):
             c_new = self.gradient_at_x
         else:
             y = {name: p.detach().to(torch.float32) for name, p in self._params.items()}
-            c_new = option_ii_control(self.c_local, self.c_global, self.x, y, self.lr_sum)
+            c_new = option_ii_from_correction(self.correction_term, self.x, y, self.lr_sum)
         diff = {name: (c_new[name] - self.c_local[name]).cpu().numpy().astype(np.float32) for name in self._params}
         save_run_state(self, c_new, self._run_id, self._round)
         return {

@@ -211,3 +211,23 @@ def test_a_state_file_of_another_run_is_ignored_whatever_its_shapes(tmp_path):
     store.save("scaffold", {"w": torch.zeros(5), "__run_id__": "new-run"}, round_num=3)
     with pytest.raises(StateStoreError):
         make(tmp_path).on_round_start(Quadratic(0.0), meta(run_id="new-run"))
+
+
+def test_option_ii_from_the_correction_is_bit_identical_to_the_papers_form():
+    from lightning_modules.algorithms.scaffold import option_ii_control, option_ii_from_correction
+
+    generator = torch.Generator().manual_seed(5)
+    c_local, c_global, x, y = ({"w": torch.randn(1000, generator=generator) * s} for s in (1e-3, 7.0, 1.0, 1.0))
+    lr_sum = {"w": 0.37}
+    correction = {"w": c_global["w"] - c_local["w"]}
+    paper = option_ii_control(c_local, c_global, x, y, lr_sum)["w"]
+    assert torch.equal(option_ii_from_correction(correction, x, y, lr_sum)["w"], paper)
+    # c_i+ = c_i - c + (x - y) / sum(lr) on one coordinate by hand
+    one = option_ii_control(
+        {"w": torch.tensor([0.5])},
+        {"w": torch.tensor([0.25])},
+        {"w": torch.tensor([1.0])},
+        {"w": torch.tensor([0.5])},
+        {"w": 0.25},
+    )
+    assert float(one["w"]) == pytest.approx(0.5 - 0.25 + 0.5 / 0.25, abs=1e-6)
