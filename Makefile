@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_JOBS ?= scaffold
 
-.PHONY: setup demo demo-compare poc bench bench-agg bench-algorithms pretrain-attention bench-robust compare test test-fast lint format jobs check-jobs clean
+.PHONY: setup demo demo-compare poc bench bench-agg bench-algorithms bench-genomics pretrain-attention bench-robust compare test test-fast lint format jobs check-jobs clean
 
 setup: $(VENV)/.setup-done
 
@@ -28,6 +28,11 @@ poc: setup
 
 bench: setup
 	$(PY) -m benchmarks.step_overhead
+
+# The genomics results (docs/genomics.md): federated algorithms vs local-only and pooled training, 3 seeds each.
+bench-genomics: setup
+	$(PY) -m benchmarks.genomics --source 1kg --out benchmarks/results/genomics_1kg
+	$(PY) -m benchmarks.genomics --source sim --rounds 20 --out benchmarks/results/genomics_sim
 
 bench-agg: setup
 	$(PY) -m benchmarks.aggregation

@@ -288,8 +288,8 @@ MEMORY_ALGORITHMS = ("fedavg", "fedprox", "feddyn", "scaffold")
 
 def memory_rows(protocol: Protocol) -> list[list[str]]:
     """Per algorithm: what a site holds beyond its model during a round (tensors reachable from the client
-    algorithm once every step is taken, shared storages once) and what it writes to disk (its state file), in units of the model's
-    parameter bytes. One round of site-1 with the server's first broadcast, as the sites run it."""
+    algorithm once every step is taken, shared storages once) and what it writes to disk (its state file), in units
+    of the model's parameter bytes. One round of site-1 with the server's first broadcast, as the sites run it."""
     from aggregators import build_rule
     from aggregators.compose import compose
     from benchmarks.client_algorithms import algorithm_state_bytes
@@ -305,20 +305,25 @@ def memory_rows(protocol: Protocol) -> list[list[str]]:
         meta = RoundEngine(rule, num_rounds=1).broadcast_meta(0, rule.init_state(params), "memory")
         with tempfile.TemporaryDirectory(prefix="fedalg_memory_") as root, quiet_lightning():
             site = site_rounds(spec, Path(root))["site-1"]
-            client, peak = site.callback.algorithm, []
-            end_round = client.on_round_end
-
-            def measured_end(module: Any) -> dict[str, Any]:  # the state at its largest: all steps taken
-                peak.append(algorithm_state_bytes(client, exclude=list(module.parameters())))
-                return end_round(module)
-
-            client.on_round_end = measured_end
-            site.train(0, params, meta)
-            held = peak[0]
+            held = _state_bytes_at_round_end(site, params, meta, algorithm_state_bytes)
             on_disk = sum(p.stat().st_size for p in Path(root).rglob("*") if p.is_file())
         model = sum(p.numel() * p.element_size() for p in site.module.parameters())
         rows.append([algorithm, f"{model / 1e6:.3f}", f"{held / model:.2f}x", f"{on_disk / model:.2f}x"])
     return rows
+
+
+def _state_bytes_at_round_end(site: Any, params: Any, meta: Any, measure: Any) -> int:
+    """Train one round; the algorithm's tensors when its round ends (every step taken: the state at its largest)."""
+    client, peak = site.callback.algorithm, []
+    end_round = client.on_round_end
+
+    def measured_end(module: Any) -> dict[str, Any]:
+        peak.append(measure(client, exclude=list(module.parameters())))
+        return end_round(module)
+
+    client.on_round_end = measured_end
+    site.train(0, params, meta)
+    return peak[0]
 
 
 # --------------------------------------------------------------------------------------------------------------------

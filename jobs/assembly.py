@@ -100,18 +100,20 @@ def _add_user_model(job: Any, spec: JobSpec) -> None:
     for folder in shipped_folders(spec):  # absolute: JobSpec resolved them where the job was specified
         job.to_server(ShippedPackage(folder))
         job.to_clients(ShippedPackage(folder))
+    if spec.script is not None:  # the user's own training script, beside client.py (which runs it)
+        job.to_clients(ShippedPackage(Path(spec.script)))
     job.to_server(PTModel({"path": spec.model.replace(":", "."), "args": dict(spec.model_args)}))
 
 
 class ShippedPackage:
     """A package folder copied into the app's ``custom/<name>/`` (NVFlare's own external-folder option copies the
-    folder's files flat, which would break ``package.module`` imports)."""
+    folder's files flat, which would break ``package.module`` imports), or a single file into ``custom/``."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = Path(folder)
 
     def add_to_fed_job(self, job: Any, ctx: Any) -> None:
-        job.add_file_source(str(self.folder), self.folder.name, None, ctx)
+        job.add_file_source(str(self.folder), self.folder.name if self.folder.is_dir() else None, None, ctx)
 
 
 def add_tracking(job: Any) -> None:

@@ -99,6 +99,10 @@ def _own_model(spec: Any) -> bool:
     return spec.model is not None
 
 
+def _own_script(spec: Any) -> bool:
+    return spec.script is not None
+
+
 @dataclass(frozen=True, kw_only=True)
 class UserCodeSettings:
     """Your own LightningModule and LightningDataModule by import path, instead of the built-in models and
@@ -116,6 +120,13 @@ class UserCodeSettings:
         exported_when=_own_model,
     )
     data_args: dict[str, Any] = setting({}, "your data module's constructor arguments, a JSON object")
+    script: str | None = setting(
+        None,
+        "your own Lightning training script (a .py file), copied into the job and run at every site instead of the "
+        "bundle's site loop; it attaches lightning_modules.federated.job_algorithm() (docs/own_model.md). Needs "
+        "--model (the server builds the initial global model from it); --data becomes optional",
+        exported_when=_own_script,
+    )
     ship: str = setting(
         "",
         "comma-separated package folders copied into the job's custom/ so that the server and the sites can import "

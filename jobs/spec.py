@@ -64,6 +64,8 @@ class JobSpec(
         validate_spec(self)
         # Shipped folders are named relative to where the job is specified; the export runs elsewhere.
         object.__setattr__(self, "ship", ",".join(str(p.resolve()) for p in shipped_folders(self)))
+        if self.script is not None:
+            object.__setattr__(self, "script", str(Path(self.script).resolve()))
 
 
 def validate_spec(spec: JobSpec) -> None:
@@ -75,7 +77,7 @@ def validate_spec(spec: JobSpec) -> None:
     if spec.pattern == "uniform_random" and spec.max_local_epochs < 2:
         raise JobBuildError(f"max_local_epochs must be at least 2 for uniform_random, got {spec.max_local_epochs}")
     _check_sampling(spec)
-    if spec.model is not None or spec.data is not None:
+    if spec.model is not None or spec.data is not None or spec.script is not None:
         _check_user_code(spec)
     else:
         if (spec.dataset == "digits") != (spec.arch == "mlp"):
@@ -170,7 +172,13 @@ def _check_user_code(spec: JobSpec) -> None:
     builds with its arguments (the server builds the initial global model from it)."""
     from lightning_modules.own_model import UserCodeError, build_user_module, user_class
 
-    if spec.model is None or spec.data is None:
+    if spec.script is not None:
+        script = Path(spec.script)
+        if script.suffix != ".py" or not script.is_file():
+            raise JobBuildError(f"script: {spec.script!r} is not a Python file (from {Path.cwd()})")
+        if spec.model is None:
+            raise JobBuildError("script: give --model too: the server builds the initial global model from it")
+    elif spec.model is None or spec.data is None:
         raise JobBuildError("model and data go together: give both --model and --data (import paths)")
     compact_json(spec.model_args)
     compact_json(spec.data_args)
@@ -179,7 +187,8 @@ def _check_user_code(spec: JobSpec) -> None:
     with importable(shipped_folders(spec)):
         try:
             build_user_module(spec.model, spec.model_args)
-            user_class(spec.data, pl.LightningDataModule, "data")
+            if spec.data is not None:
+                user_class(spec.data, pl.LightningDataModule, "data")
         except UserCodeError as exc:
             raise JobBuildError(str(exc)) from None
 
@@ -256,6 +265,8 @@ def client_script_args(spec: JobSpec) -> str:
         value = getattr(spec, name)
         if value is None or (exported_when is not None and not exported_when(spec)):
             continue
+        if name == "script":  # the sites run the copy in the job's custom/: its file name is all they need
+            value = Path(value).name
         parts.append(f"{flag(name)} {value}")
     parts += job_attack_args(spec)
     if model_arch_args(spec):

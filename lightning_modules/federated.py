@@ -61,6 +61,8 @@ MOON_PROTOCOL = (
     'with arch_args {"projection_dim": 256} have both'
 )
 _ALGORITHM_ATTRIBUTE = "__fl_algorithm__"
+#: Set by the bundle's client script before it runs a user's own training script (``--script``).
+CLIENT_ENV, CLIENT_ARGS_ENV = "FEDALG_CLIENT", "FEDALG_CLIENT_ARGS"
 
 
 def needs_task_loss(algorithm: ClientAlgorithm) -> bool:
@@ -231,6 +233,22 @@ class FederatedAlgorithm(pl.Callback):
         if self._step_hook is not None:
             self._step_hook.remove()
             self._step_hook = None
+
+
+def job_algorithm() -> FederatedAlgorithm:
+    """The job's client algorithm for a user's own training script (``jobs.build --script``), after
+    ``flare.init()``: its name and hyperparameters as the job configured them, its state kept per site and job."""
+    import json
+    import os
+
+    import nvflare.client as flare
+
+    from lightning_modules.state_store import default_state_root
+
+    site = flare.get_site_name()
+    store = ClientStateStore(default_state_root() / flare.get_job_id(), site)
+    args = json.loads(os.environ.get(CLIENT_ARGS_ENV) or "{}")
+    return FederatedAlgorithm(os.environ.get(CLIENT_ENV, "fedavg"), algorithm_args=args, site=site, state_store=store)
 
 
 def _dataset_size(trainer: pl.Trainer) -> int:

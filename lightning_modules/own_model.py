@@ -177,6 +177,26 @@ def run_site(args: Any) -> None:
         print(f"{site_name} round {round_num}: {json.dumps(_scalars(meta), sort_keys=True)}", flush=True)
 
 
+def run_user_script(args: Any, client_script: str) -> None:
+    """Run the user's own training script (shipped next to the client script) as ``__main__``; the job's client
+    algorithm reaches it through the environment (:func:`lightning_modules.federated.job_algorithm`)."""
+    import os
+    import runpy
+    import sys
+    from pathlib import Path
+
+    from lightning_modules.federated import CLIENT_ARGS_ENV, CLIENT_ENV
+
+    script = Path(client_script).resolve().parent / Path(args.script).name
+    os.environ[CLIENT_ENV] = args.client
+    os.environ[CLIENT_ARGS_ENV] = json.dumps(_json(args.client_args))
+    argv, sys.argv = sys.argv, [str(script)]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.argv = argv
+
+
 def _json(value: Any) -> dict[str, Any]:
     return json.loads(value) if isinstance(value, str) else dict(value or {})
 

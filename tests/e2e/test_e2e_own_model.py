@@ -111,3 +111,20 @@ def test_the_genomics_job_runs_with_the_users_command_shape(tmp_path):
     assert [r["status"] for r in rounds] == ["aggregated", "aggregated"], completed.stdout[-3000:]
     assert set(rounds[-1]["site_eval"]["val_accuracy"]["per_site"]) == {"site-1", "site-2", "site-3"}
     assert rounds[-1]["rule_diagnostics"]["scaffold.ctrl.global_norm"] > 0
+
+
+@pytest.mark.slow
+def test_a_users_own_training_script_runs_under_the_bundles_server(tmp_path):
+    """examples/custom_model/train_script.py: a plain Lightning loop plus job_algorithm() and flare.patch."""
+    build = [sys.executable, "-m", "jobs.build", "--client", "scaffold", "--server", "scaffold", "--name", "script"]
+    build += ["--output-dir", str(tmp_path), "--num-rounds", "2", "--ship", "examples/custom_model"]
+    build += ["--model", "custom_model.model:DigitsClassifier", "--script", "examples/custom_model/train_script.py"]
+    subprocess.run(build, check=True, cwd=REPO, capture_output=True)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    command = ["nvflare", "simulator", str(tmp_path / "script"), "-w", str(tmp_path / "ws"), "-n", "3", "-t", "3"]
+    completed = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
+    rounds = [r for r in report.load_records(tmp_path / "ws") if r["stage"] == "round"]
+    assert [r["status"] for r in rounds] == ["aggregated", "aggregated"], completed.stdout[-3000:]
+    assert {m["client.algorithm"] for m in rounds[-1]["site_meta"].values()} == {"scaffold"}
+    assert rounds[-1]["site_eval"]["val_accuracy"]["mean"] > rounds[0]["site_eval"]["val_accuracy"]["mean"]
+    assert rounds[-1]["rule_diagnostics"]["scaffold.ctrl.global_norm"] > 0

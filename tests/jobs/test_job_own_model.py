@@ -34,7 +34,7 @@ def test_the_example_exports_with_its_package_shipped_and_the_server_building_th
     assert code == 0, err
     app = tmp_path / "out" / "own" / "app"
     shipped = sorted(p.name for p in (app / "custom" / "custom_model").glob("*.py"))
-    assert shipped == ["__init__.py", "data.py", "model.py"]
+    assert shipped == ["__init__.py", "data.py", "model.py", "train_script.py"]
     server_config = (app / "config" / "config_fed_server.json").read_text()
     paths = [c["path"] for c in json.loads(server_config)["components"]]
     assert '"path": "custom_model.model.DigitsClassifier"' in server_config  # the persistor's initial model
@@ -55,11 +55,24 @@ def test_the_example_exports_with_its_package_shipped_and_the_server_building_th
         ({"model": OWN["model"], "data": "custom_model.model:DigitsClassifier"}, "not a subclass of"),
         ({"model": OWN["model"]}, "model and data go together"),
         ({"model": OWN["model"], "data": OWN["data"], "model_args": {"widht": 3}}, "bad model_args"),
+        ({"script": str(EXAMPLE / "train_script.py")}, "script: give --model too"),
+        ({"model": OWN["model"], "script": str(EXAMPLE / "data.pyc")}, "is not a Python file"),
     ],
 )
 def test_bad_user_code_is_refused_at_build_time(settings, message):
     with pytest.raises(JobBuildError, match=message):
         JobSpec(name="own", ship=OWN["ship"], **settings)
+
+
+def test_a_users_own_script_travels_in_the_job_and_the_sites_get_its_file_name(tmp_path, capsys):
+    script = EXAMPLE / "train_script.py"
+    code, err = build(tmp_path, capsys, f"--model={OWN['model']}", f"--script={script}", f"--ship={OWN['ship']}")
+    assert code == 0, err
+    app = tmp_path / "out" / "own" / "app"
+    assert (app / "custom" / "train_script.py").read_text() == script.read_text()
+    client = json.loads((app / "config" / "config_fed_client.json").read_text())
+    args = client["executors"][0]["executor"]["args"]["task_script_args"]
+    assert "--script train_script.py" in args and str(EXAMPLE) not in args
 
 
 def test_a_data_module_without_training_data_is_refused_on_the_site(tmp_path):

@@ -45,6 +45,11 @@ def log_round_metrics(tracker: object, meta: dict, round_num: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.script is not None:  # the user's own training script, shipped beside this one
+        from lightning_modules.own_model import run_user_script
+
+        run_user_script(args, __file__)
+        return
     if args.model is not None:  # the user's own LightningModule and data module (lightning_modules/own_model.py)
         from lightning_modules.own_model import run_site
 
