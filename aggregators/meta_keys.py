@@ -23,6 +23,9 @@ ROUND = "server.round"
 NUM_ROUNDS = "server.num_rounds"
 AGGREGATION_RULE = "server.rule"
 RUN_ID = "server.run_id"  # identifies one run of a job: client state from another run is never reused
+# {site: last round whose aggregate included that site's result}: a site commits the state it wrote in its previous
+# round only if that round is its entry, and discards it otherwise (transactional client state).
+LAST_AGGREGATED = "server.last_aggregated"
 
 # SCAFFOLD (Karimireddy et al. 2020): global control c down, control change delta c_i up; fp32, trainable params only.
 SCAFFOLD_CTRL_GLOBAL = "scaffold.ctrl.global"

@@ -81,6 +81,7 @@ def save_rule_state(
     run_id: str | None = None,
     global_sha256: str | None = None,
     last_aggregated_round: int | object | None = THIS_ROUND,
+    last_aggregated_sites: Mapping[str, int] | None = None,
 ) -> None:
     """Write the rule state after ``round_num`` (0-based, the last round attempted); ``global_sha256`` ties it to
     the model of that round; ``last_aggregated_round`` is the last round whose aggregate was used (``None``: none
@@ -96,6 +97,8 @@ def save_rule_state(
     if global_sha256 is not None:
         payload["global_sha256"] = global_sha256
     payload["last_aggregated_round"] = round_num if last_aggregated_round is THIS_ROUND else last_aggregated_round
+    if last_aggregated_sites is not None:  # the sites' confirmations (transactional client state) survive a resume
+        payload["last_aggregated_sites"] = dict(last_aggregated_sites)
     atomic_torch_save(payload, path)
 
 
@@ -124,6 +127,7 @@ class ResumePoint:
     state: dict[str, Any]
     run_id: str | None
     last_aggregated_round: int | None = None
+    last_aggregated_sites: dict[str, int] | None = None  # None: a checkpoint written without them
 
 
 GLOBAL_MODEL_FILE = "FL_global_model.pt"  # the name NVFlare's PTFileModelPersistor writes into the app folder
@@ -168,6 +172,7 @@ def load_resume_point(folder: Path, rule_name: str, state_file: str = "server_st
         state=state,
         run_id=payload.get("run_id"),
         last_aggregated_round=None if aggregated is None else int(aggregated),
+        last_aggregated_sites=payload.get("last_aggregated_sites"),
     )
 
 

@@ -185,6 +185,10 @@ class RoundEngine:
         self.seed = seed
         self.rule_label = rule_label or rule.name
         self.observers = tuple(observers)
+        #: site -> the last round whose aggregate included its result, broadcast so that sites commit or roll back
+        #: the client state of their previous round (transactional client state). A resumed job restores it from
+        #: its checkpoint; ``None`` (a checkpoint without it): no confirmations are sent and sites commit as before.
+        self.last_aggregated: dict[str, int] | None = {}
 
     # -- the whole federation -------------------------------------------------------------------------------------
 
@@ -274,6 +278,8 @@ class RoundEngine:
         record.setdefault("sites", [])
         record["rejected"] = {r.site: list(r.problems) for r in rejections}
         aggregated = failure is None
+        if aggregated and self.last_aggregated is not None:
+            self.last_aggregated.update({u.site: round_num for u in updates})
         record["status"] = "aggregated" if aggregated else "failed"
         if failure is not None:
             record["failure"] = failure
@@ -293,11 +299,13 @@ class RoundEngine:
     def broadcast_meta(self, round_num: int, state: Mapping[str, Any], run_id: str) -> dict[str, Any]:
         """Round bookkeeping plus the rule's own broadcast (e.g. SCAFFOLD's global control)."""
         rule_meta = self._call("broadcast_meta", lambda: self.rule.broadcast_meta(state))
+        confirmations = {} if self.last_aggregated is None else {meta_keys.LAST_AGGREGATED: dict(self.last_aggregated)}
         return {
             meta_keys.ROUND: round_num,
             meta_keys.NUM_ROUNDS: self.num_rounds,
             meta_keys.AGGREGATION_RULE: self.rule_label,
             meta_keys.RUN_ID: run_id,
+            **confirmations,
             **rule_meta,
         }
 

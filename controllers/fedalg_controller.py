@@ -115,6 +115,7 @@ class FedAlgController(ModelController):
         self._round_engine()
         self._run_id = ""
         self._last_aggregated_round: int | None = None  # recorded in server_state.pt (controllers/checkpoint.py)
+        self._active_engine: RoundEngine | None = None  # the engine of the running job (its site confirmations)
 
     def _round_engine(self) -> RoundEngine:
         """The engine for the current settings (built where used, so a changed setting is always honoured)."""
@@ -140,14 +141,16 @@ class FedAlgController(ModelController):
         evaluator = self.get_component(self.evaluator_id) if self.evaluator_id else None
         self.info(f"rule={self.rule} {self.rule_args or {}}; population={list(population)}; rounds={self.num_rounds}")
         first_round, stage = 0, "initial"
+        engine = self._active_engine = self._round_engine()
         if self.resume_from:
             # docs/design.md decision 5: continue a stopped job as if it had never stopped.
             resume = load_resume_point(Path(self.resume_from), self._rule.name)
             first_round, stage = resume.next_round, "resumed"
             global_params, state, self._run_id = resume.global_params, resume.state, resume.run_id or self._run_id
             self._last_aggregated_round = resume.last_aggregated_round
+            engine.last_aggregated = resume.last_aggregated_sites
             self.info(f"resuming from {self.resume_from} at round {first_round + 1}/{self.num_rounds}")
-        self._round_engine().run(
+        engine.run(
             population,
             global_params,
             state,
@@ -253,6 +256,7 @@ class _ControllerHost(Host):
             run_id=ctl._run_id,
             global_sha256=digest,
             last_aggregated_round=ctl._last_aggregated_round,
+            last_aggregated_sites=ctl._active_engine.last_aggregated if ctl._active_engine else None,
         )
         if ctl.save_client_updates:
             save_updates(ctl._updates_path(round_num), updates, params)

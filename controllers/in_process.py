@@ -161,6 +161,8 @@ def run_in_process(
     final, state = engine.run(
         tuple(sites), params, rule.init_state(params), transport, host, run_id=run_id or uuid.uuid4().hex
     )
+    for name in sites:  # the job's end confirms its last round: the sites settle their pending state
+        ClientStateStore(Path(state_root), name).settle_all(spec.num_rounds, engine.last_aggregated)
     scores = {name: site.score(final) for name, site in sites.items() if getattr(site, "evaluate", False)}
     return InProcessRun(params=final, state=state, records=host.records, final_site_scores=scores)
 

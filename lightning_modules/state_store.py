@@ -51,6 +51,7 @@ MAGIC = b"FLALGOST"
 _PREFIX = struct.Struct(">8sI")
 _DIGEST_SIZE = hashlib.sha256().digest_size
 _SUFFIX = ".state"
+_PENDING_SUFFIX = ".pending"
 # Names become path components, so keep them to a conservative, portable alphabet (no separators, no leading dot).
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _ALLOWED_FLOAT_DTYPES = (torch.float32, torch.float64)
@@ -102,13 +103,18 @@ class ClientStateStore:
         """Return the file that holds ``algorithm``'s state for this site (it may not exist)."""
         return self.root / self.site_name / f"{_check_name('algorithm', algorithm)}{_SUFFIX}"
 
-    def save(self, algorithm: str, state: Mapping[str, Any], *, round_num: int) -> Path:
+    def pending_path(self, algorithm: str) -> Path:
+        """The file of state written by a round the server has not confirmed yet (see :meth:`settle`)."""
+        return self.path(algorithm).with_suffix(_PENDING_SUFFIX)
+
+    def save(self, algorithm: str, state: Mapping[str, Any], *, round_num: int, pending: bool = False) -> Path:
         """Atomically replace ``algorithm``'s state file with ``state`` as of round ``round_num``; return its path.
 
-        Values may be tensors, bool/int/float/str/None, and lists, tuples or str-keyed dicts of those. Tensors are
-        stored detached, on CPU, contiguous and compact (a view does not drag its whole storage along).
+        With ``pending``, the state goes to a pending file that :meth:`load` does not read until :meth:`settle`
+        commits it. Values may be tensors, bool/int/float/str/None, and lists, tuples or str-keyed dicts of those.
+        Tensors are stored detached, on CPU, contiguous and compact (a view does not drag its whole storage along).
         """
-        target = self.path(algorithm)
+        target = self.pending_path(algorithm) if pending else self.path(algorithm)
         if isinstance(round_num, bool) or not isinstance(round_num, int) or round_num < 0:
             raise self._error(target, f"round_num must be a non-negative int, got {round_num!r}")
         if not isinstance(state, Mapping):
@@ -133,7 +139,19 @@ class ClientStateStore:
         other top-level tensor may be present (extra tensors mean the file belongs to a different model).
         Any problem raises :class:`StateStoreError`.
         """
-        target = self.path(algorithm)
+        return self._load_file(self.path(algorithm), algorithm, expected)
+
+    def latest(self, algorithm: str, *, expected: ExpectedSpec | None = None) -> StoredState | None:
+        """The state the site wrote last: the pending one if there is one, else the committed one (for inspection:
+        tests, audits; a round starts from :meth:`load`)."""
+        pending = self.pending_path(algorithm)
+        return (
+            self._load_file(pending, algorithm, expected)
+            if pending.exists()
+            else self.load(algorithm, expected=expected)
+        )
+
+    def _load_file(self, target: Path, algorithm: str, expected: ExpectedSpec | None) -> StoredState | None:
         try:
             raw = target.read_bytes()
         except FileNotFoundError:
@@ -157,8 +175,41 @@ class ClientStateStore:
         )
 
     def clear(self, algorithm: str) -> None:
-        """Delete ``algorithm``'s state file for this site; a missing file is not an error."""
+        """Delete ``algorithm``'s state files (committed and pending) for this site; missing files are no error."""
         self.path(algorithm).unlink(missing_ok=True)
+        self.pending_path(algorithm).unlink(missing_ok=True)
+
+    def settle(self, algorithm: str, round_num: int, last_aggregated: Mapping[str, int] | None) -> str | None:
+        """Commit or discard the pending state of ``algorithm`` at the start of round ``round_num``.
+
+        The pending state was written in round ``p``. It is committed (it becomes the state :meth:`load` reads) when
+        the server's ``last_aggregated`` names round ``p`` for this site, i.e. the site's result of round ``p`` is in
+        the global model; it is discarded when the server aggregated without it (rejected, late, failed round), and
+        when ``p >= round_num`` (the same round trained again: a replay starts from the committed state). Without
+        ``last_aggregated`` (a server that sends no confirmations) it is committed. Returns ``"committed"``,
+        ``"discarded"`` or ``None`` (nothing pending).
+        """
+        pending = self.pending_path(algorithm)
+        if not pending.exists():
+            return None
+        written = self._pending_round(pending, algorithm)
+        confirmed = last_aggregated is None or last_aggregated.get(self.site_name) == written
+        if written < round_num and confirmed:
+            os.replace(pending, self.path(algorithm))
+            _fsync_dir(pending.parent)
+            return "committed"
+        pending.unlink()
+        return "discarded"
+
+    def settle_all(self, round_num: int, last_aggregated: Mapping[str, int] | None) -> dict[str, str | None]:
+        """:meth:`settle` every pending state of this site (e.g. once a job has ended: its last confirmations)."""
+        folder = self.root / self.site_name
+        return {p.stem: self.settle(p.stem, round_num, last_aggregated) for p in sorted(folder.glob("*.pending"))}
+
+    def _pending_round(self, pending: Path, algorithm: str) -> int:
+        header, payload = self._decode_file(pending, pending.read_bytes())
+        self._check_header(pending, header, algorithm, len(payload))
+        return int(header["round_num"])
 
     def _error(self, target: Path, problem: str) -> StateStoreError:
         # One line, so that log scrapers and the NVFlare error summary show the whole message.

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from aggregators import meta_keys
 from lightning_modules.state_store import ClientStateStore
 
 LOG = logging.getLogger(__name__)
@@ -100,6 +101,24 @@ def trainable_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
     return {name: p for name, p in module.named_parameters() if p.requires_grad}
 
 
+def settle_state(algorithm: ClientAlgorithm, meta: Mapping[str, Any]) -> str | None:
+    """At round start: commit the state this site wrote in its previous round if the server confirms that round's
+    result was aggregated, else discard it (``ClientStateStore.settle``); the outcome is logged when discarded."""
+    if algorithm.state_store is None:
+        return None
+    round_num = int(meta.get(meta_keys.ROUND, 0))
+    confirmed = meta.get(meta_keys.LAST_AGGREGATED)
+    outcome = algorithm.state_store.settle(algorithm.name, round_num, confirmed)
+    if outcome == "discarded":
+        LOG.warning(
+            "%s: %s state of an earlier round discarded: the server did not aggregate that round's result (or the "
+            "round is trained again); continuing from the last confirmed state",
+            algorithm.site,
+            algorithm.name,
+        )
+    return outcome
+
+
 def load_run_state(
     algorithm: ClientAlgorithm, params: Mapping[str, nn.Parameter], run_id: str, what: str
 ) -> dict[str, torch.Tensor]:
@@ -149,4 +168,5 @@ def save_run_state(
         )
     state: dict[str, Any] = {name: value.detach().cpu() for name, value in tensors.items()}
     state[RUN_ID_KEY] = run_id
-    algorithm.state_store.save(algorithm.name, state, round_num=round_num)
+    # Pending until the server confirms that this round's result was aggregated (settle_state, next round).
+    algorithm.state_store.save(algorithm.name, state, round_num=round_num, pending=True)

@@ -64,6 +64,7 @@ from lightning_modules.algorithms.base import (
     ClientAlgorithmError,
     load_run_state,
     save_run_state,
+    settle_state,
     trainable_parameters,
 )
 from lightning_modules.algorithms.kernels import pull_before_plain_sgd_step_
@@ -153,6 +154,7 @@ class FedDyn(ClientAlgorithm):
 
     # -- round start ---------------------------------------------------------------------------------------------
     def on_round_start(self, module: nn.Module, meta: Mapping[str, Any]) -> None:
+        settle_state(self, meta)
         self._params = trainable_parameters(module)
         self._round = int(meta.get(meta_keys.ROUND, 0))
         self._run_id = str(meta.get(meta_keys.RUN_ID, ""))

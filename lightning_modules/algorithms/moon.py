@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aggregators import meta_keys
-from lightning_modules.algorithms.base import RUN_ID_KEY, ClientAlgorithm, ClientAlgorithmError
+from lightning_modules.algorithms.base import RUN_ID_KEY, ClientAlgorithm, ClientAlgorithmError, settle_state
 from lightning_modules.state_store import StateStoreError
 
 LOG = logging.getLogger(__name__)
@@ -176,6 +176,7 @@ class Moon(ClientAlgorithm):
                 f'{{"projection_dim": {DEFAULT_PROJECTION_DIM}}} (python -m jobs.build --client moon adds it)'
             )
         self._remove_hook()
+        settle_state(self, meta)
         self._round = int(meta.get(meta_keys.ROUND, 0))
         self._run_id = str(meta.get(meta_keys.RUN_ID, ""))
         # Copies first, hook second: a deep copy would otherwise carry the hook along.
@@ -222,7 +223,9 @@ class Moon(ClientAlgorithm):
         }
         previous = [storable_state(negative) for negative in self.negatives] if self.history_models else []
         history = [*previous, storable_state(module.net)][-self.history_size :]
-        self._store().save(self.name, {RUN_ID_KEY: self._run_id, HISTORY_KEY: history}, round_num=self._round)
+        self._store().save(
+            self.name, {RUN_ID_KEY: self._run_id, HISTORY_KEY: history}, round_num=self._round, pending=True
+        )
         self.global_model, self.negatives = None, []
         return meta
 

@@ -44,6 +44,7 @@ from lightning_modules.algorithms.base import (
     ClientAlgorithmError,
     load_run_state,
     save_run_state,
+    settle_state,
     trainable_parameters,
 )
 from lightning_modules.algorithms.kernels import add_in_own_dtype_
@@ -124,6 +125,7 @@ class Scaffold(ClientAlgorithm):
                 "the gradient, and Option II would then return wrong controls; use correction='step' (the default) "
                 "or turn gradient clipping off"
             )
+        settle_state(self, meta)
         self._params = trainable_parameters(module)
         self._round = int(meta.get(meta_keys.ROUND, 0))
         self._run_id = str(meta.get(meta_keys.RUN_ID, ""))

@@ -13,7 +13,6 @@ import errno
 from collections.abc import Callable
 
 import numpy as np
-import pytest
 import torch
 
 from aggregators import meta_keys
@@ -61,7 +60,7 @@ def run(tmp_path, fault: Fault | None = None, **overrides):
 
 
 def site_controls(root, site: str) -> dict[str, np.ndarray]:
-    stored = ClientStateStore(root, site).load("scaffold")
+    stored = ClientStateStore(root, site).latest("scaffold")
     return {k: v.numpy() for k, v in stored.state.items() if isinstance(v, torch.Tensor)}
 
 
@@ -174,10 +173,6 @@ def test_a_full_disk_while_a_site_saves_its_state_keeps_the_committed_state(tmp_
     assert not list(tmp_path.rglob("*.tmp*"))  # no half-written file left behind
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs transactional client state: a rejected site has already advanced its c_i (docs/reliability.md)",
-)
 def test_after_a_rejected_result_c_still_equals_the_mean_of_the_site_controls(tmp_path):
     def reject_site_2_once(round_num, results):
         if round_num != 1:
@@ -191,3 +186,65 @@ def test_after_a_rejected_result_c_still_equals_the_mean_of_the_site_controls(tm
     expected = mean_site_control(tmp_path)
     for key, value in result.state["control"].items():
         np.testing.assert_allclose(value, expected[key], atol=1e-6)
+
+
+def test_a_dropped_result_leaves_c_equal_to_the_mean_of_the_site_controls(tmp_path):
+    """site-2's round-2 result never arrives (a timeout): its c_i of that round is rolled back at its next round."""
+
+    def drop_site_2(round_num, results):
+        return [r for r in results if not (round_num == 1 and r.site == "site-2")]
+
+    result = run(tmp_path, drop_site_2)
+    assert [sorted(r["aggregated"]) for r in result.rounds][1] == ["site-1", "site-3"]
+    expected = mean_site_control(tmp_path)
+    for key, value in result.state["control"].items():
+        np.testing.assert_allclose(value, expected[key], atol=1e-6)
+
+
+class ReplayingTransport:
+    """Every site trains round 2 twice (a retried task); only the second attempt's results reach the server."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.attempts = inner, []
+
+    def train(self, round_num, targets, params, meta):
+        if round_num == 1:
+            self.attempts.append(list(self.inner.train(round_num, targets, params, meta)))
+        results = list(self.inner.train(round_num, targets, params, meta))
+        if round_num == 1:
+            self.attempts.append(results)
+        return results
+
+
+def test_a_replayed_round_starts_from_the_committed_state_and_sends_the_same_diff(tmp_path):
+    transports = []
+
+    def wrap(transport):
+        transports.append(ReplayingTransport(transport))
+        return transports[0]
+
+    with quiet_lightning():
+        result = run_in_process(spec(), tmp_path, evaluate=False, run_id="faults", wrap_transport=wrap)
+    first, second = transports[0].attempts
+    for a, b in zip(first, second, strict=True):
+        for key, diff in a.meta[meta_keys.SCAFFOLD_CTRL_DIFF].items():
+            np.testing.assert_array_equal(diff, b.meta[meta_keys.SCAFFOLD_CTRL_DIFF][key])
+    expected = mean_site_control(tmp_path)
+    for key, value in result.state["control"].items():
+        np.testing.assert_allclose(value, expected[key], atol=1e-6)
+
+
+def test_feddyn_server_sum_equals_the_sum_of_the_site_states_after_a_rejection(tmp_path):
+    def reject_site_3_once(round_num, results):
+        if round_num != 1:
+            return results
+        bad = next(r for r in results if r.site == "site-3")
+        return replace(
+            results, "site-3", params={k: np.full_like(np.asarray(v), np.nan) for k, v in bad.params.items()}
+        )
+
+    result = run(tmp_path, reject_site_3_once, client="feddyn", server="feddyn", server_args={"alpha": 0.01})
+    assert result.rounds[1]["rejected"].keys() == {"site-3"}
+    stored = [ClientStateStore(tmp_path, site).latest("feddyn").state for site in SITES]
+    for key, value in result.state["h_sum"].items():
+        np.testing.assert_allclose(value, sum(s[key].numpy() for s in stored), atol=1e-6)

@@ -145,7 +145,10 @@ def test_stop_and_resume_equals_an_uninterrupted_run(tmp_path, case):
         assert sent_a[meta_keys.ROUND] == sent_b[meta_keys.ROUND]
         if meta_keys.SCAFFOLD_CTRL_GLOBAL in sent_a:
             _assert_identical(sent_a[meta_keys.SCAFFOLD_CTRL_GLOBAL], sent_b[meta_keys.SCAFFOLD_CTRL_GLOBAL])
+        # The sites' confirmations survive the stop: each site commits or rolls back its client state as it would.
+        assert sent_a[meta_keys.LAST_AGGREGATED] == sent_b[meta_keys.LAST_AGGREGATED]
     assert resumed.sent_meta[0][meta_keys.RUN_ID] == first.sent_meta[0][meta_keys.RUN_ID]
+    assert resumed.sent_meta[0][meta_keys.LAST_AGGREGATED]  # two sites per round: some site has a confirmed round
 
 
 def test_resume_refuses_a_model_that_does_not_belong_to_the_state(tmp_path):

@@ -45,7 +45,7 @@ def runs(tmp_path_factory, fashion_mnist, simulate) -> dict[str, Path]:
 
 
 def _history(workspace: Path, site: str) -> list[dict[str, np.ndarray]]:
-    stored = ClientStateStore(workspace / site / "client_state" / "simulate_job", site).load("moon")
+    stored = ClientStateStore(workspace / site / "client_state" / "simulate_job", site).latest("moon")
     assert stored is not None, f"{site}: no MOON history file"
     return [{k: v.numpy() for k, v in model.items()} for model in stored.state["models"]]
 

@@ -52,7 +52,7 @@ def _server_control(workspace: Path) -> dict[str, np.ndarray]:
 
 
 def _site_controls(workspace: Path, site: str) -> dict[str, np.ndarray] | None:
-    stored = ClientStateStore(workspace / site / "client_state" / "simulate_job", site).load("scaffold")
+    stored = ClientStateStore(workspace / site / "client_state" / "simulate_job", site).latest("scaffold")
     if stored is None:
         return None
     return {key: value.numpy() for key, value in stored.state.items() if not key.startswith("__")}

@@ -224,7 +224,7 @@ def test_tolerance_is_far_below_the_scaffold_correction(runs):
     payload = torch.load(workspace / "server" / "simulate_job" / "app_server" / "server_state.pt", weights_only=True)
     control = {key: value.numpy() for key, value in payload["state"]["control"].items()}
     for site in SITES:
-        stored = ClientStateStore(workspace / site / "client_state" / "simulate_job", site).load("scaffold")
+        stored = ClientStateStore(workspace / site / "client_state" / "simulate_job", site).latest("scaffold")
         assert stored is not None, f"{site}: no c_i stored"
         largest = max(float(np.max(np.abs(control[k] - stored.state[k].numpy()))) for k in control)
         assert LR * 10 * largest > 100 * TOLERANCE, f"{site}: SCAFFOLD correction only {LR * 10 * largest}"

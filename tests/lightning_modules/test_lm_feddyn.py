@@ -73,7 +73,7 @@ def local_round(algorithm: FedDyn, w0: float, site: str, server_meta: Mapping[st
 
 
 def stored_h(tmp_path, site: str) -> float:
-    return ClientStateStore(tmp_path, site).load("feddyn").state["w"].item()
+    return ClientStateStore(tmp_path, site).latest("feddyn").state["w"].item()
 
 
 def paper_feddyn(participants: Sequence[Sequence[str]], alpha: float, m: int, steps: int):
@@ -231,19 +231,19 @@ def test_h_survives_a_process_restart_and_non_participation(tmp_path):
 def test_state_from_another_run_is_discarded_with_a_warning(tmp_path, caplog):
     local_round(make(tmp_path), 0.5, "site-1", meta(run_id="old"))
     algorithm = make(tmp_path)
-    algorithm.on_round_start(Quadratic(0.0), meta(run_id="new"))
+    algorithm.on_round_start(Quadratic(0.0), meta(run_id="new", round_num=1))
     assert algorithm.h_local["w"].item() == 0.0
     assert "another run" in caplog.text
 
 
 def test_corrupt_state_is_an_error_not_a_silent_reset(tmp_path):
     local_round(make(tmp_path), 0.5, "site-1", meta())
-    path = ClientStateStore(tmp_path, "site-1").path("feddyn")
+    path = ClientStateStore(tmp_path, "site-1").pending_path("feddyn")  # committed when round 1 starts
     raw = bytearray(path.read_bytes())
     raw[-5] ^= 0xFF
     path.write_bytes(bytes(raw))
     with pytest.raises(StateStoreError):
-        make(tmp_path).on_round_start(Quadratic(0.0), meta())
+        make(tmp_path).on_round_start(Quadratic(0.0), meta(round_num=1))
 
 
 def test_state_is_fp32_and_covers_trainable_parameters_only(tmp_path):
@@ -254,7 +254,7 @@ def test_state_is_fp32_and_covers_trainable_parameters_only(tmp_path):
     assert set(algorithm.h_local) == set(algorithm.offset) == {"w"}
     assert algorithm.h_local["w"].dtype == algorithm.offset["w"].dtype == torch.float32
     algorithm.on_round_end(module)
-    state = ClientStateStore(tmp_path, "site-1").load("feddyn").state
+    state = ClientStateStore(tmp_path, "site-1").latest("feddyn").state
     assert set(state) == {"w", RUN_ID_KEY} and state["w"].dtype == torch.float32
 
 
@@ -410,7 +410,7 @@ def test_hook_path_equals_the_authors_explicit_loss_in_a_lightning_fit(tmp_path,
         torch.testing.assert_close(hook_w[key], explicit_w[key], atol=1e-6, rtol=0)
     assert max((hook_w[k] - fedavg_w[k]).abs().max().item() for k in hook_w) > 1e-3
     # H_k after the round = H_k before + (theta_k - theta_server), trainable parameters only.
-    state = ClientStateStore(tmp_path, "site-1").load("feddyn").state
+    state = ClientStateStore(tmp_path, "site-1").latest("feddyn").state
     assert set(state) - {RUN_ID_KEY} == set(h0)
     for name in h0:
         torch.testing.assert_close(state[name], h0[name] + hook_w[name] - theta_s[name], atol=1e-6, rtol=0)
@@ -421,7 +421,7 @@ def test_hook_path_equals_the_authors_explicit_loss_in_a_lightning_fit(tmp_path,
 @pytest.mark.filterwarnings("ignore:.*precision=.*")
 def test_bf16_mixed_fit_keeps_fp32_state(tmp_path):
     module, theta_s = fit(make(tmp_path), meta(alpha=0.1), 0.0, 0.0, precision="bf16-mixed")
-    state = ClientStateStore(tmp_path, "site-1").load("feddyn").state
+    state = ClientStateStore(tmp_path, "site-1").latest("feddyn").state
     trainable = {n for n, p in module.named_parameters() if p.requires_grad}
     assert set(state) - {RUN_ID_KEY} == trainable
     assert {state[n].dtype for n in trainable} == {torch.float32}

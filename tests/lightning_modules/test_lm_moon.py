@@ -195,7 +195,7 @@ def test_first_round_negative_is_the_received_model_so_the_term_is_mu_log2(tmp_p
 
 
 def stored_history(root, site: str = SITE) -> list[dict[str, torch.Tensor]]:
-    return ClientStateStore(root, site).load("moon").state["models"]
+    return ClientStateStore(root, site).latest("moon").state["models"]
 
 
 def test_history_is_fifo_and_persists_across_fresh_objects(tmp_path):
@@ -239,7 +239,7 @@ def test_history_of_another_run_is_ignored_with_a_warning(tmp_path, caplog):
     algorithm.on_round_end(module)
     algorithm = bound(Moon(), tmp_path)
     with caplog.at_level(logging.WARNING):
-        algorithm.on_round_start(module, meta(0, run="new"))
+        algorithm.on_round_start(module, meta(1, run="new"))
     assert "another run" in caplog.text
     assert algorithm.negatives == [algorithm.global_model]
 
@@ -249,6 +249,7 @@ def test_corrupt_history_is_an_error_or_a_reset_with_a_warning(tmp_path, caplog)
     algorithm = bound(Moon(), tmp_path)
     algorithm.on_round_start(module, meta(0))
     algorithm.on_round_end(module)
+    ClientStateStore(tmp_path, SITE).settle_all(1, None)  # round 1 starts: the history is committed
     path = ClientStateStore(tmp_path, SITE).path("moon")
     raw = bytearray(path.read_bytes())
     raw[-5] ^= 0xFF

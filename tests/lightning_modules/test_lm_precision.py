@@ -63,7 +63,7 @@ def test_bf16_mixed_computes_in_bf16_and_keeps_weights_and_scaffold_state_fp32(t
     assert all(v.dtype == torch.float32 for v in sent.values())
     assert all(v.dtype == torch.float32 for v in algorithm.x.values())
     assert all(v.dtype == np.float32 for v in meta[meta_keys.SCAFFOLD_CTRL_DIFF].values())
-    stored = ClientStateStore(tmp_path, "site-1").load("scaffold")
+    stored = ClientStateStore(tmp_path, "site-1").latest("scaffold")
     assert all(v.dtype == torch.float32 for k, v in stored.state.items() if not k.startswith("__"))
 
 

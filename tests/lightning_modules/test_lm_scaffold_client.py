@@ -138,19 +138,19 @@ def test_controls_are_fp32_and_cover_trainable_parameters_only(tmp_path):
 def test_state_from_another_run_is_discarded_with_a_warning(tmp_path, caplog):
     local_round(make(tmp_path), 0.0, 3.0, 4.0, meta(run_id="old"))
     algorithm = make(tmp_path)
-    algorithm.on_round_start(Quadratic(0.0), meta(run_id="new"))
+    algorithm.on_round_start(Quadratic(0.0), meta(run_id="new", round_num=1))
     assert algorithm.c_local["w"].item() == 0.0
     assert "another run" in caplog.text
 
 
 def test_corrupt_state_is_an_error_not_a_silent_reset(tmp_path):
     local_round(make(tmp_path), 0.0, 3.0, 4.0, meta())
-    path = ClientStateStore(tmp_path, "site-1").path("scaffold")
+    path = ClientStateStore(tmp_path, "site-1").pending_path("scaffold")  # committed when round 1 starts
     raw = bytearray(path.read_bytes())
     raw[-5] ^= 0xFF
     path.write_bytes(bytes(raw))
     with pytest.raises(StateStoreError):
-        make(tmp_path).on_round_start(Quadratic(0.0), meta())
+        make(tmp_path).on_round_start(Quadratic(0.0), meta(round_num=1))
 
 
 @pytest.mark.parametrize(
@@ -186,19 +186,19 @@ def test_bad_hyperparameters():
 def test_a_non_finite_global_control_is_refused_by_key_and_never_reaches_c_i(tmp_path, bad):
     local_round(make(tmp_path), 0.0, 3.0, 4.0, meta())  # a committed c_i
     store = ClientStateStore(tmp_path, "site-1")
-    before = store.load("scaffold").state["w"].clone()
+    before = store.latest("scaffold").state["w"].clone()
     with pytest.raises(ClientAlgorithmError, match=r"site-1: 'scaffold.ctrl.global': entry 'w' contains NaN or Inf"):
         make(tmp_path).on_round_start(Quadratic(0.0), meta(c=bad, round_num=1))
-    torch.testing.assert_close(store.load("scaffold").state["w"], before, atol=0, rtol=0)
+    torch.testing.assert_close(store.latest("scaffold").state["w"], before, atol=0, rtol=0)
 
 
 def test_a_diverged_round_saves_no_non_finite_state(tmp_path):
     local_round(make(tmp_path), 0.0, 3.0, 4.0, meta())
     store = ClientStateStore(tmp_path, "site-1")
-    before = store.load("scaffold").state["w"].clone()
+    before = store.latest("scaffold").state["w"].clone()
     with pytest.raises(ClientAlgorithmError, match=r"site-1: scaffold refuses to save non-finite state for \['w'\]"):
         local_round(make(tmp_path), 0.0, 3.0e38, 4.0, meta(round_num=1))  # the gradient overflows to inf
-    torch.testing.assert_close(store.load("scaffold").state["w"], before, atol=0, rtol=0)
+    torch.testing.assert_close(store.latest("scaffold").state["w"], before, atol=0, rtol=0)
 
 
 def test_a_state_file_of_another_run_is_ignored_whatever_its_shapes(tmp_path):

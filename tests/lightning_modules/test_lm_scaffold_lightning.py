@@ -59,7 +59,7 @@ def test_bf16_mixed_keeps_controls_and_snapshot_in_fp32(tmp_path):
     _, algorithm, meta, _ = _fit(tmp_path, precision="bf16-mixed")
     assert all(v.dtype == torch.float32 for v in algorithm.x.values())
     assert all(v.dtype == np.float32 for v in meta[meta_keys.SCAFFOLD_CTRL_DIFF].values())
-    stored = ClientStateStore(tmp_path, "site-1").load("scaffold")
+    stored = ClientStateStore(tmp_path, "site-1").latest("scaffold")
     assert all(v.dtype == torch.float32 for k, v in stored.state.items() if not k.startswith("__"))
 
 

@@ -370,3 +370,32 @@ def test_names_that_are_not_safe_file_names_are_rejected(tmp_path: Path, name: s
         ClientStateStore(tmp_path, name)
     with pytest.raises(ValueError, match="algorithm"):
         ClientStateStore(tmp_path, "site-1").path(name)
+
+
+def _pending_store(tmp_path, committed: float, pending: float, pending_round: int) -> ClientStateStore:
+    store = ClientStateStore(tmp_path, "site-2")
+    store.save("scaffold", {"c": torch.tensor([committed])}, round_num=0)
+    store.save("scaffold", {"c": torch.tensor([pending])}, round_num=pending_round, pending=True)
+    return store
+
+
+@pytest.mark.parametrize(
+    ("round_num", "last_aggregated", "outcome", "value"),
+    [
+        (3, {"site-2": 2, "site-1": 2}, "committed", 2.0),  # the server aggregated this site's round-2 result
+        (3, {"site-2": 1}, "discarded", 1.0),  # round 2 aggregated without it (rejected or late)
+        (3, {}, "discarded", 1.0),  # never aggregated
+        (5, {"site-2": 2}, "committed", 2.0),  # sat out rounds 3 and 4: the confirmation still names round 2
+        (2, {"site-2": 2}, "discarded", 1.0),  # round 2 trained again: a replay starts from the committed state
+        (3, None, "committed", 2.0),  # a server that sends no confirmations: commit, as before
+    ],
+)
+def test_pending_state_is_committed_only_when_the_server_confirms_it(
+    tmp_path, round_num, last_aggregated, outcome, value
+):
+    store = _pending_store(tmp_path, committed=1.0, pending=2.0, pending_round=2)
+    assert float(store.load("scaffold").state["c"]) == 1.0  # pending state is not read before it is settled
+    assert store.settle("scaffold", round_num, last_aggregated) == outcome
+    assert float(store.load("scaffold").state["c"]) == value
+    assert not store.pending_path("scaffold").exists()
+    assert store.settle("scaffold", round_num, last_aggregated) is None  # nothing left to settle
