@@ -99,7 +99,7 @@ class Grid:
 def _all_algorithms() -> tuple[str, ...]:
     from jobs.presets import PRESETS
 
-    return (*PRESETS, *EXTRA_ALGORITHMS)
+    return (*PRESETS.with_builtin_model(), *EXTRA_ALGORITHMS)
 
 
 GRIDS = {

@@ -27,7 +27,8 @@ def test_quick_mode_reports_every_variant_with_finite_ratios_and_memory(tmp_path
     for (_, name), row in by_name.items():
         ratio = float(row[3].split()[0])
         assert math.isfinite(ratio) and ratio > 0, row
-        assert (ratio == 1.0) == (name == "fedavg")
+        if name == "fedavg":  # the baseline of each model; the others' ratios are timings (any finite value)
+            assert ratio == 1.0
     # FedMoS keeps x, d and the previous iterate: exactly three fp32 copies of LeNet-5's trainable parameters.
     assert by_name[("LeNet-5", "fedmos")][5] == "3.0"
     # MOON keeps 1 + h frozen networks; its history file grows with h.
