@@ -173,16 +173,20 @@ def test_a_full_disk_while_a_site_saves_its_state_keeps_the_committed_state(tmp_
     assert not list(tmp_path.rglob("*.tmp*"))  # no half-written file left behind
 
 
-def test_after_a_rejected_result_c_still_equals_the_mean_of_the_site_controls(tmp_path):
-    def reject_site_2_once(round_num, results):
+def nan_in_round_2(site: str) -> Fault:
+    """The fault: ``site``'s round-2 model is all NaN (rejected by the server after the site computed its state)."""
+
+    def fault(round_num, results):
         if round_num != 1:
             return results
-        bad = next(r for r in results if r.site == "site-2")
-        return replace(
-            results, "site-2", params={k: np.full_like(np.asarray(v), np.nan) for k, v in bad.params.items()}
-        )
+        bad = next(r for r in results if r.site == site)
+        return replace(results, site, params={k: np.full_like(np.asarray(v), np.nan) for k, v in bad.params.items()})
 
-    result = run(tmp_path, reject_site_2_once)
+    return fault
+
+
+def test_after_a_rejected_result_c_still_equals_the_mean_of_the_site_controls(tmp_path):
+    result = run(tmp_path, nan_in_round_2("site-2"))
     expected = mean_site_control(tmp_path)
     for key, value in result.state["control"].items():
         np.testing.assert_allclose(value, expected[key], atol=1e-6)
@@ -235,15 +239,7 @@ def test_a_replayed_round_starts_from_the_committed_state_and_sends_the_same_dif
 
 
 def test_feddyn_server_sum_equals_the_sum_of_the_site_states_after_a_rejection(tmp_path):
-    def reject_site_3_once(round_num, results):
-        if round_num != 1:
-            return results
-        bad = next(r for r in results if r.site == "site-3")
-        return replace(
-            results, "site-3", params={k: np.full_like(np.asarray(v), np.nan) for k, v in bad.params.items()}
-        )
-
-    result = run(tmp_path, reject_site_3_once, client="feddyn", server="feddyn", server_args={"alpha": 0.01})
+    result = run(tmp_path, nan_in_round_2("site-3"), client="feddyn", server="feddyn", server_args={"alpha": 0.01})
     assert result.rounds[1]["rejected"].keys() == {"site-3"}
     stored = [ClientStateStore(tmp_path, site).latest("feddyn").state for site in SITES]
     for key, value in result.state["h_sum"].items():
