@@ -42,6 +42,7 @@ from benchmarks.step_overhead import (
     BASELINE,
     SITE,
     ModelSpec,
+    Ours,
     Settings,
     Variant,
     _quiet_lightning,
@@ -107,33 +108,25 @@ def algorithm_state_bytes(algorithm: Any, exclude: Iterable[torch.Tensor]) -> in
     return tensor_bytes(attributes, seen)
 
 
-class Configured(Variant):
+class Configured(Ours):
     """A client algorithm with given hyperparameters; MOON's history is pre-filled with ``history_models`` models."""
 
-    impl = "ours"
-
     def __init__(self, case: Case, settings: Settings) -> None:
-        super().__init__(case.row, settings)
+        Variant.__init__(self, case.row, settings)
         self.case = case
         self.state_bytes = 0
         self.file_bytes = 0
 
     def start(self, trainer: pl.Trainer, module: Any, state_root: Path) -> None:
         self.store = ClientStateStore(state_root / self.row.replace(" ", "_").replace("=", ""), SITE)
-        self.algorithm = build_client_algorithm(self.case.algorithm, **self.case.hparams)
-        self.algorithm.bind(SITE, self.store)
+        algorithm = build_client_algorithm(self.case.algorithm, **self.case.hparams)
+        algorithm.bind(SITE, self.store)
         if self.case.history_models:
             history = [storable_state(module.net) for _ in range(self.case.history_models)]
             self.store.save("moon", {RUN_ID_KEY: RUN_ID, HISTORY_KEY: history}, round_num=0)
-        module.set_algorithm(self.algorithm)
-        module.start_round({meta_keys.ROUND: 1, meta_keys.RUN_ID: RUN_ID}, site=SITE)
-
-    def activate(self, module: Any) -> None:
-        module.algorithm = self.algorithm
-        module.lightning_default_step = False
+        self.start_callback(trainer, module, algorithm, {meta_keys.ROUND: 1, meta_keys.RUN_ID: RUN_ID})
 
     def finish(self, module: Any) -> None:
-        module.algorithm = self.algorithm
         self.state_bytes = algorithm_state_bytes(self.algorithm, module.state_dict(keep_vars=True).values())
         self.algorithm.on_round_end(module)
         path = self.store.path(self.case.algorithm)

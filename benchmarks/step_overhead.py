@@ -9,16 +9,16 @@ and the once-per-round work (snapshots, state files, meta) are outside the timed
 Variants, all on the same model (same ``init_seed``), the same batch and the same SGD settings:
 
 - ``fedavg`` (ours): FLClassifier with the base client algorithm, i.e. plain local SGD. Every ratio divides by it;
-- every other name in :data:`lightning_modules.algorithms.CLIENT_ALGORITHMS` at run time, started with
-  ``FLClassifier.start_round`` and a synthetic round-0 server meta (variants whose meta keys this file does not know
-  are skipped with a note);
+- every other name in :data:`lightning_modules.algorithms.CLIENT_ALGORITHMS` at run time, driven through the hooks
+  of the :class:`lightning_modules.federated.FederatedAlgorithm` callback (its round started with a synthetic
+  round-0 server meta; variants whose meta keys this file does not know are skipped with a note);
 - NVFlare's built-in SCAFFOLD and FedProx: the plain FLClassifier with NVFlare 2.9's
   ``nvflare.app_opt.lightning.algorithm._AlgorithmHandlerManager``, activated by the meta keys ``scaffold_c_global``
   / ``fedprox_mu`` and driven with the hook calls of NVFlare's ``FLCallback`` (``on_train_start`` → ``start_round``,
   ``on_before_optimizer_step`` → ``before_optimizer_step``, ``on_train_batch_end`` → ``after_train_batch``,
   ``on_train_end`` → ``finish_round``); the receive/send plumbing of ``FLCallback`` is left out (not per step);
-- a reference row: Lightning's stock ``optimizer_step`` (no closure wrapper, no hooks): what FLClassifier's own
-  plumbing costs.
+- a reference row: no client algorithm attached at all (no callback hooks, no loss-term call): what the callback's
+  own per-step bookkeeping costs.
 
 Drift (a shared machine, turbo, thermal state) is cancelled by interleaving at the finest grain: in each of
 ``--rounds`` fits every variant takes one optimizer step per cycle, in a freshly shuffled (seeded) order every cycle
@@ -62,6 +62,7 @@ from aggregators import meta_keys
 from lightning_modules.algorithms import CLIENT_ALGORITHMS, ClientAlgorithm, build_client_algorithm
 from lightning_modules.algorithms.base import trainable_parameters
 from lightning_modules.classifier import FLClassifier
+from lightning_modules.federated import FederatedAlgorithm, attach_algorithm
 from lightning_modules.state_store import ClientStateStore
 
 BASELINE = "fedavg"
@@ -178,17 +179,6 @@ class _Skip(Exception):
     """A variant cannot be built here (e.g. its server meta is unknown); the reason is printed, nothing fails."""
 
 
-class BenchClassifier(FLClassifier):
-    """FLClassifier that can take a step with Lightning's stock ``optimizer_step`` (for the reference row only)."""
-
-    lightning_default_step = False
-
-    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
-        if self.lightning_default_step:
-            return pl.LightningModule.optimizer_step(self, *args, **kwargs)
-        return super().optimizer_step(*args, **kwargs)
-
-
 class Variant:
     """Base: ``row`` is the table row (algorithm name), ``impl`` is ``ours``, ``nvflare`` or ``reference``.
 
@@ -208,33 +198,31 @@ class Variant:
     def key(self) -> str:
         return f"{self.impl}:{self.row}"
 
-    def start(self, trainer: pl.Trainer, module: BenchClassifier, state_root: Path) -> None:
+    def start(self, trainer: pl.Trainer, module: FLClassifier, state_root: Path) -> None:
         pass
 
-    def activate(self, module: BenchClassifier) -> None:
-        module.algorithm = self.plain
-        module.lightning_default_step = False
+    def activate(self, module: FLClassifier) -> None:
+        attach_algorithm(module, self.plain)
 
     def before_optimizer_step(self, optimizer: Any) -> None:
         pass
 
-    def after_train_batch(self, module: BenchClassifier) -> None:
+    def after_train_batch(self, module: FLClassifier) -> None:
         pass
 
-    def finish(self, module: BenchClassifier) -> None:
+    def finish(self, module: FLClassifier) -> None:
         pass
 
 
 class LightningDefault(Variant):
-    """Reference: Lightning's own ``optimizer_step`` — no closure wrapper, no algorithm hooks."""
+    """Reference: no client algorithm attached (no callback hooks, no loss-term call)."""
 
-    def activate(self, module: BenchClassifier) -> None:
-        module.algorithm = self.plain
-        module.lightning_default_step = True
+    def activate(self, module: FLClassifier) -> None:
+        attach_algorithm(module, None)
 
 
 class Ours(Variant):
-    """One of our client algorithms, started and finished through FLClassifier.start_round/the algorithm's hooks."""
+    """One of our client algorithms, driven through the hooks of its :class:`FederatedAlgorithm` callback."""
 
     impl = "ours"
 
@@ -250,18 +238,30 @@ class Ours(Variant):
                 "see python -m benchmarks.client_algorithms"
             )
 
-    def start(self, trainer: pl.Trainer, module: BenchClassifier, state_root: Path) -> None:
-        self.algorithm = build_client_algorithm(self.row, **hparams_for(self.algorithm_cls, self.settings))
-        self.algorithm.bind(SITE, ClientStateStore(state_root / self.row, SITE))
-        module.set_algorithm(self.algorithm)
-        module.start_round(server_meta_for(self.algorithm_cls, module, self.settings), site=SITE)
+    def start(self, trainer: pl.Trainer, module: FLClassifier, state_root: Path) -> None:
+        algorithm = build_client_algorithm(self.row, **hparams_for(self.algorithm_cls, self.settings))
+        algorithm.bind(SITE, ClientStateStore(state_root / self.row, SITE))
+        self.start_callback(trainer, module, algorithm, server_meta_for(self.algorithm_cls, module, self.settings))
 
-    def activate(self, module: BenchClassifier) -> None:
-        module.algorithm = self.algorithm
-        module.lightning_default_step = False
+    def start_callback(
+        self, trainer: pl.Trainer, module: FLClassifier, algorithm: ClientAlgorithm, meta: Mapping[str, Any]
+    ) -> None:
+        """The callback's round start (server meta checked, ``on_round_start``), with the live optimizer."""
+        self.algorithm, self.module = algorithm, module
+        self.callback = FederatedAlgorithm(algorithm, num_samples=1, meta_source=lambda: dict(meta))
+        self.optimizer = trainer.optimizers[0]
+        self.callback.on_train_epoch_start(trainer, module)
 
-    def finish(self, module: BenchClassifier) -> None:
-        module.algorithm = self.algorithm
+    def activate(self, module: FLClassifier) -> None:
+        attach_algorithm(module, self.algorithm)
+
+    def before_optimizer_step(self, optimizer: Any) -> None:
+        self.callback.on_before_optimizer_step(None, self.module, optimizer)  # type: ignore[arg-type]
+
+    def after_train_batch(self, module: FLClassifier) -> None:
+        self.callback.after_optimizer_step(module, self.optimizer)
+
+    def finish(self, module: FLClassifier) -> None:
         self.algorithm.on_round_end(module)  # raises if, e.g., SCAFFOLD saw no step
         counted = getattr(self.algorithm, "steps", None)
         if isinstance(counted, int) and counted != self.steps:
@@ -273,7 +273,7 @@ class NVFlareBuiltin(Variant):
 
     impl = "nvflare"
 
-    def start(self, trainer: pl.Trainer, module: BenchClassifier, state_root: Path) -> None:
+    def start(self, trainer: pl.Trainer, module: FLClassifier, state_root: Path) -> None:
         from nvflare.app_common.abstract.fl_model import FLModel
         from nvflare.app_common.app_constant import AlgorithmConstants
         from nvflare.app_opt.lightning.algorithm import _AlgorithmHandlerManager
@@ -288,10 +288,10 @@ class NVFlareBuiltin(Variant):
     def before_optimizer_step(self, optimizer: Any) -> None:
         self.manager.before_optimizer_step(optimizer)
 
-    def after_train_batch(self, module: BenchClassifier) -> None:
+    def after_train_batch(self, module: FLClassifier) -> None:
         self.manager.after_train_batch(module)
 
-    def finish(self, module: BenchClassifier) -> None:
+    def finish(self, module: FLClassifier) -> None:
         result = self.manager.finish_round(module)
         if result.num_steps != self.steps:
             raise RuntimeError(f"{self.key}: NVFlare's handler counted {result.num_steps} steps, ran {self.steps}")
@@ -407,8 +407,8 @@ def make_loader(spec: ModelSpec, settings: Settings, num_steps: int) -> DataLoad
     return DataLoader(SameBatch((x, y), num_steps), batch_size=None, shuffle=False)
 
 
-def new_module(spec: ModelSpec, settings: Settings) -> BenchClassifier:
-    return BenchClassifier(
+def new_module(spec: ModelSpec, settings: Settings) -> FLClassifier:
+    return FLClassifier(
         arch=spec.arch,
         num_classes=NUM_CLASSES,
         arch_args=dict(spec.arch_args),

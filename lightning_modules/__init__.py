@@ -1,6 +1,6 @@
-"""Lightning side of the bundle: models, the classifier module, client algorithms and per-site state."""
+"""Lightning side of the bundle: models, the built-in classifier, the client-algorithm callback and per-site state."""
 
 from lightning_modules.classifier import FLClassifier
-from lightning_modules.fl_callback import FederatedRoundCallback
+from lightning_modules.federated import FederatedAlgorithm
 
-__all__ = ["FLClassifier", "FederatedRoundCallback"]
+__all__ = ["FLClassifier", "FederatedAlgorithm"]

@@ -40,8 +40,9 @@ import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
 from aggregators import meta_keys
+from aggregators.fednova import normalizer_l1
+from aggregators.wire import FedNovaReport
 from lightning_modules.algorithms.base import ClientAlgorithm, ClientAlgorithmError, check_server_meta
-from lightning_modules.classifier import check_trainer_supports, fednova_meta, sgd_step_settings
 from lightning_modules.fl_callback import MetaSource, nvflare_meta_source
 from lightning_modules.state_store import ClientStateStore
 
@@ -85,6 +86,11 @@ def algorithm_loss(module: pl.LightningModule, batch: Any, logits: torch.Tensor)
     return 0.0 if extra is None else extra
 
 
+def attach_algorithm(module: pl.LightningModule, algorithm: ClientAlgorithm | None) -> None:
+    """Make ``algorithm`` the one :func:`algorithm_loss` asks inside the module's ``training_step`` (``None``: none)."""
+    setattr(module, _ALGORITHM_ATTRIBUTE, algorithm)
+
+
 def check_module_protocol(algorithm: ClientAlgorithm, module: pl.LightningModule) -> None:
     """Refuse a module that lacks what ``algorithm`` needs from it, saying what to add."""
     who = f"{algorithm.site}: client algorithm '{algorithm.name}'"
@@ -102,8 +108,9 @@ class FederatedAlgorithm(pl.Callback):
     Args:
         algorithm: a :class:`ClientAlgorithm` or a registered name (``scaffold``, ``fedprox``, ...).
         algorithm_args: hyperparameters when ``algorithm`` is a name.
-        site: the site name (errors and state files name it).
-        state_store: where the algorithm keeps its state between rounds (SCAFFOLD's c_i, FedDyn's H_k, ...).
+        site: the site name (errors and state files name it); default: the one the algorithm is bound to.
+        state_store: where the algorithm keeps its state between rounds (SCAFFOLD's c_i, FedDyn's H_k, ...);
+            default: the one the algorithm is bound to (none: state lives only in memory).
         num_samples: the FedAvg weight sent to the server; default: the size of the training dataset.
         meta_source: where the server meta of the round comes from (NVFlare's received model by default).
     """
@@ -113,7 +120,7 @@ class FederatedAlgorithm(pl.Callback):
         algorithm: ClientAlgorithm | str = "fedavg",
         *,
         algorithm_args: Mapping[str, Any] | None = None,
-        site: str = "local",
+        site: str | None = None,
         state_store: ClientStateStore | None = None,
         num_samples: int | None = None,
         meta_source: MetaSource = nvflare_meta_source,
@@ -124,7 +131,9 @@ class FederatedAlgorithm(pl.Callback):
             algorithm = build_client_algorithm(algorithm, **dict(algorithm_args or {}))
         if isinstance(algorithm, torch.nn.Module):
             raise ClientAlgorithmError("a client algorithm must not be an nn.Module: it would enter the state_dict")
-        algorithm.bind(site, state_store)
+        # An algorithm already bound to its site and store (by the caller) keeps them unless told otherwise.
+        site = site or algorithm.site
+        algorithm.bind(site, state_store if state_store is not None else algorithm.state_store)
         self.algorithm = algorithm
         self.site = site
         self.num_samples = num_samples
@@ -146,13 +155,13 @@ class FederatedAlgorithm(pl.Callback):
         if stage == "fit":
             check_trainer_supports(self.algorithm, trainer, pl_module.automatic_optimization, check_optimizers=False)
             check_module_protocol(self.algorithm, pl_module)
-            setattr(pl_module, _ALGORITHM_ATTRIBUTE, self.algorithm)
+            attach_algorithm(pl_module, self.algorithm)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         check_trainer_supports(self.algorithm, trainer, pl_module.automatic_optimization)
         self._remove_step_hook()
         optimizer = trainer.optimizers[0]
-        self._step_hook = optimizer.register_step_post_hook(lambda opt, *_: self._after_step(pl_module, opt))
+        self._step_hook = optimizer.register_step_post_hook(lambda opt, *_: self.after_optimizer_step(pl_module, opt))
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reset_round()
@@ -171,7 +180,8 @@ class FederatedAlgorithm(pl.Callback):
     ) -> None:
         self.algorithm.correct_gradients(pl_module, optimizer)
 
-    def _after_step(self, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
+    def after_optimizer_step(self, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
+        """Runs once per optimizer step taken (a post-step hook on the module's optimizer)."""
         self._steps += 1
         self._solver_steps.append(sgd_step_settings(optimizer))
         self.algorithm.after_step(pl_module, optimizer)
@@ -219,6 +229,7 @@ class FederatedAlgorithm(pl.Callback):
                 "'<algorithm>.<name>' keys or are reserved by NVFlare's built-in handlers"
             )
         meta.update(algorithm_meta)
+        meta.update(module_round_metrics(pl_module))
         meta.update(self._site_eval)
         self._site_eval = {}
         meta[meta_keys.NUM_SAMPLES] = self.num_samples if self.num_samples is not None else _dataset_size(trainer)
@@ -233,6 +244,62 @@ class FederatedAlgorithm(pl.Callback):
         if self._step_hook is not None:
             self._step_hook.remove()
             self._step_hook = None
+
+
+def sgd_step_settings(optimizer: Any) -> tuple[float, float, float] | None:
+    """(lr, momentum, dampening) of a plain or heavy-ball ``torch.optim.SGD`` step with one lr for every group;
+    ``None`` for anything FedNova's normaliser does not model (other optimizers, Nesterov, maximize, unequal lrs)."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        return None
+    groups = optimizer.param_groups
+    settings = {(float(g["lr"]), float(g["momentum"]), float(g["dampening"])) for g in groups}
+    if len(settings) != 1 or any(g.get("nesterov") or g.get("maximize") for g in groups):
+        return None
+    return settings.pop()
+
+
+def fednova_meta(algorithm: ClientAlgorithm, steps: list[tuple[float, float, float] | None]) -> dict[str, Any]:
+    """``fednova.tau`` and ``fednova.a_norm`` (docs/server_rules.md, FedNova) when this round's local update is eta * G
+    a.
+
+    Empty when it is not (a ``drift`` algorithm, an optimizer the normaliser does not model, momentum settings that
+    changed within the round, no positive first lr): a FedNova server then rejects the result by name.
+    """
+    if algorithm.local_update == "drift" or not steps or any(step is None for step in steps):
+        return {}
+    if len({step[1:] for step in steps}) != 1 or steps[0][0] <= 0:
+        return {}
+    momentum, dampening = steps[0][1], steps[0][2]
+    mu = algorithm.proximal_coefficient() if algorithm.local_update == "proximal" else 0.0
+    a_norm = normalizer_l1([step[0] for step in steps], momentum=momentum, dampening=dampening, mu=mu)
+    return FedNovaReport(len(steps), a_norm).to_meta()
+
+
+def check_trainer_supports(
+    algorithm: ClientAlgorithm, trainer: pl.Trainer, automatic_optimization: bool, check_optimizers: bool = True
+) -> None:
+    """Refuse set-ups under which client algorithms silently go wrong, with a message that says how to fix it."""
+    who = f"{algorithm.site}: client algorithm '{algorithm.name}'"
+    precision = str(trainer.precision)
+    if precision not in algorithm.supported_precisions:
+        raise ClientAlgorithmError(
+            f"{who} does not support precision '{precision}'; use one of {list(algorithm.supported_precisions)} "
+            "(fp16 GradScaler skips optimizer steps; bf16-true keeps no fp32 master weights)"
+        )
+    if not automatic_optimization:
+        raise ClientAlgorithmError(
+            f"{who} needs Lightning's automatic optimization; manual optimization bypasses optimizer_step, "
+            "so corrections would never be applied"
+        )
+    if check_optimizers and len(trainer.optimizers) != 1:
+        raise ClientAlgorithmError(f"{who} needs exactly one optimizer, got {len(trainer.optimizers)}")
+
+
+def module_round_metrics(module: pl.LightningModule) -> dict[str, float]:
+    """The module's own summary of the round, ``fl_round_metrics() -> {name: value}`` if it defines one (the
+    built-in classifier's training accuracy), sent as ``train.<name>``."""
+    hook = getattr(module, "fl_round_metrics", None)
+    return {f"train.{name}": float(value) for name, value in (hook() if callable(hook) else {}).items()}
 
 
 def job_algorithm() -> FederatedAlgorithm:

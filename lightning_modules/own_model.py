@@ -108,11 +108,11 @@ class UserSite:
         from lightning_modules.federated import FederatedAlgorithm
 
         self.args, self.site = args, site
-        self.module = build_user_module(args.model, _json(args.model_args))
-        self.data = build_user_data(args.data, _json(args.data_args), site, args.num_sites)
+        self.module = build_user_module(args.model, json_arg(args.model_args))
+        self.data = build_user_data(args.data, json_arg(args.data_args), site, args.num_sites)
         extra = {"meta_source": meta_source} if meta_source is not None else {}
         self.callback = FederatedAlgorithm(
-            args.client, algorithm_args=_json(args.client_args), site=site, state_store=state_store, **extra
+            args.client, algorithm_args=json_arg(args.client_args), site=site, state_store=state_store, **extra
         )
         self.evaluate = evaluates_at_the_site(self.module, self.data)
         if not self.evaluate:
@@ -189,7 +189,7 @@ def run_user_script(args: Any, client_script: str) -> None:
 
     script = Path(client_script).resolve().parent / Path(args.script).name
     os.environ[CLIENT_ENV] = args.client
-    os.environ[CLIENT_ARGS_ENV] = json.dumps(_json(args.client_args))
+    os.environ[CLIENT_ARGS_ENV] = json.dumps(json_arg(args.client_args))
     argv, sys.argv = sys.argv, [str(script)]
     try:
         runpy.run_path(str(script), run_name="__main__")
@@ -197,7 +197,8 @@ def run_user_script(args: Any, client_script: str) -> None:
         sys.argv = argv
 
 
-def _json(value: Any) -> dict[str, Any]:
+def json_arg(value: Any) -> dict[str, Any]:
+    """A JSON setting as a dict, whether the command line gave text or the caller a mapping."""
     return json.loads(value) if isinstance(value, str) else dict(value or {})
 
 

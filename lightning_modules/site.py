@@ -9,8 +9,10 @@ gets the result back as numpy arrays + meta. Both go through the same steps, so 
    process-per-round simulations and the in-process runner shuffle identically;
 2. the labels of the round (flipped for a label-flipping malicious site), a seeded ``DataLoader``;
 3. the round's local epochs (:func:`local_epochs`: constant, or FedNova's seeded heterogeneous draw);
-4. a fresh Trainer (:func:`make_trainer`) with the :class:`FederatedRoundCallback` (starts the client algorithm's
-   round once the global weights are in, and writes the meta) and the :class:`AttackCallback`, then the exchange:
+4. a fresh Trainer (:func:`make_trainer`) with the client algorithm's callback
+   (:class:`lightning_modules.federated.FederatedAlgorithm`, the one a user's own module gets: it starts the
+   algorithm's round once the global weights are in and writes the meta) and the :class:`AttackCallback`, then
+   the exchange:
    NVFlare's FLCallback, or :class:`LocalExchange` which does what FLCallback does at the same points of the fit
    (load the global weights at ``on_train_start``, take the module's state_dict on CPU at ``on_train_end``, after
    our callbacks);
@@ -20,7 +22,6 @@ gets the result back as numpy arrays + meta. Both go through the same steps, so 
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -33,7 +34,9 @@ from torch.utils.data import TensorDataset
 from data_prep import to_tensor_dataset
 from lightning_modules.attacks import AttackCallback, AttackConfig, attack_config_from_args, site_labels
 from lightning_modules.classifier import FLClassifier
-from lightning_modules.fl_callback import FederatedRoundCallback, MetaSource, nvflare_meta_source
+from lightning_modules.federated import FederatedAlgorithm
+from lightning_modules.fl_callback import MetaSource, nvflare_meta_source
+from lightning_modules.own_model import json_arg
 from lightning_modules.state_store import ClientStateStore
 
 __all__ = [
@@ -122,7 +125,7 @@ class LocalExchange(pl.Callback):
 
 @dataclass
 class SiteRound:
-    """Everything a site keeps between rounds: its module (with the client algorithm bound), data and callbacks."""
+    """Everything a site keeps between rounds: its module, data and callbacks (the client algorithm's first)."""
 
     site: str
     site_index: int
@@ -130,7 +133,7 @@ class SiteRound:
     x: np.ndarray
     y: np.ndarray
     training: LocalTraining
-    round_callback: FederatedRoundCallback
+    round_callback: FederatedAlgorithm
     attack_callback: AttackCallback
     dataset: TensorDataset | None = None  # ``to_tensor_dataset(x, y)``, built here unless the caller has it already
 
@@ -191,14 +194,15 @@ def build_site_round(
     module = FLClassifier(
         arch=args.arch,
         num_classes=num_classes,
-        arch_args=json.loads(args.arch_args),
+        arch_args=json_arg(args.arch_args),
         lr=args.lr,
         momentum=args.momentum,
         weight_decay=args.weight_decay,
     )
-    algorithm = build_client_algorithm(args.client, **json.loads(args.client_args))
-    algorithm.bind(site, state_store)
-    module.set_algorithm(algorithm)
+    algorithm = build_client_algorithm(args.client, **json_arg(args.client_args))
+    callback = FederatedAlgorithm(
+        algorithm, site=site, state_store=state_store, num_samples=len(y), meta_source=meta_source
+    )
     attack = attack_config_from_args(args, num_classes)
     return SiteRound(
         site=site,
@@ -207,6 +211,6 @@ def build_site_round(
         x=x,
         y=y,
         training=LocalTraining.from_namespace(args),
-        round_callback=FederatedRoundCallback(num_samples=len(y), site=site, meta_source=meta_source),
+        round_callback=callback,
         attack_callback=AttackCallback(attack, site, site_index),
     )

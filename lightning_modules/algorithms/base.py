@@ -1,10 +1,11 @@
 """The client-algorithm plug-in interface (docs/design.md, decision 2).
 
-A client algorithm is a small object with hooks that the LightningModule drives:
+A client algorithm is a small object with hooks that :class:`lightning_modules.federated.FederatedAlgorithm` (a
+Lightning callback) drives on any LightningModule:
 
 - ``on_round_start``  once per federated round, after the global weights are loaded, with the server meta;
-- ``loss_terms``      inside ``training_step``: extra differentiable terms (MOON, FedProx written as a loss);
-- ``correct_gradients`` inside ``optimizer_step``, after backward and before the optimizer moves the weights;
+- ``loss_terms``      inside the module's ``training_step`` (via ``algorithm_loss``): extra differentiable terms (MOON);
+- ``correct_gradients`` in ``on_before_optimizer_step``, after backward and before the optimizer moves the weights;
 - ``after_step``      right after each optimizer step (post-step parameter corrections, step/lr bookkeeping);
 - ``on_round_end``    returns the namespaced meta to send to the server with the model.
 

@@ -12,7 +12,7 @@ from aggregators import AggregationError, ClientUpdate, RoundContext, build_rule
 from aggregators.fedavg import fedavg_params
 from aggregators.fednova import normalizer_l1
 from lightning_modules.algorithms import build_client_algorithm
-from lightning_modules.classifier import fednova_meta, sgd_step_settings
+from lightning_modules.federated import fednova_meta, sgd_step_settings
 
 CONTEXT = RoundContext(round_num=0, num_rounds=3, population=("site-1", "site-2", "site-3"))
 TAU, A_NORM = meta_keys.FEDNOVA_TAU, meta_keys.FEDNOVA_A_NORM

@@ -1,4 +1,4 @@
-"""Tests for the Lightning glue: FLClassifier's hook placement, FederatedRoundCallback, the client-algorithm registry,
+"""Tests for the Lightning glue: FLClassifier on the client-algorithm callback, the client-algorithm registry,
 the trainer/meta refusals and ``evaluate_classifier``.
 
 Every check that involves training runs a real ``pl.Trainer`` on CPU over a few tiny synthetic batches and compares
@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from aggregators import meta_keys
-from lightning_modules import FederatedRoundCallback, FLClassifier
+from lightning_modules import FederatedAlgorithm, FLClassifier
 from lightning_modules.algorithms import (
     CLIENT_ALGORITHMS,
     ClientAlgorithm,
@@ -31,8 +31,8 @@ from lightning_modules.algorithms import (
     build_client_algorithm,
     check_server_meta,
 )
-from lightning_modules.classifier import check_trainer_supports
 from lightning_modules.evaluation import evaluate_classifier
+from lightning_modules.federated import check_trainer_supports
 from lightning_modules.models import build_model
 
 pytestmark = [
@@ -172,13 +172,12 @@ class EventCallback(pl.Callback):
 
 def fit_with_recorder(
     n: int = 32, meta: Mapping[str, Any] | None = None, site: str = "site-1", **trainer_kwargs: Any
-) -> tuple[FLClassifier, Recorder, FederatedRoundCallback, MetaSource, pl.Trainer]:
+) -> tuple[FLClassifier, Recorder, FederatedAlgorithm, MetaSource, pl.Trainer]:
     x, y = make_data(n)
     module = make_module()
     recorder = Recorder()
-    module.set_algorithm(recorder)
     source = MetaSource(meta if meta is not None else {"server.round": 1})
-    callback = FederatedRoundCallback(num_samples=n, site=site, meta_source=source)
+    callback = FederatedAlgorithm(recorder, num_samples=n, site=site, meta_source=source)
     trainer = make_trainer(callbacks=[callback, EventCallback(recorder)], **trainer_kwargs)
     trainer.fit(module, make_loader(x, y))
     return module, recorder, callback, source, trainer
@@ -272,10 +271,9 @@ class L2OnClassifierWeight(ClientAlgorithm):
 def one_step(algorithm: ClientAlgorithm | None, lr: float) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     x, y = make_data(BATCH)
     module = make_module(lr=lr)
-    if algorithm is not None:
-        module.set_algorithm(algorithm)
+    callback = FederatedAlgorithm(algorithm or ClientAlgorithm(), num_samples=BATCH, meta_source=MetaSource({}))
     before = snapshot(module)
-    make_trainer().fit(module, make_loader(x, y))
+    make_trainer(callbacks=[callback]).fit(module, make_loader(x, y))
     return before, snapshot(module)
 
 
@@ -346,8 +344,7 @@ def test_train_loss_excludes_loss_terms():
     """train.loss reports the task loss only; the algorithm's extra terms are not folded in."""
     x, y = make_data(BATCH)
     module = make_module(lr=0.0)
-    module.set_algorithm(L2OnClassifierWeight(100.0))
-    callback = FederatedRoundCallback(num_samples=BATCH, meta_source=MetaSource({}))
+    callback = FederatedAlgorithm(L2OnClassifierWeight(100.0), num_samples=BATCH, meta_source=MetaSource({}))
     make_trainer(callbacks=[callback]).fit(module, make_loader(x, y))
     with torch.no_grad():
         expected = F.cross_entropy(module.net(x), y).item()
@@ -364,8 +361,7 @@ def test_train_accuracy_is_fraction_of_correct_predictions():
     x, _ = make_data(32)
     y = torch.tensor([0] * 24 + [1] * 8)
     rec = Recorder()
-    module.set_algorithm(rec)
-    callback = FederatedRoundCallback(num_samples=32, meta_source=MetaSource({}))
+    callback = FederatedAlgorithm(rec, num_samples=32, meta_source=MetaSource({}))
     make_trainer(callbacks=[callback]).fit(module, make_loader(x, y))
     assert rec.correct_predictions / rec.num_predictions == 0.75
     assert callback.last_meta["train.accuracy"] == pytest.approx(0.75, abs=1e-6)  # macro gives 0.5
@@ -381,7 +377,7 @@ def test_train_accuracy_matches_recorded_predictions_when_labels_are_balanced_pe
     y = torch.arange(NUM_CLASSES).repeat(2)
     x = torch.zeros(len(y), IN_FEATURES)
     x[torch.arange(len(y)), y] = 1.0
-    callback = FederatedRoundCallback(num_samples=len(y), meta_source=MetaSource({}))
+    callback = FederatedAlgorithm(num_samples=len(y), meta_source=MetaSource({}))
     make_trainer(callbacks=[callback]).fit(module, make_loader(x, y, batch_size=5))
     assert callback.last_meta["train.accuracy"] == pytest.approx(1.0)
 
@@ -414,9 +410,8 @@ def test_algorithm_never_enters_state_dict_or_optimizer():
     x, y = make_data(16)
     module = make_module()
     net_keys = {f"net.{k}" for k in module.net.state_dict()}
-    module.set_algorithm(HoldsTensors())
     assert set(module.state_dict()) == net_keys
-    trainer = make_trainer(callbacks=[FederatedRoundCallback(num_samples=16, meta_source=MetaSource({}))])
+    trainer = make_trainer(callbacks=[FederatedAlgorithm(HoldsTensors(), num_samples=16, meta_source=MetaSource({}))])
     trainer.fit(module, make_loader(x, y))
     assert set(module.state_dict()) == net_keys  # no algorithm tensors, no metric states
     assert all(key.startswith("net.") for key in module.state_dict())
@@ -426,19 +421,15 @@ def test_algorithm_never_enters_state_dict_or_optimizer():
     assert optimized == {id(p) for p in module.net.parameters()}
 
 
-def test_set_algorithm_refuses_an_nn_module():
-    module = make_module()
-    original = module.algorithm
+def test_callback_refuses_an_nn_module_as_algorithm():
     with pytest.raises(ClientAlgorithmError, match=r"nn\.Module"):
-        module.set_algorithm(AlgorithmModule())
-    assert module.algorithm is original
-    assert all(key.startswith("net.") for key in module.state_dict())
+        FederatedAlgorithm(AlgorithmModule())
 
 
 def test_default_algorithm_is_fedavg():
-    module = make_module()
-    assert type(module.algorithm) is ClientAlgorithm
-    assert module.algorithm.name == "fedavg"
+    callback = FederatedAlgorithm()
+    assert type(callback.algorithm) is ClientAlgorithm
+    assert callback.algorithm.name == "fedavg"
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -450,9 +441,8 @@ def test_second_round_resets_counters_and_restarts_the_algorithm(same_trainer: b
     x, y = make_data(32)
     module = make_module()
     rec = Recorder()
-    module.set_algorithm(rec)
     source = MetaSource({"server.round": 1}, {"server.round": 2})
-    callback = FederatedRoundCallback(num_samples=32, meta_source=source)
+    callback = FederatedAlgorithm(rec, num_samples=32, meta_source=source)
     trainer = make_trainer(callbacks=[callback])
     trainer.fit(module, make_loader(x, y))
     first = dict(module.__fl_meta__)
@@ -534,8 +524,9 @@ def test_fit_refuses_bf16_true():
     x, y = make_data(16)
     module = make_module()
     rec = Recorder()
-    module.set_algorithm(rec)
-    trainer = make_trainer(precision="bf16-true", callbacks=[FederatedRoundCallback(16, meta_source=MetaSource({}))])
+    trainer = make_trainer(
+        precision="bf16-true", callbacks=[FederatedAlgorithm(rec, num_samples=16, meta_source=MetaSource({}))]
+    )
     with pytest.raises(ClientAlgorithmError, match=r"precision 'bf16-true'.*fp32 master weights"):
         trainer.fit(module, make_loader(x, y))
     assert rec.events == []  # refused before the round started
@@ -545,10 +536,10 @@ def test_refused_bf16_true_leaves_weights_untouched():
     x, y = make_data(16)
     module = make_module()
     rec = Recorder()
-    module.set_algorithm(rec)
     before = snapshot(module)
+    callback = FederatedAlgorithm(rec, num_samples=16, meta_source=MetaSource({}))
     with pytest.raises(ClientAlgorithmError):
-        make_trainer(precision="bf16-true").fit(module, make_loader(x, y))
+        make_trainer(precision="bf16-true", callbacks=[callback]).fit(module, make_loader(x, y))
     _assert_refused_before_training(module, rec, before)
     assert all(v.dtype == torch.float32 for v in module.state_dict().values())
 
@@ -557,7 +548,8 @@ def test_refused_bf16_true_leaves_weights_untouched():
 def test_fit_refuses_16_mixed_on_gpu():
     x, y = make_data(16)
     module = make_module()
-    trainer = make_trainer(accelerator="gpu", precision="16-mixed")
+    callback = FederatedAlgorithm(num_samples=16, meta_source=MetaSource({}))
+    trainer = make_trainer(accelerator="gpu", precision="16-mixed", callbacks=[callback])
     with pytest.raises(ClientAlgorithmError, match=r"precision '16-mixed'.*GradScaler"):
         trainer.fit(module, make_loader(x, y))
 
@@ -585,9 +577,8 @@ def test_fit_refuses_manual_optimization():
     x, y = make_data(16)
     module = make_module(cls=ManualClassifier)
     rec = Recorder()
-    module.set_algorithm(rec)
     before = snapshot(module)
-    trainer = make_trainer(callbacks=[FederatedRoundCallback(16, meta_source=MetaSource({}))])
+    trainer = make_trainer(callbacks=[FederatedAlgorithm(rec, num_samples=16, meta_source=MetaSource({}))])
     with pytest.raises(ClientAlgorithmError, match="automatic optimization"):
         trainer.fit(module, make_loader(x, y))
     _assert_refused_before_training(module, rec, before)
@@ -602,9 +593,8 @@ def test_fit_refuses_missing_server_meta_naming_site_and_key():
     x, y = make_data(16)
     module = make_module()
     rec = NeedsControls()
-    module.set_algorithm(rec)
     before = snapshot(module)
-    callback = FederatedRoundCallback(16, site="site-7", meta_source=MetaSource({"server.round": 1}))
+    callback = FederatedAlgorithm(rec, num_samples=16, site="site-7", meta_source=MetaSource({"server.round": 1}))
     with pytest.raises(ClientAlgorithmError) as info:
         make_trainer(callbacks=[callback]).fit(module, make_loader(x, y))
     message = str(info.value)
@@ -619,9 +609,8 @@ def test_fit_runs_when_required_server_meta_is_present():
     x, y = make_data(16)
     module = make_module()
     rec = NeedsControls()
-    module.set_algorithm(rec)
     meta = {"server.round": 1, "scaffold.ctrl.global": {"net.classifier.bias": torch.zeros(NUM_CLASSES)}}
-    callback = FederatedRoundCallback(16, site="site-7", meta_source=MetaSource(meta))
+    callback = FederatedAlgorithm(rec, num_samples=16, site="site-7", meta_source=MetaSource(meta))
     make_trainer(callbacks=[callback]).fit(module, make_loader(x, y))
     assert rec.count("on_round_start") == 1
     assert callback.last_meta[meta_keys.NUM_STEPS] == 2

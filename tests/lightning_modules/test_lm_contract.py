@@ -13,7 +13,7 @@ import torch
 
 from aggregators import meta_keys
 from aggregators.wire import ControlVariate, FedDynReport, FedNovaReport, TrainingStats
-from lightning_modules import FederatedRoundCallback, FLClassifier
+from lightning_modules import FederatedAlgorithm, FLClassifier
 from lightning_modules.algorithms import CLIENT_ALGORITHMS, build_client_algorithm
 from lightning_modules.state_store import ClientStateStore
 
@@ -25,9 +25,8 @@ def fit(name: str, root, round_num: int = 0) -> tuple[FLClassifier, dict]:
     module = FLClassifier(arch="mlp", lr=0.05, arch_args=dict(CLIENT_ALGORITHMS[name].default_arch_args), init_seed=0)
     algorithm = build_client_algorithm(name)
     algorithm.bind("site-1", ClientStateStore(root, "site-1"))
-    module.set_algorithm(algorithm)
     meta = {**META, meta_keys.ROUND: round_num}
-    callback = FederatedRoundCallback(num_samples=48, site="site-1", meta_source=lambda: meta)
+    callback = FederatedAlgorithm(algorithm, num_samples=48, site="site-1", meta_source=lambda: meta)
     data = torch.utils.data.TensorDataset(torch.rand(48, 64), torch.arange(48) % 10)
     trainer = pl.Trainer(
         max_epochs=1,

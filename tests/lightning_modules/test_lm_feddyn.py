@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from aggregators import RULES, ClientUpdate, RoundContext, meta_keys
 from aggregators.feddyn import FedDyn as FedDynRule
 from jobs.build import PRESETS, JobBuildError, JobSpec, _check_composition
-from lightning_modules import FederatedRoundCallback, FLClassifier
+from lightning_modules import FederatedAlgorithm, FLClassifier
 from lightning_modules.algorithms import CLIENT_ALGORITHMS, ClientAlgorithm, ClientAlgorithmError
 from lightning_modules.algorithms.base import RUN_ID_KEY
 from lightning_modules.algorithms.feddyn import FedDyn
@@ -272,9 +272,13 @@ def test_bad_server_alpha_names_the_site_and_key(tmp_path, alpha):
 
 def test_missing_server_alpha_is_reported_before_training(tmp_path):
     module = FLClassifier(arch="mlp", num_classes=2, arch_args={"in_features": 3, "hidden_sizes": ()})
-    module.set_algorithm(make(tmp_path))
+    callback = FederatedAlgorithm(make(tmp_path), num_samples=8, meta_source=lambda: {meta_keys.ROUND: 0})
+    data = TensorDataset(torch.zeros(8, 3), torch.zeros(8, dtype=torch.long))
+    trainer = pl.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, callbacks=[callback])
+    before = {k: v.clone() for k, v in module.state_dict().items()}
     with pytest.raises(ClientAlgorithmError, match=r"site-1: .*'feddyn' needs server meta \['feddyn.alpha'\]"):
-        module.start_round({meta_keys.ROUND: 0}, site="site-1")
+        trainer.fit(module, DataLoader(data, batch_size=4))
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
 
 
 class WithTrainer(Quadratic):
@@ -373,8 +377,7 @@ def fit(
         weight_decay=weight_decay,
         init_seed=11,
     )
-    module.set_algorithm(algorithm)
-    callback = FederatedRoundCallback(num_samples=40, site="site-1", meta_source=lambda: dict(server_meta))
+    callback = FederatedAlgorithm(algorithm, num_samples=40, site="site-1", meta_source=lambda: dict(server_meta))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,

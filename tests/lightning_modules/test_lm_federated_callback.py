@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from aggregators import meta_keys
-from lightning_modules import FederatedRoundCallback, FLClassifier
+from lightning_modules import FederatedAlgorithm, FLClassifier
 from lightning_modules.algorithms import CLIENT_ALGORITHMS, build_client_algorithm
 from lightning_modules.algorithms.base import ClientAlgorithmError
-from lightning_modules.federated import FederatedAlgorithm, algorithm_loss
+from lightning_modules.federated import algorithm_loss
 from lightning_modules.state_store import ClientStateStore
 
 LR, MU, ALPHA, C = 0.05, 0.1, 0.2, 0.1
@@ -102,10 +102,9 @@ def test_with_sgd_the_callback_path_equals_fl_classifier_bit_for_bit(tmp_path, n
     classifier.load_state_dict({KEYS[k]: v for k, v in UserModule().state_dict().items()})
     algorithm = build_client_algorithm(name, **args)
     algorithm.bind("site-1", ClientStateStore(tmp_path / "classifier", "site-1"))
-    classifier.set_algorithm(algorithm)
     meta = server_meta()
     meta[meta_keys.SCAFFOLD_CTRL_GLOBAL] = {KEYS[k]: v for k, v in meta[meta_keys.SCAFFOLD_CTRL_GLOBAL].items()}
-    callback = FederatedRoundCallback(num_samples=N, site="site-1", meta_source=lambda: meta)
+    callback = FederatedAlgorithm(algorithm, num_samples=N, site="site-1", meta_source=lambda: meta)
     torch.manual_seed(2)
     trainer(callback).fit(classifier, torch.utils.data.DataLoader(data(), batch_size=BATCH))
     trained = classifier.state_dict()
@@ -204,8 +203,23 @@ def test_sample_count_defaults_to_the_dataset_and_meta_is_namespaced(tmp_path):
     assert all(meta_keys.is_namespaced(key) for key in meta)
 
 
-class MoonReadyClassifier(FLClassifier):
-    """FLClassifier's network driven from outside: its training_step adds the callback's algorithm loss."""
+class PlainModule(pl.LightningModule):
+    """A user's module written without the bundle's classifier: the same network, SGD, and only the protocols."""
+
+    def __init__(self, arch_args) -> None:
+        super().__init__()
+        self.net = FLClassifier(arch="mlp", arch_args=arch_args, init_seed=0).net
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+    def task_loss(self, batch, params=None):
+        x, y = batch
+        logits = self.net(x) if params is None else torch.func.functional_call(self, dict(params), (x,))
+        return F.cross_entropy(logits, y), logits
+
+    def forward(self, x):
+        return self.net(x)
 
     def training_step(self, batch, batch_idx):
         loss, logits = self.task_loss(batch)
@@ -213,9 +227,9 @@ class MoonReadyClassifier(FLClassifier):
 
 
 @pytest.mark.parametrize("name", sorted(CLIENT_ALGORITHMS))
-def test_every_algorithm_through_the_callback_equals_the_built_in_classifier_path(tmp_path, name):
-    """FLClassifier with the algorithm set on it (the bundle's own path) vs the same network with the algorithm
-    attached as a callback: the same weights bit for bit and the same meta."""
+def test_every_algorithm_on_a_plain_module_equals_the_built_in_classifier(tmp_path, name):
+    """The built-in FLClassifier vs a plain user module with the same network, both with the algorithm attached as
+    the callback: the same weights bit for bit and the same meta (the classifier adds its training accuracy)."""
     arch_args = dict(CLIENT_ALGORITHMS[name].default_arch_args)
     meta = {meta_keys.ROUND: 0, meta_keys.RUN_ID: "r", meta_keys.SCAFFOLD_CTRL_GLOBAL: {}, meta_keys.FEDDYN_ALPHA: 0.1}
     loader = torch.utils.data.DataLoader(data(), batch_size=BATCH)
@@ -223,12 +237,11 @@ def test_every_algorithm_through_the_callback_equals_the_built_in_classifier_pat
     built_in = FLClassifier(arch="mlp", lr=LR, arch_args=arch_args, init_seed=0)
     algorithm = build_client_algorithm(name)
     algorithm.bind("site-1", ClientStateStore(tmp_path / "a", "site-1"))
-    built_in.set_algorithm(algorithm)
-    reference = FederatedRoundCallback(num_samples=N, site="site-1", meta_source=lambda: meta)
+    reference = FederatedAlgorithm(algorithm, num_samples=N, site="site-1", meta_source=lambda: meta)
     torch.manual_seed(2)
     trainer(reference).fit(built_in, loader)
 
-    attached = MoonReadyClassifier(arch="mlp", lr=LR, arch_args=arch_args, init_seed=0)
+    attached = PlainModule(arch_args)
     callback = FederatedAlgorithm(
         name, site="site-1", state_store=ClientStateStore(tmp_path / "b", "site-1"), meta_source=lambda: meta
     )

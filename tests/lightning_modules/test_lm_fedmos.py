@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from aggregators import RULES, meta_keys
 from jobs.build import _check_composition
-from lightning_modules import FederatedRoundCallback, FLClassifier
+from lightning_modules import FederatedAlgorithm, FLClassifier
 from lightning_modules.algorithms import ClientAlgorithm, ClientAlgorithmError, build_client_algorithm
 from lightning_modules.algorithms.fedmos import FedMoS
 
@@ -200,8 +200,7 @@ def make_module(**kw: Any) -> FLClassifier:
 
 
 def fit(module: FLClassifier, algorithm: ClientAlgorithm, **trainer_kw: Any) -> FLClassifier:
-    module.set_algorithm(algorithm)
-    callback = FederatedRoundCallback(num_samples=40, site="site-1", meta_source=lambda: {meta_keys.ROUND: 0})
+    callback = FederatedAlgorithm(algorithm, num_samples=40, site="site-1", meta_source=lambda: {meta_keys.ROUND: 0})
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from aggregators import RULES, meta_keys
 from jobs.build import PRESETS, JobSpec, _check_composition
-from lightning_modules import FederatedRoundCallback, FLClassifier
+from lightning_modules import FederatedAlgorithm, FLClassifier
 from lightning_modules.algorithms import ClientAlgorithm, ClientAlgorithmError, build_client_algorithm
 from lightning_modules.algorithms.fedprox import FedProx
 
@@ -202,8 +202,7 @@ def fit(algorithm: ClientAlgorithm, *, momentum: float = 0.0, weight_decay: floa
         weight_decay=weight_decay,
         init_seed=11,
     )
-    module.set_algorithm(algorithm)
-    callback = FederatedRoundCallback(num_samples=40, site="site-1", meta_source=lambda: {meta_keys.ROUND: 0})
+    callback = FederatedAlgorithm(algorithm, num_samples=40, site="site-1", meta_source=lambda: {meta_keys.ROUND: 0})
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from aggregators import meta_keys
-from lightning_modules import FederatedRoundCallback, FLClassifier
+from lightning_modules import FederatedAlgorithm, FLClassifier
 from lightning_modules.algorithms import ClientAlgorithm, kernels
 from lightning_modules.algorithms.feddyn import FedDyn
 from lightning_modules.algorithms.fedprox import FedProx
@@ -54,8 +54,7 @@ def fit(algorithm: ClientAlgorithm, meta: dict[str, Any], *, momentum: float = 0
         momentum=momentum,
         init_seed=11,
     )
-    module.set_algorithm(algorithm)
-    callback = FederatedRoundCallback(num_samples=40, site="site-1", meta_source=lambda: dict(meta))
+    callback = FederatedAlgorithm(algorithm, num_samples=40, site="site-1", meta_source=lambda: dict(meta))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
@@ -109,7 +108,8 @@ def test_fold_is_used_only_for_a_plain_unclipped_sgd_step(monkeypatch, momentum,
     spy = LerpSpy(monkeypatch)
     module = fit(FedProx(mu=0.7), {meta_keys.ROUND: 0}, momentum=momentum, **trainer_kw)
     if "accumulate_grad_batches" in trainer_kw:  # still plain SGD steps: one pull per step, never per micro-batch
-        assert 0 < module.round_steps < STEPS and spy.calls == module.round_steps
+        steps = module.__fl_meta__[meta_keys.NUM_STEPS]
+        assert 0 < steps < STEPS and spy.calls == steps
     else:
         assert spy.calls == 0
 

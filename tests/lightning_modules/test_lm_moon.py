@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from aggregators import RULES, meta_keys
 from jobs.build import PRESETS, JobBuildError, JobSpec, _check_composition, export_job, model_arch_args
-from lightning_modules import FederatedRoundCallback, FLClassifier
+from lightning_modules import FederatedAlgorithm, FLClassifier
 from lightning_modules.algorithms import ClientAlgorithm, ClientAlgorithmError, build_client_algorithm
 from lightning_modules.algorithms.moon import Moon, contrastive_loss
 from lightning_modules.models import build_model
@@ -330,8 +330,7 @@ def fit(module: FLClassifier, algorithm: ClientAlgorithm, round_num: int = 0, **
     gen = torch.Generator().manual_seed(3)
     x, y = torch.rand(40, IN_FEATURES, generator=gen), torch.randint(0, NUM_CLASSES, (40,), generator=gen)
     loader = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(5))
-    module.set_algorithm(algorithm)
-    callback = FederatedRoundCallback(num_samples=40, site=SITE, meta_source=lambda: meta(round_num))
+    callback = FederatedAlgorithm(algorithm, num_samples=40, site=SITE, meta_source=lambda: meta(round_num))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,

@@ -15,7 +15,7 @@ import torch
 from aggregators import meta_keys
 from jobs.build import JobBuildError, JobSpec, client_script_args
 from jobs.client import build_parser
-from lightning_modules import FederatedRoundCallback, FLClassifier
+from lightning_modules import FederatedAlgorithm, FLClassifier
 from lightning_modules.algorithms import ClientAlgorithmError, build_client_algorithm
 from lightning_modules.site import make_trainer
 from lightning_modules.state_store import ClientStateStore
@@ -34,9 +34,8 @@ def _fit_like_the_client(tmp_path, precision: str):
     module = FLClassifier(arch="mlp", lr=args.lr, init_seed=0)
     algorithm = build_client_algorithm(args.client)
     algorithm.bind("site-1", ClientStateStore(tmp_path, "site-1"))
-    module.set_algorithm(algorithm)
     meta = {meta_keys.SCAFFOLD_CTRL_GLOBAL: {}, meta_keys.ROUND: 0, meta_keys.RUN_ID: "run"}
-    callback = FederatedRoundCallback(num_samples=48, site="site-1", meta_source=lambda: meta)
+    callback = FederatedAlgorithm(algorithm, num_samples=48, site="site-1", meta_source=lambda: meta)
     logits_dtypes = []
     module.net.register_forward_hook(lambda _m, _i, out: logits_dtypes.append(out.dtype))
     generator = torch.Generator().manual_seed(0)
@@ -51,7 +50,7 @@ def test_job_precision_reaches_the_client_trainer():
     assert "--precision bf16-mixed" in client_script_args(JobSpec(name="p", precision="bf16-mixed"))
     args = _client_args("bf16-mixed")
     assert args.precision == "bf16-mixed"
-    assert str(make_trainer(args, FederatedRoundCallback(1)).precision) == "bf16-mixed"
+    assert str(make_trainer(args, FederatedAlgorithm(num_samples=1)).precision) == "bf16-mixed"
 
 
 def test_bf16_mixed_computes_in_bf16_and_keeps_weights_and_scaffold_state_fp32(tmp_path):
@@ -94,12 +93,11 @@ def test_client_refuses_them_too_when_given_by_hand(tmp_path, precision):
     module = FLClassifier(arch="mlp", lr=args.lr, init_seed=0)
     algorithm = build_client_algorithm("scaffold")
     algorithm.bind("site-1", ClientStateStore(tmp_path, "site-1"))
-    module.set_algorithm(algorithm)
     data = torch.utils.data.TensorDataset(torch.rand(16, 64), torch.randint(0, 10, (16,)))
     before = {k: v.clone() for k, v in module.state_dict().items()}
 
     with pytest.raises(ClientAlgorithmError, match=f"precision '{precision}'"):
-        trainer = make_trainer(args, FederatedRoundCallback(16, meta_source=dict))
+        trainer = make_trainer(args, FederatedAlgorithm(algorithm, num_samples=16, meta_source=dict))
         trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=16))
 
     assert all(torch.equal(before[k], v) and v.dtype == torch.float32 for k, v in module.state_dict().items())

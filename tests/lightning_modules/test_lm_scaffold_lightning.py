@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from aggregators import meta_keys
-from lightning_modules import FederatedRoundCallback, FLClassifier
+from lightning_modules import FederatedAlgorithm, FLClassifier
 from lightning_modules.algorithms import ClientAlgorithmError, build_client_algorithm
 from lightning_modules.state_store import ClientStateStore
 
@@ -23,9 +23,8 @@ def _fit(tmp_path, precision="32-true", accumulate=1, control=None, arch_with_bn
         module.net.hidden.append(nn.BatchNorm1d(64))
     algorithm = build_client_algorithm("scaffold")
     algorithm.bind("site-1", ClientStateStore(tmp_path, "site-1"))
-    module.set_algorithm(algorithm)
     meta = {meta_keys.SCAFFOLD_CTRL_GLOBAL: control or {}, meta_keys.ROUND: 0, meta_keys.RUN_ID: "run"}
-    callback = FederatedRoundCallback(num_samples=64, site="site-1", meta_source=lambda: meta)
+    callback = FederatedAlgorithm(algorithm, num_samples=64, site="site-1", meta_source=lambda: meta)
     data = torch.utils.data.TensorDataset(torch.rand(64, 64), torch.randint(0, 10, (64,)))
     trainer = pl.Trainer(
         max_epochs=1,
@@ -84,9 +83,8 @@ def test_gradient_correction_with_gradient_clipping_is_refused_with_the_reason(t
     module = FLClassifier(arch="mlp", lr=LR, init_seed=0)
     algorithm = build_client_algorithm("scaffold", correction="grad")
     algorithm.bind("site-1", ClientStateStore(tmp_path, "site-1"))
-    module.set_algorithm(algorithm)
     meta = {meta_keys.SCAFFOLD_CTRL_GLOBAL: {}, meta_keys.ROUND: 0, meta_keys.RUN_ID: "run"}
-    callback = FederatedRoundCallback(num_samples=16, site="site-1", meta_source=lambda: meta)
+    callback = FederatedAlgorithm(algorithm, num_samples=16, site="site-1", meta_source=lambda: meta)
     trainer = pl.Trainer(
         max_epochs=1,
         accelerator="cpu",

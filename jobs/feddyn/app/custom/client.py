@@ -13,7 +13,6 @@ Runs as ``python client.py --help`` outside NVFlare too, to show the options.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from collections.abc import Sequence
 
@@ -59,12 +58,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     from nvflare.client.tracking import SummaryWriter
 
     from aggregators import meta_keys
-    from data_prep import SiteDataConfig, to_tensor_dataset
+    from data_prep import SiteDataConfig
     from data_prep.site_config import resolve_site_data, seed_index, site_workspace
     from jobs.settings import dataset_num_classes
-    from lightning_modules import FederatedRoundCallback, FLClassifier
-    from lightning_modules.algorithms import build_client_algorithm
-    from lightning_modules.attacks import AttackCallback, attack_config_from_args
+    from lightning_modules.site import build_site_round
     from lightning_modules.state_store import ClientStateStore, default_state_root
 
     flare.init()
@@ -73,33 +70,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     num_classes = dataset_num_classes(args.dataset)
     # Real sites read their own data (site env var or local/ config); only the simulator derives shards from the job.
     data = resolve_site_data(site, site_workspace(), SiteDataConfig.from_namespace(args), num_classes)
-    x, y = data.x, data.y
-    index = seed_index(site, args.num_sites)
-    dataset = to_tensor_dataset(x, y)
     print(f"{site}: training data from {data.source}")
-    module = FLClassifier(
-        arch=args.arch,
-        num_classes=num_classes,
-        arch_args=json.loads(args.arch_args),
-        lr=args.lr,
-        momentum=args.momentum,
-        weight_decay=args.weight_decay,
-    )
-    algorithm = build_client_algorithm(args.client, **json.loads(args.client_args))
-    # State that must outlive a round lives on disk in the site workspace, per job (docs/design.md, decision 4).
-    algorithm.bind(site, ClientStateStore(default_state_root() / flare.get_job_id(), site))
-    module.set_algorithm(algorithm)
-    round_callback = FederatedRoundCallback(num_samples=len(dataset), site=site)
-    # Robustness experiments: a malicious site alters its update (callback) or trains on flipped labels.
-    attack = attack_config_from_args(args, num_classes)
-    attack_callback = AttackCallback(attack, site, index)
-    print(f"{site}: {len(dataset)} training samples, label counts {np.bincount(y, minlength=num_classes).tolist()}")
-    # The round itself is lightning_modules/site.py's, shared with the in-process runner (same bits, tested).
-    from lightning_modules.site import LocalTraining, SiteRound
-
-    site_round = SiteRound(
-        site, index, module, x, y, LocalTraining.from_namespace(args), round_callback, attack_callback, dataset
-    )
+    # The round itself is lightning_modules/site.py's, shared with the in-process runner (same bits, tested): the
+    # built-in classifier with the client algorithm's callback (and a malicious site's attack, for robustness
+    # experiments). State that must outlive a round lives on disk in the site workspace, per job.
+    store = ClientStateStore(default_state_root() / flare.get_job_id(), site)
+    index = seed_index(site, args.num_sites)
+    site_round = build_site_round(args, site, index, data.x, data.y, num_classes, store)
+    counts = np.bincount(data.y, minlength=num_classes).tolist()
+    print(f"{site}: {len(data.y)} training samples, label counts {counts}")
     while flare.is_running():
         received = flare.receive()
         if received is None:
