@@ -13,6 +13,7 @@ broadcast, validate, aggregate through a pure rule from :mod:`aggregators`, reco
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from collections.abc import Mapping, Sequence
@@ -23,7 +24,7 @@ import numpy as np
 from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
 from nvflare.app_common.workflows.model_controller import ModelController
 
-from aggregators import AggregationRule, ClientUpdate, build_rule
+from aggregators import AggregationRule, ClientUpdate, build_rule, meta_keys
 from aggregators.compose import compose
 from controllers.adapters import result_site
 from controllers.checkpoint import append_metrics, load_resume_point, save_rule_state, save_updates
@@ -32,6 +33,8 @@ from controllers.engine import Host, RoundEngine, SiteResult, scalar_meta
 __all__ = ["METRICS_FILE", "STATE_FILE", "FedAlgController", "scalar_meta", "to_numpy_params"]
 
 METRICS_FILE = Path("metrics") / "round_metrics.jsonl"
+#: The final global model scored by every site (``final_site_eval``): ``{"round": n, "sites": {site: {metric: v}}}``.
+FINAL_SCORES_FILE = Path("metrics") / "final_site_scores.json"
 STATE_FILE = "server_state.pt"
 
 
@@ -64,6 +67,8 @@ class FedAlgController(ModelController):
         resume_from: a previous run's server app folder (``server_state.pt`` + ``FL_global_model.pt``): the job
             continues after that run's last attempted round (aggregated or not) with its global model, rule state
             and run id.
+        final_site_eval: after the last round, send the final global model to every site as a ``validate`` task
+            and write their scores on their own validation splits to ``<run dir>/metrics/final_site_scores.json``.
     """
 
     def __init__(
@@ -83,6 +88,7 @@ class FedAlgController(ModelController):
         task_check_period: float = 0.5,
         companions: dict[str, dict[str, Any]] | None = None,
         resume_from: str | None = None,
+        final_site_eval: bool = False,
     ) -> None:
         super().__init__(persistor_id=persistor_id, task_check_period=task_check_period)
         # Write every setting into exported configs, defaults included, so a job folder documents itself.
@@ -109,6 +115,7 @@ class FedAlgController(ModelController):
         self.save_client_updates = save_client_updates
         self.companions = companions
         self.resume_from = resume_from
+        self.final_site_eval = final_site_eval
         # Fail at job start, not after the first round, when the rule or its settings are wrong (min_accepted >= 1
         # is checked by the engine).
         self._rule: AggregationRule = compose(build_rule(rule, **(rule_args or {})), companions)
@@ -150,7 +157,7 @@ class FedAlgController(ModelController):
             self._last_aggregated_round = resume.last_aggregated_round
             engine.last_aggregated = resume.last_aggregated_sites
             self.info(f"resuming from {self.resume_from} at round {first_round + 1}/{self.num_rounds}")
-        engine.run(
+        final_params, _ = engine.run(
             population,
             global_params,
             state,
@@ -161,8 +168,26 @@ class FedAlgController(ModelController):
             stage=stage,
             should_stop=lambda: self.abort_signal.triggered,
         )
+        if self.final_site_eval and not self.abort_signal.triggered:
+            self._score_final_model(population, final_params)
         if not self.abort_signal.triggered:
             self._report_outputs()
+
+    def _score_final_model(self, population: Sequence[str], params: dict[str, np.ndarray]) -> None:
+        """Every site scores the final global model on its own validation split (a site x metric table)."""
+        outgoing = outgoing_model(self.num_rounds, self.num_rounds, params, {meta_keys.RUN_ID: self._run_id})
+        results = self.send_model_and_wait(
+            task_name="validate", targets=list(population), data=outgoing, timeout=self.train_timeout
+        )
+        scores = {result_site(r): numeric_metrics(getattr(r, "metrics", None)) for r in results}
+        missing = sorted(set(population) - set(scores))
+        if missing:
+            self.warning(f"final model: no scores from {missing}")
+        path = Path(self.get_run_dir()) / FINAL_SCORES_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"round": self.num_rounds, "sites": scores}, indent=1, sort_keys=True))
+        for site, metrics in sorted(scores.items()):
+            self.info(f"final model at {site}: " + (", ".join(f"{k}={v:.4f}" for k, v in metrics.items()) or "-"))
 
     def _run_round(
         self,
@@ -196,6 +221,13 @@ class FedAlgController(ModelController):
         )
         self.info(message)
         print(message, flush=True)
+
+
+def numeric_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
+    """The finite-or-not numbers among a site's reported metrics (anything else is dropped)."""
+    return {
+        str(k): float(v) for k, v in (metrics or {}).items() if isinstance(v, int | float) and not isinstance(v, bool)
+    }
 
 
 def outgoing_model(round_num: int, num_rounds: int, params: dict[str, np.ndarray], meta: Mapping[str, Any]) -> FLModel:

@@ -19,6 +19,7 @@ from typing import Any
 
 RUN_DIR = Path("server") / "simulate_job"
 METRICS = RUN_DIR / "metrics" / "round_metrics.jsonl"
+FINAL_SCORES = RUN_DIR / "metrics" / "final_site_scores.json"
 
 
 def load_records(workspace: Path) -> list[dict[str, Any]]:
@@ -107,6 +108,20 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def final_site_table(workspace: Path) -> str | None:
+    """The final global model's scores at every site (jobs built with ``--final-site-eval``), one row per site."""
+    path = workspace / FINAL_SCORES
+    if not path.is_file():
+        return None
+    sites: dict[str, dict[str, float]] = json.loads(path.read_text()).get("sites", {})
+    metrics = sorted({name for scores in sites.values() for name in scores})
+    width = max([len("site"), *map(len, sites)])
+    lines = ["  ".join([f"{'site':<{width}}", *(f"{m:>12}" for m in metrics)])]
+    for site in sorted(sites):
+        lines.append("  ".join([f"{site:<{width}}", *(f"{_fmt(sites[site].get(m)):>12}" for m in metrics)]))
+    return "\n".join(lines)
+
+
 def _fmt(value: Any) -> str:
     return f"{value:.4f}" if isinstance(value, int | float) else "-"
 
@@ -182,6 +197,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"site {metric} of the last global model the sites received: mean {last['mean']:.4f}, "
                 f"worst {last['worst']:.4f} ({last['worst_site']}), spread {last['spread']:.4f}"
             )
+        table = final_site_table(workspace)
+        if table:
+            print(f"the final global model at every site ({workspace / FINAL_SCORES}):\n{table}")
         print(f"global model: {workspace / RUN_DIR / 'app_server' / 'FL_global_model.pt'}")
         print(f"metrics:      {workspace / METRICS}")
     plot = plot_runs(runs, args.plot or args.workspaces[0] / "round_metrics.png")

@@ -59,6 +59,7 @@ def build_job(spec: JobSpec) -> Any:
         save_client_updates=spec.save_client_updates,
         companions=companion_rules(spec),
         resume_from=spec.resume_from,
+        final_site_eval=spec.final_site_eval,
         **({"evaluator_id": ""} if spec.model is not None else {}),  # the sites evaluate a user's model
     )
     job.to_server(controller)

@@ -216,6 +216,12 @@ class RoundSettings:
         "(e.g. <workspace>/server/simulate_job/app_server)",
         side=SERVER,
     )
+    final_site_eval: bool = setting(
+        False,
+        "after the last round every site scores the final global model on its own validation split "
+        "(<run dir>/metrics/final_site_scores.json, a site x metric table; jobs with --model only)",
+        side=SERVER,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

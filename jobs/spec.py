@@ -79,6 +79,11 @@ def validate_spec(spec: JobSpec) -> None:
     _check_sampling(spec)
     if spec.model is not None or spec.data is not None or spec.script is not None:
         _check_user_code(spec)
+    if spec.final_site_eval and (spec.model is None or spec.script is not None):
+        raise JobBuildError(
+            "final_site_eval needs a user model and data module (--model, --data) whose sites hold a validation "
+            "split, run by the bundle's client (not --script); the built-in models are scored on the server's test set"
+        )
     else:
         if (spec.dataset == "digits") != (spec.arch == "mlp"):
             raise JobBuildError(f"arch '{spec.arch}' does not fit dataset '{spec.dataset}': use mlp for digits only")

@@ -210,6 +210,10 @@ class FederatedAlgorithm(pl.Callback):
                 if isinstance(value, torch.Tensor) and value.numel() == 1
             }
 
+    def forget_site_eval(self) -> None:
+        """Drop the scores of the last ``trainer.validate`` (it scored a model outside a round)."""
+        self._site_eval = {}
+
     # -- round end ----------------------------------------------------------------------------------------------
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._remove_step_hook()

@@ -147,19 +147,30 @@ class UserSite:
         assert exchange.result is not None, "the fit ended without reaching on_train_end"
         return exchange.result, dict(meta)
 
+    def score_received(self, connect: Any) -> dict[str, float] | None:
+        """Score the model NVFlare sends with a ``validate`` task (``connect`` attaches ``flare.patch``, whose
+        callback loads it and sends the metrics back); ``None`` when this site has no validation split."""
+        from lightning_modules.site import make_trainer
+
+        if not self.evaluate:
+            return None
+        trainer = make_trainer(self.args, self.callback)
+        connect(trainer)
+        results = trainer.validate(self.module, datamodule=self.data, verbose=False)
+        self.callback.forget_site_eval()  # not a round's evaluation
+        return {k: float(v) for k, v in (results[0] if results else {}).items()}
+
     def score(self, params: Mapping[str, Any]) -> dict[str, float]:
         """The validation metrics of ``params`` on this site's validation split (a site x model table)."""
-        from lightning_modules.site import LocalExchange, make_trainer
+        from lightning_modules.site import LocalExchange
 
         LocalExchange(params).on_train_start(None, self.module)
-        trainer = make_trainer(self.args, self.callback)
-        results = trainer.validate(self.module, datamodule=self.data, verbose=False)
-        self.callback._site_eval = {}  # not a round's evaluation
-        return {k: float(v) for k, v in (results[0] if results else {}).items()}
+        return self.score_received(lambda trainer: None) or {}
 
 
 def run_site(args: Any) -> None:
     """The client loop for a user model (called by ``jobs/client.py`` when the job names ``--model``)."""
+    import nvflare.client as flare_api
     import nvflare.client.lightning as flare
 
     from lightning_modules.state_store import ClientStateStore, default_state_root
@@ -172,6 +183,12 @@ def run_site(args: Any) -> None:
         if received is None:
             break
         round_num = received.current_round or 0
+        if flare_api.is_evaluate():  # the final model, scored here on this site's validation split (final_site_eval)
+            scores = site.score_received(lambda trainer: flare.patch(trainer, restore_state=False))
+            if scores is None:
+                flare_api.send(flare.FLModel(metrics={}))
+            print(f"{site_name} final model: {json.dumps(_scalars(scores or {}), sort_keys=True)}", flush=True)
+            continue
         # A fresh optimizer every round, as FedAvg's clients have.
         meta = site.fit(round_num, lambda trainer: flare.patch(trainer, restore_state=False))
         print(f"{site_name} round {round_num}: {json.dumps(_scalars(meta), sort_keys=True)}", flush=True)

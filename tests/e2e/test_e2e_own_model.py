@@ -30,11 +30,11 @@ def simulate(job: Path, workspace: Path, threads: int) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_example_model_trains_with_site_evaluation_and_is_thread_count_independent(tmp_path, monkeypatch):
+def test_example_model_trains_with_site_evaluation_and_is_thread_count_independent(tmp_path, monkeypatch, capsys):
     build = [sys.executable, "-m", "jobs.build", "--client", "scaffold", "--server", "scaffold"]
     build += ["--name", "custom_scaffold", "--output-dir", str(tmp_path), "--num-rounds", str(ROUNDS)]
     build += ["--model", "custom_model.model:DigitsClassifier", "--data", "custom_model.data:DigitsSites"]
-    build += ["--ship", "examples/custom_model"]
+    build += ["--ship", "examples/custom_model", "--final-site-eval"]
     subprocess.run(build, check=True, cwd=REPO, capture_output=True)
     by_process = simulate(tmp_path / "custom_scaffold", tmp_path / "t3", threads=3)
     by_round = simulate(tmp_path / "custom_scaffold", tmp_path / "t1", threads=1)
@@ -63,7 +63,15 @@ def test_example_model_trains_with_site_evaluation_and_is_thread_count_independe
     with quiet_lightning():
         run = run_in_process(spec, tmp_path / "in_process_state")
     assert [r["global_sha256"] for r in run.records] == [r["global_sha256"] for r in by_process]
-    assert set(run.final_site_scores) == {"site-1", "site-2", "site-3"}
+    # --final-site-eval: every site scored the final global model; the same numbers as the in-process runner's.
+    for workspace in ("t3", "t1"):
+        final = json.loads((tmp_path / workspace / report.FINAL_SCORES).read_text())
+        assert final["round"] == ROUNDS and set(final["sites"]) == {"site-1", "site-2", "site-3"}
+        for site, scores in run.final_site_scores.items():
+            assert set(scores) == set(final["sites"][site]) and "val_accuracy" in scores
+            for metric, value in scores.items():
+                assert final["sites"][site][metric] == pytest.approx(value, abs=1e-6), (workspace, site, metric)
+    assert "the final global model at every site" in capsys.readouterr().out
 
 
 OTHERS = {

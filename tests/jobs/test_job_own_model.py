@@ -57,6 +57,16 @@ def test_the_example_exports_with_its_package_shipped_and_the_server_building_th
         ({"model": OWN["model"], "data": OWN["data"], "model_args": {"widht": 3}}, "bad model_args"),
         ({"script": str(EXAMPLE / "train_script.py")}, "script: give --model too"),
         ({"model": OWN["model"], "script": str(EXAMPLE / "data.pyc")}, "is not a Python file"),
+        ({"final_site_eval": True}, "final_site_eval needs a user model"),
+        (
+            {
+                "model": OWN["model"],
+                "data": OWN["data"],
+                "script": str(EXAMPLE / "train_script.py"),
+                "final_site_eval": True,
+            },
+            "not --script",
+        ),
     ],
 )
 def test_bad_user_code_is_refused_at_build_time(settings, message):
