@@ -63,9 +63,18 @@ def build_job(spec: JobSpec) -> Any:
         **({"evaluator_id": ""} if spec.model is not None else {}),  # the sites evaluate a user's model
     )
     job.to_server(controller)
-    job.to_clients(ScriptRunner(script=CLIENT_SCRIPT, script_args=client_script_args(spec)))
+    job.to_clients(ScriptRunner(script=CLIENT_SCRIPT, script_args=client_script_args(spec), **launcher(spec)))
     add_tracking(job)
     return job
+
+
+def launcher(spec: JobSpec) -> dict[str, Any]:
+    """How a site starts the client script: in NVFlare's client process, or for ``devices > 1`` as ``devices``
+    processes under torchrun (Lightning DDP; rank 0 talks to NVFlare, the others follow through collectives)."""
+    if spec.devices == 1:
+        return {}
+    command = f"python3 -u -m torch.distributed.run --standalone --nproc_per_node={spec.devices}"
+    return {"launch_external_process": True, "command": command}
 
 
 def _add_builtin_model(job: Any, spec: JobSpec) -> None:

@@ -159,10 +159,23 @@ class LocalTrainingSettings:
     weight_decay: float = setting(0.0, "local SGD weight decay", ge=0)
 
 
+def _several_devices(spec: Any) -> bool:
+    return spec.devices > 1
+
+
 @dataclass(frozen=True, kw_only=True)
 class PrecisionSettings:
+    """Numerics and devices of each site's training."""
+
     precision: Literal["32-true", "bf16-mixed"] = setting(
         "32-true", "Lightning precision (fp16 GradScaler and bf16-true are refused: docs/deployment.md)"
+    )
+    devices: int = setting(
+        1,
+        "processes per site: more than 1 trains every site with Lightning DDP (one process per GPU, or CPU "
+        "processes), launched by NVFlare with torchrun; jobs with --model only (docs/own_model.md)",
+        ge=1,
+        exported_when=_several_devices,
     )
 
 

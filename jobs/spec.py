@@ -79,6 +79,8 @@ def validate_spec(spec: JobSpec) -> None:
     _check_sampling(spec)
     if spec.model is not None or spec.data is not None or spec.script is not None:
         _check_user_code(spec)
+    if spec.devices > 1:
+        _check_distributed_site(spec)
     if spec.final_site_eval and (spec.model is None or spec.script is not None):
         raise JobBuildError(
             "final_site_eval needs a user model and data module (--model, --data) whose sites hold a validation "
@@ -112,6 +114,22 @@ def sampled_sites(spec: JobSpec) -> int:
     from controllers.sampling import clients_per_round_count
 
     return clients_per_round_count(spec.clients_per_round, spec.num_sites)
+
+
+def _check_distributed_site(spec: JobSpec) -> None:
+    """``devices > 1``: Lightning DDP at every site, which the bundle's client runs for a user model only, and
+    which the algorithms that take extra gradient passes on a rank's own batch cannot follow."""
+    if spec.model is None or spec.script is not None:
+        raise JobBuildError(
+            f"devices {spec.devices} (Lightning DDP at every site) needs --model and --data run by the bundle's "
+            "client (not --script, not the built-in models)"
+        )
+    from lightning_modules.algorithms import CLIENT_ALGORITHMS
+    from lightning_modules.federated import distributed_refusal
+
+    reason = distributed_refusal(CLIENT_ALGORITHMS[spec.client](**spec.client_args))
+    if reason:
+        raise JobBuildError(f"devices {spec.devices}: {reason}")
 
 
 def _check_sampling(spec: JobSpec) -> None:

@@ -86,6 +86,34 @@ def algorithm_loss(module: pl.LightningModule, batch: Any, logits: torch.Tensor)
     return 0.0 if extra is None else extra
 
 
+def distributed_refusal(algorithm: ClientAlgorithm) -> str | None:
+    """Why ``algorithm`` cannot run under DDP (several processes per site), or ``None``.
+
+    DDP averages the gradients of ``loss.backward()`` over the ranks, so every rank takes the same step and the
+    gradient-level algorithms (SCAFFOLD Option II, FedProx, FedDyn) and MOON's loss term stay identical on every
+    rank. An extra gradient pass on a rank's own batch (FedMoS's previous iterate, SCAFFOLD Option I's full-batch
+    gradient) is not averaged: the ranks would drift apart."""
+    if needs_task_loss(algorithm):
+        return (
+            f"client algorithm '{algorithm.name}' takes extra gradient passes on each rank's own batch, which DDP "
+            "does not average, so the ranks would drift apart; train this site with devices=1"
+        )
+    return None
+
+
+def rank_zero_first(trainer: pl.Trainer, action: Any) -> None:
+    """Run ``action`` on global rank 0, then on the other ranks: rank 0 settles the site's state files (commits or
+    discards the last round's pending state) before the others read them."""
+    if trainer.world_size == 1:
+        action()
+        return
+    if trainer.global_rank != 0:
+        trainer.strategy.barrier("fedalg-state-settled")
+    action()
+    if trainer.global_rank == 0:
+        trainer.strategy.barrier("fedalg-state-settled")
+
+
 def attach_algorithm(module: pl.LightningModule, algorithm: ClientAlgorithm | None) -> None:
     """Make ``algorithm`` the one :func:`algorithm_loss` asks inside the module's ``training_step`` (``None``: none)."""
     setattr(module, _ALGORITHM_ATTRIBUTE, algorithm)
@@ -155,6 +183,9 @@ class FederatedAlgorithm(pl.Callback):
         if stage == "fit":
             check_trainer_supports(self.algorithm, trainer, pl_module.automatic_optimization, check_optimizers=False)
             check_module_protocol(self.algorithm, pl_module)
+            reason = distributed_refusal(self.algorithm) if trainer.world_size > 1 else None
+            if reason:
+                raise ClientAlgorithmError(f"{self.site}: {trainer.world_size} DDP processes: {reason}")
             attach_algorithm(pl_module, self.algorithm)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -169,9 +200,12 @@ class FederatedAlgorithm(pl.Callback):
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._round_started:  # after NVFlare's FLCallback loaded the global weights (on_train_start)
-            meta = self.meta_source()
+            # Under DDP only rank 0 talks to NVFlare: every rank starts the round from rank 0's meta.
+            meta = self.meta_source() if trainer.global_rank == 0 else None
+            if trainer.world_size > 1:
+                meta = trainer.strategy.broadcast(meta, src=0)
             check_server_meta(self.algorithm, meta, self.site)
-            self.algorithm.on_round_start(pl_module, meta)
+            rank_zero_first(trainer, lambda: self.algorithm.on_round_start(pl_module, meta))
             self._round_started = True
 
     # -- per step -----------------------------------------------------------------------------------------------
@@ -220,7 +254,7 @@ class FederatedAlgorithm(pl.Callback):
         self._round_started = False  # the next trainer.validate scores the next round's global model
         meta: dict[str, Any] = {
             meta_keys.NUM_STEPS: self._steps,
-            meta_keys.TRAIN_LOSS: float(sum(self._losses) / len(self._losses)) if self._losses else float("nan"),
+            meta_keys.TRAIN_LOSS: self._mean_loss(trainer, pl_module),
             meta_keys.CLIENT_ALGORITHM: self.algorithm.name,
             meta_keys.PARAM_KEYS: [name for name, p in pl_module.named_parameters() if p.requires_grad],
             **fednova_meta(self.algorithm, self._solver_steps),
@@ -240,6 +274,13 @@ class FederatedAlgorithm(pl.Callback):
         meta[meta_keys.FIT_SECONDS] = round(time.monotonic() - self._fit_started, 4)
         self.last_meta = meta
         pl_module.__fl_meta__ = meta
+
+    def _mean_loss(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> float:
+        """The round's mean training loss; under DDP the mean over the ranks (each saw its share of the batches)."""
+        mean = float(sum(self._losses) / len(self._losses)) if self._losses else float("nan")
+        if trainer.world_size > 1:
+            mean = float(trainer.strategy.reduce(torch.tensor(mean, device=pl_module.device), reduce_op="mean"))
+        return mean
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._remove_step_hook()

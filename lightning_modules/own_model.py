@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -124,7 +125,10 @@ class UserSite:
 
         from lightning_modules.site import local_epochs, make_trainer, round_seed
 
-        torch.manual_seed(round_seed(self.args.seed, self.index, round_num))
+        seed = round_seed(self.args.seed, self.index, round_num)
+        torch.manual_seed(seed)
+        # Under DDP, Lightning's DistributedSampler shuffles with this seed (and the epoch): a new order every round.
+        os.environ["PL_GLOBAL_SEED"] = str(seed)
         trainer = make_trainer(self.args, self.callback, local_epochs(self.args, self.index, round_num))
         connect(trainer)
         if self.evaluate:
@@ -173,31 +177,36 @@ def run_site(args: Any) -> None:
     import nvflare.client as flare_api
     import nvflare.client.lightning as flare
 
+    from lightning_modules.distributed import init_site_processes, next_task, share_from_rank_zero
     from lightning_modules.state_store import ClientStateStore, default_state_root
 
+    devices = getattr(args, "devices", 1)
+    rank = init_site_processes(devices, args.accelerator)  # DDP: rank 0 talks to NVFlare, the others follow
     flare.init()
-    site_name = flare.get_site_name()
-    site = UserSite(args, site_name, ClientStateStore(default_state_root() / flare.get_job_id(), site_name))
-    while flare.is_running():
-        received = flare.receive()
-        if received is None:
+    site_name, job_id = share_from_rank_zero((flare.get_site_name(), flare.get_job_id()) if rank == 0 else None)
+    site = UserSite(args, site_name, ClientStateStore(default_state_root() / job_id, site_name))
+
+    def connect(trainer: pl.Trainer) -> None:  # a fresh optimizer every round, as FedAvg's clients have
+        flare.patch(trainer, restore_state=False)
+
+    while True:
+        kind, round_num = share_from_rank_zero(next_task(flare) if rank == 0 else None)
+        if kind == "stop":
             break
-        round_num = received.current_round or 0
-        if flare_api.is_evaluate():  # the final model, scored here on this site's validation split (final_site_eval)
-            scores = site.score_received(lambda trainer: flare.patch(trainer, restore_state=False))
-            if scores is None:
+        if kind == "evaluate":  # the final model, scored on this site's validation split (final_site_eval)
+            scores = site.score_received(connect)
+            if scores is None and rank == 0:
                 flare_api.send(flare.FLModel(metrics={}))
-            print(f"{site_name} final model: {json.dumps(_scalars(scores or {}), sort_keys=True)}", flush=True)
-            continue
-        # A fresh optimizer every round, as FedAvg's clients have.
-        meta = site.fit(round_num, lambda trainer: flare.patch(trainer, restore_state=False))
-        print(f"{site_name} round {round_num}: {json.dumps(_scalars(meta), sort_keys=True)}", flush=True)
+            outcome = f"final model: {json.dumps(_scalars(scores or {}), sort_keys=True)}"
+        else:
+            outcome = f"round {round_num}: {json.dumps(_scalars(site.fit(round_num, connect)), sort_keys=True)}"
+        if rank == 0:
+            print(f"{site_name} {outcome}", flush=True)
 
 
 def run_user_script(args: Any, client_script: str) -> None:
     """Run the user's own training script (shipped next to the client script) as ``__main__``; the job's client
     algorithm reaches it through the environment (:func:`lightning_modules.federated.job_algorithm`)."""
-    import os
     import runpy
     import sys
     from pathlib import Path

@@ -34,6 +34,7 @@ from torch.utils.data import TensorDataset
 from data_prep import to_tensor_dataset
 from lightning_modules.attacks import AttackCallback, AttackConfig, attack_config_from_args, site_labels
 from lightning_modules.classifier import FLClassifier
+from lightning_modules.distributed import check_launch
 from lightning_modules.federated import FederatedAlgorithm
 from lightning_modules.fl_callback import MetaSource, nvflare_meta_source
 from lightning_modules.own_model import json_arg
@@ -61,6 +62,7 @@ class LocalTraining:
     batch_size: int = 64
     precision: str = "32-true"
     accelerator: str = "auto"
+    devices: int = 1
 
     @classmethod
     def from_namespace(cls, args: Any) -> LocalTraining:
@@ -87,11 +89,15 @@ def make_trainer(
 ) -> pl.Trainer:
     """A fresh Trainer for every round: a Trainer reused across fits carries loop state that changes the batch
     order of later rounds, so a site that keeps its process (``-t N``) would train differently from one that is
-    restarted every round (``-t 1``). Fresh trainers make both bit-identical (tested end to end)."""
+    restarted every round (``-t 1``). Fresh trainers make both bit-identical (tested end to end). With
+    ``devices > 1`` the site trains with Lightning DDP, in processes started by torchrun."""
+    devices = getattr(training, "devices", 1)
+    check_launch(devices)
     return pl.Trainer(
         max_epochs=epochs or training.epochs,
         accelerator=training.accelerator,
-        devices=1,
+        devices=devices,
+        strategy="ddp" if devices > 1 else "auto",
         precision=training.precision,
         callbacks=[round_callback, *extra_callbacks],
         logger=False,

@@ -92,8 +92,17 @@ def _check_name(kind: str, value: str) -> str:
     return value
 
 
+def is_writer() -> bool:
+    """Whether this process writes state: all but global ranks 1.. of a site trained with DDP, where every rank
+    computes the same state and rank 0 alone persists it."""
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized()) or (
+        torch.distributed.get_rank() == 0
+    )
+
+
 class ClientStateStore:
-    """Reads and writes one site's algorithm state files under ``<root>/<site_name>/``."""
+    """Reads and writes one site's algorithm state files under ``<root>/<site_name>/`` (on a DDP site, only global
+    rank 0 writes; the other ranks read)."""
 
     def __init__(self, root: str | os.PathLike[str], site_name: str) -> None:
         self.root = Path(root)
@@ -129,7 +138,8 @@ class ClientStateStore:
             "payload_size": len(payload),
             "payload_sha256": hashlib.sha256(payload).hexdigest(),
         }
-        atomic_write_bytes(target, _encode_file(header, payload))
+        if is_writer():
+            atomic_write_bytes(target, _encode_file(header, payload))
         return target
 
     def load(self, algorithm: str, *, expected: ExpectedSpec | None = None) -> StoredState | None:
@@ -176,6 +186,8 @@ class ClientStateStore:
 
     def clear(self, algorithm: str) -> None:
         """Delete ``algorithm``'s state files (committed and pending) for this site; missing files are no error."""
+        if not is_writer():
+            return
         self.path(algorithm).unlink(missing_ok=True)
         self.pending_path(algorithm).unlink(missing_ok=True)
 
@@ -190,7 +202,7 @@ class ClientStateStore:
         ``"discarded"`` or ``None`` (nothing pending).
         """
         pending = self.pending_path(algorithm)
-        if not pending.exists():
+        if not pending.exists() or not is_writer():
             return None
         written = self._pending_round(pending, algorithm)
         confirmed = last_aggregated is None or last_aggregated.get(self.site_name) == written

@@ -17,6 +17,7 @@ from controllers.in_process import quiet_lightning, run_in_process
 from jobs.spec import JobSpec
 
 REPO = Path(__file__).resolve().parents[2]
+OWN_MODEL = ["--ship", "examples/custom_model", "--model", "custom_model.model:DigitsClassifier"]
 ROUNDS = 3
 
 
@@ -74,6 +75,19 @@ def test_example_model_trains_with_site_evaluation_and_is_thread_count_independe
     assert "the final global model at every site" in capsys.readouterr().out
 
 
+def build_and_simulate(tmp_path: Path, name: str, options: list[str], sites: int = 3, threads: int = 3) -> list[dict]:
+    """Build job ``name`` with the builder's command-line ``options`` (2 rounds), run it in the simulator and return
+    its round records, checked to have aggregated both rounds."""
+    build = [sys.executable, "-m", "jobs.build", "--name", name, "--output-dir", str(tmp_path), "--num-rounds", "2"]
+    subprocess.run([*build, *options], check=True, cwd=REPO, capture_output=True)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    command = ["nvflare", "simulator", str(tmp_path / name), "-w", str(tmp_path / "ws"), "-n", str(sites)]
+    completed = subprocess.run([*command, "-t", str(threads)], capture_output=True, text=True, env=env, timeout=900)
+    rounds = [r for r in report.load_records(tmp_path / "ws") if r["stage"] == "round"]
+    assert [r["status"] for r in rounds] == ["aggregated", "aggregated"], completed.stdout[-3000:]
+    return rounds
+
+
 OTHERS = {
     "fedprox": ("fedavg", {}, {"mu": 0.01}),
     "feddyn": ("feddyn", {}, {}),
@@ -86,18 +100,10 @@ OTHERS = {
 @pytest.mark.parametrize("client", sorted(OTHERS))
 def test_example_model_runs_under_every_other_client_algorithm(tmp_path, client):
     server, model_args, client_args = OTHERS[client]
-    build = [sys.executable, "-m", "jobs.build", "--client", client, "--server", server, "--name", client]
-    build += ["--output-dir", str(tmp_path), "--num-rounds", "2", "--ship", "examples/custom_model"]
-    build += ["--model", "custom_model.model:DigitsClassifier", "--data", "custom_model.data:DigitsSites"]
-    build += ["--model-args", json.dumps(model_args, separators=(",", ":"))]
-    build += ["--client-args", json.dumps(client_args, separators=(",", ":"))]
-    subprocess.run(build, check=True, cwd=REPO, capture_output=True)
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    command = ["nvflare", "simulator", str(tmp_path / client), "-w", str(tmp_path / "ws"), "-n", "3", "-t", "3"]
-    completed = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
-    records = report.load_records(tmp_path / "ws")
-    rounds = [r for r in records if r["stage"] == "round"]
-    assert [r["status"] for r in rounds] == ["aggregated", "aggregated"], completed.stdout[-3000:]
+    options = ["--client", client, "--server", server, *OWN_MODEL, "--data", "custom_model.data:DigitsSites"]
+    options += ["--model-args", json.dumps(model_args, separators=(",", ":"))]
+    options += ["--client-args", json.dumps(client_args, separators=(",", ":"))]
+    rounds = build_and_simulate(tmp_path, client, options)
     assert all(r["rejected"] == {} for r in rounds)
     assert {m["client.algorithm"] for m in rounds[-1]["site_meta"].values()} == {client}
     assert "val_accuracy" in rounds[-1]["site_eval"]
@@ -106,17 +112,11 @@ def test_example_model_runs_under_every_other_client_algorithm(tmp_path, client)
 @pytest.mark.slow
 def test_the_genomics_job_runs_with_the_users_command_shape(tmp_path):
     """The consortium's own model and data (examples/genomics) as the committed snp_scaffold job, shortened."""
-    build = [sys.executable, "-m", "jobs.build", "--client", "scaffold", "--server", "scaffold", "--name", "snp"]
-    build += ["--output-dir", str(tmp_path), "--num-rounds", "2", "--ship", "examples/genomics"]
-    build += ["--model", "genomics.model:SnpClassifier", "--data", "genomics.data:SnpSites"]
-    build += ["--model-args", '{"arch":"mlp","n_snps":127,"num_classes":5,"lr":0.001}']
-    build += ["--data-args", '{"source":"1kg","split":"population","batch_size":128}']
-    subprocess.run(build, check=True, cwd=REPO, capture_output=True)
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    command = ["nvflare", "simulator", str(tmp_path / "snp"), "-w", str(tmp_path / "ws"), "-n", "3"]
-    completed = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
-    rounds = [r for r in report.load_records(tmp_path / "ws") if r["stage"] == "round"]
-    assert [r["status"] for r in rounds] == ["aggregated", "aggregated"], completed.stdout[-3000:]
+    options = ["--client", "scaffold", "--server", "scaffold", "--ship", "examples/genomics"]
+    options += ["--model", "genomics.model:SnpClassifier", "--data", "genomics.data:SnpSites"]
+    options += ["--model-args", '{"arch":"mlp","n_snps":127,"num_classes":5,"lr":0.001}']
+    options += ["--data-args", '{"source":"1kg","split":"population","batch_size":128}']
+    rounds = build_and_simulate(tmp_path, "snp", options, threads=1)
     assert set(rounds[-1]["site_eval"]["val_accuracy"]["per_site"]) == {"site-1", "site-2", "site-3"}
     assert rounds[-1]["rule_diagnostics"]["scaffold.ctrl.global_norm"] > 0
 
@@ -124,15 +124,27 @@ def test_the_genomics_job_runs_with_the_users_command_shape(tmp_path):
 @pytest.mark.slow
 def test_a_users_own_training_script_runs_under_the_bundles_server(tmp_path):
     """examples/custom_model/train_script.py: a plain Lightning loop plus job_algorithm() and flare.patch."""
-    build = [sys.executable, "-m", "jobs.build", "--client", "scaffold", "--server", "scaffold", "--name", "script"]
-    build += ["--output-dir", str(tmp_path), "--num-rounds", "2", "--ship", "examples/custom_model"]
-    build += ["--model", "custom_model.model:DigitsClassifier", "--script", "examples/custom_model/train_script.py"]
-    subprocess.run(build, check=True, cwd=REPO, capture_output=True)
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    command = ["nvflare", "simulator", str(tmp_path / "script"), "-w", str(tmp_path / "ws"), "-n", "3", "-t", "3"]
-    completed = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
-    rounds = [r for r in report.load_records(tmp_path / "ws") if r["stage"] == "round"]
-    assert [r["status"] for r in rounds] == ["aggregated", "aggregated"], completed.stdout[-3000:]
+    options = ["--client", "scaffold", "--server", "scaffold", *OWN_MODEL]
+    rounds = build_and_simulate(tmp_path, "script", [*options, "--script", "examples/custom_model/train_script.py"])
     assert {m["client.algorithm"] for m in rounds[-1]["site_meta"].values()} == {"scaffold"}
     assert rounds[-1]["site_eval"]["val_accuracy"]["mean"] > rounds[0]["site_eval"]["val_accuracy"]["mean"]
     assert rounds[-1]["rule_diagnostics"]["scaffold.ctrl.global_norm"] > 0
+
+
+@pytest.mark.slow
+def test_sites_training_with_two_ddp_processes_each_run_under_the_simulator(tmp_path):
+    """--devices 2: NVFlare starts each site's client under torchrun (two CPU processes, Lightning DDP); rank 0
+    talks to NVFlare and the other rank follows. Rounds aggregate, the sites evaluate, the final model is scored at
+    every site, and each site's SCAFFOLD state is written once. (That DDP equals one process is
+    tests/lightning_modules/test_lm_ddp.py.)"""
+    options = ["--client", "scaffold", "--server", "scaffold", *OWN_MODEL, "--data", "custom_model.data:DigitsSites"]
+    options += ["--num-sites", "2", "--devices", "2", "--final-site-eval"]
+    rounds = build_and_simulate(tmp_path, "ddp", options, sites=2, threads=2)
+    assert rounds[-1]["rejected"] == {}
+    assert set(rounds[-1]["site_eval"]["val_accuracy"]["per_site"]) == {"site-1", "site-2"}
+    final = json.loads((tmp_path / "ws" / report.FINAL_SCORES).read_text())
+    assert set(final["sites"]) == {"site-1", "site-2"}
+    for site in ("site-1", "site-2"):
+        # The committed c_i and the last round's pending one (confirmed by a next round that never comes).
+        files = sorted(p.name for p in (tmp_path / "ws" / site).rglob("scaffold.*"))
+        assert files == ["scaffold.pending", "scaffold.state"], files

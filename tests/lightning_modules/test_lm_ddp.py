@@ -1,0 +1,98 @@
+"""A site trained with Lightning DDP (two CPU processes under torchrun, ``devices=2``) gives the single-process
+result: the same global models and the same algorithm state for FedAvg, SCAFFOLD, FedProx and FedDyn over three
+rounds of a two-site federation (``ddp_site_rounds.py`` says why the batches coincide). The ranks agree exactly
+with each other; only float summation order separates them from the single process. Only rank 0 writes state."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from jobs.spec import JobBuildError, JobSpec
+from lightning_modules.state_store import ClientStateStore
+
+DRIVER = Path(__file__).with_name("ddp_site_rounds.py")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def drive(tmp_path: Path, devices: int) -> Path:
+    out = tmp_path / f"devices{devices}.pt"
+    launcher = [sys.executable] if devices == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    launcher += [] if devices == 1 else [f"--nproc_per_node={devices}"]
+    command = [*launcher, str(DRIVER), "--devices", str(devices), "--out", str(out)]
+    command += ["--state-dir", str(tmp_path / f"state{devices}")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return out
+
+
+def assert_close_states(a: dict, b: dict, atol: float) -> None:
+    assert set(a) == set(b)
+    for key, value in a.items():
+        if isinstance(value, torch.Tensor):
+            torch.testing.assert_close(value, b[key], atol=atol, rtol=0)
+        else:
+            assert value == b[key], key
+
+
+@pytest.mark.slow
+def test_two_ddp_processes_per_site_equal_one_process(tmp_path):
+    one = torch.load(drive(tmp_path, 1), weights_only=False)
+    two_path = drive(tmp_path, 2)
+    two = torch.load(two_path, weights_only=False)
+    rank1 = torch.load(two_path.with_suffix(".rank1.pt"), weights_only=False)
+    assert set(one) == {"fedavg", "scaffold", "fedprox", "feddyn"}
+    for client, result in one.items():
+        for key, value in result["params"].items():
+            np.testing.assert_allclose(two[client]["params"][key], value, atol=1e-5, rtol=0, err_msg=client)
+            np.testing.assert_array_equal(rank1[client]["params"][key], two[client]["params"][key])
+        for site, state in result["states"].items():
+            assert_close_states(state, two[client]["states"][site], atol=1e-5)
+        if client in ("scaffold", "feddyn"):  # state that moved: the comparison means something
+            assert any(v.abs().max() > 1e-3 for v in result["states"]["site-1"].values() if torch.is_tensor(v))
+
+
+def test_only_rank_zero_writes_state(tmp_path, monkeypatch):
+    store = ClientStateStore(tmp_path, "site-1")
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 1)
+    store.save("scaffold", {"c": torch.ones(2)}, round_num=0, pending=True)
+    assert not store.pending_path("scaffold").exists()
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
+    store.save("scaffold", {"c": torch.ones(2)}, round_num=0, pending=True)
+    assert store.pending_path("scaffold").exists()
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 1)
+    assert store.settle("scaffold", 1, None) is None and store.pending_path("scaffold").exists()  # rank 0's job
+
+
+OWN = {"model": "custom_model.model:DigitsClassifier", "data": "custom_model.data:DigitsSites"}
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"client": "fedmos", "server": "fedmos", **OWN}, "'fedmos' takes extra gradient passes"),
+        ({"client": "scaffold", "client_args": {"option": "I"}, **OWN}, "'scaffold' takes extra gradient passes"),
+        ({}, "needs --model and --data"),
+    ],
+)
+def test_ddp_sites_refuse_what_cannot_follow_at_build_time(settings, message):
+    ship = str(REPO / "examples" / "custom_model")
+    with pytest.raises(JobBuildError, match=message):
+        JobSpec(name="ddp", devices=2, ship=ship if "model" in settings else "", **settings)
+
+
+def test_ddp_without_torchrun_is_refused_naming_the_launcher(monkeypatch):
+    from lightning_modules.algorithms.base import ClientAlgorithmError
+    from lightning_modules.distributed import check_launch
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    with pytest.raises(ClientAlgorithmError, match="torchrun with --nproc_per_node=2"):
+        check_launch(2, "site-1")
