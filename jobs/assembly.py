@@ -16,10 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from jobs.settings import dataset_num_classes
-from jobs.spec import JobSpec, client_script_args, companion_rules, model_arch_args
+from jobs.spec import JobSpec, client_script_args, companion_rules, model_arch_args, shipped_folders
 
 JOBS_DIR = Path(__file__).resolve().parent
 CLIENT_SCRIPT = "client.py"
+#: Written into every exported job's app/custom/: what the sites must have installed.
+REQUIREMENTS_FILE = "site_requirements.txt"
 APP_PACKAGES = ("aggregators", "controllers", "data_prep", "jobs", "lightning_modules")
 
 
@@ -105,8 +107,6 @@ def _add_user_model(job: Any, spec: JobSpec) -> None:
     global model on their own validation data."""
     from nvflare.app_opt.pt.job_config.model import PTModel
 
-    from jobs.spec import shipped_folders
-
     for folder in shipped_folders(spec):  # absolute: JobSpec resolved them where the job was specified
         job.to_server(ShippedPackage(folder))
         job.to_clients(ShippedPackage(folder))
@@ -138,6 +138,35 @@ def add_tracking(job: Any) -> None:
     job.to_clients(ConvertToFedEvent(events_to_convert=[ANALYTIC_EVENT_TYPE], fed_event_prefix="fed."), id="to_fed")
 
 
+def site_requirements(spec: JobSpec) -> str:
+    """What every site (and the server) must have installed for the job, in pip's requirements format: this bundle
+    and the dependencies it declares, plus where the user's model and data come from (shipped or installed)."""
+    import tomllib
+
+    project = tomllib.loads((JOBS_DIR.parent / "pyproject.toml").read_text())["project"]
+    lines = [
+        "# What every site (and the server) must have installed to run this job.",
+        f"# {project['name']} is this bundle (not on PyPI): pip install <its repository> installs it and the rest.",
+        f"{project['name']}=={project['version']}",
+        *project["dependencies"],
+    ]
+    if spec.devices > 1:
+        lines.append("# --devices: the sites start the client with torch.distributed.run (part of torch).")
+    shipped = [folder.name for folder in shipped_folders(spec)] if spec.model is not None else []
+    if shipped:
+        lines.append(f"# Shipped with the job in app/custom/ (nothing to install): {', '.join(shipped)}")
+    user_modules = sorted({path.partition(":")[0] for path in (spec.model, spec.data) if path})
+    unshipped = [m for m in user_modules if m.split(".")[0] not in shipped]
+    if unshipped:
+        lines.append(f"# Must be importable on every site (install the package): {', '.join(unshipped)}")
+    return "\n".join(lines) + "\n"
+
+
+def write_site_requirements(job_folder: Path, spec: JobSpec) -> None:
+    """Put :func:`site_requirements` into an exported job's ``app/custom/``."""
+    (job_folder / "app" / "custom" / REQUIREMENTS_FILE).write_text(site_requirements(spec))
+
+
 def export_job(spec: JobSpec, output_dir: Path) -> Path:
     """Write ``output_dir/<spec.name>/`` (replacing an older export of the same name) and return its path.
 
@@ -152,6 +181,7 @@ def export_job(spec: JobSpec, output_dir: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=output_dir, prefix=f".{spec.name}.") as scratch:
         with inside_directory(JOBS_DIR):
             job.export_job(scratch)
+        write_site_requirements(Path(scratch) / spec.name, spec)
         if target.exists():
             shutil.rmtree(target)
         os.replace(Path(scratch) / spec.name, target)

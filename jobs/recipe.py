@@ -23,6 +23,7 @@ from typing import Any
 
 from nvflare.recipe.spec import ExecEnv, Recipe
 
+from jobs.assembly import write_site_requirements
 from jobs.build import JOBS_DIR, JobSpec, build_job, inside_directory
 
 
@@ -74,6 +75,7 @@ class FedAlgRecipe(Recipe):
         target = str(Path(job_dir).resolve())  # relative to the caller's directory, before changing into jobs/
         with inside_directory(JOBS_DIR):
             super().export(target, *args, **kwargs)
+        write_site_requirements(Path(target) / self.spec.name, self.spec)
 
     def run(self, env: ExecEnv, *args: Any, **kwargs: Any) -> Any:
         with inside_directory(JOBS_DIR):

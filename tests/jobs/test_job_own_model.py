@@ -43,6 +43,20 @@ def test_the_example_exports_with_its_package_shipped_and_the_server_building_th
     args = client["executors"][0]["executor"]["args"]["task_script_args"]
     assert "--model custom_model.model:DigitsClassifier --data custom_model.data:DigitsSites" in args
     assert args.endswith('--model-args {"hidden":32}')
+    requirements = (app / "custom" / "site_requirements.txt").read_text().splitlines()
+    assert "nvflare-noniid==0.1.0" in requirements and "nvflare>=2.9.0,<2.10" in requirements
+    assert "# Shipped with the job in app/custom/ (nothing to install): custom_model" in requirements
+    assert not any(line.startswith("# Must be importable") for line in requirements)
+
+
+def test_a_user_package_that_is_not_shipped_is_named_in_the_site_requirements(tmp_path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLE.parent))  # installed here, not shipped
+    code, err = build(tmp_path, capsys, f"--model={OWN['model']}", f"--data={OWN['data']}")
+    assert code == 0, err
+    requirements = (tmp_path / "out" / "own" / "app" / "custom" / "site_requirements.txt").read_text()
+    assert "# Must be importable on every site (install the package): custom_model.data, custom_model.model" in (
+        requirements
+    )
 
 
 @pytest.mark.parametrize(
