@@ -154,19 +154,27 @@ def load_run_state(
     return {name: stored.state[name].to(p.device) for name, p in params.items()}
 
 
+def refuse_non_finite_state(algorithm: ClientAlgorithm, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Raise, naming the site and the first keys, when state about to be saved holds a NaN or an Inf: one diverging
+    round must not poison the site's state for the rest of the job, so the committed state is kept and this
+    round's result is not sent."""
+    bad = sorted(
+        name for name, value in tensors.items() if value.is_floating_point() and not bool(torch.isfinite(value).all())
+    )
+    if bad:
+        raise ClientAlgorithmError(
+            f"{algorithm.site}: {algorithm.name} refuses to save non-finite state for {bad[:5]}; the previous state "
+            "is kept and this round's result is not sent"
+        )
+
+
 def save_run_state(
     algorithm: ClientAlgorithm, tensors: Mapping[str, torch.Tensor], run_id: str, round_num: int
 ) -> None:
     """Persist per-parameter state atomically for the next round (tagged with the run that wrote it)."""
     if algorithm.state_store is None:
         raise ClientAlgorithmError(f"{algorithm.site}: {algorithm.name} has no state store bound")
-    bad = sorted(name for name, value in tensors.items() if not bool(torch.isfinite(value).all()))
-    if bad:
-        # One diverging round must not poison the site's state for the rest of the job: keep the committed one.
-        raise ClientAlgorithmError(
-            f"{algorithm.site}: {algorithm.name} refuses to save non-finite state for {bad[:5]}; the previous state "
-            "is kept and this round's result is not sent"
-        )
+    refuse_non_finite_state(algorithm, tensors)
     state: dict[str, Any] = {name: value.detach().cpu() for name, value in tensors.items()}
     state[RUN_ID_KEY] = run_id
     # Pending until the server confirms that this round's result was aggregated (settle_state, next round).

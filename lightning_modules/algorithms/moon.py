@@ -54,7 +54,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from aggregators import meta_keys
-from lightning_modules.algorithms.base import RUN_ID_KEY, ClientAlgorithm, ClientAlgorithmError, settle_state
+from lightning_modules.algorithms.base import (
+    RUN_ID_KEY,
+    ClientAlgorithm,
+    ClientAlgorithmError,
+    refuse_non_finite_state,
+    settle_state,
+)
 from lightning_modules.state_store import StateStoreError
 
 LOG = logging.getLogger(__name__)
@@ -222,7 +228,9 @@ class Moon(ClientAlgorithm):
             meta_keys.MOON_HISTORY_MODELS: self.history_models,
         }
         previous = [storable_state(negative) for negative in self.negatives] if self.history_models else []
-        history = [*previous, storable_state(module.net)][-self.history_size :]
+        local = storable_state(module.net)
+        refuse_non_finite_state(self, local)  # a diverged local model never enters the history
+        history = [*previous, local][-self.history_size :]
         self._store().save(
             self.name, {RUN_ID_KEY: self._run_id, HISTORY_KEY: history}, round_num=self._round, pending=True
         )

@@ -59,7 +59,7 @@ def meta(alpha: Any = 1.0, round_num: int = 0, run_id: str = "run-a") -> dict[st
 
 
 def local_round(algorithm: FedDyn, w0: float, site: str, server_meta: Mapping[str, Any], steps: int = K):
-    """Drive the hooks as FLClassifier.optimizer_step does (backward, correct_gradients, step) on L_k of ``site``."""
+    """Drive the hooks as the FederatedAlgorithm callback does (backward, correction, step) on L_k of ``site``."""
     module = Quadratic(w0)
     optimizer = torch.optim.SGD(module.parameters(), lr=ETA)
     algorithm.on_round_start(module, server_meta)
@@ -268,6 +268,17 @@ def test_no_state_store_is_an_error():
 def test_bad_server_alpha_names_the_site_and_key(tmp_path, alpha):
     with pytest.raises(ClientAlgorithmError, match=r"site-1: 'feddyn.alpha' must be"):
         make(tmp_path).on_round_start(Quadratic(0.0), meta(alpha=alpha))
+
+
+def test_a_diverged_round_never_saves_a_non_finite_h(tmp_path):
+    algorithm = make(tmp_path)
+    module = Quadratic(0.5)
+    algorithm.on_round_start(module, meta())
+    with torch.no_grad():
+        module.w.fill_(float("inf"))
+    with pytest.raises(ClientAlgorithmError, match=r"site-1: feddyn refuses to save non-finite state for \['w'\]"):
+        algorithm.on_round_end(module)
+    assert ClientStateStore(tmp_path, "site-1").latest("feddyn") is None  # nothing written, nothing committed
 
 
 def test_missing_server_alpha_is_reported_before_training(tmp_path):

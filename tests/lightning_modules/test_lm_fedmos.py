@@ -44,7 +44,7 @@ class OneDim(nn.Module):
 
 
 def drive(algorithm: ClientAlgorithm, module: OneDim, batches: list[torch.Tensor], lr: float = ETA) -> list[float]:
-    """The hook order of FLClassifier.optimizer_step: training_step (loss_terms), backward, correct, step, after."""
+    """The hook order of the FederatedAlgorithm callback: loss_terms, backward, correct, step, after."""
     optimizer = torch.optim.SGD(module.parameters(), lr=lr)
     path = []
     for batch in batches:

@@ -43,7 +43,7 @@ class Quadratic(nn.Module):
 
 
 def prox_steps(algorithm: ClientAlgorithm, module: Quadratic, target: float, steps: int) -> list[float]:
-    """Drive the hooks as FLClassifier.optimizer_step does, on F(w) = 1/2 (w - target)^2."""
+    """Drive the hooks as the FederatedAlgorithm callback does, on F(w) = 1/2 (w - target)^2."""
     optimizer = torch.optim.SGD([module.w], lr=ETA)
     path = []
     for _ in range(steps):

@@ -147,7 +147,7 @@ def batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def train_steps(module: FLClassifier, algorithm: Moon, steps: int = 3) -> list[float]:
-    """The hook order of FLClassifier: task forward (captures z), loss_terms, backward, SGD step."""
+    """The hook order of the callback path: task forward (captures z), loss_terms, backward, SGD step."""
     optimizer = torch.optim.SGD(module.net.parameters(), lr=0.2)
     terms = []
     for i in range(steps):
@@ -218,6 +218,25 @@ def test_history_is_fifo_and_persists_across_fresh_objects(tmp_path):
         assert len(history) == min(round_num + 1, 2)
         for stored, expected in zip(history, trained[-2:], strict=True):
             assert all(torch.equal(stored[k], expected[k]) for k in expected)
+
+
+def test_a_diverged_local_model_never_enters_the_history(tmp_path):
+    """A round whose local model went NaN is refused by name; the committed history of the earlier round stays the
+    one the next round reads (one bad round must not poison the site's negatives for the rest of the job)."""
+    module = make_module()
+    algorithm = bound(Moon(history_size=2), tmp_path)
+    algorithm.on_round_start(module, meta(0))
+    train_steps(module, algorithm)
+    algorithm.on_round_end(module)
+    good = stored_history(tmp_path)
+    algorithm = bound(Moon(history_size=2), tmp_path)
+    algorithm.on_round_start(module, meta(1))  # commits round 0's history (no confirmation map: committed)
+    with torch.no_grad():
+        module.net.classifier.weight[0, 0] = float("nan")
+    with pytest.raises(ClientAlgorithmError, match=rf"{SITE}: moon refuses to save non-finite state for \['classifier"):
+        algorithm.on_round_end(module)
+    history = stored_history(tmp_path)
+    assert len(history) == len(good) and all(torch.equal(history[0][k], good[0][k]) for k in good[0])
 
 
 def test_history_is_per_site(tmp_path):

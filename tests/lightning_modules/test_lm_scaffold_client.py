@@ -25,7 +25,7 @@ class Quadratic(nn.Module):
 
 
 def local_round(algorithm, w0, h, a, meta, lrs=None, momentum=0.0):
-    """Drive the hooks the way FLClassifier.optimizer_step does: backward, correct_gradients, step, after_step."""
+    """Drive the hooks the way the FederatedAlgorithm callback does: backward, correct_gradients, step, after_step."""
     module = Quadratic(w0)
     optimizer = torch.optim.SGD(module.parameters(), lr=ETA, momentum=momentum)
     algorithm.on_round_start(module, meta)
