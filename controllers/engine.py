@@ -192,11 +192,12 @@ class RoundEngine:
 
     # -- the whole federation -------------------------------------------------------------------------------------
 
-    def initial_record(self, params: Params, host: Host, stage: str = "initial") -> dict[str, Any]:
+    def initial_record(self, params: Params, host: Host, stage: str = "initial", run_id: str = "") -> dict[str, Any]:
         """The metrics line of the starting model (``stage`` is ``initial`` or ``resumed``)."""
         record = {
             "stage": stage,
             "round": None,
+            "run_id": run_id,  # the sites keep this run's algorithm state under client_state/<run id>/
             "rule": self.rule.name,
             "num_rounds": self.num_rounds,  # lets a report tell a finished job from one that stopped early
             "global_sha256": params_digest(params),
@@ -223,7 +224,7 @@ class RoundEngine:
         ``should_stop`` is asked before every round (NVFlare's abort signal).
         """
         population = tuple(sorted(population))
-        self.initial_record(params, host, stage)
+        self.initial_record(params, host, stage, run_id)
         for round_num in range(first_round, self.num_rounds):
             if should_stop():
                 host.log(logging.WARNING, f"abort requested; stopping before round {round_num + 1}")

@@ -29,6 +29,15 @@ def load_records(workspace: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def site_state_store(workspace: Path, site: str) -> Any:
+    """The algorithm state store of ``site`` in a simulator run: ``<workspace>/<site>/client_state/<run id>/``, the
+    run id read from the run's metrics (the sites keep each federated run's state apart)."""
+    from lightning_modules.state_store import ClientStateStore
+
+    run_id = next(r.get("run_id") for r in load_records(workspace) if r.get("stage") in ("initial", "resumed"))
+    return ClientStateStore(workspace / site / "client_state" / run_id, site)
+
+
 def completion_problems(records: Sequence[dict[str, Any]]) -> list[str]:
     """Why the metrics show an unfinished or useless run: rounds missing, or no round that aggregated."""
     if not records:

@@ -43,7 +43,9 @@ def build_job(spec: JobSpec) -> Any:
 
     from controllers.fedalg_controller import FedAlgController
 
-    job = FedJob(name=spec.name, min_clients=spec.num_sites)
+    # NVFlare aborts a job once fewer than min_clients sites are alive: a job whose rounds go on with min_responses
+    # results keeps running while that many sites are.
+    job = FedJob(name=spec.name, min_clients=spec.min_responses or spec.num_sites)
     job.set_app_packages(list(APP_PACKAGES))
     if spec.model is not None:
         _add_user_model(job, spec)

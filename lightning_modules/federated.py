@@ -205,6 +205,8 @@ class FederatedAlgorithm(pl.Callback):
             if trainer.world_size > 1:
                 meta = trainer.strategy.broadcast(meta, src=0)
             check_server_meta(self.algorithm, meta, self.site)
+            if self.algorithm.state_store is not None:  # a per-run store follows the server's run id
+                self.algorithm.state_store.use_run(meta.get(meta_keys.RUN_ID))
             rank_zero_first(trainer, lambda: self.algorithm.on_round_start(pl_module, meta))
             self._round_started = True
 
@@ -349,7 +351,7 @@ def module_round_metrics(module: pl.LightningModule) -> dict[str, float]:
 
 def job_algorithm() -> FederatedAlgorithm:
     """The job's client algorithm for a user's own training script (``jobs.build --script``), after
-    ``flare.init()``: its name and hyperparameters as the job configured them, its state kept per site and job."""
+    ``flare.init()``: its name and hyperparameters as the job configured them, its state kept per site and federated run."""
     import json
     import os
 
@@ -358,7 +360,7 @@ def job_algorithm() -> FederatedAlgorithm:
     from lightning_modules.state_store import default_state_root
 
     site = flare.get_site_name()
-    store = ClientStateStore(default_state_root() / flare.get_job_id(), site)
+    store = ClientStateStore(default_state_root(), site, per_run=True)
     args = json.loads(os.environ.get(CLIENT_ARGS_ENV) or "{}")
     return FederatedAlgorithm(os.environ.get(CLIENT_ENV, "fedavg"), algorithm_args=args, site=site, state_store=store)
 

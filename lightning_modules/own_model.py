@@ -183,8 +183,8 @@ def run_site(args: Any) -> None:
     devices = getattr(args, "devices", 1)
     rank = init_site_processes(devices, args.accelerator)  # DDP: rank 0 talks to NVFlare, the others follow
     flare.init()
-    site_name, job_id = share_from_rank_zero((flare.get_site_name(), flare.get_job_id()) if rank == 0 else None)
-    site = UserSite(args, site_name, ClientStateStore(default_state_root() / job_id, site_name))
+    site_name = share_from_rank_zero(flare.get_site_name() if rank == 0 else None)
+    site = UserSite(args, site_name, ClientStateStore(default_state_root(), site_name, per_run=True))
 
     def connect(trainer: pl.Trainer) -> None:  # a fresh optimizer every round, as FedAvg's clients have
         flare.patch(trainer, restore_state=False)

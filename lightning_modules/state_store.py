@@ -102,11 +102,24 @@ def is_writer() -> bool:
 
 class ClientStateStore:
     """Reads and writes one site's algorithm state files under ``<root>/<site_name>/`` (on a DDP site, only global
-    rank 0 writes; the other ranks read)."""
+    rank 0 writes; the other ranks read).
 
-    def __init__(self, root: str | os.PathLike[str], site_name: str) -> None:
-        self.root = Path(root)
+    With ``per_run``, the files of each federated run live under ``<root>/<run id>/<site_name>/`` once
+    :meth:`use_run` names the run (the client-algorithm callback does so from the server's meta each round). The
+    run id is the server's, kept when a stopped job is resumed (``resume_from``) although NVFlare gives the resumed
+    job a new job id, so the sites find the state the checkpoint's global model and rule state belong to.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], site_name: str, *, per_run: bool = False) -> None:
+        self.base_root = Path(root)
+        self.root = self.base_root
+        self.per_run = per_run
         self.site_name = _check_name("site_name", site_name)
+
+    def use_run(self, run_id: str | None) -> None:
+        """Keep this run's files under ``<root>/<run_id>/`` (stores made with ``per_run`` only; no-op otherwise)."""
+        if self.per_run and run_id:
+            self.root = self.base_root / _check_name("run_id", str(run_id))
 
     def path(self, algorithm: str) -> Path:
         """Return the file that holds ``algorithm``'s state for this site (it may not exist)."""

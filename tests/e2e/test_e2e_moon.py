@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from aggregators import meta_keys
+from controllers import report
 from controllers.checkpoint import load_updates
 from jobs.build import JobSpec, export_job
-from lightning_modules.state_store import ClientStateStore
 
 NUM_ROUNDS = 2
 SITES = ("site-1", "site-2", "site-3")
@@ -45,7 +45,7 @@ def runs(tmp_path_factory, fashion_mnist, simulate) -> dict[str, Path]:
 
 
 def _history(workspace: Path, site: str) -> list[dict[str, np.ndarray]]:
-    stored = ClientStateStore(workspace / site / "client_state" / "simulate_job", site).latest("moon")
+    stored = report.site_state_store(workspace, site).latest("moon")
     assert stored is not None, f"{site}: no MOON history file"
     return [{k: v.numpy() for k, v in model.items()} for model in stored.state["models"]]
 

@@ -12,7 +12,9 @@ from the job; the bundle is used as installed in this ``.venv`` (the job carries
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -36,6 +38,9 @@ def deployment(tmp_path_factory, fashion_mnist):
     root = tmp_path_factory.mktemp("loopback")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("HOME", str(root / "home"))
+        # A crashed site never reports its job's outcome; the server marks the job finished after this wait
+        # (NVFlare's default: 900 s). test_a_site_killed_mid_job... crashes a site.
+        patch.setenv("NVFLARE_CLIENT_OUTCOME_WAIT_TIMEOUT", "20")
         (root / "home").mkdir()
         env = loopback.participant_env()
         deployment = loopback.provision(root / "fl", NUM_SITES, env)
@@ -93,7 +98,7 @@ def test_scaffold_job_runs_on_provisioned_sites(deployment):
     assert any(not np.allclose(saved[k].numpy(), initial[k]) for k in initial)
     # Each site trained on its own configured data and persisted its SCAFFOLD control in its own workspace.
     for site, site_dir in deployment.sites.items():
-        assert (site_dir / "client_state" / job_id / site / "scaffold.state").is_file()
+        assert (site_dir / "client_state" / records[0]["run_id"] / site / "scaffold.state").is_file()
         log = (site_dir / job_id / "log.txt").read_text()
         assert f"training data from {site_dir / 'data' / 'train.npz'}" in log
         assert rounds[0]["site_num_samples"][site] == len(np.load(site_dir / "data" / "train.npz")["y"])
@@ -130,3 +135,83 @@ def test_job_without_custom_code_runs_from_the_installed_package_under_the_allow
     result = loopback.download_result(session, job_id)
     records = [json.loads(line) for line in (result / "metrics" / "round_metrics.jsonl").read_text().splitlines()]
     assert [r["aggregated"] for r in records if r["stage"] == "round"] == [sorted(deployment.sites)] * 2
+
+
+def _server_metrics(deployment, job_id: str) -> list[dict]:
+    """The running job's round records, read from the server's run folder while the job runs."""
+    for path in deployment.server.glob(f"{job_id}/**/round_metrics.jsonl"):
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return []
+
+
+def _crash_site(deployment, site: str, job_id: str) -> None:
+    """SIGKILL the whole site, as a machine that loses power: its parent process group first (so nothing is left to
+    report the job process's death), then its job process for ``job_id``, which runs in a session of its own."""
+    import psutil
+
+    os.killpg(deployment.processes[site].pid, signal.SIGKILL)
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        if any(job_id in arg for arg in cmdline) and any(str(deployment.sites[site]) in arg for arg in cmdline):
+            process.kill()
+            return
+    raise AssertionError(f"no job process of {site} for job {job_id}")
+
+
+def _site_control(site_dir: Path, site: str, run_id: str, aggregated_round: int) -> dict[str, np.ndarray]:
+    """The site's SCAFFOLD control as of its last aggregated round: its pending state if that round wrote it (not
+    settled yet: the job ended), else its committed one."""
+    from lightning_modules.state_store import ClientStateStore
+
+    store = ClientStateStore(site_dir / "client_state" / run_id, site)
+    pending = store.latest("scaffold")
+    stored = pending if pending.round_num == aggregated_round else store.load("scaffold")
+    assert stored.round_num == aggregated_round, (site, stored.round_num, aggregated_round)
+    return {k: v.numpy() for k, v in stored.state.items() if isinstance(v, torch.Tensor)}
+
+
+def test_a_site_killed_mid_job_leaves_rounds_of_the_others_and_scaffold_state_consistent(deployment, tmp_path):
+    """Run last on the deployment: site-3 crashes (SIGKILL to all its processes) once the first round is recorded.
+    The job goes on (min_responses 2, so the job needs 2 live sites), the remaining rounds aggregate the two live
+    sites, the server's SCAFFOLD control stays the population mean c = (1/3) sum_i c_i of every site's control as
+    of its last aggregated round, and the crashed site's state files are intact and readable.
+
+    (A site whose *job process* alone dies is reported by its parent as a job failure, and NVFlare 2.9 then fails
+    the whole job: the site must crash as a whole, or leave, for the others to go on.)"""
+    from controllers.checkpoint import load_resume_point
+
+    deployment, session = deployment
+    spec = JobSpec(
+        name="kill_site",
+        client="scaffold",
+        server="scaffold",
+        num_rounds=4,
+        min_responses=2,
+        epochs=15,
+        max_test_samples=200,
+        num_sites=NUM_SITES,
+    )
+    job_id = loopback.submit(session, deployment, export_job(spec, tmp_path / "exported"))
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not [r for r in _server_metrics(deployment, job_id) if r.get("stage") == "round"]:
+        assert time.monotonic() < deadline, "no round recorded"
+        time.sleep(0.5)
+    _crash_site(deployment, "site-3", job_id)
+    meta = session.wait_for_job(job_id, timeout=JOB_TIMEOUT_S, poll_interval=1.0)
+    result = loopback.download_result(session, job_id)
+
+    logs = "\n".join(p.read_text()[-4000:] for p in result.rglob("log.txt"))
+    assert meta["status"] == "FINISHED:COMPLETED", logs
+    records = [json.loads(line) for line in (result / "metrics" / "round_metrics.jsonl").read_text().splitlines()]
+    rounds = [r for r in records if r["stage"] == "round"]
+    assert [r["status"] for r in rounds] == ["aggregated"] * 4
+    assert all("site-3" not in r["aggregated"] and len(r["aggregated"]) == 2 for r in rounds[2:]), rounds
+    resume = load_resume_point(result / "app_server", "scaffold")
+    last = resume.last_aggregated_sites
+    assert set(last) == set(deployment.sites) and last["site-3"] < last["site-1"] == last["site-2"] == 3
+    run_id = records[0]["run_id"]
+    controls = [_site_control(deployment.sites[s], s, run_id, last[s]) for s in sorted(deployment.sites)]
+    for key, value in resume.state["control"].items():
+        np.testing.assert_allclose(value, np.mean([c[key] for c in controls], axis=0), atol=1e-6, err_msg=key)
+    leftovers = list((deployment.sites["site-3"] / "client_state" / run_id).rglob("*.tmp*"))
+    assert not leftovers, leftovers

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from aggregators import meta_keys
+from controllers import report
 from controllers.checkpoint import load_updates
 from jobs.build import JobSpec, export_job
-from lightning_modules.state_store import ClientStateStore
 
 NUM_ROUNDS = 3
 SITES = ("site-1", "site-2", "site-3")
@@ -52,7 +52,7 @@ def _server_control(workspace: Path) -> dict[str, np.ndarray]:
 
 
 def _site_controls(workspace: Path, site: str) -> dict[str, np.ndarray] | None:
-    stored = ClientStateStore(workspace / site / "client_state" / "simulate_job", site).latest("scaffold")
+    stored = report.site_state_store(workspace, site).latest("scaffold")
     if stored is None:
         return None
     return {key: value.numpy() for key, value in stored.state.items() if not key.startswith("__")}

@@ -41,11 +41,11 @@ from nvflare.app_common.workflows.scaffold import scaffold_aggregate_fn
 from nvflare.app_opt.lightning.algorithm import _AlgorithmHandlerManager
 
 from aggregators import meta_keys
+from controllers import report
 from controllers.checkpoint import RoundCapture, load_updates
 from controllers.fedalg_controller import FedAlgController, outgoing_model
 from jobs.build import JobSpec, export_job
 from jobs.nvflare_reference import CONTROL_LOG_PREFIX, export_reference_job
-from lightning_modules.state_store import ClientStateStore
 
 NUM_ROUNDS = 3
 SITES = ("site-1", "site-2", "site-3")
@@ -224,7 +224,7 @@ def test_tolerance_is_far_below_the_scaffold_correction(runs):
     payload = torch.load(workspace / "server" / "simulate_job" / "app_server" / "server_state.pt", weights_only=True)
     control = {key: value.numpy() for key, value in payload["state"]["control"].items()}
     for site in SITES:
-        stored = ClientStateStore(workspace / site / "client_state" / "simulate_job", site).latest("scaffold")
+        stored = report.site_state_store(workspace, site).latest("scaffold")
         assert stored is not None, f"{site}: no c_i stored"
         largest = max(float(np.max(np.abs(control[k] - stored.state[k].numpy()))) for k in control)
         assert LR * 10 * largest > 100 * TOLERANCE, f"{site}: SCAFFOLD correction only {LR * 10 * largest}"

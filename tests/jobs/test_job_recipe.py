@@ -45,7 +45,7 @@ def test_recipe_carries_hyperparameters_like_the_builder(tmp_path):
         recipe_config = json.loads((tmp_path / "recipe/prox/app/config" / config).read_text())
         assert recipe_config == json.loads((tmp_path / "builder/prox/app/config" / config).read_text())
     meta = json.loads((tmp_path / "recipe/prox/meta.json").read_text())
-    assert meta["min_clients"] == 4
+    assert meta["min_clients"] == 2  # the job runs on while min_responses (2) of its 4 sites are alive
     server = (tmp_path / "recipe/prox/app/config/config_fed_server.json").read_text()
     assert '"min_responses": 2' in server and '"train_timeout": 600' in server
 

@@ -261,3 +261,25 @@ def test_every_algorithm_on_a_plain_module_equals_the_built_in_classifier(tmp_pa
             assert got[key] == pytest.approx(value, abs=1e-6)
         else:
             assert got[key] == value, key
+
+
+def test_a_per_run_store_keeps_state_under_the_servers_run_id_across_jobs(tmp_path):
+    """Sites keep state per federated run, not per NVFlare job: a job resumed under a new job id but the same run
+    id (the server's checkpoint keeps it) reads the state of the run it continues; another run starts afresh."""
+
+    def scaffold_round(run_id: str, round_num: int) -> FederatedAlgorithm:
+        store = ClientStateStore(tmp_path, "site-1", per_run=True)  # a new process: a new store object
+        meta = {**server_meta(), meta_keys.RUN_ID: run_id, meta_keys.ROUND: round_num}
+        callback = FederatedAlgorithm("scaffold", site="site-1", state_store=store, meta_source=lambda: meta)
+        trainer(callback).fit(UserModule(), torch.utils.data.DataLoader(data(), batch_size=BATCH))
+        return callback
+
+    scaffold_round("run-a", 0)
+    first = ClientStateStore(tmp_path / "run-a", "site-1").latest("scaffold")
+    assert first is not None and first.round_num == 0
+    resumed = scaffold_round("run-a", 1)  # the same run, continued by a resumed job
+    assert resumed.algorithm.state_store.root == tmp_path / "run-a"
+    assert ClientStateStore(tmp_path / "run-a", "site-1").load("scaffold").round_num == 0  # round 0 committed
+    scaffold_round("run-b", 0)
+    assert ClientStateStore(tmp_path / "run-b", "site-1").latest("scaffold").round_num == 0
+    assert not (tmp_path / "site-1").exists()  # nothing outside a run's folder

@@ -73,8 +73,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"{site}: training data from {data.source}")
     # The round itself is lightning_modules/site.py's, shared with the in-process runner (same bits, tested): the
     # built-in classifier with the client algorithm's callback (and a malicious site's attack, for robustness
-    # experiments). State that must outlive a round lives on disk in the site workspace, per job.
-    store = ClientStateStore(default_state_root() / flare.get_job_id(), site)
+    # experiments). State that must outlive a round lives on disk in the site workspace, per federated run.
+    store = ClientStateStore(default_state_root(), site, per_run=True)  # <root>/<run id>/<site>/: survives resume
     index = seed_index(site, args.num_sites)
     site_round = build_site_round(args, site, index, data.x, data.y, num_classes, store)
     counts = np.bincount(data.y, minlength=num_classes).tolist()
