@@ -351,7 +351,8 @@ def module_round_metrics(module: pl.LightningModule) -> dict[str, float]:
 
 def job_algorithm() -> FederatedAlgorithm:
     """The job's client algorithm for a user's own training script (``jobs.build --script``), after
-    ``flare.init()``: its name and hyperparameters as the job configured them, its state kept per site and federated run."""
+    ``flare.init()``: its name and hyperparameters as the job configured them, its state kept per site and
+    federated run."""
     import json
     import os
 
