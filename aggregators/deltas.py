@@ -12,12 +12,12 @@ Two jobs:
   so the extra memory is O(largest tensor), never O(clients x model), and the cost is that of a plain numpy
   weighted sum. The result does not depend on arrival order (callers sort updates by site).
 - delta statistics. Angles (FedAdp) and distances (FedAtt) need inner products of the client deltas y_i - x; they
-  are accumulated in float64 over cache-sized chunks, reading every client array once (:func:`delta_gram`).
+  are accumulated in float64 over cache-sized chunks, reading every client array once (:func:`delta_alignment`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -71,22 +71,46 @@ def trainable_keys(global_params: Mapping[str, np.ndarray], updates: Sequence[Cl
 CHUNK = 1 << 14  # elements per client in one delta block: 10 clients x 16K x 8 bytes stays in cache
 
 
-def delta_gram(x: np.ndarray, arrays: Sequence[np.ndarray], diagonal_only: bool = False) -> np.ndarray:
-    """G_ij = <y_i - x, y_j - x> over one tensor in float64 (or just the squared norms G_ii), streamed in chunks."""
+def _delta_blocks(x: np.ndarray, arrays: Sequence[np.ndarray]) -> Iterator[np.ndarray]:
+    """The clients' deltas y_i - x of one tensor as float64 blocks (clients x up to CHUNK elements), one reused
+    buffer: every client array is read once and nothing of the model's size is allocated."""
     flat_x = np.asarray(x).reshape(-1)
     flats = [np.asarray(a).reshape(-1) for a in arrays]
     if any(f.size != flat_x.size for f in flats):
         raise AggregationError(f"client array sizes {[f.size for f in flats]} for a parameter of size {flat_x.size}")
-    n = len(flats)
-    result = np.zeros(n) if diagonal_only else np.zeros((n, n))
-    block = np.empty((n, min(CHUNK, max(flat_x.size, 1))))
+    block = np.empty((len(flats), min(CHUNK, max(flat_x.size, 1))))
     for start in range(0, flat_x.size, CHUNK):
         stop = min(start + CHUNK, flat_x.size)
         rows = block[:, : stop - start]
         for i, flat in enumerate(flats):
             np.subtract(flat[start:stop], flat_x[start:stop], out=rows[i])
-        result += np.einsum("ij,ij->i", rows, rows) if diagonal_only else rows @ rows.T
+        yield rows
+
+
+def delta_sq_norms(x: np.ndarray, arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """||y_i - x||^2 for every client over one tensor (float64, streamed)."""
+    result = np.zeros(len(arrays))
+    for rows in _delta_blocks(x, arrays):
+        result += np.einsum("ij,ij->i", rows, rows)
     return result
+
+
+def delta_alignment(
+    x: np.ndarray, arrays: Sequence[np.ndarray], weights: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, float]:
+    """(<Delta_i, Delta>, ||Delta_i||^2, ||Delta||^2) over one tensor, Delta_i = y_i - x, Delta = sum_i w_i Delta_i.
+
+    Float64, one streamed read of every client array; O(clients) work per element (the weighted mean of each block,
+    then its inner product with every row), not the O(clients^2) of a full Gram matrix.
+    """
+    dots, norms, mean_norm = np.zeros(len(arrays)), np.zeros(len(arrays)), 0.0
+    weights = np.asarray(weights, dtype=np.float64)
+    for rows in _delta_blocks(x, arrays):
+        mean = weights @ rows
+        dots += rows @ mean
+        norms += np.einsum("ij,ij->i", rows, rows)
+        mean_norm += float(mean @ mean)
+    return dots, norms, mean_norm
 
 
 def average_buffers(

@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from aggregators.deltas import average_buffers, delta_gram, split_keys, trainable_keys
+from aggregators.deltas import average_buffers, delta_alignment, split_keys, trainable_keys
 from aggregators.functional import by_site, sample_weights, weighted_sum
 from aggregators.types import AggregationResult, AggregationRule, ClientUpdate, RoundContext
 from aggregators.validation import check_number
@@ -64,15 +64,13 @@ def client_angles(
 ) -> np.ndarray:
     """theta_i between the weighted mean delta and each client's delta, over the flattened ``keys``.
 
-    With G_ij = <Delta_i, Delta_j> (float64, one streamed read of every client array): <Delta, Delta_i> = (G p)_i,
-    ||Delta_i||^2 = G_ii and ||Delta||^2 = p' G p.
+    <Delta, Delta_i>, ||Delta_i||^2 and ||Delta||^2 are summed over the keys in float64 (one streamed read of every
+    client array, ``aggregators/deltas.delta_alignment``).
     """
-    gram = np.zeros((len(updates), len(updates)))
+    dots, norms, global_norm = np.zeros(len(updates)), np.zeros(len(updates)), 0.0
     for key in keys:
-        gram += delta_gram(global_params[key], [u.params[key] for u in updates])
-    dots = gram @ weights
-    norms = np.clip(np.diag(gram), 0.0, None)
-    global_norm = max(float(weights @ gram @ weights), 0.0)
+        key_dots, key_norms, key_global = delta_alignment(global_params[key], [u.params[key] for u in updates], weights)
+        dots, norms, global_norm = dots + key_dots, norms + key_norms, global_norm + key_global
     denominator = np.sqrt(norms) * math.sqrt(global_norm)
     with np.errstate(invalid="ignore", divide="ignore"):
         cosines = np.where(denominator > 0, dots / np.where(denominator > 0, denominator, 1.0), 1.0)

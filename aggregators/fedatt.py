@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from aggregators.deltas import average_buffers, delta_gram, split_keys, trainable_keys
+from aggregators.deltas import average_buffers, delta_sq_norms, split_keys, trainable_keys
 from aggregators.functional import by_site, weighted_sum
 from aggregators.types import AggregationError, AggregationResult, AggregationRule, ClientUpdate, RoundContext
 from aggregators.validation import check_number
@@ -37,7 +37,7 @@ def softmax(scores: np.ndarray) -> np.ndarray:
 
 def layer_distances(x: np.ndarray, layers: Sequence[np.ndarray]) -> np.ndarray:
     """||x - y_k||_F for every client k (accumulated in float64, streamed)."""
-    return np.sqrt(delta_gram(x, layers, diagonal_only=True))
+    return np.sqrt(delta_sq_norms(x, layers))
 
 
 @dataclass(frozen=True)
@@ -86,10 +86,13 @@ class FedAtt(AggregationRule):
             layers = [u.params[key] for u in updates]
             alpha = softmax(layer_distances(x, layers))
             # x + eps * sum_k alpha_k (y_k - x) = (1 - eps) x + eps * sum_k alpha_k y_k  (alpha sums to 1)
-            moved = weighted_sum(layers, self.epsilon * alpha, x)
-            moved += (1.0 - self.epsilon) * x
+            # (1 - eps) x joins the blocked sum as its last term: the same additions in the same order as adding it
+            # afterwards, without a model-sized temporary.
+            moved = weighted_sum([*layers, x], [*(self.epsilon * alpha), 1.0 - self.epsilon], x)
             if self.noise:
-                moved += self.noise * rng.standard_normal(x.shape, dtype=np.float32)
-            params[key] = moved.astype(x.dtype)
+                noise = rng.standard_normal(x.shape, dtype=np.float32)
+                noise *= self.noise
+                moved += noise
+            params[key] = moved.astype(x.dtype, copy=False)
         ordered = {key: params[key] for key in global_params}
         return AggregationResult(params=ordered, state={})
