@@ -433,9 +433,15 @@ def plot_controls(grouped: Mapping[tuple[str, str], list[dict[str, Any]]], split
     return drawn
 
 
+#: Protocol fields that only the simulated cohort uses (the 1000 Genomes panel has 127 SNPs and its own people).
+SIMULATION_ONLY = ("n_snps", "samples_per_population")
+
+
 def write_report(out: Path, command: str) -> Path:
     grouped = load_cells(out)
     protocol = json.loads((out / "protocol.json").read_text())
+    if protocol["source"] != "sim":  # the simulation's cohort settings mean nothing for the real panel
+        protocol = {k: v for k, v in protocol.items() if k not in SIMULATION_ONLY}
     splits = [s for s in SPLITS if any(split == s for _, split in grouped)]
     lines = [
         f"# Genomics: federated algorithms vs local-only and pooled training ({protocol['source']})",

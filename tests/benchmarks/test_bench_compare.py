@@ -55,3 +55,24 @@ def test_smoke_grid_writes_a_report_and_resumes(tmp_path, capsys):
     assert "4 cells, 4 already done, 0 to run" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="another protocol"):
         compare.main(["--grid", "smoke", "--out", str(tmp_path), "--rounds", "3"])
+
+
+def test_niid_bench_grid_is_the_published_protocol():
+    grid = compare.GRIDS["niid_bench"]()
+    assert set(grid.partitions) == set(compare.PUBLISHED_NIID_BENCH) and grid.seeds == (42,)
+    for algorithm in grid.algorithms:
+        spec = compare.cell_spec(compare.Cell(algorithm, "C1", 1.0, 42), grid.protocol)
+        assert (spec.arch, spec.lr, spec.momentum, spec.weight_decay) == ("simple_cnn", 0.01, 0.9, 1e-5)
+        assert (spec.epochs, spec.batch_size, spec.num_rounds, spec.num_sites) == (10, 64, 50, 10)
+        assert spec.scheme == "shards" and spec.classes_per_site == 1 and spec.clients_per_round is None
+    fedprox = compare.cell_spec(compare.Cell("fedprox", "iid", 1.0, 42), grid.protocol)
+    fednova = compare.cell_spec(compare.Cell("fednova_equal_epochs", "iid", 1.0, 42), grid.protocol)
+    assert fedprox.client_args == {"mu": 0.01} and fednova.server == "fednova" and fednova.pattern == "constant"
+
+
+def test_published_comparison_takes_the_best_round_and_the_difference():
+    records = [{"test_accuracy": 0.1}, {"test_accuracy": 0.5}, {"test_accuracy": 0.9}, {"test_accuracy": 0.7}]
+    groups = {("C2", 1.0): {"scaffold": [{"records": records}], "fedavg": [{"records": records[:2]}]}}
+    table = "\n".join(compare.published_comparison(groups))
+    assert "| C2 | 81.0 / 50.0 (-31.0) | 10.0 / 90.0 (+80.0) |" in table  # the initial model never counts
+    assert "89.0 / not run" in table
