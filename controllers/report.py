@@ -84,6 +84,32 @@ def control_norms(record: dict[str, Any]) -> tuple[float | None, float | None]:
     return global_norm, (sum(diffs) / len(diffs) if diffs else None)
 
 
+LOCAL_NORM = "scaffold.ctrl.local_norm"
+#: A site's ||c_i|| growing by more than this factor in one round: the start of the runaway measured under strong
+#: label skew (benchmarks/results/scaffold_label_skew.md: 4.7 -> 34 -> 647 -> 3e10 in consecutive rounds).
+CONTROL_RUNAWAY_FACTOR = 5.0
+
+
+def control_runaways(records: Sequence[dict[str, Any]]) -> list[str]:
+    """One line per site whose SCAFFOLD control ||c_i|| jumped by more than CONTROL_RUNAWAY_FACTOR in a round."""
+    previous: dict[str, float] = {}
+    lines = []
+    for record in records:
+        for site, meta in sorted((record.get("site_meta") or {}).items()):
+            norm = meta.get(LOCAL_NORM)
+            if not isinstance(norm, int | float):
+                continue
+            before = previous.get(site)
+            if before and before > 0 and norm > CONTROL_RUNAWAY_FACTOR * before:
+                lines.append(
+                    f"round {record['round'] + 1}: {site}'s SCAFFOLD control ||c_i|| jumped from {before:.3g} to "
+                    f"{norm:.3g}: the local lr is likely too large for this skew (a runaway spreads to every site "
+                    "through c; lower the lr or use FedAvg/FedProx)"
+                )
+            previous[site] = float(norm)
+    return lines
+
+
 def format_table(records: Sequence[dict[str, Any]]) -> str:
     """One line per round. ``site <metric>``: the sites' scores of the global model they received at the start of
     that round on their own validation data: sample-weighted mean, and the worst site's value. SCAFFOLD runs add
@@ -215,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"plot:         {plot}")
     status = 0
     for label, records in runs.items():
-        for line in failed_rounds(records):
+        for line in [*failed_rounds(records), *control_runaways(records)[:3]]:
             print(f"warning: {label}: {line}", file=sys.stderr)
         for problem in completion_problems(records):
             print(f"error: {label}: {problem}", file=sys.stderr)

@@ -52,3 +52,21 @@ def test_some_failed_rounds_are_warnings_not_errors(tmp_path, capsys):
 
 def test_an_empty_metrics_file_is_an_error():
     assert report.completion_problems([]) == ["the metrics file is empty: the server stopped before its first round"]
+
+
+def test_a_scaffold_control_runaway_is_named_by_site_and_round():
+    def record(round_num, norms):
+        return {
+            "stage": "round",
+            "round": round_num,
+            "site_meta": {s: {report.LOCAL_NORM: n} for s, n in norms.items()},
+        }
+
+    records = [
+        record(0, {"site-1": 1.0, "site-2": 2.0}),
+        record(1, {"site-1": 4.9, "site-2": 2.5}),
+        record(2, {"site-1": 30.0, "site-2": 2.4}),
+    ]
+    lines = report.control_runaways(records)
+    assert len(lines) == 1 and lines[0].startswith("round 3: site-1's SCAFFOLD control ||c_i|| jumped from 4.9 to 30")
+    assert report.control_runaways(records[:2]) == []  # x4.9 is growth, not a runaway
