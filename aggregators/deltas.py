@@ -17,6 +17,7 @@ Two jobs:
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -52,19 +53,53 @@ def model_trainable_keys(global_params: Mapping[str, np.ndarray]) -> list[str]:
     return [k for k, v in global_params.items() if is_float_array(v) and not k.endswith(STATISTICS_SUFFIXES)]
 
 
+def agreed_param_keys(reported: Mapping[str, Any]) -> tuple[frozenset[str] | None, dict[str, str]]:
+    """The round's trainable set from the sites' ``train.param_keys``, and why each other site's report is refused.
+
+    ``reported`` maps each site to its ``train.param_keys`` (``None``: not reported), already checked one by one
+    with :func:`param_keys_problems`. Every site runs the job's model, so the trainable set is a property of the
+    job, not of a site: the set most sites report is the job's, and a site reporting another one (another model
+    version, a layer frozen by hand, foreign code) is refused by name. A tie trusts no set: the server cannot tell
+    which side is right, so every site is refused. A site that reports nothing while others report a set is
+    refused too: its update may move entries the others hold fixed. When no site reports, the set is ``None``
+    (:func:`model_trainable_keys` applies). Only the round's own results decide, so a resumed job decides as an
+    uninterrupted one would (docs/reliability.md).
+    """
+    key = meta_keys.PARAM_KEYS
+    sets = {site: frozenset(value) for site, value in reported.items() if value is not None}
+    if not sets:
+        return None, {}
+    ranked = Counter(sets.values()).most_common()
+    chosen, votes = ranked[0]
+    if len(ranked) > 1 and ranked[1][1] == votes:
+        reason = f"'{key}': {len(ranked)} different sets, none reported by more sites than another; none is trusted"
+        return None, dict.fromkeys(reported, reason)
+    problems = {}
+    for site, value in reported.items():
+        if value is None:
+            problems[site] = f"'{key}' is missing while {votes} site(s) report the trainable parameters"
+        elif sets[site] != chosen:
+            missing, extra = sorted(chosen - sets[site]), sorted(sets[site] - chosen)
+            problems[site] = (
+                f"'{key}' differs from the set {votes} of {len(reported)} sites report "
+                f"(missing {missing[:5]}, unexpected {extra[:5]})"
+            )
+    return chosen, problems
+
+
 def trainable_keys(global_params: Mapping[str, np.ndarray], updates: Sequence[ClientUpdate]) -> list[str]:
     """The trainable entries of the model, in the global model's key order.
 
-    The one definition of "trainable" for every rule: the sites' ``train.param_keys`` (all must report the same
-    set), or, when none reports it, :func:`model_trainable_keys`.
+    The one definition of "trainable" for every rule: the sites' agreed ``train.param_keys``
+    (:func:`agreed_param_keys`; the round engine has already rejected every site that disagrees), or, when none
+    reports it, :func:`model_trainable_keys`.
     """
-    reported = {u.site: u.meta.get(meta_keys.PARAM_KEYS) for u in updates}
-    if all(value is None for value in reported.values()):
+    chosen, problems = agreed_param_keys({u.site: u.meta.get(meta_keys.PARAM_KEYS) for u in updates})
+    if problems:
+        named = "; ".join(f"{site}: {problem}" for site, problem in sorted(problems.items()))
+        raise AggregationError(f"the sites disagree on their trainable parameters: {named}")
+    if chosen is None:
         return model_trainable_keys(global_params)
-    sets = {frozenset(value) for value in reported.values() if value is not None}
-    if len(sets) != 1 or any(value is None for value in reported.values()):
-        raise AggregationError(f"the sites disagree on their trainable parameters ('{meta_keys.PARAM_KEYS}')")
-    chosen = next(iter(sets))
     return [k for k in global_params if k in chosen]
 
 

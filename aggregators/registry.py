@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from aggregators.attack_adaptive import AttackAdaptive
@@ -28,12 +30,45 @@ RULES.update({rule.name: rule for rule in (*FEDOPT_RULES, FedNova, FedAtt, FedAd
 RULES.update({rule.name: rule for rule in (Median, TrimmedMean, Krum, AttackAdaptive)})
 
 
-def build_rule(name: str, **kwargs: Any) -> AggregationRule:
-    """Instantiate the rule called ``name`` with its hyperparameters; unknown names list the valid ones."""
+def unknown_setting_problem(owner: str, given: Iterable[str], allowed: Sequence[str]) -> str | None:
+    """One line for the keys of ``given`` outside ``allowed`` (``None`` when there are none), worded alike for the
+    server rules, the client algorithms and the job's own settings."""
+    unknown = [key for key in given if key not in allowed]
+    if not unknown:
+        return None
+    names = ", ".join(repr(key) for key in unknown)
+    what = "setting" if len(unknown) == 1 else "settings"
+    return f"{owner} has no {what} {names}; " + (f"allowed: {', '.join(allowed)}" if allowed else "it takes none")
+
+
+def rule_settings(rule_cls: type) -> tuple[str, ...] | None:
+    """The hyperparameters a rule's constructor takes: the fields of its dataclass, in declaration order (``None``
+    for a rule that is no dataclass: its constructor checks its own arguments)."""
+    if not dataclasses.is_dataclass(rule_cls):
+        return None
+    return tuple(spec_field.name for spec_field in dataclasses.fields(rule_cls) if spec_field.init)
+
+
+def rule_args_problem(name: str, kwargs: Iterable[str]) -> str | None:
+    """Why ``kwargs`` cannot be the hyperparameters of the rule ``name`` (keys it does not declare), or ``None``."""
+    allowed = rule_settings(_rule_class(name))
+    return None if allowed is None else unknown_setting_problem(name, kwargs, allowed)
+
+
+def _rule_class(name: str) -> type:
     try:
-        rule_cls = RULES[name]
+        return RULES[name]
     except KeyError:
         raise AggregationError(f"unknown aggregation rule '{name}'; choose one of {sorted(RULES)}") from None
+
+
+def build_rule(name: str, **kwargs: Any) -> AggregationRule:
+    """Instantiate the rule called ``name`` with its hyperparameters; unknown names list the valid ones, unknown
+    hyperparameters the declared ones."""
+    rule_cls = _rule_class(name)
+    problem = rule_args_problem(name, kwargs)
+    if problem:
+        raise AggregationError(f"bad hyperparameters for rule '{name}': {problem}")
     try:
         return rule_cls(**kwargs)
     except TypeError as exc:

@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from aggregators import meta_keys
+from aggregators.deltas import model_trainable_keys
 from aggregators.fedavg import weighted_model_step
 from aggregators.functional import WEIGHTINGS, Weighting, by_site, sample_weights
 from aggregators.types import (
@@ -39,24 +40,30 @@ from aggregators.wire import ControlVariate
 Controls = dict[str, np.ndarray]
 
 
+def control_keys(
+    global_params: Mapping[str, np.ndarray], global_control: Mapping[str, np.ndarray], param_keys: Sequence[str] | None
+) -> list[str]:
+    """The trainable parameters a control diff must cover: those of the global control once there is one; before
+    that (the first round) the round's agreed ``train.param_keys`` (the round engine has already rejected by name
+    every site whose set differs from the one most sites report, so a site's own set here is the round's), and
+    when no site reports one, the model's trainable entries as every rule defines them
+    (:func:`aggregators.deltas.model_trainable_keys`: float entries, BatchNorm statistics excluded)."""
+    if global_control:
+        return list(global_control)
+    if param_keys:
+        return [key for key in param_keys if key in global_params]
+    return model_trainable_keys(global_params)
+
+
 def control_problems(
     diff: Any,
     global_params: Mapping[str, np.ndarray],
     global_control: Mapping[str, np.ndarray],
     param_keys: Sequence[str] | None = None,
 ) -> list[str]:
-    """Why a client's ``scaffold.ctrl.diff`` cannot be used (empty list: it can), through the wire contract.
-
-    It must cover exactly the trainable parameters: those of the global control once there is one, before that (the
-    first round) the parameters the site reports as trainable (``train.param_keys``), else every float entry.
-    """
-    if global_control:
-        trainable = list(global_control)
-    elif param_keys:
-        trainable = [key for key in param_keys if key in global_params]
-    else:
-        trainable = [key for key, value in global_params.items() if np.issubdtype(np.asarray(value).dtype, np.floating)]
-    shapes = {key: np.shape(global_params[key]) for key in trainable}
+    """Why a client's ``scaffold.ctrl.diff`` cannot be used (empty list: it can), through the wire contract: it
+    must cover exactly the expected trainable parameters (:func:`control_keys`), with their shapes, finite."""
+    shapes = {key: np.shape(global_params[key]) for key in control_keys(global_params, global_control, param_keys)}
     buffers = frozenset(k for k, v in global_params.items() if not np.issubdtype(np.asarray(v).dtype, np.floating))
     parsed = ControlVariate.from_meta(
         {meta_keys.SCAFFOLD_CTRL_DIFF: diff}, meta_keys.SCAFFOLD_CTRL_DIFF, shapes, allow_empty=False, buffers=buffers
@@ -128,7 +135,14 @@ class ScaffoldControl(CompanionRule):
         population = self.population_size or len(context.population)
         if population < len(updates):
             raise AggregationError(f"scaffold: {len(updates)} participants but a population of only {population}")
-        diffs = [u.meta[meta_keys.SCAFFOLD_CTRL_DIFF] for u in by_site(updates)]
+        updates = by_site(updates)
+        first = set(updates[0].meta[meta_keys.SCAFFOLD_CTRL_DIFF])
+        others = [u.site for u in updates if set(u.meta[meta_keys.SCAFFOLD_CTRL_DIFF]) != first]
+        if others:  # the round engine rejects such sites first; a caller that does not gets the sites named
+            raise AggregationError(
+                f"scaffold: the control diffs of {others} cover other parameters than that of {updates[0].site}"
+            )
+        diffs = [u.meta[meta_keys.SCAFFOLD_CTRL_DIFF] for u in updates]
         return {"control": update_global_control(state["control"], diffs, population)}
 
 

@@ -8,7 +8,7 @@ server rejects the site by name, the client refuses the round with the site's na
 
 | message | direction | keys |
 |---|---|---|
-| :class:`RoundInfo` | down | ``server.round``, ``server.num_rounds``, ``server.rule``, ``server.run_id`` |
+| :class:`RoundInfo` | down | ``server.`` + ``round``, ``num_rounds``, ``rule``, ``run_id``, ``last_aggregated`` |
 | :class:`ControlVariate` (global) | down | ``scaffold.ctrl.global`` |
 | :class:`ControlVariate` (diff) | up | ``scaffold.ctrl.diff`` |
 | :class:`FedDynReport` | up | ``feddyn.alpha_k``, ``feddyn.param_keys`` |
@@ -67,20 +67,27 @@ def _count(value: Any, minimum: int) -> str | None:
 # --------------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RoundInfo:
-    """What every broadcast carries besides the model: the round, the number of rounds, the rule, the run id."""
+    """What every broadcast carries besides the model: the round, the number of rounds, the rule, the run id, and
+    ``last_aggregated`` (site -> the last round whose aggregate included its result), by which sites commit or roll
+    back their pending state (docs/reliability.md, transactional client state); ``None``: not sent (an older
+    server's checkpoint), and sites commit as before. The round engine builds its broadcast from this class."""
 
     round: int
     num_rounds: int
     rule: str
     run_id: str
+    last_aggregated: dict[str, int] | None = None
 
     def to_meta(self) -> dict[str, Any]:
-        return {
+        meta: dict[str, Any] = {
             meta_keys.ROUND: self.round,
             meta_keys.NUM_ROUNDS: self.num_rounds,
             meta_keys.AGGREGATION_RULE: self.rule,
             meta_keys.RUN_ID: self.run_id,
         }
+        if self.last_aggregated is not None:
+            meta[meta_keys.LAST_AGGREGATED] = dict(self.last_aggregated)
+        return meta
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> Parsed[RoundInfo]:
@@ -89,9 +96,16 @@ class RoundInfo:
             problem = _count(meta.get(key), minimum)
             if problem:
                 problems[key] = problem
+        round_num, num_rounds = meta.get(meta_keys.ROUND), meta.get(meta_keys.NUM_ROUNDS)
+        if not problems and round_num >= num_rounds:
+            problems[meta_keys.ROUND] = f"must be below num_rounds={num_rounds}, got {round_num}"
         for key in (meta_keys.AGGREGATION_RULE, meta_keys.RUN_ID):
             if not isinstance(meta.get(key), str):
                 problems[key] = f"must be text, got {meta.get(key)!r}"
+        confirmed = meta.get(meta_keys.LAST_AGGREGATED)
+        problem = None if confirmed is None else _rounds_by_site(confirmed)
+        if problem:
+            problems[meta_keys.LAST_AGGREGATED] = problem
         if problems:
             return Parsed(None, problems)
         return Parsed(
@@ -100,8 +114,17 @@ class RoundInfo:
                 int(meta[meta_keys.NUM_ROUNDS]),
                 meta[meta_keys.AGGREGATION_RULE],
                 meta[meta_keys.RUN_ID],
+                None if confirmed is None else {site: int(r) for site, r in confirmed.items()},
             )
         )
+
+
+def _rounds_by_site(value: Any) -> str | None:
+    """Why ``value`` is not a site -> round index map (``None``: it is)."""
+    if not isinstance(value, Mapping):
+        return f"must be a dict of site name -> round, got {type(value).__name__}"
+    bad = sorted(str(site) for site, r in value.items() if not isinstance(site, str) or _count(r, 0))
+    return f"must map site names to rounds >= 0; bad entries for {bad[:5]}" if bad else None
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -28,8 +28,9 @@ import math
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -124,7 +125,24 @@ def run_federation(
     for record in run.rounds:
         if record["status"] != "aggregated":
             print(f"round {record['round']}: {record.get('failure')}", file=sys.stderr)
+    if len(run.rounds) < settings.rounds:  # a table cell must come from the rounds it claims
+        raise IncompleteFederation(f"{len(run.rounds)} round record(s) of {settings.rounds} planned")
     return [record["test_accuracy"] for record in run.rounds]
+
+
+class IncompleteFederation(RuntimeError):
+    """A federation that recorded fewer rounds than planned."""
+
+
+def attempt(label: str, failures: list[str], federation: Callable[[], list[float]]) -> list[float] | None:
+    """The federation's accuracies, or ``None`` with the reason appended to ``failures``: one federation that
+    crashes or stops early leaves the rest of the grid running, and makes :func:`main` exit 1."""
+    try:
+        return federation()
+    except Exception as exc:
+        failures.append(f"{label}: {type(exc).__name__}: {exc}")
+        print(f"{label}: did not complete: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return None
 
 
 class CaptureObserver:
@@ -153,14 +171,25 @@ def scenarios(fractions: Sequence[float], attacks: Sequence[str]) -> list[tuple[
 
 
 def run_grid(
-    rules: Sequence[str], cells: Sequence[tuple[str, float]], settings: Settings, log: Any = sys.stderr
+    rules: Sequence[str],
+    cells: Sequence[tuple[str, float]],
+    settings: Settings,
+    log: Any = sys.stderr,
+    failures: list[str] | None = None,
 ) -> dict[tuple[str, str, float], list[float]]:
+    """Every (rule, attack, share) federation; one that did not complete is left out of the results (its table
+    cell shows "–") and named in ``failures``."""
     results: dict[tuple[str, str, float], list[float]] = {}
+    failures = [] if failures is None else failures
     for attack_name, fraction in cells:
         for rule in rules:
             started = time.monotonic()
-            results[(rule, attack_name, fraction)] = run_federation(rule, attack_name, fraction, settings)
-            acc = results[(rule, attack_name, fraction)][-1]
+            label = f"{rule} under {attack_name} at {fraction:.0%} malicious"
+            accs = attempt(label, failures, partial(run_federation, rule, attack_name, fraction, settings))
+            if accs is None:
+                continue
+            results[(rule, attack_name, fraction)] = accs
+            acc = accs[-1]
             print(
                 f"{attack_name:>10} {fraction:4.0%} {rule:>15}: {acc:.4f} ({time.monotonic() - started:.1f} s)",
                 file=log,
@@ -182,7 +211,7 @@ def markdown_table(results: dict[tuple[str, str, float], list[float]], rules: Se
 
 
 def target_check(results: dict[tuple[str, str, float], list[float]], rules: Sequence[str]) -> list[str]:
-    """The issue's targets for attack-adaptive, one line per (attack, share) at 20 % and clean accuracy."""
+    """Attack-adaptive vs the target of ≤ 3 points below clean at ≤ 20 % malicious and ≤ 2 below the best classical."""
     aaa = "attack_adaptive"
     if aaa not in rules or (aaa, "none", 0.0) not in results:
         return []
@@ -240,14 +269,27 @@ def save_plot(results: dict[tuple[str, str, float], list[float]], rules: Sequenc
     return path
 
 
-def capture(settings: Settings, capture_dir: str, rules: Sequence[str], fractions: Sequence[float], log: Any) -> None:
-    """Record pretraining data: every attack × share × driving rule, with attack strengths varied by a seeded draw."""
+def capture(
+    settings: Settings,
+    capture_dir: str,
+    rules: Sequence[str],
+    fractions: Sequence[float],
+    log: Any,
+    failures: list[str] | None = None,
+) -> None:
+    """Record pretraining data: every attack × share × driving rule, with attack strengths varied by a seeded draw;
+    a federation that did not complete is named in ``failures``."""
     rng = np.random.default_rng(settings.seed)
+    failures = [] if failures is None else failures
     for attack_name, fraction in scenarios(fractions, ATTACK_NAMES):
         for rule in rules:
             multiplier = float(rng.choice([0.5, 1.0, 2.0]))
-            base = AttackConfig(name=attack_name).effective_strength
-            accs = run_federation(rule, attack_name, fraction, settings, base * multiplier, capture_dir=capture_dir)
+            strength = AttackConfig(name=attack_name).effective_strength * multiplier
+            label = f"capture {attack_name} {fraction:.0%} x{multiplier} via {rule}"
+            federation = partial(run_federation, rule, attack_name, fraction, settings, strength, capture_dir)
+            accs = attempt(label, failures, federation)
+            if accs is None:
+                continue
             print(
                 f"capture {attack_name} {fraction:.0%} x{multiplier} via {rule}: final acc {accs[-1]:.4f}",
                 file=log,
@@ -307,11 +349,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     fractions = [float(f) for f in args.fractions.split(",") if f]
     attacks = [a for a in args.attacks.split(",") if a]
     started = time.monotonic()
+    failures: list[str] = []
     if args.capture_dir:
-        capture(settings, args.capture_dir, rules, fractions, sys.stderr)
+        capture(settings, args.capture_dir, rules, fractions, sys.stderr, failures)
         print(f"captured into {args.capture_dir} in {time.monotonic() - started:.0f} s", file=sys.stderr)
-        return 0
-    results = run_grid(rules, scenarios(fractions, attacks), settings)
+        return exit_status(failures)
+    results = run_grid(rules, scenarios(fractions, attacks), settings, failures=failures)
     report = "\n".join(
         [
             f"Settings: {settings}",
@@ -330,7 +373,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.out.write_text(report + "\n")
     if args.plot:
         save_plot(results, rules, args.plot)
-    return 0
+    return exit_status(failures)
+
+
+def exit_status(failures: Sequence[str]) -> int:
+    """1 with every reason on stderr when a federation did not complete (its numbers are missing), else 0."""
+    for failure in failures:
+        print(f"error: federation did not complete: {failure}", file=sys.stderr)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

@@ -11,11 +11,14 @@ Both ways of running a federation drive this class, so a benchmark table comes f
 What the engine guarantees, whatever the rule does:
 
 - a client result is used only after every check passed: parameter keys, shapes, dtypes and finite values, a valid
-  sample count, the meta the rule requires, no NVFlare-reserved algorithm keys, a usable ``train.param_keys``, and
-  the rule's own ``update_problems``. A failing site is rejected by name with every reason; the others go on;
-- no exception raised by the rule (site selection, broadcast meta, update checks, aggregation) ends the job: the
-  round is recorded as failed with the rule's name and the reason, and the global model and rule state stay as
-  they were (the state as the rule's selection left it, which is what the round was run with);
+  sample count, the meta the rule requires, no NVFlare-reserved algorithm keys, a usable ``train.param_keys`` that
+  agrees with the round's trainable set (the set most sites report, see :meth:`RoundEngine.validate`), and the
+  rule's own ``update_problems``. A failing site is rejected by name with every reason; the others go on;
+- no exception raised by the rule (site selection, broadcast meta, update checks, aggregation, or a malformed
+  value it returns) ends the job: the round is recorded as failed with the rule's name and the exception, and the
+  global model and rule state stay as they were (the state as the rule's selection left it, which is what the
+  round was run with). Any other exception inside a round (the transport, an observer) fails that round the same
+  way;
 - a non-finite aggregate (NaN/Inf), or one whose keys or shapes differ from the global model, is never persisted nor
   broadcast: the previous model is kept and the round is recorded as failed;
 - every round, aggregated or failed, is handed to the host to persist. A failed round is a completed round: the
@@ -36,11 +39,12 @@ from typing import Any, Protocol
 import numpy as np
 
 from aggregators import AggregationRule, ClientUpdate, RoundContext, meta_keys
-from aggregators.deltas import param_keys_problems
+from aggregators.deltas import agreed_param_keys, param_keys_problems
 from aggregators.validation import meta_problems, num_samples_problems, param_problems
+from aggregators.wire import RoundInfo
 from controllers.adapters import Rejection
 from controllers.checkpoint import params_digest
-from controllers.sampling import clients_per_round_count, sample_sites
+from controllers.sampling import clients_per_round_count, clients_per_round_problem, select_round_sites
 
 LOG = logging.getLogger("fedalg.engine")
 Params = dict[str, np.ndarray]
@@ -178,6 +182,12 @@ class RoundEngine:
             )
         if isinstance(num_rounds, bool) or not isinstance(num_rounds, int | np.integer) or num_rounds < 0:
             raise ValueError(f"num_rounds must be an integer >= 0, got {num_rounds!r}")
+        # Refused here, not at the first round: a value that cannot be resolved would fail every round.
+        problem = clients_per_round_problem(clients_per_round)
+        if problem:
+            raise ValueError(problem)
+        if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
+            raise ValueError(f"seed must be an integer >= 0 (it seeds numpy's site sampling), got {seed!r}")
         self.rule = rule
         self.num_rounds = int(num_rounds)
         self.clients_per_round = clients_per_round
@@ -273,6 +283,12 @@ class RoundEngine:
                 new_params, new_state = self._aggregate(params, updates, state, context)
         except RuleFailure as exc:
             failure = f"{exc}; the global model is left unchanged this round"
+        except Exception as exc:  # not the rule's (transport, observer): still no reason to end the job
+            LOG.debug("round %d failed", round_num + 1, exc_info=True)
+            failure = (
+                f"round failed under rule '{self.rule.name}': {type(exc).__name__}: {exc}; "
+                "the global model is left unchanged this round"
+            )
         if failure is not None:
             host.log(logging.ERROR, f"round {round_num + 1}: {failure}")
             new_params = params
@@ -298,33 +314,47 @@ class RoundEngine:
         return RoundOutcome(params=new_params, state=new_state, record=record, aggregated=aggregated, updates=updates)
 
     def broadcast_meta(self, round_num: int, state: Mapping[str, Any], run_id: str) -> dict[str, Any]:
-        """Round bookkeeping plus the rule's own broadcast (e.g. SCAFFOLD's global control)."""
-        rule_meta = self._call("broadcast_meta", lambda: self.rule.broadcast_meta(state))
-        confirmations = {} if self.last_aggregated is None else {meta_keys.LAST_AGGREGATED: dict(self.last_aggregated)}
-        return {
-            meta_keys.ROUND: round_num,
-            meta_keys.NUM_ROUNDS: self.num_rounds,
-            meta_keys.AGGREGATION_RULE: self.rule_label,
-            meta_keys.RUN_ID: run_id,
-            **confirmations,
-            **rule_meta,
-        }
+        """The wire contract's :class:`aggregators.wire.RoundInfo` (what sites parse with ``RoundInfo.from_meta``)
+        plus the rule's own broadcast (e.g. SCAFFOLD's global control), which may not overwrite it."""
+        rule_meta = self._call("broadcast_meta", lambda: dict(self.rule.broadcast_meta(state)))
+        confirmed = None if self.last_aggregated is None else dict(self.last_aggregated)
+        info = RoundInfo(round_num, self.num_rounds, self.rule_label, run_id, last_aggregated=confirmed).to_meta()
+        clash = sorted(set(rule_meta) & set(info))
+        if clash:
+            raise RuleFailure(f"rule '{self.rule.name}' broadcasts the engine's round keys {clash}")
+        return {**info, **rule_meta}
 
     def validate(
         self, results: Sequence[SiteResult], params: Params, state: Mapping[str, Any]
     ) -> tuple[list[ClientUpdate], list[Rejection]]:
         """Accepted updates sorted by site (aggregation never depends on arrival order) and the rejections.
 
-        A second result from a site already seen is rejected: a site counts once per round.
+        Three passes: every result on its own (:func:`validate_result`; a second result from a site already seen is
+        rejected, a site counts once per round); then the round's trainable set: the ``train.param_keys`` most of
+        the remaining sites report (:func:`aggregators.deltas.agreed_param_keys`, which says why the majority is
+        the job's), rejecting by name every site whose set differs or that reports none while others do; then the
+        rule's own checks, which therefore only see updates that agree on the trainable set (SCAFFOLD's round-1
+        control check relies on it).
         """
-
-        def rule_check(update: ClientUpdate) -> list[str]:
-            try:
-                return list(self.rule.update_problems(update, params, state))
-            except Exception as exc:  # a rule's check that crashes rejects the site, never the job
-                return [f"rule '{self.rule.name}' raised while checking the update: {type(exc).__name__}: {exc}"]
-
+        checked, rejections = self._checked_results(results, params)
+        _, disagreeing = agreed_param_keys({u.site: u.meta.get(meta_keys.PARAM_KEYS) for u in checked})
         updates: list[ClientUpdate] = []
+        for update in checked:
+            if update.site in disagreeing:
+                problems = [disagreeing[update.site]]
+            else:
+                problems = self._rule_problems(update, params, state)
+            if problems:
+                rejections.append(Rejection(site=update.site, problems=tuple(problems)))
+            else:
+                updates.append(update)
+        return sorted(updates, key=lambda u: u.site), rejections
+
+    def _checked_results(
+        self, results: Sequence[SiteResult], params: Params
+    ) -> tuple[list[ClientUpdate], list[Rejection]]:
+        """Each result checked on its own (no rule check yet), a second one from the same site rejected."""
+        checked: list[ClientUpdate] = []
         rejections: list[Rejection] = []
         seen: set[str] = set()
         for result in results:
@@ -332,24 +362,24 @@ class RoundEngine:
                 rejections.append(Rejection(result.site, ("a second result from this site in the same round",)))
                 continue
             seen.add(result.site)
-            checked = validate_result(result, params, self.rule.required_meta, rule_check)
-            (updates if isinstance(checked, ClientUpdate) else rejections).append(checked)
-        return sorted(updates, key=lambda u: u.site), rejections
+            outcome = validate_result(result, params, self.rule.required_meta)
+            (checked if isinstance(outcome, ClientUpdate) else rejections).append(outcome)
+        return checked, rejections
+
+    def _rule_problems(self, update: ClientUpdate, params: Params, state: Mapping[str, Any]) -> list[str]:
+        try:
+            return list(self.rule.update_problems(update, params, state))
+        except Exception as exc:  # a rule's check that crashes rejects the site, never the job
+            return [f"rule '{self.rule.name}' raised while checking the update: {type(exc).__name__}: {exc}"]
 
     def _select(
         self, population: tuple[str, ...], state: dict[str, Any], round_num: int
     ) -> tuple[list[str], dict[str, Any]]:
         count = clients_per_round_count(self.clients_per_round, len(population))
-        selection = self._call(
-            "select_sites", lambda: self.rule.select_sites(population, count, state, self.seed, round_num)
+        # The one site selection (controllers/sampling.py): the rule's own, else the seeded sampling.
+        return self._call(
+            "select_sites", lambda: select_round_sites(self.rule, population, count, state, self.seed, round_num)
         )
-        if selection is None:  # the rule leaves the choice to the engine's seeded sampling
-            return sample_sites(population, count, self.seed, round_num), state
-        sites, state = selection
-        unknown = sorted(set(sites) - set(population))
-        if not sites or unknown:
-            raise RuleFailure(f"rule '{self.rule.name}' selected {list(sites)}: empty or not in the population")
-        return list(sites), state
 
     def _aggregate(
         self, params: Params, updates: list[ClientUpdate], state: dict[str, Any], context: RoundContext
@@ -357,10 +387,13 @@ class RoundEngine:
         for observer in self.observers:
             observer(context.round_num, params, updates, context)
         result = self._call("aggregate", lambda: self.rule.aggregate(params, updates, state, context))
-        problems = aggregate_problems(params, getattr(result, "params", None))
+        new_params, new_state = getattr(result, "params", None), getattr(result, "state", None)
+        problems = aggregate_problems(params, new_params)
+        if not isinstance(new_state, Mapping):
+            problems.append(f"its state is a {type(new_state).__name__}, not a mapping")
         if problems:
             raise RuleFailure(f"rule '{self.rule.name}' produced an unusable model: " + "; ".join(problems))
-        return dict(result.params), result.state
+        return dict(new_params), dict(new_state)
 
     def _diagnostics(self, state: Mapping[str, Any], host: Host) -> dict[str, float]:
         try:

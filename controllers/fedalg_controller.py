@@ -8,16 +8,19 @@ broadcast, validate, aggregate through a pure rule from :mod:`aggregators`, reco
 2. persists every round's global model (persistor) and rule state (``server_state.pt``; also after a round that
    did not aggregate, see :mod:`controllers.checkpoint` for what resume does then),
 3. evaluates the global model on the test split and appends one JSON line per round to
-   ``metrics/round_metrics.jsonl``, and logs through NVFlare's component logger.
+   ``metrics/round_metrics.jsonl`` (with where the round's wall time went: ``train_wait_s``, ``evaluate_s``,
+   ``persist_s``; see :data:`ROUND_TIMING_KEYS`), and logs through NVFlare's component logger.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -29,6 +32,8 @@ from aggregators.compose import compose
 from controllers.adapters import result_site
 from controllers.checkpoint import append_metrics, load_resume_point, save_rule_state, save_updates
 from controllers.engine import Host, RoundEngine, SiteResult, scalar_meta
+from controllers.sampling import clients_per_round_problem
+from jobs.settings import DataSettings, JobBuildError, RoundSettings, check_settings
 
 __all__ = ["METRICS_FILE", "STATE_FILE", "FedAlgController", "scalar_meta", "to_numpy_params"]
 
@@ -36,6 +41,18 @@ METRICS_FILE = Path("metrics") / "round_metrics.jsonl"
 #: The final global model scored by every site (``final_site_eval``): ``{"round": n, "sites": {site: {metric: v}}}``.
 FINAL_SCORES_FILE = Path("metrics") / "final_site_scores.json"
 STATE_FILE = "server_state.pt"
+#: The job's declared defaults (jobs/settings.py): the controller's defaults are read from them, never repeated.
+ROUND_DEFAULTS = RoundSettings()
+SEED_DEFAULT = DataSettings().seed
+#: Seconds between the server's checks whether a round's results are all in (NVFlare's ``task_check_period``).
+#: NVFlare's 0.5 s default (0.2 s in effect, see :meth:`FedAlgController.set_communicator`) is waiting added to
+#: every round, twice (the task monitor, then the wait for it); a check is a lock and a scan of the open tasks and
+#: of the sites' liveness, so 50 a second cost nothing measurable (docs/deployment.md, section 9).
+TASK_CHECK_PERIOD = 0.02
+#: Per-round record fields with the server's own timings (seconds): the broadcast-and-wait for the sites' results,
+#: the global model's evaluation, and saving the model and rule state. The rest of ``elapsed_s`` is validation and
+#: aggregation; ``train_wait_s`` minus the sites' ``train.fit_seconds`` is the waiting the round cost.
+ROUND_TIMING_KEYS = ("train_wait_s", "evaluate_s", "persist_s")
 
 
 def to_numpy_params(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
@@ -48,6 +65,11 @@ def to_numpy_params(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
 
 class FedAlgController(ModelController):
     """Federated rounds driven by an aggregation rule from :data:`aggregators.RULES`.
+
+    The arguments that are job settings (all but ``evaluator_id``, ``companions``, ``persistor_id`` and
+    ``task_check_period``) default to, and are checked against, their one declaration in ``jobs/settings.py``
+    (:func:`check_round_settings`): a bad value is refused when NVFlare builds the controller, with one line naming
+    the setting, the value and what is allowed, never at the first round.
 
     Args:
         num_rounds: number of federated rounds.
@@ -74,22 +96,35 @@ class FedAlgController(ModelController):
     def __init__(
         self,
         *,
-        num_rounds: int = 5,
-        rule: str = "fedavg",
-        rule_args: dict[str, Any] | None = None,
-        clients_per_round: int | float | None = None,
-        min_responses: int | None = None,
-        min_accepted: int = 1,
-        seed: int = 0,
+        num_rounds: int = ROUND_DEFAULTS.num_rounds,
+        rule: str = ROUND_DEFAULTS.server,
+        rule_args: dict[str, Any] | None = None,  # None: the declared default, no arguments ({})
+        clients_per_round: int | float | None = ROUND_DEFAULTS.clients_per_round,
+        min_responses: int | None = ROUND_DEFAULTS.min_responses,
+        min_accepted: int = ROUND_DEFAULTS.min_accepted,
+        seed: int = SEED_DEFAULT,
         evaluator_id: str = "evaluator",
-        train_timeout: int = 0,
-        save_client_updates: bool = False,
+        train_timeout: int = ROUND_DEFAULTS.train_timeout,
+        save_client_updates: bool = ROUND_DEFAULTS.save_client_updates,
         persistor_id: str = "persistor",
-        task_check_period: float = 0.5,
+        task_check_period: float = TASK_CHECK_PERIOD,
         companions: dict[str, dict[str, Any]] | None = None,
-        resume_from: str | None = None,
-        final_site_eval: bool = False,
+        resume_from: str | None = ROUND_DEFAULTS.resume_from,
+        final_site_eval: bool = ROUND_DEFAULTS.final_site_eval,
     ) -> None:
+        check_round_settings(
+            num_rounds=num_rounds,
+            server=rule,
+            server_args={} if rule_args is None else rule_args,
+            clients_per_round=clients_per_round,
+            min_responses=min_responses,
+            min_accepted=min_accepted,
+            train_timeout=train_timeout,
+            save_client_updates=save_client_updates,
+            resume_from=resume_from,
+            final_site_eval=final_site_eval,
+            seed=seed,
+        )
         super().__init__(persistor_id=persistor_id, task_check_period=task_check_period)
         # Write every setting into exported configs, defaults included, so a job folder documents itself.
         self._always_serialize_args = (
@@ -102,6 +137,7 @@ class FedAlgController(ModelController):
             "seed",
             "evaluator_id",
             "train_timeout",
+            "task_check_period",
         )
         self.num_rounds = num_rounds
         self.rule = rule
@@ -116,13 +152,21 @@ class FedAlgController(ModelController):
         self.companions = companions
         self.resume_from = resume_from
         self.final_site_eval = final_site_eval
-        # Fail at job start, not after the first round, when the rule or its settings are wrong (min_accepted >= 1
-        # is checked by the engine).
+        # Fail at job start, not after the first round, when the rule or its arguments are wrong.
         self._rule: AggregationRule = compose(build_rule(rule, **(rule_args or {})), companions)
         self._round_engine()
         self._run_id = ""
         self._last_aggregated_round: int | None = None  # recorded in server_state.pt (controllers/checkpoint.py)
         self._active_engine: RoundEngine | None = None  # the engine of the running job (its site confirmations)
+        self._timings: dict[str, float] = {}  # this round's ROUND_TIMING_KEYS, written with its metrics record
+
+    def set_communicator(self, communicator: Any) -> None:
+        """Also make NVFlare's task monitor poll at ``task_check_period``: NVFlare 2.9's ``Controller`` writes the
+        period to ``communicator.task_check_period``, an attribute ``WFCommServer`` never reads (it keeps polling
+        every 0.2 s, its constructor default), so without this the setting has no effect at all."""
+        super().set_communicator(communicator)
+        if isinstance(getattr(communicator, "_task_check_period", None), int | float):
+            communicator._task_check_period = self._task_check_period
 
     def _round_engine(self) -> RoundEngine:
         """The engine for the current settings (built where used, so a changed setting is always honoured)."""
@@ -223,6 +267,42 @@ class FedAlgController(ModelController):
         print(message, flush=True)
 
 
+#: Job settings (jobs/settings.py) the controller takes under another name.
+CONTROLLER_NAMES = {"server": "rule (job setting 'server')", "server_args": "rule_args (job setting 'server_args')"}
+
+
+def check_round_settings(**values: Any) -> None:
+    """Refuse the controller's settings, given by their names in ``jobs/settings.py`` (``server`` is the rule,
+    ``server_args`` its arguments), with the builder's one-line :class:`jobs.settings.JobBuildError` (a
+    ``ValueError``) naming the setting, the value and what is allowed.
+
+    Each value is checked against its declaration (type, finiteness, range), then what can be checked without the
+    population: ``clients_per_round`` must be a count or a fraction in (0, 1], and a round must be able to wait
+    for ``min_responses`` and accept ``min_accepted`` results. The rule's name and arguments are left to
+    :func:`aggregators.build_rule`, which names the valid ones.
+    """
+    try:
+        check_settings(SimpleNamespace(**values), (RoundSettings, DataSettings), registries=False)
+    except JobBuildError as exc:  # name the controller's argument where the job calls it otherwise
+        name = str(exc).split(" ", 1)[0]
+        raise JobBuildError(f"{CONTROLLER_NAMES.get(name, name)} {str(exc).split(' ', 1)[1]}") from None
+    problem = clients_per_round_problem(values.get("clients_per_round"))
+    if problem:
+        raise JobBuildError(problem)
+    count, responses = values.get("clients_per_round"), values.get("min_responses")
+    waits_for = count if isinstance(count, int) else None  # a fraction's count depends on the population
+    if responses is not None and waits_for is not None and responses > waits_for:
+        raise JobBuildError(
+            f"min_responses must be at most the {waits_for} site(s) sampled per round (clients_per_round), "
+            f"got {responses}"
+        )
+    waits_for = responses if responses is not None else waits_for
+    if waits_for is not None and values.get("min_accepted", 1) > waits_for:
+        raise JobBuildError(
+            f"min_accepted must be at most the {waits_for} result(s) a round waits for, got {values['min_accepted']}"
+        )
+
+
 def numeric_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
     """The finite-or-not numbers among a site's reported metrics (anything else is dropped)."""
     return {
@@ -248,9 +328,11 @@ class _FLModelTransport:
     ) -> list[SiteResult]:
         ctl = self.controller
         outgoing = outgoing_model(round_num, ctl.num_rounds, params, meta)
+        started = time.monotonic()
         results = ctl.send_model_and_wait(
             targets=list(targets), data=outgoing, min_responses=ctl.min_responses, timeout=ctl.train_timeout
         )
+        ctl._timings["train_wait_s"] = round(time.monotonic() - started, 4)
         return [
             SiteResult(
                 site=result_site(r), params=getattr(r, "params", None) or {}, meta=getattr(r, "meta", None) or {}
@@ -277,6 +359,7 @@ class _ControllerHost(Host):
         aggregated: bool,
     ) -> None:
         ctl = self.controller
+        started = time.monotonic()
         if aggregated:
             ctl._last_aggregated_round = round_num
         ctl.save_model(FLModel(params_type=ParamsType.FULL, params=params, meta={"round": round_num}))
@@ -292,15 +375,21 @@ class _ControllerHost(Host):
         )
         if ctl.save_client_updates:
             save_updates(ctl._updates_path(round_num), updates, params)
+        ctl._timings["persist_s"] = round(time.monotonic() - started, 4)
 
     def evaluate(self, params: dict[str, np.ndarray]) -> dict[str, float]:
         if self.evaluator is None:
             return {}
+        started = time.monotonic()
         metrics = self.evaluator.evaluate(params)
+        self.controller._timings["evaluate_s"] = round(time.monotonic() - started, 4)
         self.controller.info("global model: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
         return metrics
 
     def record(self, record: dict[str, Any]) -> None:
+        if record.get("stage") == "round":  # the initial record has no round to time
+            record.update(self.controller._timings)
+        self.controller._timings = {}
         append_metrics(Path(self.controller.get_run_dir()) / METRICS_FILE, record)
 
     def log(self, level: int, message: str) -> None:

@@ -9,6 +9,20 @@ from typing import Any
 import numpy as np
 
 
+def clients_per_round_problem(clients_per_round: Any) -> str | None:
+    """Why ``clients_per_round`` cannot be resolved for any population (``None``: it can), as one line naming the
+    setting, the value and what is allowed; the engine and the controller refuse such a value when built."""
+    allowed = "none (all sites), an integer count >= 1 or a fraction in (0, 1] written with a dot"
+    if clients_per_round is None:
+        return None
+    is_count = isinstance(clients_per_round, int) and not isinstance(clients_per_round, bool)
+    if is_count and clients_per_round >= 1:
+        return None
+    if isinstance(clients_per_round, float) and 0 < clients_per_round <= 1:  # also refuses NaN
+        return None
+    return f"clients_per_round must be {allowed}, got {clients_per_round!r}"
+
+
 def clients_per_round_count(clients_per_round: int | float | None, population_size: int) -> int:
     """Resolve ``None`` (all sites), an ``int`` count or a ``float`` fraction in (0, 1] into a number of sites.
 
@@ -16,17 +30,14 @@ def clients_per_round_count(clients_per_round: int | float | None, population_si
     """
     if population_size <= 0:
         raise ValueError("no client is connected; nothing to sample")
+    problem = clients_per_round_problem(clients_per_round)
+    if problem:
+        raise ValueError(problem)
     if clients_per_round is None:
         return population_size
-    if isinstance(clients_per_round, bool) or not isinstance(clients_per_round, int | float):
-        raise ValueError(f"clients_per_round must be None, an int or a float, got {clients_per_round!r}")
     if isinstance(clients_per_round, float):
-        if not 0 < clients_per_round <= 1:
-            raise ValueError(f"a fraction of clients must be in (0, 1], got {clients_per_round}")
         # The tolerance keeps float noise (0.07 * 100 = 7.000000000000001) from adding a site.
         return max(1, math.ceil(clients_per_round * population_size - 1e-9))
-    if clients_per_round < 1:
-        raise ValueError(f"clients_per_round must be at least 1, got {clients_per_round}")
     return min(clients_per_round, population_size)
 
 
@@ -43,7 +54,8 @@ def sample_sites(population: Sequence[str], count: int, seed: int, round_num: in
 def select_round_sites(
     rule: Any, population: Sequence[str], count: int, state: Mapping[str, Any], seed: int, round_num: int
 ) -> tuple[list[str], Mapping[str, Any]]:
-    """The round's sites: the rule's own ``select_sites`` when it has one, else :func:`sample_sites`.
+    """The round's sites: the rule's own ``select_sites`` when it has one, else :func:`sample_sites`. The one site
+    selection: the round engine calls it (and turns anything it raises into a failed round naming the rule).
 
     A rule that selects (FedMoS: by data share) returns ``(sites, state)``; the state carries the aggregation
     weights its selection implies to the rule's ``aggregate`` (and into the server checkpoint).
@@ -54,5 +66,5 @@ def select_round_sites(
     sites, state = selection
     unknown = sorted(set(sites) - set(population))
     if not sites or unknown:
-        raise ValueError(f"rule '{getattr(rule, 'name', rule)}' selected {sites}: empty or not in the population")
+        raise ValueError(f"rule '{getattr(rule, 'name', rule)}' selected {list(sites)}: empty or not in the population")
     return list(sites), state

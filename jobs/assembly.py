@@ -23,6 +23,14 @@ CLIENT_SCRIPT = "client.py"
 #: Written into every exported job's app/custom/: what the sites must have installed.
 REQUIREMENTS_FILE = "site_requirements.txt"
 APP_PACKAGES = ("aggregators", "controllers", "data_prep", "jobs", "lightning_modules")
+#: Seconds a site waits after each task before asking the server for the next one, and between asks while the
+#: server has none (NVFlare's ``server.task_request_interval``, sent to the sites with every answer). NVFlare's 2 s
+#: default is waited by every site after every round; the exported jobs use :func:`task_request_interval`.
+TASK_REQUEST_INTERVAL = 0.25
+#: Idle task requests per second the server gets at most from the job's sites (sites / interval): 40/s is what
+#: NVFlare's 2 s default gives 80 sites. Larger federations get longer intervals, never longer than NVFlare's.
+MAX_IDLE_REQUESTS_PER_S = 40
+NVFLARE_TASK_REQUEST_INTERVAL = 2.0
 
 
 @contextlib.contextmanager
@@ -67,9 +75,16 @@ def build_job(spec: JobSpec) -> Any:
         **({"evaluator_id": ""} if spec.model is not None else {}),  # the sites evaluate a user's model
     )
     job.to_server(controller)
+    job.to_server(ServerSettings({"task_request_interval": task_request_interval(spec.num_sites)}))
     job.to_clients(ScriptRunner(script=CLIENT_SCRIPT, script_args=client_script_args(spec), **launcher(spec)))
     add_tracking(job)
     return job
+
+
+def task_request_interval(num_sites: int) -> float:
+    """:data:`TASK_REQUEST_INTERVAL`, lengthened for many sites so that the server gets at most
+    :data:`MAX_IDLE_REQUESTS_PER_S` idle requests a second (docs/deployment.md, section 9)."""
+    return min(NVFLARE_TASK_REQUEST_INTERVAL, max(TASK_REQUEST_INTERVAL, num_sites / MAX_IDLE_REQUESTS_PER_S))
 
 
 def launcher(spec: JobSpec) -> dict[str, Any]:
@@ -115,6 +130,18 @@ def _add_user_model(job: Any, spec: JobSpec) -> None:
     if spec.script is not None:  # the user's own training script, beside client.py (which runs it)
         job.to_clients(ShippedPackage(Path(spec.script)))
     job.to_server(PTModel({"path": spec.model.replace(":", "."), "args": dict(spec.model_args)}))
+
+
+class ServerSettings:
+    """Entries of the server app's ``"server"`` section of ``config_fed_server.json`` (NVFlare reads
+    ``server.task_request_interval`` and ``server.heart_beat_timeout`` there; the job API has no other way to
+    write them)."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        self.settings = dict(settings)
+
+    def add_to_fed_job(self, job: Any, ctx: Any) -> None:
+        job.add_params({"server": self.settings}, ctx)
 
 
 class ShippedPackage:

@@ -12,8 +12,9 @@ NVFlare execution environment.
 
 The recipe is a thin wrapper: its job is exactly what :func:`jobs.build.build_job` builds from a
 :class:`jobs.build.JobSpec` with the same settings, so recipes, the CLI builder and the committed ``jobs/<name>/``
-folders never disagree (tested). Unknown algorithms, meaningless combinations and bad settings fail when the recipe
-is created, with the valid choices in the message.
+folders never disagree (tested). Unknown algorithms, meaningless combinations, bad settings and unknown keywords
+fail when the recipe is created with the builder's :class:`jobs.build.JobBuildError` and its one-line message, the
+valid choices included.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from typing import Any
 from nvflare.recipe.spec import ExecEnv, Recipe
 
 from jobs.assembly import write_site_requirements
-from jobs.build import JOBS_DIR, JobSpec, build_job, inside_directory
+from jobs.build import JOBS_DIR, JobBuildError, JobSpec, build_job, inside_directory
+from jobs.spec import spec_from_values
 
 
 class FedAlgRecipe(Recipe):
@@ -40,7 +42,8 @@ class FedAlgRecipe(Recipe):
         min_clients: sites the job needs (NVFlare waits for this many before it starts the job; also the number of
             simulated shards).
         **settings: any other :class:`jobs.build.JobSpec` field (data, local training, precision, sampling,
-            ``min_responses``, ``train_timeout``, ...); see ``python -m jobs.build --help``.
+            ``min_responses``, ``train_timeout``, ...; not ``num_sites``, which is ``min_clients`` here); see
+            ``python -m jobs.build --help``.
     """
 
     def __init__(
@@ -55,16 +58,22 @@ class FedAlgRecipe(Recipe):
         min_clients: int = 3,
         **settings: Any,
     ) -> None:
-        self.spec = JobSpec(
-            name=name,
-            client=client,
-            client_args=dict(client_args or {}),
-            server=server,
-            server_args=dict(server_args or {}),
-            num_rounds=num_rounds,
-            num_sites=min_clients,
+        if "num_sites" in settings:  # the recipe's min_clients is the job's num_sites: one name for one number
+            raise JobBuildError(
+                f"num_sites {settings['num_sites']!r}: the recipe takes the number of sites as min_clients; "
+                f"use min_clients={settings['num_sites']!r}"
+            )
+        values = {
+            "client": client,
+            "client_args": dict(client_args or {}),
+            "server": server,
+            "server_args": dict(server_args or {}),
+            "num_rounds": num_rounds,
+            "num_sites": min_clients,
             **settings,
-        )
+        }
+        # The builder's path: unknown keywords are refused as the builder refuses them, not with a raw TypeError.
+        self.spec: JobSpec = spec_from_values(name, values)
         # NVFlare resolves the client script path relative to the working directory when the job is assembled and
         # again when it is written, so both happen inside jobs/, where client.py lives (as jobs.build.export_job).
         with inside_directory(JOBS_DIR):

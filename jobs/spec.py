@@ -13,10 +13,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jobs.settings import (
     ATTACK_FIELDS,
@@ -37,6 +37,9 @@ from jobs.settings import (
     flag,
     setting_fields,
 )
+
+if TYPE_CHECKING:
+    from lightning_modules.algorithms import ClientAlgorithm
 
 
 # Base classes are listed last-to-first: a dataclass orders inherited fields from the end of its MRO.
@@ -101,10 +104,16 @@ def advisories(spec: JobSpec) -> list[str]:
     strong_skew = (spec.scheme == "dirichlet" and spec.alpha <= 0.1) or (
         spec.scheme == "shards" and spec.classes_per_site <= 2
     )
-    if spec.client == "scaffold" and strong_skew and spec.lr > 0.02:
+    if spec.client == "scaffold" and spec.model is None and strong_skew and spec.lr > 0.02:
         notes.append(
             f"SCAFFOLD with lr {spec.lr:g} under strong label skew ({spec.scheme}) fell below FedAvg and diverged in "
             "our measurements (benchmarks/results/scaffold_label_skew.md); consider FedAvg/FedProx or lr <= 0.02"
+        )
+    elif spec.client == "scaffold" and spec.model is not None:  # the builder cannot see the sites' own data
+        notes.append(
+            "SCAFFOLD can diverge under strong label skew when the local lr is large "
+            "(benchmarks/results/scaffold_label_skew.md); python -m controllers.report warns when a site's "
+            "control ||c_i|| runs away"
         )
     return notes
 
@@ -124,10 +133,9 @@ def _check_distributed_site(spec: JobSpec) -> None:
             f"devices {spec.devices} (Lightning DDP at every site) needs --model and --data run by the bundle's "
             "client (not --script, not the built-in models)"
         )
-    from lightning_modules.algorithms import CLIENT_ALGORITHMS
     from lightning_modules.federated import distributed_refusal
 
-    reason = distributed_refusal(CLIENT_ALGORITHMS[spec.client](**spec.client_args))
+    reason = distributed_refusal(_client_algorithm(spec))
     if reason:
         raise JobBuildError(f"devices {spec.devices}: {reason}")
 
@@ -193,6 +201,7 @@ def importable(folders: list[Path]) -> Iterator[None]:
 def _check_user_code(spec: JobSpec) -> None:
     """The user's model and data classes import, are a LightningModule and a LightningDataModule, and the model
     builds with its arguments (the server builds the initial global model from it)."""
+    from jobs.user_checks import check_user_job
     from lightning_modules.own_model import UserCodeError, build_user_module, user_class
 
     if spec.script is not None:
@@ -209,9 +218,10 @@ def _check_user_code(spec: JobSpec) -> None:
 
     with importable(shipped_folders(spec)):
         try:
-            build_user_module(spec.model, spec.model_args)
+            module = build_user_module(spec.model, spec.model_args)
             if spec.data is not None:
                 user_class(spec.data, pl.LightningDataModule, "data")
+            check_user_job(spec, module)  # jobs/user_checks.py: what the client and the rule need from the user code
         except UserCodeError as exc:
             raise JobBuildError(str(exc)) from None
 
@@ -229,24 +239,37 @@ def _check_arch_args(spec: JobSpec) -> None:
 
 def _check_client_algorithm(spec: JobSpec) -> None:
     """The client algorithm, constructed with ``client_args`` exactly as every site will construct it."""
-    from lightning_modules.algorithms import ClientAlgorithmError, build_client_algorithm
-
     compact_json(spec.client_args)  # whitespace would break NVFlare's split of the command line
+    _client_algorithm(spec)
+
+
+def _client_algorithm(spec: JobSpec) -> ClientAlgorithm:
+    """The job's client algorithm: keys it does not declare, then values its hyperparameter dataclass refuses, are
+    one line each, named by the option that carries them."""
+    from lightning_modules.algorithms import ClientAlgorithmError, build_client_algorithm, client_args_problem
+
+    problem = client_args_problem(spec.client, spec.client_args)
+    if problem:
+        raise JobBuildError(f"--client-args: {problem}")
     try:
-        build_client_algorithm(spec.client, **spec.client_args)
+        return build_client_algorithm(spec.client, **spec.client_args)
     except (ClientAlgorithmError, TypeError, ValueError) as exc:
-        raise JobBuildError(f"client_args {compact_json(spec.client_args)}: {exc}") from None
+        raise JobBuildError(f"--client-args: {exc}") from None
 
 
 def _check_server_rule(spec: JobSpec) -> None:
     """The server rule and its companions, constructed with ``server_args`` as the controller will."""
     from aggregators import build_rule
     from aggregators.compose import compose
+    from aggregators.registry import rule_args_problem
 
+    problem = rule_args_problem(spec.server, spec.server_args)
+    if problem:
+        raise JobBuildError(f"--server-args: {problem}")
     try:
         compose(build_rule(spec.server, **spec.server_args), companion_rules(spec))
     except (TypeError, ValueError) as exc:
-        raise JobBuildError(f"server_args {spec.server_args}: {exc}") from None
+        raise JobBuildError(f"--server-args: {exc}") from None
 
 
 def _check_composition(client_cls: type, rule_cls: type) -> tuple[str, ...]:
@@ -302,10 +325,13 @@ def client_script_args(spec: JobSpec) -> str:
     return " ".join(parts)
 
 
-def spec_from_values(name: str, values: dict[str, Any]) -> JobSpec:
-    """A spec from a mapping of setting names (unknown names are refused with the known ones)."""
-    known = {f.name for f in dataclasses.fields(JobSpec)} - {"name"}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise JobBuildError(f"unknown setting(s) {unknown}; known settings: {sorted(known)}")
+def spec_from_values(name: str, values: Mapping[str, Any]) -> JobSpec:
+    """A spec from a mapping of setting names, the one way the builder and the recipe make one: an unknown name is
+    refused in one line with the known ones, as the registries refuse unknown hyperparameters."""
+    from aggregators.registry import unknown_setting_problem
+
+    known = [f.name for f in dataclasses.fields(JobSpec) if f.name != "name"]
+    problem = unknown_setting_problem("a job", values, known)
+    if problem:
+        raise JobBuildError(problem)
     return JobSpec(name=name, **values)

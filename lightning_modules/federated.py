@@ -23,9 +23,10 @@ Where each hook of :class:`lightning_modules.algorithms.base.ClientAlgorithm` ru
 - ``on_round_end``: at the end of the fit; its meta, the round's step count, mean training loss, the trainable keys
   and FedNova's report go to ``pl_module.__fl_meta__``, where NVFlare's FLCallback picks them up.
 
-Gradient-level algorithms (FedAvg, SCAFFOLD Option II, FedProx, FedDyn) need nothing from the module. Algorithms
-that evaluate the task loss elsewhere need the module to provide it (:data:`TASK_LOSS_PROTOCOL`), MOON needs its
-representation (:data:`MOON_PROTOCOL`); each refusal says what to add. What every algorithm does with
+Gradient-level algorithms (FedAvg, SCAFFOLD Option II, FedProx, FedDyn) need nothing from the module. What the others
+need (the task loss at other weights, MOON's representation, a plain SGD optimizer) and what a FedNova server needs
+(an optimizer its a_i describes) are declared on their classes and checked by :mod:`lightning_modules.protocols`, at
+set-up and when the round starts; each refusal says what to add or change. What every algorithm does with
 Adam/AdamW, momentum and schedules is in docs/own_model.md.
 """
 
@@ -44,30 +45,17 @@ from aggregators.fednova import normalizer_l1
 from aggregators.wire import FedNovaReport
 from lightning_modules.algorithms.base import ClientAlgorithm, ClientAlgorithmError, check_server_meta
 from lightning_modules.fl_callback import MetaSource, nvflare_meta_source
+from lightning_modules.protocols import (  # sgd_step_settings: also imported from here by its users
+    module_problem,
+    needs_task_loss,
+    optimizer_problem,
+    sgd_step_settings,
+)
 from lightning_modules.state_store import ClientStateStore
 
-#: What an algorithm that evaluates the task loss at other weights (FedMoS; SCAFFOLD Option I's full-batch
-#: gradient) needs from the module.
-TASK_LOSS_PROTOCOL = (
-    "task_loss(batch, params=None) -> (loss, logits): the mean task loss of a batch, at the module's own weights "
-    "or, when params (a dict keyed like the module's state_dict) is given, at those weights via "
-    "torch.func.functional_call"
-)
-#: What MOON needs: a network it can copy (the global model and the site's previous models) whose projected
-#: representation it reads, plus its contrastive term in the loss.
-MOON_PROTOCOL = (
-    "an attribute net (an nn.Module) whose forward goes through net.projection (the projection head, whose output "
-    "z MOON contrasts) and a method net.embed(x) -> z; and a training_step that returns loss + "
-    "lightning_modules.federated.algorithm_loss(self, batch, logits). lightning_modules.models' networks built "
-    'with arch_args {"projection_dim": 256} have both'
-)
 _ALGORITHM_ATTRIBUTE = "__fl_algorithm__"
 #: Set by the bundle's client script before it runs a user's own training script (``--script``).
 CLIENT_ENV, CLIENT_ARGS_ENV = "FEDALG_CLIENT", "FEDALG_CLIENT_ARGS"
-
-
-def needs_task_loss(algorithm: ClientAlgorithm) -> bool:
-    return algorithm.name == "fedmos" or (algorithm.name == "scaffold" and getattr(algorithm, "option", "") == "I")
 
 
 def adds_loss_terms(algorithm: ClientAlgorithm) -> bool:
@@ -120,14 +108,22 @@ def attach_algorithm(module: pl.LightningModule, algorithm: ClientAlgorithm | No
 
 
 def check_module_protocol(algorithm: ClientAlgorithm, module: pl.LightningModule) -> None:
-    """Refuse a module that lacks what ``algorithm`` needs from it, saying what to add."""
-    who = f"{algorithm.site}: client algorithm '{algorithm.name}'"
-    if needs_task_loss(algorithm) and not callable(getattr(module, "task_loss", None)):
-        raise ClientAlgorithmError(f"{who} needs the module {type(module).__name__} to define {TASK_LOSS_PROTOCOL}")
-    if algorithm.name == "moon":
-        net = getattr(module, "net", None)
-        if not isinstance(net, torch.nn.Module) or not callable(getattr(net, "embed", None)):
-            raise ClientAlgorithmError(f"{who} needs the module {type(module).__name__} to have {MOON_PROTOCOL}")
+    """Refuse a module that lacks what ``algorithm`` declares it needs (:mod:`lightning_modules.protocols`)."""
+    problem = module_problem(algorithm, module)
+    if problem:
+        raise ClientAlgorithmError(f"{algorithm.site}: {problem}")
+
+
+def check_round_optimizer(algorithm: ClientAlgorithm, meta: Mapping[str, Any], optimizer: Any) -> None:
+    """Refuse, when the round starts, an optimizer the client algorithm or the server's rule (named in the meta)
+    cannot work with: otherwise FedNova's report is silently left out and the server rejects every round with a
+    message about a missing key, not about the optimizer."""
+    from aggregators import RULES
+
+    rule_cls = RULES.get(str(meta.get(meta_keys.AGGREGATION_RULE)))
+    problem = optimizer_problem(algorithm, rule_cls, optimizer)
+    if problem:
+        raise ClientAlgorithmError(f"{algorithm.site}: {problem}")
 
 
 class FederatedAlgorithm(pl.Callback):
@@ -205,6 +201,7 @@ class FederatedAlgorithm(pl.Callback):
             if trainer.world_size > 1:
                 meta = trainer.strategy.broadcast(meta, src=0)
             check_server_meta(self.algorithm, meta, self.site)
+            check_round_optimizer(self.algorithm, meta, trainer.optimizers[0])
             if self.algorithm.state_store is not None:  # a per-run store follows the server's run id
                 self.algorithm.state_store.use_run(meta.get(meta_keys.RUN_ID))
             rank_zero_first(trainer, lambda: self.algorithm.on_round_start(pl_module, meta))
@@ -291,18 +288,6 @@ class FederatedAlgorithm(pl.Callback):
         if self._step_hook is not None:
             self._step_hook.remove()
             self._step_hook = None
-
-
-def sgd_step_settings(optimizer: Any) -> tuple[float, float, float] | None:
-    """(lr, momentum, dampening) of a plain or heavy-ball ``torch.optim.SGD`` step with one lr for every group;
-    ``None`` for anything FedNova's normaliser does not model (other optimizers, Nesterov, maximize, unequal lrs)."""
-    if not isinstance(optimizer, torch.optim.SGD):
-        return None
-    groups = optimizer.param_groups
-    settings = {(float(g["lr"]), float(g["momentum"]), float(g["dampening"])) for g in groups}
-    if len(settings) != 1 or any(g.get("nesterov") or g.get("maximize") for g in groups):
-        return None
-    return settings.pop()
 
 
 def fednova_meta(algorithm: ClientAlgorithm, steps: list[tuple[float, float, float] | None]) -> dict[str, Any]:

@@ -84,9 +84,20 @@ def build_user_data(
         data = cls(**kwargs)
     except TypeError as exc:
         raise UserCodeError(f"{site}: data {path!r}: bad data_args {dict(args or {})}: {exc}") from None
-    if not is_overridden("train_dataloader", data, pl.LightningDataModule):
-        raise UserCodeError(f"{site}: data {path!r} defines no train_dataloader(); a site needs training data")
+    problem = training_data_problem(path, data)
+    if problem:
+        raise UserCodeError(f"{site}: {problem}")
     return data
+
+
+def training_data_problem(path: str, data: pl.LightningDataModule | type) -> str | None:
+    """Why ``data`` (the class, at build time, or the site's instance) gives a site nothing to train on."""
+    if is_overridden("train_dataloader", data, pl.LightningDataModule):
+        return None
+    return (
+        f"data {path!r} defines no train_dataloader(); a site needs training data: add train_dataloader() "
+        "returning the site's training DataLoader"
+    )
 
 
 def evaluates_at_the_site(module: pl.LightningModule, data: pl.LightningDataModule) -> bool:

@@ -27,7 +27,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -294,6 +294,22 @@ def leftover_processes(deployment: Deployment) -> list[int]:
     return sorted(p.pid for p in _deployment_processes(deployment) if p.is_running() and p.status() != "zombie")
 
 
+def job_problems(meta: Mapping[str, Any], result: Path) -> list[str]:
+    """Why a finished job did not do its work (empty: it did): NVFlare's status, then the server's metrics in the
+    downloaded ``result``, whose round records must reach the planned rounds with one that aggregated
+    (:func:`controllers.report.completion_problems`, the check ``controllers.report`` makes of simulator runs): a
+    controller that stops early still ends in ``FINISHED:COMPLETED``."""
+    from controllers.report import completion_problems
+
+    status = str(meta.get("status", ""))
+    problems = [] if status.startswith("FINISHED:COMPLETED") else [f"job status is {status or 'unknown'}"]
+    metrics = result / "metrics" / "round_metrics.jsonl"
+    if not metrics.is_file():
+        return [*problems, f"no metrics file at {metrics}"]
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return problems + completion_problems(records)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m jobs.provision.loopback", description=__doc__.splitlines()[0])
     parser.add_argument("job", type=Path, help="an exported job folder, e.g. jobs/scaffold")
@@ -332,7 +348,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if not args.keep:
             stop(deployment)
-    return 0 if str(meta.get("status", "")).startswith("FINISHED:COMPLETED") else 1
+    problems = job_problems(meta, result)
+    for problem in problems:
+        print(f"error: {problem}", file=sys.stderr)
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":

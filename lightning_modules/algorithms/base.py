@@ -14,6 +14,7 @@ The base class is plain local SGD, i.e. the FedAvg client: every hook does nothi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -22,14 +23,12 @@ import torch
 from torch import nn
 
 from aggregators import meta_keys
+from lightning_modules.algorithms.errors import ClientAlgorithmError
+from lightning_modules.algorithms.hparams import HParams
 from lightning_modules.state_store import ClientStateStore
 
 LOG = logging.getLogger(__name__)
 RUN_ID_KEY = "__run_id__"
-
-
-class ClientAlgorithmError(RuntimeError):
-    """A client algorithm cannot run with this trainer, optimizer, precision or server meta."""
 
 
 class ClientAlgorithm:
@@ -51,10 +50,27 @@ class ClientAlgorithm:
     #: gradient, see :meth:`proximal_coefficient`), ``drift`` (a correction that is no local gradient: SCAFFOLD,
     #: FedDyn, FedMoS; FedNova refuses those at build time).
     local_update: ClassVar[str] = "gradient"
+    #: The algorithm's hyperparameters, declared once as a frozen dataclass (hparams.py): the registry checks
+    #: ``client_args`` against its fields, the constructor builds one (which checks every value) and
+    #: :meth:`hparams` reports it. FedAvg's local SGD has none of its own.
+    hparams_class: ClassVar[type[HParams]] = HParams
+    #: What the algorithm needs from the module and optimizer (lightning_modules/protocols.py checks them):
+    #: the task loss at other weights, the projected representation, one plain SGD step per update.
+    needs_task_loss: ClassVar[bool] = False
+    needs_representation: ClassVar[bool] = False
+    needs_plain_sgd: ClassVar[bool] = False
+    #: The checked values (set by :meth:`use_hparams`).
+    hyperparameters: HParams = HParams()
 
     #: Set by :meth:`bind`: the site this algorithm runs on and where it may persist state between rounds.
     site: str = "local"
     state_store: ClientStateStore | None = None
+
+    def use_hparams(self, hyperparameters: HParams) -> None:
+        """Keep the checked hyperparameters and expose each as an attribute (``self.mu``), which the hooks read."""
+        self.hyperparameters = hyperparameters
+        for spec_field in dataclasses.fields(hyperparameters):
+            setattr(self, spec_field.name, getattr(hyperparameters, spec_field.name))
 
     def bind(self, site: str, state_store: ClientStateStore | None) -> None:
         """Attach the site name and its state store (called once by the client script)."""
@@ -83,8 +99,8 @@ class ClientAlgorithm:
         return 0.0
 
     def hparams(self) -> dict[str, Any]:
-        """Hyperparameters for logs and reports."""
-        return {}
+        """Hyperparameters for logs and reports, from the declared ones."""
+        return self.hyperparameters.reported()
 
 
 def check_server_meta(algorithm: ClientAlgorithm, meta: Mapping[str, Any], site: str) -> None:

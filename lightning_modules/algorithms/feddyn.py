@@ -52,7 +52,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, ClassVar, Literal, get_args
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -67,11 +68,32 @@ from lightning_modules.algorithms.base import (
     settle_state,
     trainable_parameters,
 )
+from lightning_modules.algorithms.hparams import HParams, check_int, hparam
 from lightning_modules.algorithms.kernels import pull_before_plain_sgd_step_
 
 AlphaWeighting = Literal["uniform", "samples"]
-ALPHA_WEIGHTINGS = get_args(AlphaWeighting)
 Tensors = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True, kw_only=True)
+class FedDynHParams(HParams):
+    """FedDyn's hyperparameters: how alpha_k is derived from the server's alpha (``alpha_weighting``) and, for
+    ``"samples"``, the population's size m and its total training samples sum_j n_j (the same on every site)."""
+
+    algorithm: ClassVar[str] = "feddyn"
+
+    alpha_weighting: AlphaWeighting = "uniform"
+    population_size: int | None = hparam(None, low=1, note="m, the sites of the whole population")
+    total_samples: int | None = hparam(None, low=1, note="sum_j n_j over the whole population")
+
+    def check_together(self) -> None:
+        if self.alpha_weighting == "samples":  # alpha_k = alpha * total_samples / (n_k * m) needs both
+            check_int(self.algorithm, "population_size", self.population_size, 1)
+            check_int(self.algorithm, "total_samples", self.total_samples, 1)
+        elif self.population_size is not None or self.total_samples is not None:
+            raise ClientAlgorithmError(
+                "feddyn: population_size and total_samples are used only with alpha_weighting='samples'"
+            )
 
 
 def parse_alpha(value: Any, site: str) -> float:
@@ -86,12 +108,6 @@ def parse_alpha(value: Any, site: str) -> float:
 def client_alpha(alpha: float, num_samples: int, population_size: int, total_samples: int) -> float:
     """alpha_k = alpha / w_k with w_k = n_k * m / sum_j n_j (the authors' per-client scaling)."""
     return alpha * total_samples / (num_samples * population_size)
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ClientAlgorithmError(f"feddyn: hyperparameter '{name}' must be a positive integer, got {value!r}")
-    return value
 
 
 def local_num_samples(module: nn.Module, site: str) -> int:
@@ -119,38 +135,24 @@ class FedDyn(ClientAlgorithm):
     required_server_meta: ClassVar[tuple[str, ...]] = (meta_keys.FEDDYN_ALPHA,)
     sent_meta: ClassVar[tuple[str, ...]] = (meta_keys.FEDDYN_ALPHA_K, meta_keys.FEDDYN_PARAM_KEYS)
     local_update: ClassVar[str] = "drift"  # not a local gradient: FedNova cannot normalise it
+    hparams_class: ClassVar[type[HParams]] = FedDynHParams
+    alpha_weighting: AlphaWeighting
+    population_size: int | None
+    total_samples: int | None
 
     def __init__(
         self,
-        alpha_weighting: AlphaWeighting = "uniform",
-        population_size: int | None = None,
-        total_samples: int | None = None,
+        alpha_weighting: AlphaWeighting = FedDynHParams.alpha_weighting,
+        population_size: int | None = FedDynHParams.population_size,
+        total_samples: int | None = FedDynHParams.total_samples,
     ) -> None:
-        if alpha_weighting not in ALPHA_WEIGHTINGS:
-            raise ClientAlgorithmError(
-                f"feddyn: alpha_weighting must be one of {ALPHA_WEIGHTINGS}, got {alpha_weighting!r}"
-            )
-        if alpha_weighting == "samples":
-            population_size = _positive_int("population_size", population_size)
-            total_samples = _positive_int("total_samples", total_samples)
-        elif population_size is not None or total_samples is not None:
-            raise ClientAlgorithmError(
-                "feddyn: population_size and total_samples are used only with alpha_weighting='samples'"
-            )
-        self.alpha_weighting = alpha_weighting
-        self.population_size = population_size
-        self.total_samples = total_samples
+        self.use_hparams(
+            FedDynHParams(alpha_weighting=alpha_weighting, population_size=population_size, total_samples=total_samples)
+        )
         self._params: dict[str, nn.Parameter] = {}
         self._round = 0
         self._run_id = ""
         self.alpha_k = 0.0
-
-    def hparams(self) -> dict[str, Any]:
-        return {
-            "alpha_weighting": self.alpha_weighting,
-            "population_size": self.population_size,
-            "total_samples": self.total_samples,
-        }
 
     # -- round start ---------------------------------------------------------------------------------------------
     def on_round_start(self, module: nn.Module, meta: Mapping[str, Any]) -> None:

@@ -40,40 +40,34 @@ side (server momentum, client selection) is :mod:`aggregators.fedmos`.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Mapping
-from typing import Any, ClassVar, Literal, get_args
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
 
 from aggregators import meta_keys
 from lightning_modules.algorithms.base import ClientAlgorithm, ClientAlgorithmError, trainable_parameters
+from lightning_modules.algorithms.hparams import HParams, hparam
 
 DEFAULT_A = 0.1
 DEFAULT_MU = 0.001
 Estimator = Literal["storm", "authors"]
-ESTIMATORS = get_args(Estimator)
 Tensors = dict[str, torch.Tensor]
 
 
-def check_a(a: Any) -> float:
-    """``a`` as a float in (0, 1], or a :class:`ClientAlgorithmError` saying why not."""
-    if isinstance(a, bool) or not isinstance(a, int | float) or not math.isfinite(a) or not 0 < a <= 1:
-        raise ClientAlgorithmError(
-            f"fedmos: hyperparameter 'a' must be a number in (0, 1] (a = 1 - momentum; 1 = SGD), got {a!r}"
-        )
-    return float(a)
+@dataclass(frozen=True, kw_only=True)
+class FedMoSHParams(HParams):
+    """FedMoS's hyperparameters: the STORM weight ``a``, the proximal share ``mu`` and the ``estimator``."""
 
+    algorithm: ClassVar[str] = "fedmos"
 
-def check_mu(mu: Any) -> float:
-    """``mu`` as a float in [0, 1), or a :class:`ClientAlgorithmError` saying why not."""
-    if isinstance(mu, bool) or not isinstance(mu, int | float) or not math.isfinite(mu) or not 0 <= mu < 1:
-        raise ClientAlgorithmError(
-            f"fedmos: hyperparameter 'mu' must be a number in [0, 1) (the share of the way back to the global "
-            f"model taken every step), got {mu!r}"
-        )
-    return float(mu)
+    a: float = hparam(DEFAULT_A, low=0, high=1, low_open=True, note="a = 1 - momentum; 1 = SGD")
+    mu: float = hparam(
+        DEFAULT_MU, low=0, high=1, high_open=True, note="the share of the way back to the global model taken every step"
+    )
+    estimator: Estimator = "storm"
 
 
 def storm_update_(d: list[torch.Tensor], grad: list[torch.Tensor], grad_prev: list[torch.Tensor], a: float) -> None:
@@ -119,21 +113,22 @@ class FedMoS(ClientAlgorithm):
     """FedMoS client: STORM momentum d and the proximal pull, applied through ``.grad`` before a plain SGD step."""
 
     name: ClassVar[str] = "fedmos"
+    needs_task_loss: ClassVar[bool] = True  # the STORM estimator: the loss at the previous iterate
+    needs_plain_sgd: ClassVar[bool] = True  # the proximal pull is exact only through one plain SGD step
     sent_meta: ClassVar[tuple[str, ...]] = (meta_keys.FEDMOS_A, meta_keys.FEDMOS_MU)
     local_update: ClassVar[str] = "drift"  # not a local gradient: FedNova cannot normalise it
+    hparams_class: ClassVar[type[HParams]] = FedMoSHParams
+    a: float
+    mu: float
+    estimator: Estimator
 
-    def __init__(self, a: float = DEFAULT_A, mu: float = DEFAULT_MU, estimator: Estimator = "storm") -> None:
-        self.a = check_a(a)
-        self.mu = check_mu(mu)
-        if estimator not in ESTIMATORS:
-            raise ClientAlgorithmError(f"fedmos: estimator must be one of {ESTIMATORS}, got {estimator!r}")
-        self.estimator = estimator
+    def __init__(
+        self, a: float = FedMoSHParams.a, mu: float = FedMoSHParams.mu, estimator: Estimator = FedMoSHParams.estimator
+    ) -> None:
+        self.use_hparams(FedMoSHParams(a=a, mu=mu, estimator=estimator))
         self._params: dict[str, nn.Parameter] = {}
         self._batch: Any = None
         self.steps = 0
-
-    def hparams(self) -> dict[str, Any]:
-        return {"a": self.a, "mu": self.mu, "estimator": self.estimator}
 
     def on_round_start(self, module: nn.Module, meta: Mapping[str, Any]) -> None:
         check_trainer(module, self.site)

@@ -32,27 +32,28 @@ works for every task, they search {0.001, 0.01, 0.1, 0.5, 1}).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from aggregators import meta_keys
-from lightning_modules.algorithms.base import ClientAlgorithm, ClientAlgorithmError, trainable_parameters
+from lightning_modules.algorithms.base import ClientAlgorithm, trainable_parameters
+from lightning_modules.algorithms.hparams import HParams, hparam
 from lightning_modules.algorithms.kernels import pull_before_plain_sgd_step_
 
 DEFAULT_MU = 0.01
 
 
-def check_mu(mu: Any) -> float:
-    """``mu`` as a float, or a :class:`ClientAlgorithmError` saying why it cannot be a proximal coefficient."""
-    if isinstance(mu, bool) or not isinstance(mu, int | float):
-        raise ClientAlgorithmError(f"fedprox: hyperparameter 'mu' must be a number, got {mu!r}")
-    if not math.isfinite(mu) or mu < 0:
-        raise ClientAlgorithmError(f"fedprox: hyperparameter 'mu' must be finite and >= 0, got {mu!r}")
-    return float(mu)
+@dataclass(frozen=True, kw_only=True)
+class FedProxHParams(HParams):
+    """FedProx's hyperparameter: the proximal coefficient ``mu`` (0 is FedAvg's local training)."""
+
+    algorithm: ClassVar[str] = "fedprox"
+
+    mu: float = hparam(DEFAULT_MU, low=0)
 
 
 class FedProx(ClientAlgorithm):
@@ -61,14 +62,13 @@ class FedProx(ClientAlgorithm):
     name: ClassVar[str] = "fedprox"
     sent_meta: ClassVar[tuple[str, ...]] = (meta_keys.FEDPROX_MU,)
     local_update: ClassVar[str] = "proximal"
+    hparams_class: ClassVar[type[HParams]] = FedProxHParams
+    mu: float
 
-    def __init__(self, mu: float = DEFAULT_MU) -> None:
-        self.mu = check_mu(mu)
+    def __init__(self, mu: float = FedProxHParams.mu) -> None:
+        self.use_hparams(FedProxHParams(mu=mu))
         self._params: dict[str, nn.Parameter] = {}
         self.anchor: dict[str, torch.Tensor] = {}
-
-    def hparams(self) -> dict[str, Any]:
-        return {"mu": self.mu}
 
     def proximal_coefficient(self) -> float:
         return self.mu

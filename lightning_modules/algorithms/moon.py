@@ -45,9 +45,9 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, Literal, get_args
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +61,7 @@ from lightning_modules.algorithms.base import (
     refuse_non_finite_state,
     settle_state,
 )
+from lightning_modules.algorithms.hparams import NOT_REPORTED, HParams, hparam
 from lightning_modules.state_store import StateStoreError
 
 LOG = logging.getLogger(__name__)
@@ -70,10 +71,23 @@ DEFAULT_TEMPERATURE = 0.5
 DEFAULT_HISTORY_SIZE = 1
 DEFAULT_PROJECTION_DIM = 256
 BadHistoryAction = Literal["error", "reset"]
-BAD_HISTORY_ACTIONS = get_args(BadHistoryAction)
 HISTORY_KEY = "models"
 
 StateDict = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoonHParams(HParams):
+    """MOON's hyperparameters: the contrastive weight ``mu``, the temperature tau and how many previous local models
+    are the negatives; ``on_bad_history`` is what a site does with an unusable history file (not part of the
+    method, so ``hparams()`` leaves it out)."""
+
+    algorithm: ClassVar[str] = "moon"
+
+    mu: float = hparam(DEFAULT_MU, low=0)
+    temperature: float = hparam(DEFAULT_TEMPERATURE, low=0, low_open=True)
+    history_size: int = hparam(DEFAULT_HISTORY_SIZE, low=1)
+    on_bad_history: BadHistoryAction = field(default="error", metadata=NOT_REPORTED)
 
 
 def contrastive_loss(
@@ -128,6 +142,7 @@ class Moon(ClientAlgorithm):
     """MOON client: adds mu * l_con (positive: received global model; negatives: previous local models)."""
 
     name: ClassVar[str] = "moon"
+    needs_representation: ClassVar[bool] = True
     sent_meta: ClassVar[tuple[str, ...]] = (
         meta_keys.MOON_MU,
         meta_keys.MOON_TEMPERATURE,
@@ -135,33 +150,22 @@ class Moon(ClientAlgorithm):
         meta_keys.MOON_HISTORY_MODELS,
     )
     default_arch_args: ClassVar[Mapping[str, Any]] = {"projection_dim": DEFAULT_PROJECTION_DIM}
+    hparams_class: ClassVar[type[HParams]] = MoonHParams
+    mu: float
+    temperature: float
+    history_size: int
+    on_bad_history: BadHistoryAction
 
     def __init__(
         self,
-        mu: float = DEFAULT_MU,
-        temperature: float = DEFAULT_TEMPERATURE,
-        history_size: int = DEFAULT_HISTORY_SIZE,
-        on_bad_history: BadHistoryAction = "error",
+        mu: float = MoonHParams.mu,
+        temperature: float = MoonHParams.temperature,
+        history_size: int = MoonHParams.history_size,
+        on_bad_history: BadHistoryAction = MoonHParams.on_bad_history,
     ) -> None:
-        if isinstance(mu, bool) or not isinstance(mu, int | float) or not math.isfinite(mu) or mu < 0:
-            raise ClientAlgorithmError(f"moon: hyperparameter 'mu' must be a finite number >= 0, got {mu!r}")
-        if (
-            isinstance(temperature, bool)
-            or not isinstance(temperature, int | float)
-            or not math.isfinite(temperature)
-            or temperature <= 0
-        ):
-            raise ClientAlgorithmError(f"moon: 'temperature' must be a finite number > 0, got {temperature!r}")
-        if isinstance(history_size, bool) or not isinstance(history_size, int) or history_size < 1:
-            raise ClientAlgorithmError(f"moon: 'history_size' must be an int >= 1, got {history_size!r}")
-        if on_bad_history not in BAD_HISTORY_ACTIONS:
-            raise ClientAlgorithmError(
-                f"moon: on_bad_history must be one of {BAD_HISTORY_ACTIONS}, got {on_bad_history!r}"
-            )
-        self.mu = float(mu)
-        self.temperature = float(temperature)
-        self.history_size = history_size
-        self.on_bad_history = on_bad_history
+        self.use_hparams(
+            MoonHParams(mu=mu, temperature=temperature, history_size=history_size, on_bad_history=on_bad_history)
+        )
         self.global_model: nn.Module | None = None
         self.negatives: list[nn.Module] = []
         self.history_models = 0
@@ -169,9 +173,6 @@ class Moon(ClientAlgorithm):
         self._z: torch.Tensor | None = None
         self._run_id = ""
         self._round = 0
-
-    def hparams(self) -> dict[str, Any]:
-        return {"mu": self.mu, "temperature": self.temperature, "history_size": self.history_size}
 
     # -- round start ---------------------------------------------------------------------------------------------
     def on_round_start(self, module: nn.Module, meta: Mapping[str, Any]) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -47,9 +48,22 @@ from lightning_modules.algorithms.base import (
     settle_state,
     trainable_parameters,
 )
+from lightning_modules.algorithms.hparams import HParams
 from lightning_modules.algorithms.kernels import add_in_own_dtype_
 
 Tensors = dict[str, torch.Tensor]
+Option = Literal["I", "II"]
+Correction = Literal["step", "grad"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScaffoldHParams(HParams):
+    """SCAFFOLD's hyperparameters: how c_i+ is computed (``option``) and where c - c_i is applied (``correction``)."""
+
+    algorithm: ClassVar[str] = "scaffold"
+
+    option: Option = "II"
+    correction: Correction = "step"
 
 
 def option_ii_control(
@@ -102,20 +116,21 @@ class Scaffold(ClientAlgorithm):
     required_server_meta: ClassVar[tuple[str, ...]] = (meta_keys.SCAFFOLD_CTRL_GLOBAL,)
     sent_meta: ClassVar[tuple[str, ...]] = (meta_keys.SCAFFOLD_CTRL_DIFF,)
     local_update: ClassVar[str] = "drift"  # not a local gradient: FedNova cannot normalise it
+    hparams_class: ClassVar[type[HParams]] = ScaffoldHParams
+    option: Option
+    correction: Correction
 
-    def __init__(self, option: Literal["I", "II"] = "II", correction: Literal["step", "grad"] = "step") -> None:
-        if option not in ("I", "II"):
-            raise ClientAlgorithmError(f"scaffold: option must be 'I' or 'II', got {option!r}")
-        if correction not in ("step", "grad"):
-            raise ClientAlgorithmError(f"scaffold: correction must be 'step' or 'grad', got {correction!r}")
-        self.option = option
-        self.correction = correction
+    def __init__(
+        self, option: Option = ScaffoldHParams.option, correction: Correction = ScaffoldHParams.correction
+    ) -> None:
+        self.use_hparams(ScaffoldHParams(option=option, correction=correction))
         self._params: dict[str, nn.Parameter] = {}
         self._round = 0
         self._run_id = ""
 
-    def hparams(self) -> dict[str, Any]:
-        return {"option": self.option, "correction": self.correction}
+    @property
+    def needs_task_loss(self) -> bool:  # type: ignore[override]
+        return self.option == "I"  # Option I's control is the full local gradient at the global model
 
     # -- round start ---------------------------------------------------------------------------------------------
     def on_round_start(self, module: nn.Module, meta: Mapping[str, Any]) -> None:

@@ -127,3 +127,35 @@ def test_in_round_one_a_diff_with_other_keys_than_the_trainable_parameters_is_re
     problems = control_problems({"w": np.zeros(1, np.float32)}, params, {}, param_keys=["w", "v"])
     assert problems and "missing ['v']" in problems[0]
     assert control_problems({"w": np.zeros(1, np.float32)}, params, {}, param_keys=["w"]) == []
+
+
+def test_in_round_one_without_reported_keys_the_diff_covers_the_models_trainable_entries_only():
+    """No site reports ``train.param_keys``: the expected set is the one every rule uses (float entries, BatchNorm
+    statistics excluded), so a diff over the parameters alone passes and one that controls statistics does not."""
+    params = {
+        "w": np.zeros(2, np.float32),
+        "bn.running_mean": np.zeros(2, np.float32),
+        "bn.running_var": np.ones(2, np.float32),
+        "bn.num_batches_tracked": np.array(3, np.int64),
+    }
+    assert control_problems({"w": np.zeros(2, np.float32)}, params, {}) == []
+    problems = control_problems({k: np.zeros(2, np.float32) for k in ("w", "bn.running_mean")}, params, {})
+    assert problems and "unexpected ['bn.running_mean']" in problems[0]
+
+
+def test_diffs_over_different_keys_name_the_sites_when_the_engine_did_not_check_them():
+    """Called without the round engine's checks (which reject such a site first), the rule still names who sent
+    what instead of failing anonymously."""
+    global_params = {**GLOBAL, "v": np.zeros(1, np.float32)}
+    first = _update("site-1", 1.0, 1.0)
+    first = ClientUpdate(
+        first.site,
+        {**first.params, "v": np.zeros(1, np.float32)},
+        1,
+        {DIFF: {"w": np.ones(1, np.float32), "v": np.ones(1, np.float32)}},
+    )
+    second = ClientUpdate("site-2", first.params, 1, {DIFF: {"w": np.ones(1, np.float32)}})
+    with pytest.raises(
+        AggregationError, match=r"the control diffs of \['site-2'\] cover other parameters than that of site-1"
+    ):
+        Scaffold().aggregate(global_params, [second, first], {"control": {}}, _context(2))

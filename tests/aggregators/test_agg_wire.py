@@ -16,6 +16,7 @@ CONTROL = {"w": np.ones((2, 2), np.float32), "b": np.zeros(2, np.float32)}
     "message",
     [
         RoundInfo(3, 10, "scaffold", "run-1"),
+        RoundInfo(0, 1, "fedavg", "", last_aggregated={"site-1": 0, "site-2": 4}),
         FedNovaReport(12, 11.5),
         FedDynReport(0.01, ("w", "b")),
         TrainingStats(120, 8, 0.25, ("w", "b")),
@@ -67,3 +68,38 @@ def test_every_bad_scalar_is_named_by_its_key():
         meta_keys.PARAM_KEYS,
     }
     assert not RoundInfo.from_meta({}).ok
+
+
+ROUND_META = {
+    meta_keys.ROUND: 2,
+    meta_keys.NUM_ROUNDS: 5,
+    meta_keys.AGGREGATION_RULE: "scaffold",
+    meta_keys.RUN_ID: "r",
+}
+
+
+@pytest.mark.parametrize(
+    ("changes", "key", "problem"),
+    [
+        ({meta_keys.ROUND: 5}, meta_keys.ROUND, "must be below num_rounds=5, got 5"),
+        ({meta_keys.ROUND: -1}, meta_keys.ROUND, "must be an integer >= 0, got -1"),
+        ({meta_keys.NUM_ROUNDS: 0}, meta_keys.NUM_ROUNDS, "must be an integer >= 1, got 0"),
+        ({meta_keys.RUN_ID: None}, meta_keys.RUN_ID, "must be text, got None"),
+        ({meta_keys.AGGREGATION_RULE: 3}, meta_keys.AGGREGATION_RULE, "must be text, got 3"),
+        ({meta_keys.LAST_AGGREGATED: [1]}, meta_keys.LAST_AGGREGATED, "must be a dict of site name -> round, got list"),
+        (
+            {meta_keys.LAST_AGGREGATED: {"site-1": 1, "site-2": -1, "site-3": "2"}},
+            meta_keys.LAST_AGGREGATED,
+            "must map site names to rounds >= 0; bad entries for ['site-2', 'site-3']",
+        ),
+    ],
+)
+def test_round_info_names_each_bad_entry_by_key(changes, key, problem):
+    parsed = RoundInfo.from_meta({**ROUND_META, **changes})
+    assert parsed.value is None and parsed.problems == {key: problem}
+
+
+def test_round_info_without_confirmations_reads_as_none():
+    parsed = RoundInfo.from_meta(ROUND_META)
+    assert parsed.ok and parsed.value.last_aggregated is None
+    assert meta_keys.LAST_AGGREGATED not in parsed.value.to_meta()

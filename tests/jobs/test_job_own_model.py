@@ -147,3 +147,160 @@ def test_scaffold_under_strong_label_skew_gets_a_note_pointing_to_the_measuremen
     assert code == 0 and "benchmarks/results/scaffold_label_skew.md" in capsys.readouterr().err
     code = main(["--client", "scaffold", "--server", "scaffold", "--alpha", "0.5", "--output-dir", str(tmp_path)])
     assert code == 0 and "note:" not in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# What the job's client algorithm and server rule need from the user's code, refused at build time (jobs/user_checks.py)
+
+USER_CODE = """
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Plain(pl.LightningModule):
+    '''No task_loss, no net: enough for FedAvg, FedProx, FedDyn and SCAFFOLD Option II.'''
+
+    def __init__(self, optimizer="adamw"):
+        super().__init__()
+        self.body = nn.Linear(4, 2)
+        self.optimizer = optimizer
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self.body(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        if self.optimizer == "needs_trainer":  # a schedule sized from the trainer: unknowable at build time
+            return torch.optim.AdamW(self.parameters(), lr=1e-3 / self.trainer.estimated_stepping_batches)
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class NoTrainingData(pl.LightningDataModule):
+    def val_dataloader(self):
+        return []
+
+
+class Data(pl.LightningDataModule):
+    def train_dataloader(self):
+        return []
+"""
+
+
+@pytest.fixture(scope="module")
+def user_package(tmp_path_factory) -> str:
+    package = tmp_path_factory.mktemp("user") / "usercode"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "m.py").write_text(USER_CODE)
+    return f"{package},{EXAMPLE}"
+
+
+PLAIN = ["--model", "usercode.m:Plain", "--data", "usercode.m:Data"]
+DIGITS = ["--model", OWN["model"], "--data", OWN["data"]]
+NO_TRAINING_DATA = ["--data", "usercode.m:NoTrainingData"]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            ["--client", "fedavg", "--server", "fedavg", "--model", "usercode.m:Plain", *NO_TRAINING_DATA],
+            "data 'usercode.m:NoTrainingData' defines no train_dataloader(); a site needs training data: add "
+            "train_dataloader()",
+        ),
+        (
+            ["--client", "fedmos", "--server", "fedmos", *PLAIN, "--model-args", '{"optimizer":"sgd"}'],
+            "model 'usercode.m:Plain': client algorithm 'fedmos' needs the module Plain to define task_loss(batch",
+        ),
+        (
+            ["--client", "moon", "--server", "fedavg", *PLAIN],
+            "model 'usercode.m:Plain': client algorithm 'moon' needs the module Plain to have an attribute net",
+        ),
+        (
+            ["--client", "moon", "--server", "fedavg", *DIGITS],  # the example without a projection head
+            "its net.projection is missing or None",
+        ),
+        (
+            ["--client", "fedavg", "--server", "fednova", *PLAIN],
+            "model 'usercode.m:Plain': server rule 'fednova': FedNova's normalisation describes SGD steps (a_i); "
+            "AdamW cannot be described — use torch.optim.SGD (momentum allowed",
+        ),
+        (
+            ["--client", "fedprox", "--server", "fednova", *DIGITS],
+            "server rule 'fednova': FedNova's normalisation describes SGD steps (a_i); AdamW cannot be described",
+        ),
+        (
+            ["--client", "fedmos", "--server", "fedmos", *DIGITS],
+            "model 'custom_model.model:DigitsClassifier': client algorithm 'fedmos' applies its update as one plain "
+            "SGD step with its own momentum, so it needs torch.optim.SGD with momentum=0 and weight_decay=0; got AdamW",
+        ),
+    ],
+    ids=[
+        "no-train-dataloader",
+        "fedmos-task-loss",
+        "moon-net",
+        "moon-projection",
+        "fednova-adamw",
+        "fednova-adamw-example",
+        "fedmos-adamw",
+    ],
+)
+def test_what_the_algorithms_need_from_the_users_code_is_refused_at_build_time(
+    tmp_path, capsys, user_package, options, message
+):
+    code = main([*options, "--ship", user_package, "--name", "own", "--output-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        ["--client", "fedprox", "--server", "fednova", *PLAIN, "--model-args", '{"optimizer":"sgd"}'],
+        ["--client", "fedavg", "--server", "fednova", *PLAIN, "--model-args", '{"optimizer":"needs_trainer"}'],
+        ["--client", "fedmos", "--server", "fedmos", *DIGITS, "--model-args", '{"optimizer":"sgd"}'],
+        ["--client", "moon", "--server", "fedavg", *DIGITS, "--model-args", '{"projection_dim":8}'],
+    ],
+    ids=["fednova-sgd-momentum", "optimizer-needs-the-trainer", "fedmos-plain-sgd", "moon-projection"],
+)
+def test_what_the_algorithms_can_run_with_exports(tmp_path, capsys, user_package, options):
+    code = main([*options, "--ship", user_package, "--name", "own", "--output-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert (tmp_path / "out" / "own" / "app" / "config" / "config_fed_client.json").is_file()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the recipe with model= / data=
+
+
+def test_the_recipe_exports_the_users_model_and_data_as_the_builder_does(tmp_path, capsys):
+    from jobs.recipe import FedAlgRecipe
+
+    settings = {"model_args": {"hidden": 32}, "data_args": {"alpha": 0.5}}
+    recipe = FedAlgRecipe(name="own", client="scaffold", server="scaffold", **OWN, **settings)
+    recipe.export(str(tmp_path / "recipe"))
+    config = tmp_path / "recipe" / "own" / "app" / "config"
+    persistor = json.loads((config / "config_fed_server.json").read_text())["components"][0]
+    assert persistor["args"]["model"] == {"path": "custom_model.model.DigitsClassifier", "args": {"hidden": 32}}
+    client = json.loads((config / "config_fed_client.json").read_text())
+    args = client["executors"][0]["executor"]["args"]["task_script_args"]
+    assert "--model custom_model.model:DigitsClassifier --data custom_model.data:DigitsSites" in args
+    assert args.endswith('--model-args {"hidden":32} --data-args {"alpha":0.5}')
+    assert (tmp_path / "recipe" / "own" / "app" / "custom" / "custom_model" / "model.py").is_file()
+    code, err = build(tmp_path, capsys, *DIGITS, "--ship", OWN["ship"], "--model-args", '{"hidden":32}')
+    assert code == 0, err
+    cli = tmp_path / "out" / "own" / "app"
+    for name in ("config/config_fed_server.json", "custom/site_requirements.txt"):
+        assert (cli / name).read_text() == (tmp_path / "recipe" / "own" / "app" / name).read_text(), name
+
+
+def test_the_recipe_refuses_what_the_builder_refuses():
+    from jobs.recipe import FedAlgRecipe
+
+    with pytest.raises(JobBuildError, match=r"server rule 'fednova': .* AdamW cannot be described"):
+        FedAlgRecipe(name="own", client="fedavg", server="fednova", **OWN)

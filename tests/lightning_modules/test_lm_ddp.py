@@ -78,7 +78,11 @@ OWN = {"model": "custom_model.model:DigitsClassifier", "data": "custom_model.dat
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({"client": "fedmos", "server": "fedmos", **OWN}, "'fedmos' takes extra gradient passes"),
+        # plain SGD, which FedMoS needs (else that is refused first, jobs/user_checks.py)
+        (
+            {"client": "fedmos", "server": "fedmos", **OWN, "model_args": {"optimizer": "sgd"}},
+            "'fedmos' takes extra gradient passes",
+        ),
         ({"client": "scaffold", "client_args": {"option": "I"}, **OWN}, "'scaffold' takes extra gradient passes"),
         ({}, "needs --model and --data"),
     ],

@@ -7,18 +7,40 @@ TensorBoard receiver. In simulation each site derives its own shard of the datas
 (``site-1`` ... ``site-N``) and the job's data settings; a provisioned site reads its own data, configured on the
 site (``$FEDALG_SITE_DATA`` or ``local/fedalg_site_data.json``, see ``data_prep/site_config.py``).
 
+Start-up and round latency (docs/deployment.md, section 9): a simulated site keeps its derived
+shard in its workspace for its later client-rounds, and NVFlare's in-process Client API polls are shortened to
+``$FEDALG_CLIENT_POLL_S`` (0.02 s).
+
 Runs as ``python client.py --help`` outside NVFlare too, to show the options.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
+import json
 import logging
-from collections.abc import Sequence
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 LOG = logging.getLogger("fedalg.client")
+
+#: The site's environment variable for :func:`shorten_client_polls` (seconds, > 0).
+CLIENT_POLL_ENV = "FEDALG_CLIENT_POLL_S"
+#: NVFlare 2.9's in-process Client API checks every 0.5 s for a new task (trainer side) and for the trainer's result
+#: (executor side), and has no setting for it ("the frozen surface deliberately drops the knob"): up to 1 s of
+#: idle waiting every round. A check is a Python attribute read, so 50 a second cost nothing measurable.
+DEFAULT_CLIENT_POLL_S = 0.02
+_IN_PROCESS_BACKEND = "nvflare.app_common.executors.client_api.in_process_backend"
+#: Simulation only: the folder of the site workspace where a site keeps its derived shard between client-rounds
+#: (the simulator empties the workspace when it starts, so a shard never outlives its simulation).
+SHARD_CACHE_DIR = "fedalg_shards"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,24 +64,123 @@ def log_round_metrics(tracker: object, meta: dict, round_num: int) -> None:
             tracker.add_scalar(tag, float(value), global_step=round_num)
 
 
+def client_poll_seconds(environ: Mapping[str, str] | None = None) -> float:
+    """The poll period this site asked for in ``$FEDALG_CLIENT_POLL_S``, else :data:`DEFAULT_CLIENT_POLL_S`."""
+    raw = (os.environ if environ is None else environ).get(CLIENT_POLL_ENV, "").strip()
+    if not raw:
+        return DEFAULT_CLIENT_POLL_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < 60:  # also refuses nan/inf: 0 would busy-wait, a minute would stall every round
+        raise SystemExit(f"error: {CLIENT_POLL_ENV}={raw!r} must be a number of seconds in (0, 60)")
+    return seconds
+
+
+def shorten_client_polls(seconds: float) -> list[str]:
+    """Set NVFlare's in-process Client API poll periods (task pick-up and result hand-back) to ``seconds``.
+
+    Only when this script runs inside NVFlare's client job process (in-process mode: the executor's backend module
+    is loaded and the API object is on NVFlare's data bus); elsewhere (``--help``, tests, and the torchrun ranks of
+    ``--devices N``, whose external-process Client API waits on events) nothing is touched. Returns what was
+    changed, for the log. Neither period takes part in training, so results are bit-identical.
+    """
+    backend = sys.modules.get(_IN_PROCESS_BACKEND)
+    if backend is None:
+        return []
+    from nvflare.client.api_spec import CLIENT_API_KEY
+    from nvflare.fuel.data_event.data_bus import DataBus
+
+    changed = []
+    api = DataBus().get_data(CLIENT_API_KEY)
+    if isinstance(getattr(api, "result_check_interval", None), int | float):
+        api.result_check_interval = seconds  # the trainer's wait for the next task
+        changed.append("task pick-up")
+    if isinstance(getattr(backend, "_RESULT_POLL_INTERVAL", None), int | float):
+        backend._RESULT_POLL_INTERVAL = seconds  # the executor's wait for the trainer's result, read every check
+        changed.append("result hand-back")
+    return changed
+
+
+def derives_simulated_shard(workspace: Path, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether :func:`data_prep.site_config.resolve_site_data` would derive the job's shard for this site (no site
+    data in ``$FEDALG_SITE_DATA`` or ``local/``, and a simulator workspace): the same checks, in its order."""
+    from data_prep.site_config import LOCAL_CONFIG, SITE_DATA_ENV, is_simulated_site
+
+    environ = os.environ if environ is None else environ
+    configured = environ.get(SITE_DATA_ENV, "").strip() or (workspace / LOCAL_CONFIG).is_file()
+    return not configured and is_simulated_site(workspace)
+
+
+def shard_cache_path(workspace: Path, site: str, config: Any, num_classes: int) -> Path:
+    """Where this site keeps its derived shard: named by everything the shard depends on."""
+    key = json.dumps([dataclasses.asdict(config), site, num_classes, os.environ.get("FASHION_MNIST_DIR")])
+    return workspace / SHARD_CACHE_DIR / f"{site}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.npz"
+
+
+def read_shard(path: Path) -> tuple[np.ndarray, np.ndarray] | None:
+    """A cached shard, or ``None`` when it is missing or unreadable (then the site derives it again)."""
+    try:
+        with np.load(path, allow_pickle=False) as saved:
+            x, y = saved["x"], saved["y"]
+    except (OSError, ValueError, KeyError):
+        return None
+    return (x, y) if len(x) == len(y) > 0 else None
+
+
+def write_shard(path: Path, x: np.ndarray, y: np.ndarray) -> None:
+    """Write atomically: a client-round killed mid-write leaves no half file for the next one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = path.with_name(f".{path.stem}.{os.getpid()}.npz")
+    np.savez(scratch, x=x, y=y)
+    os.replace(scratch, path)
+
+
+def site_training_data(site: str, args: argparse.Namespace, num_classes: int) -> Any:
+    """The site's training data (:func:`data_prep.site_config.resolve_site_data`). A simulated site keeps its derived
+    shard in its workspace: under ``-t 1`` every client-round is a new process, and deriving the shard reads the
+    whole dataset again (1.4 s and 400 MB for Fashion-MNIST); the cached arrays are the same bits."""
+    from data_prep import SiteDataConfig
+    from data_prep.site_config import SiteData, resolve_site_data, site_workspace
+
+    workspace, config = site_workspace(), SiteDataConfig.from_namespace(args)
+    if not derives_simulated_shard(workspace):
+        return resolve_site_data(site, workspace, config, num_classes)
+    path = shard_cache_path(workspace, site, config, num_classes)
+    cached = read_shard(path)
+    if cached is not None:
+        return SiteData(*cached, f"simulation: shard derived from the job's data settings (kept in {path})")
+    data = resolve_site_data(site, workspace, config, num_classes)
+    write_shard(path, data.x, data.y)
+    return data
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    poll = client_poll_seconds()
+    changed = shorten_client_polls(poll)
+    if changed:
+        print(f"client API polls ({', '.join(changed)}) every {poll:g} s (${CLIENT_POLL_ENV})")
     if args.script is not None:  # the user's own training script, shipped beside this one
         from lightning_modules.own_model import run_user_script
 
         run_user_script(args, __file__)
-        return
-    if args.model is not None:  # the user's own LightningModule and data module (lightning_modules/own_model.py)
+    elif args.model is not None:  # the user's own LightningModule and data module (lightning_modules/own_model.py)
         from lightning_modules.own_model import run_site
 
         run_site(args)
-        return
+    else:
+        run_builtin(args)
+
+
+def run_builtin(args: argparse.Namespace) -> None:
+    """The bundle's own model and datasets: set up once, then one local training per received global model."""
     import nvflare.client.lightning as flare
     from nvflare.client.tracking import SummaryWriter
 
     from aggregators import meta_keys
-    from data_prep import SiteDataConfig
-    from data_prep.site_config import resolve_site_data, seed_index, site_workspace
+    from data_prep.site_config import seed_index
     from jobs.settings import dataset_num_classes
     from lightning_modules.site import build_site_round
     from lightning_modules.state_store import ClientStateStore, default_state_root
@@ -69,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     tracker = SummaryWriter()
     num_classes = dataset_num_classes(args.dataset)
     # Real sites read their own data (site env var or local/ config); only the simulator derives shards from the job.
-    data = resolve_site_data(site, site_workspace(), SiteDataConfig.from_namespace(args), num_classes)
+    data = site_training_data(site, args, num_classes)
     print(f"{site}: training data from {data.source}")
     # The round itself is lightning_modules/site.py's, shared with the in-process runner (same bits, tested): the
     # built-in classifier with the client algorithm's callback (and a malicious site's attack, for robustness

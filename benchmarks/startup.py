@@ -1,0 +1,286 @@
+"""Start-up of a site's client-round under ``nvflare simulator -t 1`` (a new process for every client-round).
+
+Two measurements, each for this checkout and (``--ref REV``) for git revision ``REV`` of this repository in a
+temporary ``git worktree`` (removed afterwards), in fresh processes, the two versions interleaved:
+
+1. **The client's import + set-up path** (default). A fresh Python process imports what NVFlare's client job process
+   holds before it starts the client script (the simulator worker, the Client API executor, the in-process API),
+   then runs the job's own ``client.py`` with the job's own arguments in a simulated site workspace, against an
+   in-process Client API that has already been told to stop: the script imports its stack, resolves its data and
+   builds its round, and returns at its first ``flare.is_running()``. Reported: the script's wall time, the
+   process's peak RSS, and (``--importtime``) where ``python -X importtime`` says the script's imports go, by
+   top-level package. Every site workspace gets one unmeasured run first, as in a job, where a site's first
+   client-round runs before its later ones.
+2. **The simulator itself** (``--simulate``): ``nvflare simulator -n 3 -t 1`` on a 2-round job (128 samples per site);
+   per client-round, from the site logs and the simulator's log: NVFlare's part (the simulator picks the site ->
+   the client script starts: a 1 s sleep, a new process, the client runner, a 0.5 s sync sleep) and the script's
+   part (the script starts -> its Trainer exists, i.e. training begins; the task's arrival overlaps with it).
+
+Run: ``python -m benchmarks.startup --ref HEAD`` (before = HEAD, after = the working tree); ``--job`` picks the
+committed job (default ``fedavg``: full Fashion-MNIST, Dirichlet 0.5, 3 sites); ``--quick`` is a smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections import defaultdict
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+NVFLARE = Path(sys.executable).with_name("nvflare")
+MARKER = "-- fedalg startup benchmark: client script starts --"
+
+
+# -- the harness (runs in the measured process; imports only NVFlare, then the client script) -------------------------
+def harness(script: str, script_args: Sequence[str]) -> None:
+    """Print one JSON line: NVFlare's preload time, the client script's time and the peak RSS (see module doc)."""
+    import logging
+    import resource
+    import runpy
+    import time
+
+    started = time.perf_counter()
+    import nvflare.app_common.executors.client_api.in_process_backend
+    import nvflare.app_common.executors.client_api_executor
+    import nvflare.private.fed.app.simulator.simulator_worker  # noqa: F401  (what the client process holds)
+    from nvflare.apis.fl_constant import FLMetaKey
+    from nvflare.client.api_spec import CLIENT_API_KEY
+    from nvflare.client.in_process.api import TOPIC_STOP, InProcessClientAPI
+    from nvflare.fuel.data_event.data_bus import DataBus
+    from nvflare.fuel.data_event.event_manager import EventManager
+
+    api = InProcessClientAPI(task_metadata={FLMetaKey.SITE_NAME: "site-1", FLMetaKey.JOB_ID: "startup-benchmark"})
+    api.init()
+    DataBus().put_data(CLIENT_API_KEY, api)
+    EventManager(DataBus()).fire_event(TOPIC_STOP, "startup benchmark: set-up only")
+    logging.disable(logging.WARNING)  # the stop notice
+    nvflare_s = time.perf_counter() - started
+    nvflare_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(MARKER, file=sys.stderr, flush=True)
+    sys.argv = [script, *script_args]
+    script_started = time.perf_counter()
+    runpy.run_path(script, run_name="__main__")
+    result = {
+        "nvflare_s": nvflare_s,
+        "nvflare_rss_mb": nvflare_rss,
+        "script_s": time.perf_counter() - script_started,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+    print(json.dumps(result), flush=True)
+
+
+# -- code versions -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Version:
+    """A code version: its root (on PYTHONPATH), the job's client script and arguments, a site workspace."""
+
+    label: str
+    root: Path
+    script: Path
+    script_args: tuple[str, ...]
+    workspace: Path
+
+
+def export_job(root: Path, job: str, out_dir: Path) -> Path:
+    """Export committed job ``job`` with the builder of the code at ``root``."""
+    code = (
+        "import sys; from pathlib import Path; from jobs.presets import PRESETS; from jobs.build import export_job; "
+        "export_job(PRESETS[sys.argv[1]], Path(sys.argv[2]))"
+    )
+    subprocess.run([sys.executable, "-c", code, job, str(out_dir)], check=True, cwd=root, env=code_env(root))
+    return out_dir / job
+
+
+def prepare(label: str, root: Path, job: str, scratch: Path) -> Version:
+    scratch = scratch / re.sub(r"\W+", "-", label)  # NVFlare splits its worker's command line on spaces
+    job_dir = export_job(root, job, scratch / "jobs")
+    client = json.loads((job_dir / "app" / "config" / "config_fed_client.json").read_text())
+    args = client["executors"][0]["executor"]["args"]["task_script_args"].split()
+    workspace = scratch / "site-1"
+    (workspace / "startup").mkdir(parents=True)  # what the simulator creates: a simulated site (no fed_client.json)
+    return Version(label, root, job_dir / "app" / "custom" / "client.py", tuple(args), workspace)
+
+
+def code_env(root: Path) -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+
+
+@contextmanager
+def worktree(ref: str | None) -> Iterator[Path | None]:
+    """A detached ``git worktree`` of ``ref`` (round_overhead's), removed on exit; ``None`` without a ref."""
+    if ref is None:
+        yield None
+        return
+    from benchmarks.round_overhead import worktree as ref_worktree
+
+    with ref_worktree(ref) as folder:
+        yield folder
+
+
+# -- measurement 1: the client's import + set-up path ----------------------------------------------------------------
+def run_harness(version: Version, importtime: bool = False) -> tuple[dict[str, float], str]:
+    """One fresh process; its JSON result and (with ``importtime``) its ``-X importtime`` output after the marker."""
+    command = [sys.executable, *(["-X", "importtime"] if importtime else []), __file__, "--harness"]
+    command += [str(version.script), "--", *version.script_args]
+    done = subprocess.run(
+        command, capture_output=True, text=True, cwd=version.workspace, env=code_env(version.root), check=False
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"{version.label}: harness failed\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1]), done.stderr.partition(MARKER)[2]
+
+
+def measure_client(versions: Sequence[Version], repeats: int) -> dict[str, list[dict[str, float]]]:
+    """One unmeasured run per version (a site's first client-round), then ``repeats`` interleaved measured runs."""
+    for version in versions:
+        run_harness(version)
+    results: dict[str, list[dict[str, float]]] = {v.label: [] for v in versions}
+    for _ in range(repeats):
+        for version in versions:
+            results[version.label].append(run_harness(version)[0])
+    return results
+
+
+def importtime_by_package(text: str, top: int = 8) -> list[tuple[str, float]]:
+    """Self time (s) of the imports in ``-X importtime`` output, summed by top-level package, largest first."""
+    totals: dict[str, float] = defaultdict(float)
+    for line in text.splitlines():
+        match = re.match(r"import time:\s+(\d+) \|\s+\d+ \|\s*(\S+)", line)
+        if match:
+            totals[match[2].split(".")[0]] += int(match[1]) / 1e6
+    return sorted(totals.items(), key=lambda item: -item[1])[:top]
+
+
+def client_report(results: Mapping[str, Sequence[Mapping[str, float]]]) -> str:
+    lines = [
+        "| code | runs | NVFlare preload (s) | client script (s) | peak RSS (MB) | script ÷ first |",
+        "|---|---|---|---|---|---|",
+    ]
+    first = None
+    for label, runs in results.items():
+        script = statistics.median(r["script_s"] for r in runs)
+        first = first or script
+        nvflare = statistics.median(r["nvflare_s"] for r in runs)
+        rss = statistics.median(r["peak_rss_mb"] for r in runs)
+        lines.append(f"| {label} | {len(runs)} | {nvflare:.2f} | {script:.2f} | {rss:.0f} | {script / first:.2f} |")
+    return "\n".join(lines)
+
+
+# -- measurement 2: the simulator, -t 1 -------------------------------------------------------------------------------
+def simulate_t1(version: Version) -> list[dict[str, float]]:
+    """``nvflare simulator -n 3 -t 1`` of a 2-round tiny job; per client-round NVFlare's and the script's seconds."""
+    code = (
+        "import sys; from pathlib import Path; from jobs.build import JobSpec, export_job; "
+        "export_job(JobSpec(name='startup_t1', num_rounds=2, max_train_samples=384, scheme='iid', "
+        "max_test_samples=200), Path(sys.argv[1]))"
+    )
+    scratch = version.workspace.parent
+    jobs = scratch / "t1-jobs"
+    subprocess.run([sys.executable, "-c", code, str(jobs)], check=True, cwd=version.root, env=code_env(version.root))
+    workspace = scratch / "t1-ws"
+    command = [str(NVFLARE), "simulator", str(jobs / "startup_t1"), "-w", str(workspace), "-n", "3", "-t", "1"]
+    subprocess.run(command, capture_output=True, text=True, cwd=scratch, env=code_env(version.root), check=False)
+    return client_rounds(workspace)
+
+
+def _stamp(line: str) -> float:
+    return dt.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def _events(path: Path, needle: str) -> list[float]:
+    return [_stamp(line) for line in path.read_text().splitlines() if needle in line and line[:2] == "20"]
+
+
+def client_rounds(workspace: Path) -> list[dict[str, float]]:
+    """Match every 'Simulate Run client: X' of the simulator to X's next script start and next Trainer."""
+    server_log = (workspace / "server" / "log.txt").read_text().splitlines()
+    picks = [(_stamp(ln), ln.split("client: ")[1].split()[0]) for ln in server_log if "Simulate Run client:" in ln]
+    rounds = []
+    for picked, site in picks:
+        log = workspace / site / "log.txt"
+        starts = [t for t in _events(log, "start task run()") if t > picked]
+        trainers = [t for t in _events(log, "GPU available") if t > picked]
+        if starts and trainers and trainers[0] > starts[0]:
+            rounds.append({"nvflare_s": starts[0] - picked, "script_s": trainers[0] - starts[0]})
+    return rounds
+
+
+def simulate_report(results: Mapping[str, Sequence[Mapping[str, float]]]) -> str:
+    lines = [
+        "| code | client-rounds | NVFlare: site picked -> script starts (s) | script: starts -> training (s) |"
+        " start-up total (s) |",
+        "|---|---|---|---|---|",
+    ]
+    for label, rounds in results.items():
+        nvflare = statistics.median(r["nvflare_s"] for r in rounds) if rounds else float("nan")
+        script = statistics.median(r["script_s"] for r in rounds) if rounds else float("nan")
+        lines.append(f"| {label} | {len(rounds)} | {nvflare:.2f} | {script:.2f} | {nvflare + script:.2f} |")
+    return "\n".join(lines)
+
+
+# -- command line --------------------------------------------------------------------------------------------------
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.startup", description=__doc__.splitlines()[0])
+    parser.add_argument("--ref", help="also measure this git revision (before), e.g. HEAD")
+    parser.add_argument("--job", default="fedavg", help="committed job whose client script and arguments to run")
+    parser.add_argument("--repeats", type=int, default=3, help="measured runs per version, interleaved")
+    parser.add_argument("--importtime", action="store_true", help="where the script's imports go, by package")
+    parser.add_argument("--simulate", action="store_true", help="also run nvflare simulator -t 1 (about 1 min each)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: one measured run, no simulator")
+    parser.add_argument("--out", type=Path, help="also write the report to this file")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.repeats, args.simulate = 1, False
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    sections = []
+    with tempfile.TemporaryDirectory(prefix="startup-") as name, worktree(args.ref) as ref_root:
+        scratch = Path(name)
+        versions = [prepare("working tree", ROOT, args.job, scratch)]
+        if ref_root is not None:
+            versions.insert(0, prepare(f"code at {args.ref}", ref_root, args.job, scratch))
+        sections.append(f"Client import + set-up path (job {args.job}, site-1):\n\n")
+        sections[-1] += client_report(measure_client(versions, args.repeats))
+        if args.importtime:
+            sections += [importtime_section(v) for v in versions]
+        if args.simulate:
+            results = {v.label: simulate_t1(v) for v in versions}
+            sections.append("nvflare simulator -n 3 -t 1, 2 rounds (medians):\n\n" + simulate_report(results))
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    text = "\n\n".join(sections) + f"\n\nMachine: {os.cpu_count()} CPUs, load average {load} (1/5/15 min) at the end."
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n", encoding="utf-8")
+    return 0
+
+
+def importtime_section(version: Version) -> str:
+    _, text = run_harness(version, importtime=True)
+    rows = importtime_by_package(text)
+    total = sum(seconds for _, seconds in importtime_by_package(text, top=10_000))
+    body = ", ".join(f"{package} {seconds:.2f}" for package, seconds in rows)
+    return f"Imports of the client script ({version.label}), self time by package (s), {total:.2f} in all: {body}"
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--harness":
+        sys.path.pop(0)  # benchmarks/ itself: its module names must not shadow anything the client imports
+        separator = sys.argv.index("--")
+        harness(sys.argv[2], sys.argv[separator + 1 :])
+    else:
+        sys.exit(main())

@@ -1,0 +1,130 @@
+"""Every client algorithm declares its hyperparameters once, as a frozen dataclass (lightning_modules/algorithms/
+hparams.py): the constructor, the registry's key check and ``hparams()`` all come from it, and a bad value or an
+unknown key is refused with one line naming the algorithm, the setting, the value and what is allowed."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import re
+import typing
+
+import pytest
+
+from lightning_modules.algorithms import CLIENT_ALGORITHMS, ClientAlgorithmError, HParams, build_client_algorithm
+from lightning_modules.algorithms.hparams import check_choice, check_int, check_number, declared_fields
+from lightning_modules.algorithms.registry import client_args_problem, declared_hparams
+
+ALGORITHMS = sorted(CLIENT_ALGORITHMS)
+
+
+def _float_fields(name: str) -> list[str]:
+    hparams_cls = CLIENT_ALGORITHMS[name].hparams_class
+    return [f.name for f, kind in declared_fields(hparams_cls) if kind.base is float]
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_every_algorithm_declares_a_frozen_dataclass_named_after_it(name):
+    algorithm_cls = CLIENT_ALGORITHMS[name]
+    hparams_cls = declared_hparams(algorithm_cls)
+    assert hparams_cls is algorithm_cls.hparams_class and issubclass(hparams_cls, HParams)
+    assert dataclasses.is_dataclass(hparams_cls) and hparams_cls.__dataclass_params__.frozen
+    assert hparams_cls.algorithm == algorithm_cls.name == name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        hparams_cls().algorithm_is_frozen = 1
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_the_constructor_takes_exactly_the_declared_fields_with_their_defaults(name):
+    algorithm_cls = CLIENT_ALGORITHMS[name]
+    hparams_cls = algorithm_cls.hparams_class
+    if algorithm_cls.__init__ is object.__init__:  # FedAvg's local SGD: no constructor, no settings
+        assert hparams_cls.names() == ()
+        return
+    parameters = list(inspect.signature(algorithm_cls.__init__).parameters.values())[1:]
+    assert [p.name for p in parameters] == list(hparams_cls.names())
+    defaults = hparams_cls()
+    assert {p.name: p.default for p in parameters} == {n: getattr(defaults, n) for n in hparams_cls.names()}
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_hparams_are_derived_from_the_declaration(name):
+    algorithm = build_client_algorithm(name)
+    assert algorithm.hparams() == algorithm.hyperparameters.reported()
+    for field_name in algorithm.hparams_class.names():
+        assert getattr(algorithm, field_name) == getattr(algorithm.hyperparameters, field_name)
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_an_unknown_key_is_refused_naming_the_allowed_ones(name):
+    allowed = CLIENT_ALGORITHMS[name].hparams_class.names()
+    problem = client_args_problem(name, {"zzz": 1})
+    assert problem == f"{name} has no setting 'zzz'; " + (
+        f"allowed: {', '.join(allowed)}" if allowed else "it takes none"
+    )
+    message = f"bad hyperparameters for client algorithm '{name}': {problem}"
+    with pytest.raises(ClientAlgorithmError, match=re.escape(message)):
+        build_client_algorithm(name, zzz=1)
+    assert client_args_problem(name, dict.fromkeys(allowed, None)) is None
+
+
+@pytest.mark.parametrize(
+    ("name", "field_name"), [(name, field) for name in ALGORITHMS for field in _float_fields(name)]
+)
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, True, "0.1", None])
+def test_every_real_valued_hyperparameter_must_be_a_finite_number(name, field_name, value):
+    with pytest.raises(ClientAlgorithmError, match=rf"^{name}: hyperparameter '{field_name}' must be .*, got "):
+        build_client_algorithm(name, **{field_name: value})
+
+
+@pytest.mark.parametrize(
+    ("name", "field_name"),
+    [
+        (name, f.name)
+        for name in ALGORITHMS
+        for f, kind in declared_fields(CLIENT_ALGORITHMS[name].hparams_class)
+        if kind.choices is not None
+    ],
+)
+def test_every_option_is_refused_outside_its_literal(name, field_name):
+    hint = typing.get_type_hints(CLIENT_ALGORITHMS[name].hparams_class)[field_name]
+    choices = list(typing.get_args(hint))
+    with pytest.raises(ClientAlgorithmError) as info:
+        build_client_algorithm(name, **{field_name: "nope"})
+    assert str(info.value) == f"{name}: {field_name} must be one of {choices}, got 'nope'"
+
+
+def test_whole_numbers_become_floats_so_json_1_and_1_0_train_alike():
+    mu = build_client_algorithm("fedprox", mu=1).mu
+    assert mu == 1.0 and isinstance(mu, float)
+    assert build_client_algorithm("moon", mu=2).hparams() == {"mu": 2.0, "temperature": 0.5, "history_size": 1}
+
+
+def test_shared_checks_word_the_interval():
+    with pytest.raises(
+        ClientAlgorithmError, match=r"^x: hyperparameter 'a' must be a number in \(0, 1\] \(why\), got 0$"
+    ):
+        check_number("x", "a", 0, 0, 1, low_open=True, note="why")
+    with pytest.raises(ClientAlgorithmError, match=r"^x: hyperparameter 'b' must be a finite number > 0, got -1$"):
+        check_number("x", "b", -1, 0, low_open=True)
+    with pytest.raises(ClientAlgorithmError, match=r"^x: hyperparameter 'c' must be an integer >= 2, got 2.0$"):
+        check_int("x", "c", 2.0, 2)
+    with pytest.raises(ClientAlgorithmError, match=r"^x: hyperparameter 'd' must be a positive integer, got True$"):
+        check_int("x", "d", True, 1)
+    with pytest.raises(ClientAlgorithmError, match=r"^x: e must be one of \['p', 'q'\], got \['p'\]$"):
+        check_choice("x", "e", ["p"], ("p", "q"))
+    assert check_number("x", "f", 1, 0, 1) == 1.0 and check_int("x", "g", 3, 1) == 3
+
+
+def test_cross_field_rules_run_after_each_field():
+    with pytest.raises(ClientAlgorithmError, match="'population_size' must be a positive integer, got None"):
+        build_client_algorithm("feddyn", alpha_weighting="samples", total_samples=10)
+    algorithm = build_client_algorithm("feddyn", alpha_weighting="samples", population_size=3, total_samples=9)
+    assert algorithm.hparams() == {"alpha_weighting": "samples", "population_size": 3, "total_samples": 9}
+
+
+def test_operational_choices_are_settings_but_not_reported():
+    algorithm = build_client_algorithm("moon", on_bad_history="reset")
+    assert algorithm.on_bad_history == "reset" and "on_bad_history" not in algorithm.hparams()
+    assert "on_bad_history" in CLIENT_ALGORITHMS["moon"].hparams_class.names()
