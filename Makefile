@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_JOBS ?= scaffold
 
-.PHONY: setup demo demo-compare poc bench bench-agg bench-algorithms bench-genomics pretrain-attention bench-robust compare test test-fast lint format jobs check-jobs clean
+.PHONY: setup demo demo-compare poc bench bench-agg bench-algorithms bench-genomics bench-latency bench-niid pretrain-attention bench-robust compare test test-fast lint format jobs check-jobs clean
 
 setup: $(VENV)/.setup-done
 
@@ -36,6 +36,18 @@ bench-genomics: setup
 
 bench-agg: setup
 	$(PY) -m benchmarks.aggregation
+
+# Round latency in `nvflare simulator -t 3` (waiting per round, NVFlare's defaults vs the exported jobs) and a site's
+# start-up under -t 1 (docs/deployment.md, "Round latency and start-up").
+bench-latency: setup
+	$(PY) -m benchmarks.round_overhead
+	$(PY) -m benchmarks.startup --simulate
+
+# NIID-Bench's Fashion-MNIST table on the reduced protocol of benchmarks/results/niid_bench.md (about an hour on
+# 2 CPU cores); drop the three overrides for the full protocol (a GPU's work).
+NIID_OUT ?= runs/niid_bench
+bench-niid: setup
+	$(PY) -m benchmarks.compare --grid niid_bench --out $(NIID_OUT) --rounds 10 --max-train-samples 12000 --test-samples 2000
 
 # FedMoS and MOON (docs/fedmos_moon.md): step time vs plain SGD and client memory per site.
 bench-algorithms: setup

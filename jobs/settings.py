@@ -63,6 +63,10 @@ def setting(
     return field(default=default, metadata=metadata)
 
 
+def _site_validation(spec: Any) -> bool:
+    return spec.site_val_fraction > 0
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # The groups. Field order is the order of the client command line (kept stable: committed jobs are diffed).
 # --------------------------------------------------------------------------------------------------------------------
@@ -83,6 +87,15 @@ class DataSettings:
         None, "evaluate the global model on the first n test samples", side=SERVER, ge=1
     )
     seed: int = setting(0, "seeds the split, the initial model, the shuffling and the site sampling", ge=0)
+    site_val_fraction: float = setting(
+        0.0,
+        "share of every built-in site's training shard held out (seeded per site) to score the received global "
+        "model before each round's training, sent as eval.* meta (site_eval in round_metrics.jsonl); 0 = none. "
+        "Built-in datasets only: with --model your data module's val_dataloader is the split",
+        ge=0,
+        lt=0.5,
+        exported_when=_site_validation,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

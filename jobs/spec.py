@@ -204,6 +204,11 @@ def _check_user_code(spec: JobSpec) -> None:
     from jobs.user_checks import check_user_job
     from lightning_modules.own_model import UserCodeError, build_user_module, user_class
 
+    if spec.site_val_fraction:  # a user's sites validate on their data module's val_dataloader
+        raise JobBuildError(
+            f"site_val_fraction {spec.site_val_fraction:g}: applies to the built-in models only; with --model the "
+            "sites evaluate on the data module's val_dataloader"
+        )
     if spec.script is not None:
         script = Path(spec.script)
         if script.suffix != ".py" or not script.is_file():

@@ -17,6 +17,10 @@ gets the result back as numpy arrays + meta. Both go through the same steps, so 
    (load the global weights at ``on_train_start``, take the module's state_dict on CPU at ``on_train_end``, after
    our callbacks);
 5. ``trainer.fit``. The client algorithm keeps the state it must carry between rounds in the site's state store.
+
+With ``site_val_fraction`` > 0 every site holds out that seeded share of its shard (:func:`validation_indices`)
+and, before step 5, scores the received global model on it with ``trainer.validate`` (:class:`ValidatedClassifier`),
+as a user model's site does: the scores travel as ``eval.val_loss`` / ``eval.val_accuracy`` meta.
 """
 
 from __future__ import annotations
@@ -44,10 +48,13 @@ __all__ = [
     "LocalExchange",
     "LocalTraining",
     "SiteRound",
+    "ValidatedClassifier",
     "build_site_round",
+    "hold_out_validation",
     "local_epochs",
     "make_trainer",
     "round_seed",
+    "validation_indices",
 ]
 
 
@@ -73,6 +80,17 @@ class LocalTraining:
 def round_seed(seed: int, site_index: int, round_num: int) -> int:
     """One seed per (job seed, site, round): reruns and single-/multi-process simulations shuffle identically."""
     return int(np.random.SeedSequence([seed, site_index, round_num]).generate_state(1)[0])
+
+
+def validation_indices(n: int, fraction: float, seed: int, site_index: int) -> tuple[np.ndarray, np.ndarray]:
+    """(training, validation) indices of a site's ``n`` samples: a seeded ``fraction`` held out, the same for every
+    round and process of the site (seeded by job seed and site only). Both keep the shard's order, and at least one
+    sample stays for training."""
+    rng = np.random.default_rng([seed, site_index, 0, 2])  # 2: a stream apart from round_seed's and local_epochs'
+    n_val = min(max(1, round(fraction * n)), n - 1) if fraction > 0 else 0
+    held_out = np.zeros(n, dtype=bool)
+    held_out[rng.permutation(n)[:n_val]] = True
+    return np.flatnonzero(~held_out), np.flatnonzero(held_out)
 
 
 def local_epochs(training: Any, site_index: int, round_num: int) -> int:
@@ -129,6 +147,16 @@ class LocalExchange(pl.Callback):
         self.result = {key: value.detach().numpy().copy() for key, value in state.items()}
 
 
+class ValidatedClassifier(FLClassifier):
+    """The built-in classifier with a ``validation_step``, for sites that score the received global model."""
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        loss, logits = self.task_loss(batch)
+        size = len(batch[1])  # Lightning weights the epoch means by batch size: exact over the whole split
+        self.log("val_loss", loss, on_epoch=True, batch_size=size)
+        self.log("val_accuracy", (logits.argmax(dim=1) == batch[1]).float().mean(), on_epoch=True, batch_size=size)
+
+
 @dataclass
 class SiteRound:
     """Everything a site keeps between rounds: its module, data and callbacks (the client algorithm's first)."""
@@ -142,6 +170,7 @@ class SiteRound:
     round_callback: FederatedAlgorithm
     attack_callback: AttackCallback
     dataset: TensorDataset | None = None  # ``to_tensor_dataset(x, y)``, built here unless the caller has it already
+    validation: TensorDataset | None = None  # held-out split scoring the received model (needs a validation_step)
 
     def __post_init__(self) -> None:
         if self.dataset is None:
@@ -166,22 +195,52 @@ class SiteRound:
         epochs = local_epochs(self.training, self.site_index, round_num)
         trainer = make_trainer(self.training, self.round_callback, epochs, [self.attack_callback])
         connect(trainer)
+        if self.validation is not None:
+            self.score_received(trainer)
         trainer.fit(self.module, train_dataloaders=loader)
         return self.round_callback.last_meta
+
+    def score_received(self, trainer: pl.Trainer) -> None:
+        """Score the received global model on the validation split before training (eval mode, no gradients);
+        the algorithm callback sends the scores as ``eval.*`` meta with the round's result."""
+        loader = torch.utils.data.DataLoader(self.validation, batch_size=self.training.batch_size)
+        # Iterating a loader draws a base seed from torch's global generator: fork it so that training shuffles
+        # and initialises exactly as it would after torch.manual_seed alone (evaluation uses no CUDA randomness).
+        with torch.random.fork_rng(devices=[]):
+            trainer.validate(self.module, dataloaders=loader, verbose=False)
 
     def train(
         self, round_num: int, global_params: Mapping[str, Any], server_meta: Mapping[str, Any]
     ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """One round in process: the global model and server meta in, the site's model (numpy) and meta out."""
         exchange = LocalExchange(global_params)
+
+        def connect(trainer: pl.Trainer) -> None:
+            if self.validation is not None:  # FLCallback loads the received weights before validate; so do we
+                exchange.on_train_start(trainer, self.module)
+            trainer.callbacks.append(exchange)
+
         previous_source = self.round_callback.meta_source
         self.round_callback.meta_source = lambda: dict(server_meta)
         try:
-            meta = self.fit(round_num, lambda trainer: trainer.callbacks.append(exchange))
+            meta = self.fit(round_num, connect)
         finally:
             self.round_callback.meta_source = previous_source
         assert exchange.result is not None, "the fit ended without reaching on_train_end"
         return exchange.result, dict(meta)
+
+
+def hold_out_validation(
+    args: argparse.Namespace, x: np.ndarray, y: np.ndarray, site_index: int
+) -> tuple[np.ndarray, np.ndarray, TensorDataset | None]:
+    """The site's training part and its validation split (``None`` without ``site_val_fraction``): the held-out
+    part scores the received model, and FedAvg weighs the site by the training part only."""
+    fraction = getattr(args, "site_val_fraction", 0.0)
+    if not fraction:
+        return x, y, None
+    train_idx, val_idx = validation_indices(len(y), fraction, args.seed, site_index)
+    validation = to_tensor_dataset(x[val_idx], y[val_idx]) if len(val_idx) else None
+    return x[train_idx], y[train_idx], validation
 
 
 def build_site_round(
@@ -197,7 +256,8 @@ def build_site_round(
     """A site as the client script sets it up, from its parsed options (``jobs/client.py --help``) and its data."""
     from lightning_modules.algorithms import build_client_algorithm
 
-    module = FLClassifier(
+    x, y, validation = hold_out_validation(args, x, y, site_index)
+    module = (ValidatedClassifier if validation is not None else FLClassifier)(
         arch=args.arch,
         num_classes=num_classes,
         arch_args=json_arg(args.arch_args),
@@ -219,4 +279,5 @@ def build_site_round(
         training=LocalTraining.from_namespace(args),
         round_callback=callback,
         attack_callback=AttackCallback(attack, site, site_index),
+        validation=validation,
     )

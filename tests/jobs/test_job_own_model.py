@@ -304,3 +304,16 @@ def test_the_recipe_refuses_what_the_builder_refuses():
 
     with pytest.raises(JobBuildError, match=r"server rule 'fednova': .* AdamW cannot be described"):
         FedAlgRecipe(name="own", client="fedavg", server="fednova", **OWN)
+
+
+def test_site_val_fraction_is_refused_with_a_user_model():
+    from jobs.settings import JobBuildError
+    from jobs.spec import JobSpec
+
+    with pytest.raises(JobBuildError, match=r"site_val_fraction 0\.2: applies to the built-in models only"):
+        JobSpec(
+            name="x",
+            model="custom_model.model:DigitsClassifier",
+            data="custom_model.data:DigitsSites",
+            site_val_fraction=0.2,
+        )
