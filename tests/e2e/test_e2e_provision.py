@@ -158,12 +158,15 @@ def _crash_site(deployment, site: str, job_id: str) -> None:
     raise AssertionError(f"no job process of {site} for job {job_id}")
 
 
-def _site_control(site_dir: Path, site: str, run_id: str, aggregated_round: int) -> dict[str, np.ndarray]:
+def _site_control(site_dir: Path, site: str, run_id: str, aggregated_round: int | None) -> dict[str, np.ndarray]:
     """The site's SCAFFOLD control as of its last aggregated round: its pending state if that round wrote it (not
-    settled yet: the job ended), else its committed one."""
+    settled yet: the job ended), else its committed one; empty for a site that was never aggregated (its c_i as
+    the server knows it is still the initial 0)."""
     from lightning_modules.state_store import ClientStateStore
 
     store = ClientStateStore(site_dir / "client_state" / run_id, site)
+    if aggregated_round is None:
+        return {}
     pending = store.latest("scaffold")
     stored = pending if pending.round_num == aggregated_round else store.load("scaffold")
     assert stored.round_num == aggregated_round, (site, stored.round_num, aggregated_round)
@@ -208,9 +211,13 @@ def test_a_site_killed_mid_job_leaves_rounds_of_the_others_and_scaffold_state_co
     assert all("site-3" not in r["aggregated"] and len(r["aggregated"]) == 2 for r in rounds[2:]), rounds
     resume = load_resume_point(result / "app_server", "scaffold")
     last = resume.last_aggregated_sites
-    assert set(last) == set(deployment.sites) and last["site-3"] < last["site-1"] == last["site-2"] == 3
+    # site-3 may or may not have been among the first min_responses = 2 results of round 1 (the server goes on as
+    # soon as two are in): either way it was never aggregated after the crash.
+    assert last["site-1"] == last["site-2"] == 3 and last.get("site-3", -1) < 3, last
     run_id = records[0]["run_id"]
-    controls = [_site_control(deployment.sites[s], s, run_id, last[s]) for s in sorted(deployment.sites)]
+    controls = [_site_control(deployment.sites[s], s, run_id, last.get(s)) for s in sorted(deployment.sites)]
+    shapes = next(c for c in controls if c)
+    controls = [c or {k: np.zeros_like(v) for k, v in shapes.items()} for c in controls]
     for key, value in resume.state["control"].items():
         np.testing.assert_allclose(value, np.mean([c[key] for c in controls], axis=0), atol=1e-6, err_msg=key)
     leftovers = list((deployment.sites["site-3"] / "client_state" / run_id).rglob("*.tmp*"))
