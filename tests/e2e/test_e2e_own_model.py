@@ -94,6 +94,8 @@ OTHERS = {
     "moon": ("fedavg", {"projection_dim": 16}, {"mu": 1.0}),  # MOON's protocol: net.embed + algorithm_loss
     "fedmos": ("fedmos", {"optimizer": "sgd", "lr": 0.1}, {}),  # FedMoS's protocol: task_loss; plain SGD
 }
+#: Client algorithms whose site state (FedDyn's H_k, MOON's previous local model) must outlive a client-round.
+STATEFUL = ("feddyn", "moon")
 
 
 @pytest.mark.slow
@@ -107,6 +109,10 @@ def test_example_model_runs_under_every_other_client_algorithm(tmp_path, client)
     assert all(r["rejected"] == {} for r in rounds)
     assert {m["client.algorithm"] for m in rounds[-1]["site_meta"].values()} == {client}
     assert "val_accuracy" in rounds[-1]["site_eval"]
+    if client in STATEFUL:  # state that outlives a round must survive a new process per client-round (-t 1)
+        (tmp_path / "t1").mkdir()
+        by_round = build_and_simulate(tmp_path / "t1", client, options, threads=1)
+        assert [r["global_sha256"] for r in by_round] == [r["global_sha256"] for r in rounds]
 
 
 @pytest.mark.slow
