@@ -82,10 +82,11 @@ def save_rule_state(
     global_sha256: str | None = None,
     last_aggregated_round: int | object | None = THIS_ROUND,
     last_aggregated_sites: Mapping[str, int] | None = None,
+    population: Sequence[str] | None = None,
 ) -> None:
     """Write the rule state after ``round_num`` (0-based, the last round attempted); ``global_sha256`` ties it to
     the model of that round; ``last_aggregated_round`` is the last round whose aggregate was used (``None``: none
-    yet; by default ``round_num`` itself, i.e. this round aggregated)."""
+    yet; by default ``round_num`` itself, i.e. this round aggregated); ``population`` the job's sites."""
     payload = {
         "format_version": STATE_FORMAT_VERSION,
         "rule": rule_name,
@@ -99,6 +100,8 @@ def save_rule_state(
     payload["last_aggregated_round"] = round_num if last_aggregated_round is THIS_ROUND else last_aggregated_round
     if last_aggregated_sites is not None:  # the sites' confirmations (transactional client state) survive a resume
         payload["last_aggregated_sites"] = dict(last_aggregated_sites)
+    if population is not None:  # a resumed job keeps every site in it, also one that is down when it resumes
+        payload["population"] = sorted(population)
     atomic_torch_save(payload, path)
 
 
@@ -128,6 +131,7 @@ class ResumePoint:
     run_id: str | None
     last_aggregated_round: int | None = None
     last_aggregated_sites: dict[str, int] | None = None  # None: a checkpoint written without them
+    population: tuple[str, ...] | None = None  # None: a checkpoint written without it
 
 
 GLOBAL_MODEL_FILE = "FL_global_model.pt"  # the name NVFlare's PTFileModelPersistor writes into the app folder
@@ -173,6 +177,7 @@ def load_resume_point(folder: Path, rule_name: str, state_file: str = "server_st
         run_id=payload.get("run_id"),
         last_aggregated_round=None if aggregated is None else int(aggregated),
         last_aggregated_sites=payload.get("last_aggregated_sites"),
+        population=tuple(payload["population"]) if "population" in payload else None,
     )
 
 

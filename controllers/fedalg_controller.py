@@ -55,6 +55,13 @@ TASK_CHECK_PERIOD = 0.02
 ROUND_TIMING_KEYS = ("train_wait_s", "evaluate_s", "persist_s")
 
 
+def resumed_population(connected: Sequence[str], saved: Sequence[str] | None) -> tuple[str, ...]:
+    """The population of a resumed job: the stopped job's sites plus any connected now. A site that is down when
+    the job resumes still counts (SCAFFOLD's c = mean(c_i) and FedDyn's h / m are over the whole population, and
+    an uninterrupted job would have kept counting it); ``saved`` is None for checkpoints written without it."""
+    return tuple(sorted(set(connected) | set(saved or ())))
+
+
 def to_numpy_params(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """Global parameters as numpy arrays whatever the persistor handed over (tensors or arrays)."""
     converted = {}
@@ -158,6 +165,8 @@ class FedAlgController(ModelController):
         self._run_id = ""
         self._last_aggregated_round: int | None = None  # recorded in server_state.pt (controllers/checkpoint.py)
         self._active_engine: RoundEngine | None = None  # the engine of the running job (its site confirmations)
+        self._reachable: tuple[str, ...] = ()  # the sites this job was deployed to: the only ones that get tasks
+        self._population: tuple[str, ...] = ()  # the sites the rules count (resume keeps those of the stopped job)
         self._timings: dict[str, float] = {}  # this round's ROUND_TIMING_KEYS, written with its metrics record
 
     def set_communicator(self, communicator: Any) -> None:
@@ -187,10 +196,11 @@ class FedAlgController(ModelController):
         if initial is None:
             return
         global_params = to_numpy_params(initial.params)
-        population = tuple(sorted(client.name for client in self.engine.get_clients()))
+        # The job's sites: NVFlare deploys a job to the sites connected when it starts, and only they get tasks.
+        self._reachable = tuple(sorted(client.name for client in self.engine.get_clients()))
+        population = self._population = self._reachable
         state = self._rule.init_state(global_params)
         evaluator = self.get_component(self.evaluator_id) if self.evaluator_id else None
-        self.info(f"rule={self.rule} {self.rule_args or {}}; population={list(population)}; rounds={self.num_rounds}")
         first_round, stage = 0, "initial"
         engine = self._active_engine = self._round_engine()
         if self.resume_from:
@@ -200,7 +210,15 @@ class FedAlgController(ModelController):
             global_params, state, self._run_id = resume.global_params, resume.state, resume.run_id or self._run_id
             self._last_aggregated_round = resume.last_aggregated_round
             engine.last_aggregated = resume.last_aggregated_sites
+            population = self._population = resumed_population(self._reachable, resume.population)
             self.info(f"resuming from {self.resume_from} at round {first_round + 1}/{self.num_rounds}")
+            absent = sorted(set(population) - set(self._reachable))
+            if absent:
+                self.warning(
+                    f"resuming without {absent} (not connected when the job started): they stay in the population "
+                    "(SCAFFOLD and FedDyn scale by its size, site sampling draws from it) and get no task in this job"
+                )
+        self.info(f"rule={self.rule} {self.rule_args or {}}; population={list(population)}; rounds={self.num_rounds}")
         final_params, _ = engine.run(
             population,
             global_params,
@@ -220,8 +238,9 @@ class FedAlgController(ModelController):
     def _score_final_model(self, population: Sequence[str], params: dict[str, np.ndarray]) -> None:
         """Every site scores the final global model on its own validation split (a site x metric table)."""
         outgoing = outgoing_model(self.num_rounds, self.num_rounds, params, {meta_keys.RUN_ID: self._run_id})
+        targets = [site for site in population if site in self._reachable]
         results = self.send_model_and_wait(
-            task_name="validate", targets=list(population), data=outgoing, timeout=self.train_timeout
+            task_name="validate", targets=targets, data=outgoing, timeout=self.train_timeout
         )
         scores = {result_site(r): numeric_metrics(getattr(r, "metrics", None)) for r in results}
         missing = sorted(set(population) - set(scores))
@@ -328,9 +347,15 @@ class _FLModelTransport:
     ) -> list[SiteResult]:
         ctl = self.controller
         outgoing = outgoing_model(round_num, ctl.num_rounds, params, meta)
+        # A site of the population that is not in this job (down when a resumed job started) cannot answer, and an
+        # empty target list would make NVFlare send to every site: ask only the job's sites, wait for no more.
+        reachable = [site for site in targets if site in ctl._reachable]
+        if not reachable:
+            return []
+        waits_for = None if ctl.min_responses is None else min(ctl.min_responses, len(reachable))
         started = time.monotonic()
         results = ctl.send_model_and_wait(
-            targets=list(targets), data=outgoing, min_responses=ctl.min_responses, timeout=ctl.train_timeout
+            targets=reachable, data=outgoing, min_responses=waits_for, timeout=ctl.train_timeout
         )
         ctl._timings["train_wait_s"] = round(time.monotonic() - started, 4)
         return [
@@ -372,6 +397,7 @@ class _ControllerHost(Host):
             global_sha256=digest,
             last_aggregated_round=ctl._last_aggregated_round,
             last_aggregated_sites=ctl._active_engine.last_aggregated if ctl._active_engine else None,
+            population=ctl._population,
         )
         if ctl.save_client_updates:
             save_updates(ctl._updates_path(round_num), updates, params)

@@ -32,6 +32,7 @@ def _result(site: str, received: dict, shift: float, ctrl_shift: float) -> FLMod
 def controller(tmp_path, monkeypatch):
     ctl = FedAlgController(num_rounds=2, rule="scaffold", min_responses=2, train_timeout=30, evaluator_id="")
     ctl._run_id = "test-run"
+    ctl._reachable = ctl._population = SITES  # what run() sets from the job's sites
     calls: dict = {"sent": [], "saved": [], "errors": []}
     monkeypatch.setattr(ctl, "get_run_dir", lambda: str(tmp_path))
     monkeypatch.setattr(ctl, "get_app_dir", lambda: str(tmp_path))

@@ -18,7 +18,7 @@ from nvflare.app_common.abstract.fl_model import FLModel
 
 from aggregators import meta_keys
 from controllers.checkpoint import GLOBAL_MODEL_FILE, load_resume_point, save_rule_state
-from controllers.fedalg_controller import STATE_FILE, FedAlgController
+from controllers.fedalg_controller import STATE_FILE, FedAlgController, resumed_population
 
 SITES = ("site-1", "site-2", "site-3")
 ROUNDS = 5
@@ -55,13 +55,25 @@ def client_result(site: str, round_num: int, params: dict, meta_in: dict) -> FLM
 class FakeEngineController(FedAlgController):
     """The real controller with NVFlare's engine, persistor and task exchange replaced by in-process fakes."""
 
-    def __init__(self, app_dir: Path, stop_after: int | None = None, failing_rounds: tuple[int, ...] = (), **kwargs):
-        super().__init__(evaluator_id="", clients_per_round=2, **kwargs)
+    def __init__(
+        self,
+        app_dir: Path,
+        stop_after: int | None = None,
+        failing_rounds: tuple[int, ...] = (),
+        connected: tuple[str, ...] = SITES,
+        silent: tuple[str, ...] = (),
+        **kwargs,
+    ):
+        kwargs.setdefault("clients_per_round", 2)
+        super().__init__(evaluator_id="", **kwargs)
         self.app_dir, self.stop_after, self.failing_rounds = app_dir, stop_after, failing_rounds
+        self.silent = silent  # sites of the job that never answer (a site that went down)
         self.app_dir.mkdir(parents=True, exist_ok=True)
-        self.engine = SimpleNamespace(get_clients=lambda: [SimpleNamespace(name=s) for s in SITES])
+        self.engine = SimpleNamespace(get_clients=lambda: [SimpleNamespace(name=s) for s in connected])
         self.abort_signal = SimpleNamespace(triggered=False)
         self.sent_meta: list[dict] = []
+        self.sent_targets: list[list[str]] = []
+        self.warnings: list[str] = []
         self.rounds_run = 0
 
     def load_model(self):
@@ -73,7 +85,9 @@ class FakeEngineController(FedAlgController):
 
     def send_model_and_wait(self, targets, data, min_responses=None, timeout=0):
         self.sent_meta.append(dict(data.meta))
-        results = [client_result(site, data.current_round, data.params, data.meta) for site in targets]
+        self.sent_targets.append(list(targets))
+        answering = [site for site in targets if site not in self.silent]
+        results = [client_result(site, data.current_round, data.params, data.meta) for site in answering]
         if data.current_round in self.failing_rounds:  # every site sends NaN: all rejected, the round fails
             for result in results:
                 result.params["conv.weight"] = np.full_like(result.params["conv.weight"], np.nan)
@@ -91,7 +105,10 @@ class FakeEngineController(FedAlgController):
     def info(self, msg, *args, **kwargs):
         pass
 
-    warning = error = info
+    error = info
+
+    def warning(self, msg, *args, **kwargs):
+        self.warnings.append(msg)
 
 
 def _final(app_dir: Path) -> tuple[dict, dict]:
@@ -198,3 +215,42 @@ def test_resume_after_a_round_without_valid_results_continues_after_it(tmp_path)
     _assert_identical(params_a, params_b, "params")
     _assert_identical(state_a["state"], state_b["state"])
     assert state_a["last_aggregated_round"] == state_b["last_aggregated_round"] == ROUNDS - 1
+
+
+@pytest.mark.parametrize("rule", ["scaffold", "feddyn"])
+def test_a_site_down_when_the_job_resumes_stays_in_the_population(tmp_path, rule):
+    """NVFlare deploys the resumed job only to the sites connected then. A site that is down keeps counting: the
+    resumed job equals, bit for bit, an uninterrupted one in which that site stopped answering at the same point
+    (SCAFFOLD's c and FedDyn's h / m stay scaled by all three sites), and the down site is never sent a task."""
+    settings = {"rule": rule, "clients_per_round": None, "min_responses": 2}
+    straight = FakeEngineController(tmp_path / "straight" / "app", num_rounds=ROUNDS, **settings)
+    straight.stop_after = STOP_AFTER
+    straight.run()
+    straight.abort_signal.triggered, straight.stop_after = False, None  # the same job goes on with site-3 silent
+    straight.silent = ("site-3",)
+    straight.resume_from = str(straight.app_dir)
+    straight.run()
+    first = FakeEngineController(tmp_path / "first" / "app", stop_after=STOP_AFTER, num_rounds=ROUNDS, **settings)
+    first.run()
+    resumed = FakeEngineController(
+        tmp_path / "resumed" / "app",
+        num_rounds=ROUNDS,
+        resume_from=str(tmp_path / "first" / "app"),
+        connected=("site-1", "site-2"),
+        **settings,
+    )
+    resumed.run()
+
+    assert all(targets == ["site-1", "site-2"] for targets in resumed.sent_targets)
+    assert any("site-3" in w and "population" in w for w in resumed.warnings), resumed.warnings
+    params_a, state_a = _final(tmp_path / "straight" / "app")
+    params_b, state_b = _final(tmp_path / "resumed" / "app")
+    _assert_identical(params_a, params_b, "params")
+    _assert_identical(state_a["state"], state_b["state"])
+    assert state_b["population"] == list(SITES)
+
+
+def test_a_resumed_population_is_the_stopped_jobs_plus_the_connected_sites():
+    assert resumed_population(["site-2", "site-1"], ("site-1", "site-2", "site-3")) == SITES
+    assert resumed_population(["site-4"], ["site-1"]) == ("site-1", "site-4")
+    assert resumed_population(["site-2", "site-1"], None) == ("site-1", "site-2")  # a checkpoint without it

@@ -38,6 +38,7 @@ class _Evaluator:
 def controller(tmp_path, monkeypatch):
     ctl = FedAlgController(num_rounds=1, rule="fedavg")
     ctl._run_id = "test-run"
+    ctl._reachable = ctl._population = SITES  # what run() sets from the job's sites
     monkeypatch.setattr(ctl, "get_run_dir", lambda: str(tmp_path))
     monkeypatch.setattr(ctl, "get_app_dir", lambda: str(tmp_path))
     monkeypatch.setattr(ctl, "save_model", lambda model: None)
