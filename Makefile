@@ -61,8 +61,11 @@ pretrain-attention: setup
 	$(PY) -m benchmarks.robustness --capture-dir $(CAPTURE_DIR) --rules median,trimmed_mean --seed 1
 	$(PY) -m aggregators.pretrain_attention --dataset-dir $(CAPTURE_DIR) --save-path aggregators/checkpoints/attention_lenet5.pt --epochs 300 --learning-rate 3e-3
 
+# Resumable: finished cells are kept in $(ROBUST_OUT)/cells; rerun to continue, or add seeds (ROBUST_SEEDS=0,1,2).
+ROBUST_OUT ?= benchmarks/results/robustness
+ROBUST_SEEDS ?= 0
 bench-robust: setup
-	$(PY) -m benchmarks.robustness --out benchmarks/results/robustness.md --plot docs/img/robustness.png
+	$(PY) -m benchmarks.robustness --out-dir $(ROBUST_OUT) --seeds $(ROBUST_SEEDS) --out benchmarks/results/robustness.md --plot docs/img/robustness.png
 
 # Every algorithm on the same non-IID splits, several seeds (docs: benchmarks/README.md). Resumable: rerun to continue.
 COMPARE_OUT ?= runs/compare

@@ -268,11 +268,12 @@ def write_json(path: Path, value: Any) -> None:
     tmp.replace(path)  # atomic: a killed run never leaves a half-written cell behind
 
 
-def same_protocol(path: Path, protocol: Any) -> None:
-    """Finished cells are reused only under the protocol they ran with (fields added later count at their default)."""
+def same_protocol(path: Path, protocol: Any, option: str = "--out") -> None:
+    """Finished cells are reused only under the protocol they ran with (fields added later count at their default);
+    ``option`` is the command-line option that names another folder."""
     if path.exists() and type(protocol)(**json.loads(path.read_text())) != protocol:
         raise SystemExit(
-            f"error: {path.parent} holds cells of another protocol ({path.read_text()}); use another --out"
+            f"error: {path.parent} holds cells of another protocol ({path.read_text()}); use another {option}"
         )
     write_json(path, asdict(protocol))
 

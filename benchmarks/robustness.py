@@ -1,35 +1,49 @@
 """Robustness under attack: final global test accuracy per aggregation rule, attack type and share of malicious sites.
 
-    python -m benchmarks.robustness                       # the full grid (45 federations)
-    python -m benchmarks.robustness --quick               # seconds: the smoke run the tests use
+    python -m benchmarks.robustness                       # the full grid (45 federations a seed), resumable
+    python -m benchmarks.robustness --seeds 0,1,2         # the same grid over three seeds (seed 0's cells reused)
+    python -m benchmarks.robustness --quick               # seconds: the smoke run the tests use (a temporary folder)
     python -m benchmarks.robustness --capture-dir DIR     # pretraining data for the attention network instead
 
-Every federation is a :class:`jobs.build.JobSpec` (FedAvg clients, the rule under test, the attack) run in this
-process by :func:`controllers.in_process.run_in_process`: the same round engine as the NVFlare controller (site
-sampling, validation that rejects bad results by site, failure handling) and the same Lightning site round as the
-client script, with only NVFlare's messaging left out. The numbers are therefore those the job gives under
+A *cell* is one federation: (rule, attack, share of malicious sites, seed). Cells run on the comparison harness
+(:func:`benchmarks.compare.run_cells`): ``--workers`` at a time in a process pool, each finished cell written to
+``<out-dir>/cells/<key>.json`` at once and never recomputed (kill and rerun to resume, or rerun with more seeds), a
+progress bar with the ETA, and a cell that crashes costs only itself. ``<out-dir>/protocol.json`` holds the settings
+every cell shares (all but the seed): cells of other settings are refused, never mixed. The report is built from
+the cells on disk: a markdown table of final accuracies (mean ± std over the seeds when there are several), the
+attack-adaptive targets, and a plot.
+
+Every federation is a :class:`jobs.build.JobSpec` (FedAvg clients, the rule under test, the attack) run by
+:func:`controllers.in_process.run_in_process`: the same round engine as the NVFlare controller (site sampling,
+validation that rejects bad results by site, failure handling) and the same Lightning site round as the client
+script, with only NVFlare's messaging left out. The numbers are therefore those the job gives under
 ``nvflare simulator`` (``tests/e2e/test_e2e_engine_equivalence.py`` checks the two paths bit for bit); the simulator
 itself would take hours for the grid on 2 cores. Local training: plain SGD with a fresh optimizer every round,
 batch 32, lr 0.1 here so that 15 rounds get far enough.
 
 Every round: all sites train locally from the global model; malicious sites (chosen with the seed) attack from
 ``--attack-start-round`` on; the rule aggregates the sites' full models; the global model is scored on the first
-``--test-samples`` Fashion-MNIST test images. The report is a markdown table of final accuracies and a plot.
-With ``--capture-dir`` the harness instead records attack-adaptive training data: each round an ``attack_adaptive``
-rule with ``dataset_capture_dir`` set also sees the accepted updates (its output is discarded; the trajectory
-follows the driving rule), over a mix of attacks, strengths and robust rules (see docs/robustness.md).
+``--test-samples`` Fashion-MNIST test images.
+With ``--capture-dir`` the harness instead records attack-adaptive training data, one federation after the other
+in this process: each round an ``attack_adaptive`` rule with ``dataset_capture_dir`` set also sees the accepted
+updates (its output is discarded; the trajectory follows the driving rule), over a mix of attacks, strengths and
+robust rules (see docs/robustness.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import logging
 import math
+import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -39,6 +53,7 @@ import torch
 
 from aggregators import AggregationError, ClientUpdate, RoundContext, build_rule
 from aggregators.attack_adaptive import SHIPPED_CHECKPOINT
+from benchmarks.compare import run_cells, same_protocol
 from controllers.in_process import quiet_lightning, run_in_process
 from jobs.build import JobSpec
 from lightning_modules.attacks import AttackConfig
@@ -51,11 +66,16 @@ RULE_LABELS = {
     "krum": "Krum",
 }
 ATTACK_NAMES = ("sign_flip", "scale", "gaussian", "label_flip")
+#: Where ``make bench-robust`` keeps its cells (and protocol.json); --quick without --out-dir uses a temporary folder.
+DEFAULT_OUT_DIR = Path("benchmarks/results/robustness")
+
+#: (rule, attack, share of malicious sites): one entry of the table, over its seeds.
+GridKey = tuple[str, str, float]
 
 
 @dataclass(frozen=True)
 class Settings:
-    """One federation's settings (shared by every cell of the grid)."""
+    """What every federation of the grid shares (the seed is the cell's own: adding seeds reuses finished cells)."""
 
     num_sites: int = 10
     rounds: int = 15
@@ -66,9 +86,26 @@ class Settings:
     epochs: int = 1
     batch_size: int = 32
     lr: float = 0.1
-    seed: int = 0
     attack_start_round: int = 0
     attention_model_path: str = SHIPPED_CHECKPOINT
+
+
+@dataclass(frozen=True)
+class RobustnessCell:
+    """One federation of the grid; its result is ``<out-dir>/cells/<key>.json``."""
+
+    rule: str
+    attack: str
+    fraction: float
+    seed: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.rule}__{self.attack}__m{self.fraction:g}__s{self.seed}"
+
+    @property
+    def label(self) -> str:
+        return f"{self.rule} under {self.attack} at {self.fraction:.0%} malicious, seed {self.seed}"
 
 
 def rule_args(rule: str, settings: Settings, fraction: float) -> dict[str, Any]:
@@ -84,7 +121,7 @@ def rule_args(rule: str, settings: Settings, fraction: float) -> dict[str, Any]:
 
 
 def federation_spec(
-    rule: str, attack: str, fraction: float, settings: Settings, strength: float | None = None
+    rule: str, attack: str, fraction: float, settings: Settings, seed: int, strength: float | None = None
 ) -> JobSpec:
     """One cell of the grid as a job: FedAvg clients, ``rule`` on the server, ``attack`` by a seeded share of sites."""
     return JobSpec(
@@ -101,7 +138,7 @@ def federation_spec(
         epochs=settings.epochs,
         batch_size=settings.batch_size,
         lr=settings.lr,
-        seed=settings.seed,
+        seed=seed,
         attack=attack,
         attack_strength=strength if attack != "none" else None,
         attack_start_round=settings.attack_start_round,
@@ -114,11 +151,12 @@ def run_federation(
     attack_name: str,
     fraction: float,
     settings: Settings,
+    seed: int,
     strength: float | None = None,
     capture_dir: str | None = None,
 ) -> list[float]:
     """Test accuracy of the global model after every round (a failed round keeps the previous model's accuracy)."""
-    spec = federation_spec(rule_name, attack_name, fraction, settings, strength)
+    spec = federation_spec(rule_name, attack_name, fraction, settings, seed, strength)
     observers = [CaptureObserver(capture_dir)] if capture_dir is not None else []
     with tempfile.TemporaryDirectory(prefix="fedalg_robustness_") as state_root, quiet_lightning():
         run = run_in_process(spec, Path(state_root), observers=observers)
@@ -134,9 +172,24 @@ class IncompleteFederation(RuntimeError):
     """A federation that recorded fewer rounds than planned."""
 
 
+def run_robustness_cell(cell: RobustnessCell, settings: Settings, threads: int) -> dict[str, Any]:
+    """One federation of the grid (a worker of :func:`benchmarks.compare.run_cells` calls it); the JSON-able result
+    written to ``cells/<key>.json``. A federation that crashes or stops early raises: the cell fails."""
+    torch.set_num_threads(threads)
+    started = time.monotonic()
+    accuracies = run_federation(cell.rule, cell.attack, cell.fraction, settings, cell.seed)
+    return {
+        "cell": asdict(cell),
+        "settings": asdict(settings),
+        "accuracies": accuracies,  # test accuracy of the global model after every round
+        "threads": threads,
+        "wall_s": time.monotonic() - started,
+    }
+
+
 def attempt(label: str, failures: list[str], federation: Callable[[], list[float]]) -> list[float] | None:
-    """The federation's accuracies, or ``None`` with the reason appended to ``failures``: one federation that
-    crashes or stops early leaves the rest of the grid running, and makes :func:`main` exit 1."""
+    """The federation's accuracies, or ``None`` with the reason appended to ``failures``: one capture federation that
+    crashes or stops early leaves the others running, and makes :func:`main` exit 1."""
     try:
         return federation()
     except Exception as exc:
@@ -170,91 +223,125 @@ def scenarios(fractions: Sequence[float], attacks: Sequence[str]) -> list[tuple[
     return cells + [(a, f) for f in fractions if f > 0 for a in attacks]
 
 
-def run_grid(
-    rules: Sequence[str],
-    cells: Sequence[tuple[str, float]],
-    settings: Settings,
-    log: Any = sys.stderr,
-    failures: list[str] | None = None,
-) -> dict[tuple[str, str, float], list[float]]:
-    """Every (rule, attack, share) federation; one that did not complete is left out of the results (its table
-    cell shows "–") and named in ``failures``."""
-    results: dict[tuple[str, str, float], list[float]] = {}
-    failures = [] if failures is None else failures
-    for attack_name, fraction in cells:
-        for rule in rules:
-            started = time.monotonic()
-            label = f"{rule} under {attack_name} at {fraction:.0%} malicious"
-            accs = attempt(label, failures, partial(run_federation, rule, attack_name, fraction, settings))
-            if accs is None:
-                continue
-            results[(rule, attack_name, fraction)] = accs
-            acc = accs[-1]
-            print(
-                f"{attack_name:>10} {fraction:4.0%} {rule:>15}: {acc:.4f} ({time.monotonic() - started:.1f} s)",
-                file=log,
-                flush=True,
-            )
-    return results
+def grid_cells(
+    rules: Sequence[str], attack_shares: Sequence[tuple[str, float]], seeds: Sequence[int]
+) -> list[RobustnessCell]:
+    """Every (rule, attack, share, seed) federation, seed by seed (a first pass over the grid finishes early)."""
+    return [RobustnessCell(r, a, f, s) for s in seeds for a, f in attack_shares for r in rules]
 
 
-def markdown_table(results: dict[tuple[str, str, float], list[float]], rules: Sequence[str]) -> str:
-    """Rows = (attack, share malicious), columns = rules, cells = final test accuracy in %."""
+def run_grid(cells: Sequence[RobustnessCell], settings: Settings, out_dir: Path, workers: int) -> list[str]:
+    """Run every cell not yet in ``out_dir/cells`` on the comparison harness; the keys of the cells that failed."""
+    cells_dir = out_dir / "cells"
+    cells_dir.mkdir(parents=True, exist_ok=True)
+    same_protocol(out_dir / "protocol.json", settings, option="--out-dir")
+    return run_cells(cells, partial(run_robustness_cell, settings=settings), cells_dir, workers)
+
+
+def load_results(cells: Iterable[RobustnessCell], out_dir: Path) -> list[dict[str, Any]]:
+    """The finished results of ``cells`` in ``out_dir/cells`` (a failed or missing cell is left out)."""
+    paths = [out_dir / "cells" / f"{cell.key}.json" for cell in cells]
+    return [json.loads(path.read_text()) for path in paths if path.exists()]
+
+
+def final_accuracies(results: Iterable[Mapping[str, Any]]) -> dict[GridKey, dict[int, float]]:
+    """Final test accuracy by (rule, attack, share), then by seed, from cell results."""
+    finals: dict[GridKey, dict[int, float]] = defaultdict(dict)
+    for result in results:
+        cell = result["cell"]
+        finals[(cell["rule"], cell["attack"], float(cell["fraction"]))][int(cell["seed"])] = result["accuracies"][-1]
+    return dict(finals)
+
+
+def seeds_of(finals: Mapping[GridKey, Mapping[int, float]]) -> list[int]:
+    return sorted({seed for by_seed in finals.values() for seed in by_seed})
+
+
+def mean_std(by_seed: Mapping[int, float]) -> tuple[float, float]:
+    """Mean and sample standard deviation over the seeds (0 for one seed)."""
+    values = list(by_seed.values())
+    return float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+
+
+def markdown_table(finals: Mapping[GridKey, Mapping[int, float]], rules: Sequence[str]) -> str:
+    """Rows = (attack, share malicious), columns = rules, cells = final test accuracy in %: the value for one seed,
+    mean ± std over several (an entry with fewer seeds than the table names its count)."""
+    seeds = len(seeds_of(finals))
     header = "| attack | malicious | " + " | ".join(RULE_LABELS.get(r, r) for r in rules) + " |"
     lines = [header, "|---|---|" + "---|" * len(rules)]
-    cells = sorted({(a, f) for (_, a, f) in results}, key=lambda c: (c[1], c[0]))
+    cells = sorted({(a, f) for (_, a, f) in finals}, key=lambda c: (c[1], c[0]))
     for attack, fraction in cells:
-        values = [results.get((rule, attack, fraction)) for rule in rules]
-        text = [f"{100 * v[-1]:.1f}" if v else "–" for v in values]
+        text = []
+        for rule in rules:
+            by_seed = finals.get((rule, attack, fraction))
+            if not by_seed:
+                text.append("–")
+                continue
+            mean, std = mean_std(by_seed)
+            value = f"{100 * mean:.1f}" if seeds == 1 else f"{100 * mean:.1f} ± {100 * std:.1f}"
+            text.append(value if len(by_seed) == seeds else f"{value} ({len(by_seed)} of {seeds} seeds)")
         lines.append(f"| {attack} | {fraction:.0%} | " + " | ".join(text) + " |")
     return "\n".join(lines)
 
 
-def target_check(results: dict[tuple[str, str, float], list[float]], rules: Sequence[str]) -> list[str]:
-    """Attack-adaptive vs the target of ≤ 3 points below clean at ≤ 20 % malicious and ≤ 2 below the best classical."""
+def seeds_line(finals: Mapping[GridKey, Mapping[int, float]]) -> str:
+    """The table's caption: how many seeds it stands on."""
+    seeds = seeds_of(finals)
+    if len(seeds) == 1:
+        return f"Final global test accuracy (%), one seed ({seeds[0]}):"
+    return f"Final global test accuracy (%), mean ± std over {len(seeds)} seeds ({', '.join(map(str, seeds))}):"
+
+
+def target_check(finals: Mapping[GridKey, Mapping[int, float]], rules: Sequence[str]) -> list[str]:
+    """Attack-adaptive vs the target of ≤ 3 points below clean at ≤ 20 % malicious and ≤ 2 below the best classical
+    (means over the seeds)."""
     aaa = "attack_adaptive"
-    if aaa not in rules or (aaa, "none", 0.0) not in results:
+    if aaa not in rules or not finals.get((aaa, "none", 0.0)):
         return []
-    clean = results[(aaa, "none", 0.0)][-1]
+    means = {key: mean_std(by_seed)[0] for key, by_seed in finals.items() if by_seed}
+    clean = means[(aaa, "none", 0.0)]
     lines = []
-    for (rule, attack, fraction), accs in sorted(results.items()):
+    for (rule, attack, fraction), acc in sorted(means.items()):
         if rule != aaa or fraction == 0:
             continue
         classical = [
-            results[(r, attack, fraction)][-1]
-            for r in rules
-            if r not in (aaa, "fedavg") and (r, attack, fraction) in results
+            means[(r, attack, fraction)] for r in rules if r not in (aaa, "fedavg") and (r, attack, fraction) in means
         ]
         best = max(classical) if classical else float("nan")
-        drop = 100 * (clean - accs[-1])
-        gap = 100 * (best - accs[-1])
+        drop = 100 * (clean - acc)
+        gap = 100 * (best - acc)
         ok_drop = drop <= 3 or fraction > 0.2
         lines.append(
-            f"- {attack} {fraction:.0%}: {100 * accs[-1]:.1f} (clean {100 * clean:.1f}, drop {drop:+.1f} pts"
+            f"- {attack} {fraction:.0%}: {100 * acc:.1f} (clean {100 * clean:.1f}, drop {drop:+.1f} pts"
             f"{'' if fraction > 0.2 else (' ✓' if ok_drop else ' ✗ target ≤ 3')}); best classical {100 * best:.1f} "
             f"(gap {gap:+.1f} pts {'✓' if gap <= 2 else '✗ target ≤ 2'})"
         )
     return lines
 
 
-def save_plot(results: dict[tuple[str, str, float], list[float]], rules: Sequence[str], path: Path) -> Path:
-    """One panel per attack: final accuracy vs share of malicious sites, one line per rule."""
+def save_plot(finals: Mapping[GridKey, Mapping[int, float]], rules: Sequence[str], path: Path) -> Path:
+    """One panel per attack: final accuracy vs share of malicious sites, one line per rule (mean over the seeds,
+    error bars ± std when there are several)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    attacks = sorted({a for (_, a, f) in results if f > 0})
+    attacks = sorted({a for (_, a, f) in finals if f > 0})
     fig, axes = plt.subplots(1, max(1, len(attacks)), figsize=(4 * max(1, len(attacks)), 3.4), sharey=True)
     axes = np.atleast_1d(axes)
     for ax, attack in zip(axes, attacks, strict=False):
         for rule in rules:
-            points = sorted((f, v[-1]) for (r, a, f), v in results.items() if r == rule and a in (attack, "none"))
+            points = sorted(
+                (f, *mean_std(v)) for (r, a, f), v in finals.items() if r == rule and a in (attack, "none") and v
+            )
             if points:
-                ax.plot(
-                    [100 * f for f, _ in points],
-                    [100 * v for _, v in points],
+                ax.errorbar(
+                    [100 * f for f, _, _ in points],
+                    [100 * m for _, m, _ in points],
+                    yerr=[100 * s for _, _, s in points] if len(seeds_of(finals)) > 1 else None,
                     marker="o",
+                    capsize=3,
                     label=RULE_LABELS.get(rule, rule),
                 )
         ax.set_title(attack)
@@ -269,32 +356,49 @@ def save_plot(results: dict[tuple[str, str, float], list[float]], rules: Sequenc
     return path
 
 
+def build_report(
+    results: Sequence[Mapping[str, Any]], rules: Sequence[str], settings: Settings, wall: str
+) -> tuple[str, dict[GridKey, dict[int, float]]]:
+    """The markdown report of the finished cells, and their final accuracies (what the table and plot show)."""
+    finals = final_accuracies(results)
+    if not finals:
+        return f"Settings: {settings}\n{wall}\n\nNo finished federation.", finals
+    report = [
+        f"Settings: {settings}",
+        wall,
+        "",
+        seeds_line(finals),
+        "",
+        markdown_table(finals, rules),
+        "",
+        *target_check(finals, rules),
+    ]
+    return "\n".join(report), finals
+
+
 def capture(
     settings: Settings,
+    seed: int,
     capture_dir: str,
     rules: Sequence[str],
     fractions: Sequence[float],
     log: Any,
     failures: list[str] | None = None,
 ) -> None:
-    """Record pretraining data: every attack × share × driving rule, with attack strengths varied by a seeded draw;
-    a federation that did not complete is named in ``failures``."""
-    rng = np.random.default_rng(settings.seed)
+    """Record pretraining data: every attack × share × driving rule, with attack strengths varied by a seeded draw,
+    one federation after the other (they write into one dataset folder); a federation that did not complete is
+    named in ``failures``."""
+    rng = np.random.default_rng(seed)
     failures = [] if failures is None else failures
     for attack_name, fraction in scenarios(fractions, ATTACK_NAMES):
         for rule in rules:
             multiplier = float(rng.choice([0.5, 1.0, 2.0]))
             strength = AttackConfig(name=attack_name).effective_strength * multiplier
-            label = f"capture {attack_name} {fraction:.0%} x{multiplier} via {rule}"
-            federation = partial(run_federation, rule, attack_name, fraction, settings, strength, capture_dir)
+            label = f"capture {attack_name} {fraction:.0%} x{multiplier} via {rule}, seed {seed}"
+            federation = partial(run_federation, rule, attack_name, fraction, settings, seed, strength, capture_dir)
             accs = attempt(label, failures, federation)
-            if accs is None:
-                continue
-            print(
-                f"capture {attack_name} {fraction:.0%} x{multiplier} via {rule}: final acc {accs[-1]:.4f}",
-                file=log,
-                flush=True,
-            )
+            if accs is not None:
+                print(f"{label}: final acc {accs[-1]:.4f}", file=log, flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -312,16 +416,38 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--alpha", type=float, default=defaults.alpha, help="Dirichlet concentration of the label split"
     )
-    parser.add_argument(
-        "--seed", type=int, default=defaults.seed, help="seeds data split, model, malicious sites, noise"
+    seeds = parser.add_mutually_exclusive_group()
+    seeds.add_argument(
+        "--seeds",
+        default="0",
+        help="comma-separated seeds (data split, model, malicious sites, noise); the table is the mean over them "
+        "(default: 0)",
     )
+    seeds.add_argument("--seed", type=int, default=None, help="one seed: the same as --seeds N")
     parser.add_argument("--attack-start-round", type=int, default=defaults.attack_start_round)
     parser.add_argument("--attention-model-path", default=defaults.attention_model_path)
     parser.add_argument("--quick", action="store_true", help="tiny smoke settings (seconds)")
+    parser.add_argument(
+        "--out-dir",
+        type=Path,
+        default=None,
+        help=f"folder for cells/ and protocol.json: finished cells are reused (default: {DEFAULT_OUT_DIR}; "
+        "a temporary folder with --quick)",
+    )
+    parser.add_argument(
+        "--workers", type=int, default=os.cpu_count() or 1, help="federations run at once (default: cores)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="also write the markdown report here")
     parser.add_argument("--plot", type=Path, default=None, help="write the plot (PNG) here")
-    parser.add_argument("--capture-dir", default=None, help="record attention pretraining data here instead")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument(
+        "--capture-dir", default=None, help="record attention pretraining data here instead (sequential)"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads with --capture-dir (grid cells get cores ÷ workers each)",
+    )
     return parser
 
 
@@ -332,7 +458,6 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         max_train_samples=args.max_train_samples,
         test_samples=args.test_samples,
         alpha=args.alpha,
-        seed=args.seed,
         attack_start_round=args.attack_start_round,
         attention_model_path=args.attention_model_path,
     )
@@ -341,39 +466,50 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return settings
 
 
+def seeds_from_args(args: argparse.Namespace) -> list[int]:
+    seeds = [args.seed] if args.seed is not None else [int(s) for s in args.seeds.split(",") if s]
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise SystemExit(f"error: --seeds needs distinct seeds, got {args.seeds!r}")
+    return seeds
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    torch.set_num_threads(args.threads)
     settings = settings_from_args(args)
+    seeds = seeds_from_args(args)
     rules = [r for r in args.rules.split(",") if r]
     fractions = [float(f) for f in args.fractions.split(",") if f]
     attacks = [a for a in args.attacks.split(",") if a]
     started = time.monotonic()
-    failures: list[str] = []
     if args.capture_dir:
-        capture(settings, args.capture_dir, rules, fractions, sys.stderr, failures)
+        torch.set_num_threads(args.threads)
+        failures: list[str] = []
+        for seed in seeds:
+            capture(settings, seed, args.capture_dir, rules, fractions, sys.stderr, failures)
         print(f"captured into {args.capture_dir} in {time.monotonic() - started:.0f} s", file=sys.stderr)
         return exit_status(failures)
-    results = run_grid(rules, scenarios(fractions, attacks), settings, failures=failures)
-    report = "\n".join(
-        [
-            f"Settings: {settings}",
-            f"Wall time: {time.monotonic() - started:.0f} s ({torch.get_num_threads()} torch thread(s))",
-            "",
-            "Final global test accuracy (%):",
-            "",
-            markdown_table(results, rules),
-            "",
-            *target_check(results, rules),
-        ]
+    cells = grid_cells(rules, scenarios(fractions, attacks), seeds)
+    workers = max(1, args.workers)
+    with contextlib.ExitStack() as stack:
+        out_dir = args.out_dir
+        if out_dir is None:
+            temporary = partial(tempfile.TemporaryDirectory, prefix="fedalg_robustness_quick_")
+            out_dir = Path(stack.enter_context(temporary())) if args.quick else DEFAULT_OUT_DIR
+        failed = set(run_grid(cells, settings, out_dir, workers))
+        results = load_results(cells, out_dir)
+    cell_time = sum(r["wall_s"] for r in results)
+    wall = (
+        f"Wall time: {time.monotonic() - started:.0f} s on {workers} worker(s); the {len(results)} federations "
+        f"took {cell_time:.0f} s in all (cells finished by earlier runs included)"
     )
+    report, finals = build_report(results, rules, settings, wall)
     print(report)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(report + "\n")
-    if args.plot:
-        save_plot(results, rules, args.plot)
-    return exit_status(failures)
+    if args.plot and finals:
+        save_plot(finals, rules, args.plot)
+    return exit_status([f"{cell.key} ({cell.label})" for cell in cells if cell.key in failed])
 
 
 def exit_status(failures: Sequence[str]) -> int:
