@@ -149,8 +149,19 @@ def start(deployment: Deployment, env: dict[str, str]) -> None:
         _start_one(deployment, site, site_dir, env)
 
 
+def restart(deployment: Deployment, name: str, env: dict[str, str]) -> None:
+    """Start one participant again from its kit (after it crashed or was stopped); the server is waited for until
+    it listens. A restarted site reconnects by itself and gets the jobs submitted from then on: NVFlare deploys a
+    job to the sites connected when it starts, so a running job does not take a site back (resume it instead,
+    docs/deployment.md)."""
+    kit = deployment.server if name == "server" else deployment.sites[name]
+    _start_one(deployment, name, kit, env)
+    if name == "server":
+        _wait_for_port(deployment.port, timeout=60.0, deployment=deployment)
+
+
 def _start_one(deployment: Deployment, name: str, kit: Path, env: dict[str, str]) -> None:
-    log = (deployment.workspace / f"{name}.out").open("w")
+    log = (deployment.workspace / f"{name}.out").open("a")
     deployment.processes[name] = subprocess.Popen(
         ["bash", str(kit / "startup" / "sub_start.sh"), "--once"],
         cwd=kit,
@@ -192,9 +203,11 @@ def admin_session(deployment: Deployment, timeout: float = 60.0) -> Iterator[Any
             session.close()
 
 
-def wait_for_sites(session: Any, deployment: Deployment, timeout: float = 120.0) -> None:
-    """Block until every site has registered with the server."""
-    wanted = set(deployment.sites)
+def wait_for_sites(
+    session: Any, deployment: Deployment, timeout: float = 120.0, sites: Sequence[str] | None = None
+) -> None:
+    """Block until every site (or every one of ``sites``) has registered with the server."""
+    wanted = set(deployment.sites if sites is None else sites)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         _check_alive(deployment)

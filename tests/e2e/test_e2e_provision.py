@@ -40,7 +40,7 @@ def deployment(tmp_path_factory, fashion_mnist):
         patch.setenv("HOME", str(root / "home"))
         # A crashed site never reports its job's outcome; the server marks the job finished after this wait
         # (NVFlare's default: 900 s). test_a_site_killed_mid_job... crashes a site.
-        patch.setenv("NVFLARE_CLIENT_OUTCOME_WAIT_TIMEOUT", "20")
+        patch.setenv("NVFLARE_CLIENT_OUTCOME_WAIT_TIMEOUT", "8")
         (root / "home").mkdir()
         env = loopback.participant_env()
         deployment = loopback.provision(root / "fl", NUM_SITES, env)
@@ -75,17 +75,28 @@ def _initial_model() -> dict[str, np.ndarray]:
     return {k: v.detach().numpy() for k, v in model.state_dict().items()}
 
 
-def test_scaffold_job_runs_on_provisioned_sites(deployment):
+@pytest.fixture(scope="module")
+def scaffold_run(deployment):
+    """The committed ``jobs/scaffold`` run once on the deployment: (job id, final meta, downloaded result)."""
     deployment, session = deployment
     started = time.monotonic()
-
     job_id, meta = loopback.run_job(session, deployment, REPO / "jobs" / "scaffold", JOB_TIMEOUT_S)
     result = loopback.download_result(session, job_id)
     print(f"jobs/scaffold on the loopback deployment: {time.monotonic() - started:.1f} s")
+    return job_id, meta, result
+
+
+def _records(result: Path) -> list[dict]:
+    return [json.loads(line) for line in (result / "metrics" / "round_metrics.jsonl").read_text().splitlines()]
+
+
+def test_scaffold_job_runs_on_provisioned_sites(deployment, scaffold_run):
+    deployment, _ = deployment
+    job_id, meta, result = scaffold_run
 
     assert meta["status"] == "FINISHED:COMPLETED", meta
     assert meta.get("byoc") is True  # the client script travels in app/custom/: NVFlare treats the job as BYOC
-    records = [json.loads(line) for line in (result / "metrics" / "round_metrics.jsonl").read_text().splitlines()]
+    records = _records(result)
     rounds = [r for r in records if r["stage"] == "round"]
     assert len(rounds) == 10
     assert all(r["aggregated"] == sorted(deployment.sites) and not r["rejected"] for r in rounds)
@@ -144,40 +155,75 @@ def _server_metrics(deployment, job_id: str) -> list[dict]:
     return []
 
 
-def _crash_site(deployment, site: str, job_id: str) -> None:
-    """SIGKILL the whole site, as a machine that loses power: its parent process group first (so nothing is left to
-    report the job process's death), then its job process for ``job_id``, which runs in a session of its own."""
+def _crash(deployment, name: str, job_id: str) -> None:
+    """SIGKILL a whole participant (``server`` or a site), as a machine that loses power: its parent process group
+    first (so nothing is left to report the job process's death), then its job process for ``job_id``, which runs
+    in a session of its own. The participant is then down until :func:`loopback.restart`."""
     import psutil
 
-    os.killpg(deployment.processes[site].pid, signal.SIGKILL)
-    for process in psutil.process_iter(["pid", "cmdline"]):
-        cmdline = process.info["cmdline"] or []
-        if any(job_id in arg for arg in cmdline) and any(str(deployment.sites[site]) in arg for arg in cmdline):
-            process.kill()
+    kit = deployment.server if name == "server" else deployment.sites[name]
+    process = deployment.processes.pop(name)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=30)
+    for job_process in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = job_process.info["cmdline"] or []
+        if any(job_id in arg for arg in cmdline) and any(str(kit) in arg for arg in cmdline):
+            job_process.kill()
             return
-    raise AssertionError(f"no job process of {site} for job {job_id}")
+    raise AssertionError(f"no job process of {name} for job {job_id}")
 
 
-def _site_control(site_dir: Path, site: str, run_id: str, aggregated_round: int | None) -> dict[str, np.ndarray]:
-    """The site's SCAFFOLD control as of its last aggregated round: its pending state if that round wrote it (not
-    settled yet: the job ended), else its committed one; empty for a site that was never aggregated (its c_i as
-    the server knows it is still the initial 0)."""
+def _wait_for_round(deployment, job_id: str, round_num: int) -> None:
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not [r for r in _server_metrics(deployment, job_id) if r.get("round") == round_num]:
+        assert time.monotonic() < deadline, f"round {round_num} of {job_id} not recorded"
+        time.sleep(0.2)
+
+
+def _restart_server(deployment) -> None:
+    """Start the crashed server again and wait for the live sites to reconnect. (NVFlare 2.9 still lists the job the
+    server was running as RUNNING after the restart, while ``abort_job`` answers that it is not running.)"""
+    loopback.restart(deployment, "server", loopback.participant_env())
+    with loopback.admin_session(deployment) as session:
+        loopback.wait_for_sites(session, deployment, sites=[s for s in deployment.sites if s in deployment.processes])
+
+
+def _resume_point_copy(deployment, job_id: str, target: Path) -> Path:
+    """The crashed job's server app folder (server_state.pt + the global model), copied out of the job's run folder."""
+    return Path(shutil.copytree(deployment.server / job_id / "app_server", target))
+
+
+def _site_state(
+    site_dir: Path, site: str, run_id: str, aggregated_round: int | None, algorithm: str = "scaffold"
+) -> dict[str, np.ndarray]:
+    """The site's algorithm state (SCAFFOLD's c_i, FedDyn's H_k) as of its last aggregated round: its pending state
+    if that round wrote it (not settled yet: the job ended), else its committed one; empty for a site that was never
+    aggregated (its state as the server knows it is still the initial 0)."""
     from lightning_modules.state_store import ClientStateStore
 
     store = ClientStateStore(site_dir / "client_state" / run_id, site)
     if aggregated_round is None:
         return {}
-    pending = store.latest("scaffold")
-    stored = pending if pending.round_num == aggregated_round else store.load("scaffold")
+    pending = store.latest(algorithm)
+    stored = pending if pending.round_num == aggregated_round else store.load(algorithm)
     assert stored.round_num == aggregated_round, (site, stored.round_num, aggregated_round)
     return {k: v.numpy() for k, v in stored.state.items() if isinstance(v, torch.Tensor)}
 
 
+def _site_states(deployment, run_id: str, last_aggregated: dict, algorithm: str) -> list[dict[str, np.ndarray]]:
+    """Every site's state as the server counts it (a never-aggregated site's as zeros)."""
+    states = [
+        _site_state(deployment.sites[s], s, run_id, last_aggregated.get(s), algorithm) for s in sorted(deployment.sites)
+    ]
+    shapes = next(state for state in states if state)
+    return [state or {k: np.zeros_like(v) for k, v in shapes.items()} for state in states]
+
+
 def test_a_site_killed_mid_job_leaves_rounds_of_the_others_and_scaffold_state_consistent(deployment, tmp_path):
-    """Run last on the deployment: site-3 crashes (SIGKILL to all its processes) once the first round is recorded.
-    The job goes on (min_responses 2, so the job needs 2 live sites), the remaining rounds aggregate the two live
-    sites, the server's SCAFFOLD control stays the population mean c = (1/3) sum_i c_i of every site's control as
-    of its last aggregated round, and the crashed site's state files are intact and readable.
+    """Site-3 crashes (SIGKILL to all its processes) once the first round is recorded. The job goes on
+    (min_responses 2, so the job needs 2 live sites), the remaining rounds aggregate the two live sites, the
+    server's SCAFFOLD control stays the population mean c = (1/3) sum_i c_i of every site's control as of its last
+    aggregated round, and the crashed site's state files are intact and readable. Site-3 then comes back.
 
     (A site whose *job process* alone dies is reported by its parent as a job failure, and NVFlare 2.9 then fails
     the whole job: the site must crash as a whole, or leave, for the others to go on.)"""
@@ -199,7 +245,7 @@ def test_a_site_killed_mid_job_leaves_rounds_of_the_others_and_scaffold_state_co
     while not [r for r in _server_metrics(deployment, job_id) if r.get("stage") == "round"]:
         assert time.monotonic() < deadline, "no round recorded"
         time.sleep(0.5)
-    _crash_site(deployment, "site-3", job_id)
+    _crash(deployment, "site-3", job_id)
     meta = session.wait_for_job(job_id, timeout=JOB_TIMEOUT_S, poll_interval=1.0)
     result = loopback.download_result(session, job_id)
 
@@ -215,10 +261,124 @@ def test_a_site_killed_mid_job_leaves_rounds_of_the_others_and_scaffold_state_co
     # soon as two are in): either way it was never aggregated after the crash.
     assert last["site-1"] == last["site-2"] == 3 and last.get("site-3", -1) < 3, last
     run_id = records[0]["run_id"]
-    controls = [_site_control(deployment.sites[s], s, run_id, last.get(s)) for s in sorted(deployment.sites)]
-    shapes = next(c for c in controls if c)
-    controls = [c or {k: np.zeros_like(v) for k, v in shapes.items()} for c in controls]
+    controls = _site_states(deployment, run_id, last, "scaffold")
     for key, value in resume.state["control"].items():
         np.testing.assert_allclose(value, np.mean([c[key] for c in controls], axis=0), atol=1e-6, err_msg=key)
     leftovers = list((deployment.sites["site-3"] / "client_state" / run_id).rglob("*.tmp*"))
     assert not leftovers, leftovers
+    # The machine comes back: the site restarts from its kit and registers again.
+    loopback.restart(deployment, "site-3", loopback.participant_env())
+    loopback.wait_for_sites(session, deployment)
+
+
+def test_the_server_crashed_mid_job_restarts_and_the_resumed_job_continues_bit_identically(
+    deployment, scaffold_run, tmp_path
+):
+    """The committed jobs/scaffold again; the server crashes (SIGKILL to all its processes) once round 4 of 10 is
+    recorded, while the sites train the next one. The server restarts from its kit, the sites reconnect by
+    themselves, and the same job submitted with ``resume_from`` = the crashed run's app folder continues with the
+    crashed run's id and gives, round by round, the global models of the uninterrupted run (``scaffold_run``) bit
+    for bit: the sites discard the pending state of the interrupted round (a replay). At the end c = mean(c_i)."""
+    from controllers.checkpoint import load_resume_point
+
+    deployment, _ = deployment
+    _, reference_meta, reference = scaffold_run
+    assert reference_meta["status"] == "FINISHED:COMPLETED", reference_meta
+    with loopback.admin_session(deployment) as session:
+        job_id = loopback.submit(session, deployment, REPO / "jobs" / "scaffold")
+    _wait_for_round(deployment, job_id, 3)
+    crashed_run_id = _server_metrics(deployment, job_id)[0]["run_id"]
+    _crash(deployment, "server", job_id)
+    _restart_server(deployment)
+    resume_point = _resume_point_copy(deployment, job_id, tmp_path / "resume_point")
+    job = Path(shutil.copytree(REPO / "jobs" / "scaffold", tmp_path / "scaffold_resumed"))
+    config_file = job / "app" / "config" / "config_fed_server.json"
+    config = json.loads(config_file.read_text())
+    config["workflows"][0]["args"]["resume_from"] = str(resume_point)
+    config_file.write_text(json.dumps(config, indent=4))
+    with loopback.admin_session(deployment) as session:
+        resumed_id, meta = loopback.run_job(session, deployment, job, JOB_TIMEOUT_S)
+        result = loopback.download_result(session, resumed_id)
+
+    assert meta["status"] == "FINISHED:COMPLETED", meta
+    expected = {r["round"]: r["global_sha256"] for r in _records(reference) if r["stage"] == "round"}
+    last_saved = load_resume_point(resume_point, "scaffold").next_round - 1
+    assert last_saved >= 3
+    records = _records(result)
+    assert records[0]["stage"] == "resumed" and records[0]["run_id"] == crashed_run_id
+    assert records[0]["global_sha256"] == expected[last_saved]
+    resumed = {r["round"]: r["global_sha256"] for r in records if r["stage"] == "round"}
+    assert resumed == {k: v for k, v in expected.items() if k > last_saved}
+    final = load_resume_point(result / "app_server", "scaffold")
+    controls = _site_states(deployment, crashed_run_id, final.last_aggregated_sites, "scaffold")
+    for key, value in final.state["control"].items():
+        np.testing.assert_allclose(value, np.mean([c[key] for c in controls], axis=0), atol=1e-6, err_msg=key)
+
+
+def _feddyn_spec(num_rounds: int, min_responses: int, resume_from: Path | None = None) -> JobSpec:
+    return JobSpec(
+        name="feddyn_faults",
+        client="feddyn",
+        server="feddyn",
+        num_rounds=num_rounds,
+        min_responses=min_responses,
+        epochs=3,
+        max_test_samples=200,
+        num_sites=NUM_SITES,
+        save_client_updates=True,
+        resume_from=None if resume_from is None else str(resume_from),
+    )
+
+
+def test_a_site_down_when_the_job_resumes_stays_in_feddyns_population_and_rejoins_when_back(deployment, tmp_path):
+    """FedDyn, min_responses 2. Site-3 crashes once round 0 is recorded, the server once round 1 is (round 1 from the
+    two live sites). The server restarts while site-3 is still down, and the job resumed for one more round runs on
+    the two sites NVFlare deploys it to, site-3 still counted: the global model is the participants' mean + h / m
+    with m = 3 (recomputed from the saved client models; m = 2 would differ). Site-3 comes back; resumed once
+    more with min_responses 3, the job aggregates all three, and the server's h equals the sum of the sites' H_k,
+    site-3's settled from what it had written before its crash."""
+    from aggregators import ClientUpdate
+    from aggregators.feddyn import feddyn_params
+    from controllers.checkpoint import load_resume_point, load_updates
+
+    deployment, _ = deployment
+    with loopback.admin_session(deployment) as session:
+        first = loopback.submit(session, deployment, export_job(_feddyn_spec(5, 2), tmp_path / "first"))
+    _wait_for_round(deployment, first, 0)
+    _crash(deployment, "site-3", first)
+    _wait_for_round(deployment, first, 1)
+    _crash(deployment, "server", first)
+    _restart_server(deployment)
+    first_point = _resume_point_copy(deployment, first, tmp_path / "first_point")
+    start = load_resume_point(first_point, "feddyn")
+    with loopback.admin_session(deployment) as session:
+        spec = _feddyn_spec(start.next_round + 1, 2, first_point)
+        second, meta = loopback.run_job(session, deployment, export_job(spec, tmp_path / "second"), JOB_TIMEOUT_S)
+        second_result = loopback.download_result(session, second)
+    assert meta["status"] == "FINISHED:COMPLETED", meta
+    round_num = start.next_round
+    [record] = [r for r in _records(second_result) if r["stage"] == "round"]
+    assert record["round"] == round_num and record["aggregated"] == ["site-1", "site-2"], record
+    assert "resuming without ['site-3']" in (second_result / "log.txt").read_text()
+    second_point = load_resume_point(second_result / "app_server", "feddyn")
+    capture = load_updates(second_result / "client_updates" / f"round_{round_num:05d}.npz")
+    updates = [ClientUpdate(site, p, capture.site_samples[site]) for site, p in capture.site_params.items()]
+    h_sum = second_point.state["h_sum"]
+    for m, equal in ((3, True), (2, False)):
+        expected = feddyn_params(start.global_params, updates, h_sum, m)
+        same = all(np.allclose(expected[k], second_point.global_params[k], atol=1e-6) for k in h_sum)
+        assert same is equal, f"population {m}"
+
+    loopback.restart(deployment, "site-3", loopback.participant_env())
+    with loopback.admin_session(deployment) as session:
+        loopback.wait_for_sites(session, deployment)
+        spec = _feddyn_spec(round_num + 2, 3, second_result / "app_server")
+        third, meta = loopback.run_job(session, deployment, export_job(spec, tmp_path / "third"), JOB_TIMEOUT_S)
+        third_result = loopback.download_result(session, third)
+    assert meta["status"] == "FINISHED:COMPLETED", meta
+    [record] = [r for r in _records(third_result) if r["stage"] == "round"]
+    assert record["round"] == round_num + 1 and record["aggregated"] == sorted(deployment.sites), record
+    final = load_resume_point(third_result / "app_server", "feddyn")
+    states = _site_states(deployment, final.run_id, final.last_aggregated_sites, "feddyn")
+    for key, value in final.state["h_sum"].items():
+        np.testing.assert_allclose(value, sum(state[key] for state in states), atol=1e-6, err_msg=key)
