@@ -63,7 +63,7 @@ pretrain-attention: setup
 
 # Resumable: finished cells are kept in $(ROBUST_OUT)/cells; rerun to continue, or add seeds (ROBUST_SEEDS=0,1,2).
 ROBUST_OUT ?= benchmarks/results/robustness
-ROBUST_SEEDS ?= 0
+ROBUST_SEEDS ?= 0,1,2
 bench-robust: setup
 	$(PY) -m benchmarks.robustness --out-dir $(ROBUST_OUT) --seeds $(ROBUST_SEEDS) --out benchmarks/results/robustness.md --plot docs/img/robustness.png
 
