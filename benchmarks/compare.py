@@ -271,11 +271,19 @@ def write_json(path: Path, value: Any) -> None:
 def same_protocol(path: Path, protocol: Any, option: str = "--out") -> None:
     """Finished cells are reused only under the protocol they ran with (fields added later count at their default);
     ``option`` is the command-line option that names another folder."""
-    if path.exists() and type(protocol)(**json.loads(path.read_text())) != protocol:
+    if path.exists() and _saved_protocol(path, type(protocol)) != protocol:
         raise SystemExit(
             f"error: {path.parent} holds cells of another protocol ({path.read_text()}); use another {option}"
         )
     write_json(path, asdict(protocol))
+
+
+def _saved_protocol(path: Path, kind: type) -> Any:
+    """The protocol in ``path``, or None when it has fields ``kind`` no longer has (cells of an older harness)."""
+    try:
+        return kind(**json.loads(path.read_text()))
+    except TypeError:
+        return None
 
 
 def run_grid(grid: Grid, out: Path, workers: int) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -76,3 +77,10 @@ def test_published_comparison_takes_the_best_round_and_the_difference():
     table = "\n".join(compare.published_comparison(groups))
     assert "| C2 | 81.0 / 50.0 (-31.0) | 10.0 / 90.0 (+80.0) |" in table  # the initial model never counts
     assert "89.0 / not run" in table
+
+
+def test_cells_of_an_older_protocol_with_a_field_it_no_longer_has_are_refused_cleanly(tmp_path):
+    saved = tmp_path / "protocol.json"
+    saved.write_text(json.dumps({**dataclasses.asdict(compare.Protocol()), "seed": 0}))
+    with pytest.raises(SystemExit, match="another protocol"):
+        compare.same_protocol(saved, compare.Protocol())
