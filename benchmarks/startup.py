@@ -17,7 +17,9 @@ temporary ``git worktree`` (removed afterwards), in fresh processes, the two ver
    part (the script starts -> its Trainer exists, i.e. training begins; the task's arrival overlaps with it).
 
 Run: ``python -m benchmarks.startup --ref HEAD`` (before = HEAD, after = the working tree); ``--job`` picks the
-committed job (default ``fedavg``: full Fashion-MNIST, Dirichlet 0.5, 3 sites); ``--quick`` is a smoke run.
+committed job (default ``fedavg``: full Fashion-MNIST, Dirichlet 0.5, 3 sites); ``--quick`` is a smoke run;
+``--site-python /tmp/site/bin/python`` also measures the working tree in a site install (the bundle without its
+``plots`` and ``digits`` extras: no matplotlib, scikit-learn or scipy for torchmetrics to import).
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-NVFLARE = Path(sys.executable).with_name("nvflare")
 MARKER = "-- fedalg startup benchmark: client script starts --"
 
 
@@ -90,6 +91,7 @@ class Version:
     script: Path
     script_args: tuple[str, ...]
     workspace: Path
+    python: str = sys.executable  # the interpreter (its environment: a site install, or everything)
 
 
 def export_job(root: Path, job: str, out_dir: Path) -> Path:
@@ -102,14 +104,14 @@ def export_job(root: Path, job: str, out_dir: Path) -> Path:
     return out_dir / job
 
 
-def prepare(label: str, root: Path, job: str, scratch: Path) -> Version:
+def prepare(label: str, root: Path, job: str, scratch: Path, python: str = sys.executable) -> Version:
     scratch = scratch / re.sub(r"\W+", "-", label)  # NVFlare splits its worker's command line on spaces
     job_dir = export_job(root, job, scratch / "jobs")
     client = json.loads((job_dir / "app" / "config" / "config_fed_client.json").read_text())
     args = client["executors"][0]["executor"]["args"]["task_script_args"].split()
     workspace = scratch / "site-1"
     (workspace / "startup").mkdir(parents=True)  # what the simulator creates: a simulated site (no fed_client.json)
-    return Version(label, root, job_dir / "app" / "custom" / "client.py", tuple(args), workspace)
+    return Version(label, root, job_dir / "app" / "custom" / "client.py", tuple(args), workspace, python)
 
 
 def code_env(root: Path) -> dict[str, str]:
@@ -131,7 +133,7 @@ def worktree(ref: str | None) -> Iterator[Path | None]:
 # -- measurement 1: the client's import + set-up path ----------------------------------------------------------------
 def run_harness(version: Version, importtime: bool = False) -> tuple[dict[str, float], str]:
     """One fresh process; its JSON result and (with ``importtime``) its ``-X importtime`` output after the marker."""
-    command = [sys.executable, *(["-X", "importtime"] if importtime else []), __file__, "--harness"]
+    command = [version.python, *(["-X", "importtime"] if importtime else []), __file__, "--harness"]
     command += [str(version.script), "--", *version.script_args]
     done = subprocess.run(
         command, capture_output=True, text=True, cwd=version.workspace, env=code_env(version.root), check=False
@@ -190,7 +192,8 @@ def simulate_t1(version: Version) -> list[dict[str, float]]:
     jobs = scratch / "t1-jobs"
     subprocess.run([sys.executable, "-c", code, str(jobs)], check=True, cwd=version.root, env=code_env(version.root))
     workspace = scratch / "t1-ws"
-    command = [str(NVFLARE), "simulator", str(jobs / "startup_t1"), "-w", str(workspace), "-n", "3", "-t", "1"]
+    nvflare = Path(version.python).with_name("nvflare")  # the simulator of the version's environment
+    command = [str(nvflare), "simulator", str(jobs / "startup_t1"), "-w", str(workspace), "-n", "3", "-t", "1"]
     subprocess.run(command, capture_output=True, text=True, cwd=scratch, env=code_env(version.root), check=False)
     return client_rounds(workspace)
 
@@ -238,6 +241,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="measured runs per version, interleaved")
     parser.add_argument("--importtime", action="store_true", help="where the script's imports go, by package")
     parser.add_argument("--simulate", action="store_true", help="also run nvflare simulator -t 1 (about 1 min each)")
+    parser.add_argument(
+        "--site-python",
+        help="also measure the working tree under this interpreter, e.g. a site install's "
+        "(python -m venv /tmp/site && /tmp/site/bin/pip install torch==2.13.0 . : no plots/digits extras)",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: one measured run, no simulator")
     parser.add_argument("--out", type=Path, help="also write the report to this file")
     args = parser.parse_args(argv)
@@ -254,6 +262,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         versions = [prepare("working tree", ROOT, args.job, scratch)]
         if ref_root is not None:
             versions.insert(0, prepare(f"code at {args.ref}", ref_root, args.job, scratch))
+        if args.site_python:
+            versions.append(prepare("working tree, site install", ROOT, args.job, scratch, python=args.site_python))
         sections.append(f"Client import + set-up path (job {args.job}, site-1):\n\n")
         sections[-1] += client_report(measure_client(versions, args.repeats))
         if args.importtime:

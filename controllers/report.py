@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from data_prep.optional import require
+
 RUN_DIR = Path("server") / "simulate_job"
 METRICS = RUN_DIR / "metrics" / "round_metrics.jsonl"
 FINAL_SCORES = RUN_DIR / "metrics" / "final_site_scores.json"
@@ -162,8 +164,7 @@ def _fmt(value: Any) -> str:
 
 
 def plot_runs(runs: dict[str, list[dict[str, Any]]], path: Path) -> Path:
-    import matplotlib
-
+    matplotlib = require("matplotlib", "plots", "the report's plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

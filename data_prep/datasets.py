@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from data_prep.errors import DataPrepError
+from data_prep.optional import require
 
 __all__ = [
     "DATASETS",
@@ -312,10 +313,8 @@ def _mnist_images(flat: np.ndarray) -> np.ndarray:
 
 @functools.lru_cache(maxsize=1)
 def _load_digits() -> ArrayDataset:
-    # Imported here: scikit-learn is slow to import and only this loader needs it.
-    from sklearn.datasets import load_digits
-
-    bunch = load_digits()
+    # Imported here: scikit-learn is slow to import, only this loader needs it, and a site install leaves it out.
+    bunch = require("sklearn.datasets", "digits", "the digits dataset").load_digits()
     x = (np.asarray(bunch.data, dtype=np.float32) / 16.0).astype(np.float32)  # pixel values are 0..16
     y = np.asarray(bunch.target, dtype=np.int64)
     train_idx, test_idx = _stratified_split(y, _DIGITS_TEST_FRACTION, _DIGITS_SPLIT_SEED)

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from data_prep.errors import DataPrepError
+from data_prep.optional import require
 
 __all__ = ["format_counts_table", "label_counts", "save_counts_heatmap"]
 
@@ -46,7 +47,7 @@ def format_counts_table(counts: np.ndarray, title: str = "") -> str:
 def save_counts_heatmap(counts: np.ndarray, path: str | Path, title: str) -> Path:
     """Write a PNG heatmap of ``counts`` (sites x classes) with each cell's count written on it; returns the path."""
     # Figure + Agg canvas directly, not pyplot: no global backend switch, safe in headless and threaded processes.
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    FigureCanvasAgg = require("matplotlib.backends.backend_agg", "plots", "the partition heatmap").FigureCanvasAgg
     from matplotlib.figure import Figure
 
     num_sites, num_classes = counts.shape
