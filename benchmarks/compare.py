@@ -357,6 +357,26 @@ class Summary:
     state_bytes_per_site: float
     wall_per_round: float
     failed_rounds: int
+    late_gain: float = math.nan  # accuracy points gained in the last LATE_WINDOW rounds (see late_gain)
+
+
+#: Rounds over which the report measures whether a curve has flattened.
+LATE_WINDOW = 10
+
+
+def late_gain(curves: np.ndarray, window: int = LATE_WINDOW) -> float:
+    """Accuracy points the curves still gain at the end: the mean accuracy of the last ``window`` rounds minus that
+    of the ``window`` rounds before, averaged over seeds (rows); nan when the run is shorter than two windows."""
+    rounds = curves[:, 1:]  # column 0 is the initial model
+    if rounds.shape[1] < 2 * window:
+        return math.nan
+    last, before = rounds[:, -window:], rounds[:, -2 * window : -window]
+    return float(100 * np.mean(np.nanmean(last, axis=1) - np.nanmean(before, axis=1)))
+
+
+def flattened(summary: Summary) -> bool:
+    """A curve has flattened when its late gain is within the seeds' spread of the final accuracy."""
+    return not math.isnan(summary.late_gain) and abs(summary.late_gain) <= 100 * summary.final[1]
 
 
 def _mean_std(values: Sequence[float]) -> tuple[float, float]:
@@ -399,6 +419,7 @@ def summarise(algorithm: str, results: Sequence[Mapping[str, Any]], target: floa
         state_bytes_per_site=statistics.fmean(r["client_state_bytes_per_site"] for r in results),
         wall_per_round=float(np.mean(walls)) if walls else math.nan,
         failed_rounds=failed,
+        late_gain=late_gain(curves_array),
     )
 
 
@@ -434,16 +455,19 @@ def ranking_notes(summaries: Sequence[Summary]) -> dict[str, str]:
 def group_table(summaries: Sequence[Summary], target: float) -> list[str]:
     notes = ranking_notes(summaries)
     lines = [
-        f"| algorithm | seeds | final acc % | best acc % | rounds to {target:.0%} | site loss spread | "
-        "worst site train acc | KB / site / round (meta share) | client state KB / site | s / round | |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| algorithm | seeds | final acc % | best acc % | rounds to {target:.0%} | gain, last {LATE_WINDOW} rounds "
+        "(pts) | site loss spread | worst site train acc | KB / site / round (meta share) | client state KB / site | "
+        "s / round | |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in sorted(summaries, key=lambda s: -s.final[0]):
         reach = f"{s.rounds_to_target:.1f} ({s.reached}/{s.seeds})" if s.rounds_to_target is not None else "never"
         failed = f", {s.failed_rounds} failed rounds" if s.failed_rounds else ""
+        gain = "–" if math.isnan(s.late_gain) else f"{s.late_gain:+.1f}" + (" (flat)" if flattened(s) else "")
+        traffic = f"{s.bytes_per_site_round / 1024:.0f} ({s.meta_share:.0%})"
         lines.append(
-            f"| {s.algorithm} | {s.seeds} | {_pct(s.final)} | {_pct(s.best)} | {reach} | {s.loss_spread:.3f} | "
-            f"{s.worst_site_train_acc:.3f} | {s.bytes_per_site_round / 1024:.0f} ({s.meta_share:.0%}) | "
+            f"| {s.algorithm} | {s.seeds} | {_pct(s.final)} | {_pct(s.best)} | {reach} | {gain} | "
+            f"{s.loss_spread:.3f} | {s.worst_site_train_acc:.3f} | {traffic} | "
             f"{s.state_bytes_per_site / 1024:.0f} | {s.wall_per_round:.2f} | {notes[s.algorithm]}{failed} |"
         )
     return lines
@@ -495,7 +519,10 @@ def write_report(out: Path, command: str) -> Path:
         "samples. Run in process through the round engine the NVFlare controller uses (bit-identical to the "
         "simulator, tested). Mean ± std over the seeds named in each table; a gap smaller than the seed spread "
         "is a tie. Single-seed rows carry no spread and cannot be ranked. Site loss spread: std of the sites' "
-        "local training losses in a round. Worst site: local training accuracy (the sites' own data), last round.",
+        "local training losses in a round. Worst site: local training accuracy (the sites' own data), last round. "
+        f"Gain, last {LATE_WINDOW} rounds: mean accuracy of the last {LATE_WINDOW} rounds minus that of the "
+        f"{LATE_WINDOW} before, in points, mean over seeds; (flat) when it is within the seed spread of the final "
+        "accuracy.",
         "",
     ]
     for (partition, share), by_algorithm in sorted(groups.items()):

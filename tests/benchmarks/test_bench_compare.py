@@ -84,3 +84,15 @@ def test_cells_of_an_older_protocol_with_a_field_it_no_longer_has_are_refused_cl
     saved.write_text(json.dumps({**dataclasses.asdict(compare.Protocol()), "seed": 0}))
     with pytest.raises(SystemExit, match="another protocol"):
         compare.same_protocol(saved, compare.Protocol())
+
+
+def test_late_gain_is_the_last_window_minus_the_one_before_in_points_and_flat_within_the_seed_spread():
+    # Two seeds, initial model then 4 rounds; window 2: seed 0 (0.5 + 0.6)/2 - (0.1 + 0.2)/2 = 0.4,
+    # seed 1 (0.7 + 0.7)/2 - (0.6 + 0.6)/2 = 0.1; mean 0.25 -> 25 points.
+    curves = np.array([[0.0, 0.1, 0.2, 0.5, 0.6], [0.0, 0.6, 0.6, 0.7, 0.7]])
+    assert compare.late_gain(curves, window=2) == pytest.approx(25.0, abs=1e-9)
+    assert np.isnan(compare.late_gain(curves, window=3))  # shorter than two windows
+    summary = compare.Summary("fedavg", 2, curves, (0.65, 0.3), (0.65, 0.1), None, 0, *[0.0] * 6, 0, late_gain=25.0)
+    assert compare.flattened(summary)  # 25 points <= 100 * 0.3
+    assert not compare.flattened(dataclasses.replace(summary, final=(0.65, 0.05)))
+    assert not compare.flattened(dataclasses.replace(summary, late_gain=float("nan")))
