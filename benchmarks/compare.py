@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -379,7 +379,9 @@ def flattened(summary: Summary) -> bool:
     return not math.isnan(summary.late_gain) and abs(summary.late_gain) <= 100 * summary.final[1]
 
 
-def _mean_std(values: Sequence[float]) -> tuple[float, float]:
+def mean_std(values: Iterable[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for a single value)."""
+    values = list(values)
     return float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
 
 
@@ -408,8 +410,8 @@ def summarise(algorithm: str, results: Sequence[Mapping[str, Any]], target: floa
         algorithm=algorithm,
         seeds=len(results),
         curves=curves_array,
-        final=_mean_std(curves_array[:, -1]),
-        best=_mean_std(np.nanmax(curves_array[:, 1:], axis=1)),
+        final=mean_std(curves_array[:, -1]),
+        best=mean_std(np.nanmax(curves_array[:, 1:], axis=1)),
         rounds_to_target=float(np.mean(to_target)) if to_target else None,
         reached=len(to_target),
         loss_spread=float(np.mean(spreads)) if spreads else math.nan,

@@ -53,7 +53,7 @@ import torch
 
 from aggregators import AggregationError, ClientUpdate, RoundContext, build_rule
 from aggregators.attack_adaptive import SHIPPED_CHECKPOINT
-from benchmarks.compare import run_cells, same_protocol
+from benchmarks.compare import mean_std, run_cells, same_protocol
 from controllers.in_process import quiet_lightning, run_in_process
 from jobs.build import JobSpec
 from lightning_modules.attacks import AttackConfig
@@ -257,12 +257,6 @@ def seeds_of(finals: Mapping[GridKey, Mapping[int, float]]) -> list[int]:
     return sorted({seed for by_seed in finals.values() for seed in by_seed})
 
 
-def mean_std(by_seed: Mapping[int, float]) -> tuple[float, float]:
-    """Mean and sample standard deviation over the seeds (0 for one seed)."""
-    values = list(by_seed.values())
-    return float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
-
-
 def markdown_table(finals: Mapping[GridKey, Mapping[int, float]], rules: Sequence[str]) -> str:
     """Rows = (attack, share malicious), columns = rules, cells = final test accuracy in %: the value for one seed,
     mean ± std over several (an entry with fewer seeds than the table names its count)."""
@@ -277,7 +271,7 @@ def markdown_table(finals: Mapping[GridKey, Mapping[int, float]], rules: Sequenc
             if not by_seed:
                 text.append("–")
                 continue
-            mean, std = mean_std(by_seed)
+            mean, std = mean_std(by_seed.values())
             value = f"{100 * mean:.1f}" if seeds == 1 else f"{100 * mean:.1f} ± {100 * std:.1f}"
             text.append(value if len(by_seed) == seeds else f"{value} ({len(by_seed)} of {seeds} seeds)")
         lines.append(f"| {attack} | {fraction:.0%} | " + " | ".join(text) + " |")
@@ -298,7 +292,7 @@ def target_check(finals: Mapping[GridKey, Mapping[int, float]], rules: Sequence[
     aaa = "attack_adaptive"
     if aaa not in rules or not finals.get((aaa, "none", 0.0)):
         return []
-    means = {key: mean_std(by_seed)[0] for key, by_seed in finals.items() if by_seed}
+    means = {key: mean_std(by_seed.values())[0] for key, by_seed in finals.items() if by_seed}
     clean = means[(aaa, "none", 0.0)]
     lines = []
     for (rule, attack, fraction), acc in sorted(means.items()):
@@ -332,9 +326,8 @@ def save_plot(finals: Mapping[GridKey, Mapping[int, float]], rules: Sequence[str
     axes = np.atleast_1d(axes)
     for ax, attack in zip(axes, attacks, strict=False):
         for rule in rules:
-            points = sorted(
-                (f, *mean_std(v)) for (r, a, f), v in finals.items() if r == rule and a in (attack, "none") and v
-            )
+            shown = [(f, v) for (r, a, f), v in finals.items() if r == rule and a in (attack, "none") and v]
+            points = sorted((f, *mean_std(v.values())) for f, v in shown)
             if points:
                 ax.errorbar(
                     [100 * f for f, _, _ in points],
