@@ -48,6 +48,18 @@ def init_site_processes(devices: int, accelerator: str) -> int:
     return dist.get_rank()
 
 
+def close_site_processes() -> None:
+    """Leave the site's process group (nothing without one).
+
+    Without this, the process group's background threads are still running when the interpreter exits, and a rank
+    can abort in C++ ("terminate called without an active exception"), which torchrun reports as a failed site
+    even though every round completed. The barrier first lets every rank finish its last collective.
+    """
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def share_from_rank_zero(value: Any) -> Any:
     """Rank 0's ``value`` on every rank (unchanged without a process group)."""
     if not dist.is_initialized():

@@ -188,7 +188,7 @@ def run_site(args: Any) -> None:
     import nvflare.client as flare_api
     import nvflare.client.lightning as flare
 
-    from lightning_modules.distributed import init_site_processes, next_task, share_from_rank_zero
+    from lightning_modules.distributed import close_site_processes, init_site_processes, next_task, share_from_rank_zero
     from lightning_modules.state_store import ClientStateStore, default_state_root
 
     devices = getattr(args, "devices", 1)
@@ -213,6 +213,7 @@ def run_site(args: Any) -> None:
             outcome = f"round {round_num}: {json.dumps(_scalars(site.fit(round_num, connect)), sort_keys=True)}"
         if rank == 0:
             print(f"{site_name} {outcome}", flush=True)
+    close_site_processes()
 
 
 def run_user_script(args: Any, client_script: str) -> None:

@@ -101,9 +101,12 @@ def main() -> None:
     parser.add_argument("--state-dir", type=Path, required=True, help="shared by the ranks, as a site workspace is")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from lightning_modules.distributed import close_site_processes
+
     results = {client: run(client, args.devices, args.state_dir / client) for client in CASES}
     rank = int(os.environ.get("RANK", "0"))
     torch.save(results, args.out if rank == 0 else args.out.with_suffix(f".rank{rank}.pt"))
+    close_site_processes()  # as the client script does: a rank exiting with live gloo threads can abort
 
 
 if __name__ == "__main__":

