@@ -397,7 +397,8 @@ def summarise(algorithm: str, results: Sequence[Mapping[str, Any]], target: floa
         rounds = [r for r in records if r["stage"] == "round"]
         failed += sum(r["status"] != "aggregated" for r in rounds)
         losses = [[v for v in r["site_train_loss"].values() if v is not None] for r in rounds]
-        spreads += [float(np.std(x)) for x in losses if len(x) > 1]
+        with np.errstate(invalid="ignore", over="ignore"):  # a diverged site's inf loss: the spread is non-finite
+            spreads += [float(np.std(x)) for x in losses if len(x) > 1]
         last_acc = [m.get("train.accuracy") for m in rounds[-1]["site_meta"].values()] if rounds else []
         worst.append(min((a for a in last_acc if a is not None), default=math.nan))
         for t in result["traffic"]:
@@ -454,6 +455,14 @@ def ranking_notes(summaries: Sequence[Summary]) -> dict[str, str]:
     return notes
 
 
+def spread_text(spread: float) -> str:
+    """The site-loss spread as a table cell: a run whose sites' losses blew up shows it in powers of ten (a fixed
+    3 decimals printed 2154236579209450868441088.000), one with non-finite losses says so."""
+    if not math.isfinite(spread):
+        return "non-finite"
+    return f"{spread:.3f}" if spread < 1000 else f"{spread:.1e}"
+
+
 def group_table(summaries: Sequence[Summary], target: float) -> list[str]:
     notes = ranking_notes(summaries)
     lines = [
@@ -464,13 +473,14 @@ def group_table(summaries: Sequence[Summary], target: float) -> list[str]:
     ]
     for s in sorted(summaries, key=lambda s: -s.final[0]):
         reach = f"{s.rounds_to_target:.1f} ({s.reached}/{s.seeds})" if s.rounds_to_target is not None else "never"
-        failed = f", {s.failed_rounds} failed rounds" if s.failed_rounds else ""
+        failed = f"{s.failed_rounds} failed round{'s' * (s.failed_rounds != 1)}" if s.failed_rounds else ""
+        remarks = "; ".join(text for text in (notes[s.algorithm], failed) if text)
         gain = "–" if math.isnan(s.late_gain) else f"{s.late_gain:+.1f}" + (" (flat)" if flattened(s) else "")
         traffic = f"{s.bytes_per_site_round / 1024:.0f} ({s.meta_share:.0%})"
         lines.append(
             f"| {s.algorithm} | {s.seeds} | {_pct(s.final)} | {_pct(s.best)} | {reach} | {gain} | "
-            f"{s.loss_spread:.3f} | {s.worst_site_train_acc:.3f} | {traffic} | "
-            f"{s.state_bytes_per_site / 1024:.0f} | {s.wall_per_round:.2f} | {notes[s.algorithm]}{failed} |"
+            f"{spread_text(s.loss_spread)} | {s.worst_site_train_acc:.3f} | {traffic} | "
+            f"{s.state_bytes_per_site / 1024:.0f} | {s.wall_per_round:.2f} | {remarks} |"
         )
     return lines
 

@@ -96,3 +96,19 @@ def test_late_gain_is_the_last_window_minus_the_one_before_in_points_and_flat_wi
     assert compare.flattened(summary)  # 25 points <= 100 * 0.3
     assert not compare.flattened(dataclasses.replace(summary, final=(0.65, 0.05)))
     assert not compare.flattened(dataclasses.replace(summary, late_gain=float("nan")))
+
+
+def test_table_remarks_and_loss_spreads_read_cleanly():
+    """Failed rounds without a rank note have no stray separator; blown-up and non-finite spreads stay readable."""
+    best = dataclasses.replace(_summary("fedavg", 0.8, 0.01), loss_spread=0.25)
+    collapsed = dataclasses.replace(_summary("scaffold", 0.1, 0.01), failed_rounds=41, loss_spread=float("nan"))
+    diverged = dataclasses.replace(_summary("feddyn", 0.7, 0.01), failed_rounds=2, loss_spread=2.15e24)
+    rows = compare.group_table([best, collapsed, diverged], target=0.7)[2:]
+    cells = [[cell.strip() for cell in row.split("|")[1:-1]] for row in rows]
+    assert [(c[0], c[6], c[-1]) for c in cells] == [
+        ("fedavg", "0.250", "best"),
+        ("feddyn", "2.1e+24", "2 failed rounds"),
+        ("scaffold", "non-finite", "41 failed rounds"),
+    ]
+    tied = dataclasses.replace(_summary("fedyogi", 0.795, 0.02), failed_rounds=1)
+    assert compare.group_table([best, tied], target=0.7)[-1].endswith("| tie; 1 failed round |")
