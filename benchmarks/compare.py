@@ -485,6 +485,42 @@ def group_table(summaries: Sequence[Summary], target: float) -> list[str]:
     return lines
 
 
+def group_title(partition: str, share: float) -> str:
+    return f"{partition}, {share:.0%} of sites per round"
+
+
+def overview_table(summaries_by_group: Mapping[tuple[str, float], Sequence[Summary]]) -> list[str]:
+    """One row per algorithm, one column per (partition, participation): final accuracy, the group's best in bold,
+    ties marked (:func:`ranking_notes`); rows by mean final accuracy over the groups an algorithm ran in."""
+    finals: dict[str, dict[tuple[str, float], str]] = defaultdict(dict)
+    means: dict[str, list[float]] = defaultdict(list)
+    for key, summaries in summaries_by_group.items():
+        notes = ranking_notes(summaries)
+        for s in summaries:
+            finals[s.algorithm][key] = overview_cell(s, notes[s.algorithm])
+            means[s.algorithm].append(s.final[0])
+    keys = list(summaries_by_group)
+    lines = [
+        "| algorithm | " + " | ".join(group_title(*key) for key in keys) + " |",
+        "|---|" + "---|" * len(keys),
+    ]
+    for algorithm in sorted(finals, key=lambda a: -float(np.mean(means[a]))):
+        lines.append(f"| {algorithm} | " + " | ".join(finals[algorithm].get(key, "–") for key in keys) + " |")
+    return [
+        *lines,
+        "",
+        "Bold: the group's best final accuracy; (tie): within the seed spread of it; –: not run; a value without "
+        "± comes from one seed and is not ranked.",
+    ]
+
+
+def overview_cell(summary: Summary, note: str) -> str:
+    if summary.seeds == 1:
+        return f"{100 * summary.final[0]:.1f}"
+    text = _pct(summary.final)
+    return f"**{text}**" if note == "best" else text + (" (tie)" if note == "tie" else "")
+
+
 def plot_group(summaries: Sequence[Summary], title: str, path: Path) -> None:
     import matplotlib
 
@@ -537,9 +573,14 @@ def write_report(out: Path, command: str) -> Path:
         "accuracy.",
         "",
     ]
-    for (partition, share), by_algorithm in sorted(groups.items()):
-        summaries = [summarise(a, r, protocol.target_accuracy) for a, r in sorted(by_algorithm.items())]
-        title = f"{partition}, {share:.0%} of sites per round"
+    summaries_by_group = {
+        key: [summarise(a, r, protocol.target_accuracy) for a, r in sorted(by_algorithm.items())]
+        for key, by_algorithm in sorted(groups.items(), key=lambda item: (-item[0][1], item[0][0]))
+    }  # full participation first
+    if len(summaries_by_group) > 1:
+        lines += ["## Final test accuracy (%), every group", "", *overview_table(summaries_by_group), ""]
+    for (partition, share), summaries in summaries_by_group.items():
+        title = group_title(partition, share)
         image = f"compare_{partition}_p{share:g}.png"
         plot_group(summaries, title, out / image)
         lines += [f"## {title}", "", f"![{title}]({image})", "", *group_table(summaries, protocol.target_accuracy), ""]

@@ -112,3 +112,21 @@ def test_table_remarks_and_loss_spreads_read_cleanly():
     ]
     tied = dataclasses.replace(_summary("fedyogi", 0.795, 0.02), failed_rounds=1)
     assert compare.group_table([best, tied], target=0.7)[-1].endswith("| tie; 1 failed round |")
+
+
+def test_overview_has_a_column_per_group_marks_best_and_ties_and_orders_by_mean_final():
+    dir_full = [_summary("fedavg", 0.60, 0.02), _summary("fedyogi", 0.80, 0.03), _summary("moon", 0.79, 0.01)]
+    c2_half = [_summary("fedavg", 0.50, 0.01), _summary("fedyogi", 0.40, 0.01)]
+    lines = compare.overview_table({("dir0.1", 1.0): dir_full, ("C2", 0.5): c2_half})
+    assert lines[0] == "| algorithm | dir0.1, 100% of sites per round | C2, 50% of sites per round |"
+    # Means over the groups each ran in: fedyogi (0.8 + 0.4)/2 = 0.6 ... moon 0.79 (one group), fedavg 0.55.
+    assert lines[2:5] == [
+        "| moon | 79.0 ± 1.0 (tie) | – |",
+        "| fedyogi | **80.0 ± 3.0** | 40.0 ± 1.0 |",
+        "| fedavg | 60.0 ± 2.0 | **50.0 ± 1.0** |",
+    ]
+
+
+def test_overview_neither_ranks_nor_gives_a_spread_to_single_seed_values():
+    one_seed = [dataclasses.replace(_summary(name, acc, 0.0), seeds=1) for name, acc in (("a", 0.8), ("b", 0.7))]
+    assert compare.overview_table({("iid", 1.0): one_seed})[2:4] == ["| a | 80.0 |", "| b | 70.0 |"]
