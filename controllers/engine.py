@@ -149,6 +149,28 @@ def aggregate_problems(global_params: Mapping[str, np.ndarray], params: Mapping[
     return param_problems(global_params, params)
 
 
+def non_finite_state_keys(state: Any, path: str = "") -> list[str]:
+    """Paths (``a.b.c``) of the NaN/Inf values in a rule's state (nested mappings, sequences, arrays, floats).
+
+    The state is saved with the checkpoint and part of it is broadcast (SCAFFOLD's control, FedDyn's h), so a
+    non-finite entry would reach every site or the next rounds' models (FedOpt's moments) as surely as a
+    non-finite model.
+    """
+    if isinstance(state, Mapping):
+        return [
+            bad
+            for key, value in state.items()
+            for bad in non_finite_state_keys(value, f"{path}.{key}" if path else str(key))
+        ]
+    if isinstance(state, list | tuple):
+        return [bad for i, value in enumerate(state) for bad in non_finite_state_keys(value, f"{path}[{i}]")]
+    if isinstance(state, float | np.floating) or (
+        isinstance(state, np.ndarray) and np.issubdtype(state.dtype, np.inexact)
+    ):
+        return [] if np.all(np.isfinite(state)) else [path or "(state)"]
+    return []
+
+
 class RoundEngine:
     """Federated rounds driven by an aggregation rule; see the module docstring for what it guarantees.
 
@@ -391,6 +413,8 @@ class RoundEngine:
         problems = aggregate_problems(params, new_params)
         if not isinstance(new_state, Mapping):
             problems.append(f"its state is a {type(new_state).__name__}, not a mapping")
+        elif bad_state := non_finite_state_keys(new_state):
+            problems.append(f"its state has NaN or Inf in {bad_state[:5]}{' ...' if len(bad_state) > 5 else ''}")
         if problems:
             raise RuleFailure(f"rule '{self.rule.name}' produced an unusable model: " + "; ".join(problems))
         return dict(new_params), dict(new_state)

@@ -18,7 +18,9 @@ rules that need neither can run there:
 
 Every other rule is refused when the aggregator is built, with the reason. Each result passes the same
 validation as in our own controller (keys, shapes, finite values, sample count), against the first result's keys
-and shapes; a bad site is left out by name and the round goes on.
+and shapes; a bad site is left out by name and the round goes on. A round that cannot aggregate (no valid result,
+a rule error, a non-finite aggregate) leaves the global model unchanged instead of ending the job
+(:meth:`RuleAggregator.aggregate_model`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from nvflare.app_common.aggregators.model_aggregator import ModelAggregator
 from aggregators import AggregationError, ClientUpdate, RoundContext, build_rule
 from controllers.adapters import Rejection, to_client_update
 from controllers.checkpoint import save_updates
+from controllers.engine import aggregate_problems
 
 
 class RuleAggregator(ModelAggregator):
@@ -80,18 +83,39 @@ class RuleAggregator(ModelAggregator):
             self.updates.append(checked)
 
     def aggregate_model(self) -> FLModel:
-        if not self.updates:
+        """The new global model; on any failure a no-op update (below), never an exception.
+
+        NVFlare's FedAvg controller ends the whole job when its aggregator raises, and it would persist and
+        broadcast whatever comes back. So a round without a valid result, a rule that raises, or an aggregate with
+        NaN/Inf or other keys or shapes is logged with the rule's name and answered with an empty ``DIFF`` update:
+        NVFlare adds nothing to the global model, which stays as it was, and the next round runs.
+        """
+        try:
+            params = self._aggregate()
+        except Exception as exc:  # no rule error may end the job or reach the global model
+            failure = f"{type(exc).__name__}: {exc}" if not isinstance(exc, AggregationError) else str(exc)
+            self.error(f"round {self.round_num}: {failure}; the global model is left unchanged this round")
+            meta = {"nr_aggregated": 0, "aggregation_rule": self.rule, "round_failed": failure}
+            return FLModel(params_type=ParamsType.DIFF, params={}, meta=meta)
+        meta = {"nr_aggregated": len(self.updates), "aggregation_rule": self.rule}
+        return FLModel(params_type=ParamsType.FULL, params=params, meta=meta)
+
+    def _aggregate(self) -> dict[str, np.ndarray]:
+        """The rule's aggregate of the accepted results, checked; the rule state advances only when it is usable."""
+        if not self.updates or self.reference is None:
             raise AggregationError(f"{self.rule}: no valid result this round ({len(self.rejections)} rejected)")
         updates = sorted(self.updates, key=lambda u: u.site)
         sites = tuple(u.site for u in updates)
         context = RoundContext(round_num=self.round_num, num_rounds=self.round_num + 1, population=sites)
         # Translation equivariance (module docstring): aggregating around x = 0 gives the rule's result for any x.
         result = self.aggregation_rule.aggregate(self.reference, updates, self.state, context)
+        problems = aggregate_problems(self.reference, result.params)
+        if problems:
+            raise AggregationError(f"rule '{self.rule}' produced an unusable model: " + "; ".join(problems))
         self.state = result.state
         if self.save_updates_dir:
             save_updates(Path(self.save_updates_dir) / f"round_{self.round_num:05d}.npz", updates, result.params)
-        meta = {"nr_aggregated": len(updates), "aggregation_rule": self.rule}
-        return FLModel(params_type=ParamsType.FULL, params=result.params, meta=meta)
+        return dict(result.params)
 
 
 def _check_usable(rule: Any, name: str) -> None:

@@ -18,6 +18,7 @@ from controllers.engine import (
     InProcessTransport,
     RoundEngine,
     SiteResult,
+    non_finite_state_keys,
     validate_result,
 )
 from controllers.sampling import sample_sites
@@ -149,6 +150,26 @@ def test_a_non_finite_aggregate_is_never_persisted_nor_broadcast(bad):
     outcome, host, state = run_one_round(rule)
     _assert_failed_round_kept_the_model(outcome, host, state, "rule 'nanrule' produced an unusable model")
     assert "NaN or Inf" in host.records[0]["failure"]
+
+
+@pytest.mark.parametrize(
+    ("bad_state", "where"),
+    [
+        ({"scaffold": {"control": {"w": np.array([1.0, np.nan], np.float32)}}}, "['scaffold.control.w']"),
+        ({"m": [np.zeros(2), np.array([np.inf])], "step": 3}, "['m[1]']"),
+        ({"smoothed_angle": {"site-1": float("nan")}}, "['smoothed_angle.site-1']"),
+    ],
+)
+def test_a_non_finite_rule_state_is_never_persisted_nor_broadcast(bad_state, where):
+    # A finite model with a poisoned state (SCAFFOLD's control, FedOpt's moments) would reach every site next round.
+    rule = FakeRule(lambda g, u, s: AggregationResult(dict(g), bad_state), "badstate")
+    outcome, host, state = run_one_round(rule)
+    _assert_failed_round_kept_the_model(outcome, host, state, f"its state has NaN or Inf in {where}")
+
+
+def test_integer_and_finite_state_entries_pass_the_state_check():
+    state = {"count": 3, "ids": ["site-1"], "m": {"w": np.ones(2, np.float32)}, "t": 2.5, "flags": np.array([True])}
+    assert non_finite_state_keys(state) == []
 
 
 def test_an_aggregate_with_other_keys_or_shapes_is_refused():

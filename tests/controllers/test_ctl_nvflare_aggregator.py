@@ -3,9 +3,12 @@ left out by name, and rules that need the global model or broadcast meta are ref
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
-from nvflare.app_common.abstract.fl_model import FLModel
+from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
+from nvflare.app_common.utils.fl_model_utils import FLModelUtils
 
 from aggregators import AggregationError, ClientUpdate, RoundContext, build_rule, meta_keys
 from controllers.nvflare_aggregator import RuleAggregator
@@ -56,9 +59,47 @@ def test_a_bad_site_is_left_out_by_name_and_the_round_goes_on():
     assert [r.site for r in aggregator.rejections] == ["site-2"]
     assert aggregator.rejections[0].problems == ("parameter 'w' contains NaN or Inf",)
     assert aggregator.aggregate_model().meta["nr_aggregated"] == 2
-    aggregator.reset_stats()
-    with pytest.raises(AggregationError, match="no valid result"):
-        aggregator.aggregate_model()
+
+
+def unchanged_by(update: FLModel) -> bool:
+    """True when NVFlare's own model update leaves the global model X exactly as it was."""
+    global_model = FLModel(params_type=ParamsType.FULL, params={k: v.copy() for k, v in X.items()})
+    after = FLModelUtils.update_model(global_model, update).params
+    return after.keys() == X.keys() and all(np.array_equal(after[k], X[k]) for k in X)
+
+
+def test_a_round_without_a_valid_result_leaves_the_global_model_unchanged_instead_of_ending_the_job():
+    aggregator = RuleAggregator("median")
+    bad = {k: np.full_like(v, np.inf) for k, v in Y["site-1"].items()}
+    aggregator.accept_model(result("site-1", bad))
+    update = aggregator.aggregate_model()  # NVFlare's FedAvg would end the job on an exception here
+    assert "no valid result this round (1 rejected)" in update.meta["round_failed"]
+    assert unchanged_by(update)
+
+
+@pytest.mark.parametrize("failure", ["raises", "nan", "other keys"])
+def test_a_rule_that_raises_or_returns_an_unusable_model_leaves_model_and_rule_state_unchanged(failure, monkeypatch):
+    aggregator = RuleAggregator("fedavg")
+    state_before = aggregator.state
+
+    def broken(x, updates, state, context):
+        if failure == "raises":
+            raise ZeroDivisionError("division by zero")
+        params = {k: np.full_like(v, np.nan) for k, v in x.items()} if failure == "nan" else {"other": x["w"]}
+        return SimpleNamespace(params=params, state={"moved": True})
+
+    monkeypatch.setattr(aggregator, "aggregation_rule", SimpleNamespace(aggregate=broken, required_meta=()))
+    for site in SAMPLES:
+        aggregator.accept_model(result(site))
+    update = aggregator.aggregate_model()
+    expected = {
+        "raises": "ZeroDivisionError: division by zero",
+        "nan": "rule 'fedavg' produced an unusable model: parameter 'b' contains NaN or Inf; parameter 'w'",
+        "other keys": "rule 'fedavg' produced an unusable model: ",
+    }[failure]
+    assert update.meta["round_failed"].startswith(expected)
+    assert unchanged_by(update)
+    assert aggregator.state is state_before
 
 
 @pytest.mark.parametrize(
