@@ -119,6 +119,19 @@ class RoundInfo:
         )
 
 
+def round_meta_problems(meta: Mapping[str, Any]) -> dict[str, str]:
+    """Why the round keys a site acts on before training are unusable, by key: the round index and
+    ``last_aggregated`` (which decide whether its pending state is committed or discarded). Keys that were not
+    sent are not checked here; :meth:`RoundInfo.from_meta` checks a whole broadcast."""
+    problems = {}
+    if meta_keys.ROUND in meta and (problem := _count(meta[meta_keys.ROUND], 0)):
+        problems[meta_keys.ROUND] = problem
+    confirmed = meta.get(meta_keys.LAST_AGGREGATED)
+    if confirmed is not None and (problem := _rounds_by_site(confirmed)):
+        problems[meta_keys.LAST_AGGREGATED] = problem
+    return problems
+
+
 def _rounds_by_site(value: Any) -> str | None:
     """Why ``value`` is not a site -> round index map (``None``: it is)."""
     if not isinstance(value, Mapping):

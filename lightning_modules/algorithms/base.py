@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from aggregators import meta_keys
+from aggregators.wire import round_meta_problems
 from lightning_modules.algorithms.errors import ClientAlgorithmError
 from lightning_modules.algorithms.hparams import HParams
 from lightning_modules.state_store import ClientStateStore
@@ -120,7 +121,18 @@ def trainable_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
 
 def settle_state(algorithm: ClientAlgorithm, meta: Mapping[str, Any]) -> str | None:
     """At round start: commit the state this site wrote in its previous round if the server confirms that round's
-    result was aggregated, else discard it (``ClientStateStore.settle``); the outcome is logged when discarded."""
+    result was aggregated, else discard it (``ClientStateStore.settle``); the outcome is logged when discarded.
+
+    The round index and the confirmations are checked first: a NaN round or a malformed map would otherwise
+    commit or throw away the site's state on a value that means nothing, so the round is refused by key.
+    """
+    problems = round_meta_problems(meta)
+    if problems:
+        detail = "; ".join(f"'{key}' {problem}" for key, problem in problems.items())
+        raise ClientAlgorithmError(
+            f"{algorithm.site}: {algorithm.name} refuses the server's round meta ({detail}); its state is left as it "
+            "was"
+        )
     if algorithm.state_store is None:
         return None
     round_num = int(meta.get(meta_keys.ROUND, 0))

@@ -236,6 +236,18 @@ def test_state_from_another_run_is_discarded_with_a_warning(tmp_path, caplog):
     assert "another run" in caplog.text
 
 
+def test_state_of_another_run_is_ignored_whatever_its_shapes(tmp_path):
+    """The run id is checked before the shapes: a reused workspace with another model is a fresh start."""
+    store = ClientStateStore(tmp_path, "site-1")
+    store.save("feddyn", {"w": torch.zeros(5), "__run_id__": "old-run"}, round_num=3)
+    algorithm = make(tmp_path)
+    algorithm.on_round_start(Quadratic(0.0), meta(run_id="new-run"))
+    assert algorithm.h_local["w"].shape == (1,) and algorithm.h_local["w"].item() == 0.0
+    store.save("feddyn", {"w": torch.zeros(5), "__run_id__": "new-run"}, round_num=3)
+    with pytest.raises(StateStoreError):
+        make(tmp_path).on_round_start(Quadratic(0.0), meta(run_id="new-run"))
+
+
 def test_corrupt_state_is_an_error_not_a_silent_reset(tmp_path):
     local_round(make(tmp_path), 0.5, "site-1", meta())
     path = ClientStateStore(tmp_path, "site-1").pending_path("feddyn")  # committed when round 1 starts

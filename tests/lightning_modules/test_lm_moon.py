@@ -290,6 +290,18 @@ def test_history_of_another_architecture_is_an_error(tmp_path):
         bound(Moon(), tmp_path).on_round_start(make_module(projection_dim=PROJ), meta(1))
 
 
+def test_history_of_another_run_and_architecture_is_ignored_not_an_error(tmp_path, caplog):
+    """The run id is checked before the shapes, as for SCAFFOLD and FedDyn: a reused workspace is a fresh start."""
+    algorithm = bound(Moon(), tmp_path)
+    algorithm.on_round_start(make_module(projection_dim=16), meta(0, run="old"))
+    algorithm.on_round_end(make_module(projection_dim=16))
+    algorithm = bound(Moon(), tmp_path)
+    with caplog.at_level(logging.WARNING):
+        algorithm.on_round_start(make_module(projection_dim=PROJ), meta(1, run="new"))
+    assert "another run" in caplog.text
+    assert algorithm.negatives == [algorithm.global_model]
+
+
 def test_a_model_without_projection_head_is_refused_with_the_fix(tmp_path):
     with pytest.raises(ClientAlgorithmError, match="projection_dim"):
         bound(Moon(), tmp_path).on_round_start(make_module(projection_dim=None), meta(0))

@@ -231,3 +231,23 @@ def test_option_ii_from_the_correction_is_bit_identical_to_the_papers_form():
         {"w": 0.25},
     )
     assert float(one["w"]) == pytest.approx(0.5 - 0.25 + 0.5 / 0.25, abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ({meta_keys.ROUND: float("nan")}, r"'server.round' must be an integer >= 0, got nan"),
+        ({meta_keys.ROUND: 1, meta_keys.LAST_AGGREGATED: {"site-1": -1}}, r"'server.last_aggregated' must map site"),
+        ({meta_keys.ROUND: 1, meta_keys.LAST_AGGREGATED: [0]}, r"'server.last_aggregated' must be a dict"),
+    ],
+)
+def test_a_malformed_round_index_or_confirmation_is_refused_by_key_and_the_pending_state_is_kept(
+    tmp_path, bad, message
+):
+    # Round 0 leaves its new c_i pending; a round meta that means nothing must neither commit nor discard it.
+    local_round(make(tmp_path), 0.0, 3.0, 4.0, meta())
+    pending = sorted(p.name for p in tmp_path.rglob("*.pending"))
+    assert pending
+    with pytest.raises(ClientAlgorithmError, match=rf"site-1: scaffold refuses the server's round meta \({message}"):
+        make(tmp_path).on_round_start(Quadratic(0.0), {**meta(round_num=1), **bad})
+    assert sorted(p.name for p in tmp_path.rglob("*.pending")) == pending
