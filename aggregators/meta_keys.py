@@ -17,6 +17,9 @@ FIT_SECONDS = "train.fit_seconds"  # wall seconds of the site's trainer.fit (com
 TRAIN_ACCURACY = "train.accuracy"  # share of correct predictions over the round's training batches
 CLIENT_ALGORITHM = "client.algorithm"  # name of the client algorithm that produced the update
 PARAM_KEYS = "train.param_keys"  # names of the trainable parameters; every other entry is a buffer
+# The server round the result was trained in (the broadcast's server.round, echoed): a result that arrives in another
+# round (late, or replayed by the transport) is rejected instead of being aggregated against the wrong global model.
+TRAINED_ROUND = "train.round"
 
 # Server -> client: round bookkeeping broadcast with the global model.
 ROUND = "server.round"

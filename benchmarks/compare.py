@@ -252,6 +252,7 @@ def run_cell(cell: Cell, protocol: Protocol, threads: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="fedalg_compare_") as state_root, quiet_lightning():
         run = run_in_process(spec, Path(state_root), run_id=cell.key, wrap_transport=wrap)
         state_bytes = sum(p.stat().st_size for p in Path(state_root).rglob("*") if p.is_file())
+    require_rounds(run.rounds, protocol.rounds)
     return {
         "cell": asdict(cell),
         "protocol": asdict(protocol),
@@ -260,6 +261,16 @@ def run_cell(cell: Cell, protocol: Protocol, threads: int) -> dict[str, Any]:
         "client_state_bytes_per_site": state_bytes / protocol.num_sites,
         "wall_s": time.monotonic() - started,
     }
+
+
+class IncompleteFederation(RuntimeError):
+    """A federation that recorded fewer rounds than planned: its cell fails (the harness exits 1 naming it)."""
+
+
+def require_rounds(rounds: Sequence[Any], planned: int) -> None:
+    """A table cell must come from the rounds it claims; fewer round records than planned is an error."""
+    if len(rounds) < planned:
+        raise IncompleteFederation(f"{len(rounds)} round record(s) of {planned} planned")
 
 
 def write_json(path: Path, value: Any) -> None:
@@ -663,11 +674,12 @@ def finish(
 ) -> int:
     """Write the report (naming the command that produced it), say which cells failed; the exit status."""
     command = f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:])
-    print(f"report: {write(out, command)}")
     if failed:
         print(f"error: {len(failed)} cell(s) failed: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0
+        if not any((out / "cells").glob("*.json")):
+            return 1  # nothing to report on
+    print(f"report: {write(out, command)}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.compare import finish, run_cells, same_protocol
+from benchmarks.compare import finish, require_rounds, run_cells, same_protocol
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 MODEL, DATA = "genomics.model:SnpClassifier", "genomics.data:SnpSites"
@@ -176,6 +176,7 @@ def _federated(cell: Cell, protocol: Protocol) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="fedalg_genomics_") as state_root, quiet_lightning():
         run = run_in_process(cell_spec(cell, protocol), Path(state_root), run_id=cell.key)
     rounds = run.rounds
+    require_rounds(rounds, protocol.rounds)
     curve = [r.get("site_eval", {}).get("val_accuracy", {}).get("mean", float("nan")) for r in rounds]
     final = {site: scores["val_accuracy"] for site, scores in run.final_site_scores.items()}
     module = _module(protocol, cell.algorithm, cell.seed)

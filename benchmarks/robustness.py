@@ -53,7 +53,7 @@ import torch
 
 from aggregators import AggregationError, ClientUpdate, RoundContext, build_rule
 from aggregators.attack_adaptive import SHIPPED_CHECKPOINT
-from benchmarks.compare import mean_std, run_cells, same_protocol
+from benchmarks.compare import mean_std, require_rounds, run_cells, same_protocol
 from controllers.in_process import quiet_lightning, run_in_process
 from jobs.build import JobSpec
 from lightning_modules.attacks import AttackConfig
@@ -163,13 +163,8 @@ def run_federation(
     for record in run.rounds:
         if record["status"] != "aggregated":
             print(f"round {record['round']}: {record.get('failure')}", file=sys.stderr)
-    if len(run.rounds) < settings.rounds:  # a table cell must come from the rounds it claims
-        raise IncompleteFederation(f"{len(run.rounds)} round record(s) of {settings.rounds} planned")
+    require_rounds(run.rounds, settings.rounds)
     return [record["test_accuracy"] for record in run.rounds]
-
-
-class IncompleteFederation(RuntimeError):
-    """A federation that recorded fewer rounds than planned."""
 
 
 def run_robustness_cell(cell: RobustnessCell, settings: Settings, threads: int) -> dict[str, Any]:

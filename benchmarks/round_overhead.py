@@ -136,10 +136,10 @@ def simulate(job_dir: Path, workspace: Path, env: Mapping[str, str]) -> list[Rou
     """Run the job with ``-t 3``; the rounds after round 0 (which includes the sites' start-up)."""
     command = [str(NVFLARE), "simulator", str(job_dir), "-w", str(workspace), "-n", str(SITES), "-t", str(SITES)]
     completed = subprocess.run(command, capture_output=True, text=True, env=dict(env), cwd=workspace.parent)
-    metrics = workspace / "server" / "simulate_job" / "metrics" / "round_metrics.jsonl"
-    if not metrics.is_file():
-        raise RuntimeError(f"no metrics from {job_dir.name}: {completed.stdout[-2000:]}{completed.stderr[-2000:]}")
-    rounds = [parse_round(json.loads(line)) for line in metrics.read_text().splitlines()]
+    from controllers.report import finished_records  # here: this module's own imports stay light
+
+    records = finished_records(workspace, completed.stdout[-2000:] + completed.stderr[-2000:])
+    rounds = [parse_round(record) for record in records]
     return [r for r in rounds if r is not None][1:]
 
 

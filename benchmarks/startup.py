@@ -194,7 +194,12 @@ def simulate_t1(version: Version) -> list[dict[str, float]]:
     workspace = scratch / "t1-ws"
     nvflare = Path(version.python).with_name("nvflare")  # the simulator of the version's environment
     command = [str(nvflare), "simulator", str(jobs / "startup_t1"), "-w", str(workspace), "-n", "3", "-t", "1"]
-    subprocess.run(command, capture_output=True, text=True, cwd=scratch, env=code_env(version.root), check=False)
+    completed = subprocess.run(
+        command, capture_output=True, text=True, cwd=scratch, env=code_env(version.root), check=False
+    )
+    from controllers.report import finished_records  # here: this module's own imports stay light
+
+    finished_records(workspace, completed.stdout[-2000:] + completed.stderr[-2000:])  # an aborted job is an error
     return client_rounds(workspace)
 
 

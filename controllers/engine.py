@@ -121,10 +121,18 @@ def validate_result(
     global_params: Mapping[str, np.ndarray],
     required_meta: Iterable[str] = (),
     rule_check: Callable[[ClientUpdate], list[str]] | None = None,
+    round_num: int | None = None,
 ) -> ClientUpdate | Rejection:
-    """The checked :class:`ClientUpdate` of one site, or every reason it cannot be used (module docstring)."""
+    """The checked :class:`ClientUpdate` of one site, or every reason it cannot be used (module docstring).
+
+    With ``round_num``, a result that says it was trained in another round (``train.round``) is refused: it was
+    computed from another global model (a late or replayed result). A result that does not say is not refused.
+    """
     params, meta = dict(result.params or {}), dict(result.meta or {})
     problems = param_problems(global_params, params)
+    trained = meta.get(meta_keys.TRAINED_ROUND, round_num)
+    if round_num is not None and trained != round_num:
+        problems.append(f"a result trained in round {trained!r} arrived in round {round_num} (late or replayed)")
     problems += meta_problems(meta, [meta_keys.NUM_SAMPLES, *required_meta])
     num_samples = meta.get(meta_keys.NUM_SAMPLES)
     if meta_keys.NUM_SAMPLES in meta:
@@ -292,7 +300,7 @@ class RoundEngine:
             record["sites"] = targets
             host.log(logging.INFO, f"round {round_num + 1}/{self.num_rounds}: training on {targets}")
             results = transport.train(round_num, targets, params, self.broadcast_meta(round_num, state, run_id))
-            updates, rejections = self.validate(results, params, state)
+            updates, rejections = self.validate(results, params, state, round_num)
             for rejection in rejections:
                 host.log(logging.ERROR, f"round {round_num + 1}: {rejection}")
             if len(updates) < self.min_accepted:
@@ -347,7 +355,7 @@ class RoundEngine:
         return {**info, **rule_meta}
 
     def validate(
-        self, results: Sequence[SiteResult], params: Params, state: Mapping[str, Any]
+        self, results: Sequence[SiteResult], params: Params, state: Mapping[str, Any], round_num: int | None = None
     ) -> tuple[list[ClientUpdate], list[Rejection]]:
         """Accepted updates sorted by site (aggregation never depends on arrival order) and the rejections.
 
@@ -358,7 +366,7 @@ class RoundEngine:
         rule's own checks, which therefore only see updates that agree on the trainable set (SCAFFOLD's round-1
         control check relies on it).
         """
-        checked, rejections = self._checked_results(results, params)
+        checked, rejections = self._checked_results(results, params, round_num)
         _, disagreeing = agreed_param_keys({u.site: u.meta.get(meta_keys.PARAM_KEYS) for u in checked})
         updates: list[ClientUpdate] = []
         for update in checked:
@@ -373,18 +381,24 @@ class RoundEngine:
         return sorted(updates, key=lambda u: u.site), rejections
 
     def _checked_results(
-        self, results: Sequence[SiteResult], params: Params
+        self, results: Sequence[SiteResult], params: Params, round_num: int | None
     ) -> tuple[list[ClientUpdate], list[Rejection]]:
-        """Each result checked on its own (no rule check yet), a second one from the same site rejected."""
+        """Each result checked on its own (no rule check yet), a second one from the same site rejected. A result of
+        another round is rejected without counting as the site's result, so a late one never displaces the site's
+        current result, whichever arrives first."""
         checked: list[ClientUpdate] = []
         rejections: list[Rejection] = []
         seen: set[str] = set()
         for result in results:
-            if result.site in seen:
+            of_this_round = (
+                round_num is None or (result.meta or {}).get(meta_keys.TRAINED_ROUND, round_num) == round_num
+            )
+            if of_this_round and result.site in seen:
                 rejections.append(Rejection(result.site, ("a second result from this site in the same round",)))
                 continue
-            seen.add(result.site)
-            outcome = validate_result(result, params, self.rule.required_meta)
+            if of_this_round:
+                seen.add(result.site)
+            outcome = validate_result(result, params, self.rule.required_meta, round_num=round_num)
             (checked if isinstance(outcome, ClientUpdate) else rejections).append(outcome)
         return checked, rejections
 

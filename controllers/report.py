@@ -60,6 +60,19 @@ def completion_problems(records: Sequence[dict[str, Any]]) -> list[str]:
     return problems
 
 
+def finished_records(workspace: Path, log_tail: str = "") -> list[dict[str, Any]]:
+    """The metrics of a simulator run that completed its rounds; otherwise an error with the reasons (for scripts
+    that run ``nvflare simulator`` themselves: it exits 0 when a job aborts). ``log_tail``: appended to the error."""
+    try:
+        records = load_records(workspace)
+    except FileNotFoundError as exc:
+        raise RuntimeError(f"{exc}\n{log_tail}".rstrip()) from exc
+    problems = completion_problems(records)
+    if problems:
+        raise RuntimeError(f"the job in {workspace} did not finish: {'; '.join(problems)}\n{log_tail}".rstrip())
+    return records
+
+
 def failed_rounds(records: Sequence[dict[str, Any]]) -> list[str]:
     """One line per round that left the global model unchanged, with the engine's reason."""
     return [
@@ -222,7 +235,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FileNotFoundError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    empty = [label for label, records in runs.items() if not records]
+    for label in empty:  # nothing to show: say why, and never crash on it (the job must not look finished)
+        print(f"error: {label}: {completion_problems([])[0]}", file=sys.stderr)
+    if len(empty) == len(runs):
+        return 1
     for (label, records), workspace in zip(runs.items(), args.workspaces, strict=True):
+        if not records:
+            continue
         final = records[-1]
         print(f"\n== {label}: {workspace}\n{format_table(records)}")
         print(f"final global test accuracy: {_fmt(final.get('test_accuracy'))}")
@@ -238,10 +258,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"the final global model at every site ({workspace / FINAL_SCORES}):\n{table}")
         print(f"global model: {workspace / RUN_DIR / 'app_server' / 'FL_global_model.pt'}")
         print(f"metrics:      {workspace / METRICS}")
-    plot = plot_runs(runs, args.plot or args.workspaces[0] / "round_metrics.png")
+    shown = {label: records for label, records in runs.items() if records}
+    plot = plot_runs(shown, args.plot or args.workspaces[0] / "round_metrics.png")
     print(f"plot:         {plot}")
-    status = 0
-    for label, records in runs.items():
+    status = 1 if empty else 0
+    for label, records in shown.items():
         for line in [*failed_rounds(records), *control_runaways(records)[:3]]:
             print(f"warning: {label}: {line}", file=sys.stderr)
         for problem in completion_problems(records):

@@ -169,6 +169,7 @@ class FederatedAlgorithm(pl.Callback):
 
     def _reset_round(self) -> None:
         self._round_started = False
+        self._trained_round: Any = None
         self._steps = 0
         self._losses: list[float] = []
         self._solver_steps: list[tuple[float, float, float] | None] = []
@@ -205,6 +206,7 @@ class FederatedAlgorithm(pl.Callback):
             if self.algorithm.state_store is not None:  # a per-run store follows the server's run id
                 self.algorithm.state_store.use_run(meta.get(meta_keys.RUN_ID))
             rank_zero_first(trainer, lambda: self.algorithm.on_round_start(pl_module, meta))
+            self._trained_round = meta.get(meta_keys.ROUND)
             self._round_started = True
 
     # -- per step -----------------------------------------------------------------------------------------------
@@ -271,6 +273,8 @@ class FederatedAlgorithm(pl.Callback):
         self._site_eval = {}
         meta[meta_keys.NUM_SAMPLES] = self.num_samples if self.num_samples is not None else _dataset_size(trainer)
         meta[meta_keys.FIT_SECONDS] = round(time.monotonic() - self._fit_started, 4)
+        if self._trained_round is not None:  # echoed so the server can refuse a result that arrives in another round
+            meta[meta_keys.TRAINED_ROUND] = self._trained_round
         self.last_meta = meta
         pl_module.__fl_meta__ = meta
 

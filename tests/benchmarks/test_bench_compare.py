@@ -130,3 +130,21 @@ def test_overview_has_a_column_per_group_marks_best_and_ties_and_orders_by_mean_
 def test_overview_neither_ranks_nor_gives_a_spread_to_single_seed_values():
     one_seed = [dataclasses.replace(_summary(name, acc, 0.0), seeds=1) for name, acc in (("a", 0.8), ("b", 0.7))]
     assert compare.overview_table({("iid", 1.0): one_seed})[2:4] == ["| a | 80.0 |", "| b | 70.0 |"]
+
+
+def test_a_federation_that_records_fewer_rounds_than_planned_fails_its_cell_and_the_command_exits_1(
+    tmp_path, monkeypatch, capsys
+):
+    import controllers.in_process as in_process
+
+    def stops_after_one_round(spec, state_root, *, run_id, wrap_transport, **_):
+        wrap_transport(None)
+        records = [{"stage": "initial", "num_rounds": 2}, {"stage": "round", "round": 0, "status": "aggregated"}]
+        return in_process.InProcessRun(params={}, state={}, records=records)
+
+    monkeypatch.setattr(in_process, "run_in_process", stops_after_one_round)
+    assert compare.main(["--grid", "smoke", "--out", str(tmp_path), "--workers", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "cell fedavg__dir0.1__p1__s0 failed: IncompleteFederation: 1 round record(s) of 2 planned" in err
+    assert "error: 4 cell(s) failed" in err
+    assert not list((tmp_path / "cells").glob("*.json"))  # a failed cell is never written, so a rerun retries it

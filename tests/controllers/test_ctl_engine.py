@@ -258,6 +258,36 @@ def test_a_second_result_from_one_site_is_rejected():
     assert host.records[0]["rejected"] == {"site-1": ["a second result from this site in the same round"]}
 
 
+@pytest.mark.parametrize("late_first", [True, False])
+def test_a_late_result_of_an_earlier_round_is_rejected_and_never_displaces_the_current_one(late_first):
+    """site-1's round-1 result arrives in round 2 next to its round-2 result: only the current one is aggregated,
+    whichever arrives first (a late result computed from another global model must not be averaged in)."""
+
+    class WithLateResult:
+        def train(self, round_num, targets, params, meta):
+            shifted = {k: v + np.float32(1.0) for k, v in params.items()}
+            late = {k: v + np.float32(100.0) for k, v in params.items()}
+            base = {meta_keys.NUM_SAMPLES: 10, meta_keys.PARAM_KEYS: ["w", "b"]}
+            current = SiteResult("site-1", shifted, {**base, meta_keys.TRAINED_ROUND: round_num})
+            stale = SiteResult("site-1", late, {**base, meta_keys.TRAINED_ROUND: round_num - 1})
+            return [stale, current] if late_first else [current, stale]
+
+    engine = RoundEngine(build_rule("fedavg"), num_rounds=3)
+    host = MemoryHost()
+    outcome = engine.run_round(1, ("site-1",), GLOBAL, {}, WithLateResult(), host, run_id="r")
+    assert outcome.aggregated and host.records[0]["aggregated"] == ["site-1"]
+    assert host.records[0]["rejected"] == {
+        "site-1": ["a result trained in round 0 arrived in round 1 (late or replayed)"]
+    }
+    for key, value in GLOBAL.items():
+        np.testing.assert_array_equal(outcome.params[key], value + np.float32(1.0))
+
+
+def test_a_result_that_does_not_say_its_round_is_not_refused_for_it():
+    outcome, host, _ = run_one_round(build_rule("fedavg"))
+    assert outcome.aggregated and host.records[0]["rejected"] == {}
+
+
 def test_validate_result_names_every_problem():
     result = SiteResult(
         "site-4",

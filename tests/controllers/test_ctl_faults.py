@@ -10,9 +10,11 @@ because of one site.
 from __future__ import annotations
 
 import errno
+import logging
 from collections.abc import Callable
 
 import numpy as np
+import pytest
 import torch
 
 from aggregators import meta_keys
@@ -131,6 +133,29 @@ def test_a_late_result_that_never_arrives_leaves_a_round_of_the_others_with_popu
     assert_finite(result.params)
 
 
+def test_a_result_that_arrives_a_round_late_is_rejected_and_c_stays_the_mean_of_the_site_controls(tmp_path):
+    """site-3's round-1 result is held back and delivered in round 2, next to its round-2 result."""
+    held: list[SiteResult] = []
+
+    def delay_site_3(round_num, results):
+        if round_num == 0:
+            held.extend(r for r in results if r.site == "site-3")
+            return [r for r in results if r.site != "site-3"]
+        if round_num == 1:
+            return held + results
+        return results
+
+    result = run(tmp_path, delay_site_3)
+    assert [r["aggregated"] for r in result.rounds] == [["site-1", "site-2"], list(SITES), list(SITES)]
+    assert result.rounds[1]["rejected"] == {
+        "site-3": ["a result trained in round 0 arrived in round 1 (late or replayed)"]
+    }
+    assert_finite(result.params)
+    expected = mean_site_control(tmp_path)
+    for key, value in result.state["control"].items():
+        np.testing.assert_allclose(value, expected[key], atol=1e-6)
+
+
 def test_an_oversized_payload_is_rejected_by_name(tmp_path):
     def oversized(round_num, results):
         bad = next(r for r in results if r.site == "site-1")
@@ -143,13 +168,18 @@ def test_an_oversized_payload_is_rejected_by_name(tmp_path):
     assert any("shape" in problem for problem in record["rejected"]["site-1"])
 
 
-def test_a_corrupt_state_file_stops_that_site_only_and_its_error_names_the_file(tmp_path):
+def test_a_corrupt_state_file_stops_that_site_only_and_its_error_names_the_file(tmp_path, caplog):
     run(tmp_path, num_rounds=1)
     state_file = ClientStateStore(tmp_path, "site-2").path("scaffold")
     state_file.write_bytes(state_file.read_bytes()[:40])  # truncated
-    result = run(tmp_path, num_rounds=1)
+    with caplog.at_level(logging.ERROR, logger="controllers.engine"):
+        result = run(tmp_path, num_rounds=1)
     (record,) = result.rounds
     assert record["aggregated"] == ["site-1", "site-3"] and record["status"] == "aggregated"
+    [failure] = [r.getMessage() for r in caplog.records if "failed and sends no result" in r.getMessage()]
+    assert (
+        failure.startswith("round 1: site-2 failed and sends no result: StateStoreError") and str(state_file) in failure
+    )
 
 
 def test_a_full_disk_while_a_site_saves_its_state_keeps_the_committed_state(tmp_path, monkeypatch):
@@ -195,10 +225,7 @@ def test_after_a_rejected_result_c_still_equals_the_mean_of_the_site_controls(tm
 def test_a_dropped_result_leaves_c_equal_to_the_mean_of_the_site_controls(tmp_path):
     """site-2's round-2 result never arrives (a timeout): its c_i of that round is rolled back at its next round."""
 
-    def drop_site_2(round_num, results):
-        return [r for r in results if not (round_num == 1 and r.site == "site-2")]
-
-    result = run(tmp_path, drop_site_2)
+    result = run(tmp_path, drop_site_2_in_round_2)
     assert [sorted(r["aggregated"]) for r in result.rounds][1] == ["site-1", "site-3"]
     expected = mean_site_control(tmp_path)
     for key, value in result.state["control"].items():
@@ -238,9 +265,25 @@ def test_a_replayed_round_starts_from_the_committed_state_and_sends_the_same_dif
         np.testing.assert_allclose(value, expected[key], atol=1e-6)
 
 
-def test_feddyn_server_sum_equals_the_sum_of_the_site_states_after_a_rejection(tmp_path):
-    result = run(tmp_path, nan_in_round_2("site-3"), client="feddyn", server="feddyn", server_args={"alpha": 0.01})
-    assert result.rounds[1]["rejected"].keys() == {"site-3"}
+def drop_site_2_in_round_2(round_num, results):
+    return [r for r in results if not (round_num == 1 and r.site == "site-2")]
+
+
+FEDDYN_FAULTS = {
+    "rejected": lambda transport: FaultyTransport(transport, nan_in_round_2("site-3")),
+    "dropped": lambda transport: FaultyTransport(transport, drop_site_2_in_round_2),
+    "replayed": ReplayingTransport,
+}
+
+
+@pytest.mark.parametrize("fault", sorted(FEDDYN_FAULTS))
+def test_feddyn_server_sum_equals_the_sum_of_the_site_states_after_a_fault(tmp_path, fault):
+    """FedDyn's server keeps h = sum_k H_k (its h/m term); a rejected, dropped or replayed round must not break it."""
+    feddyn = spec(client="feddyn", server="feddyn", server_args={"alpha": 0.01})
+    with quiet_lightning():
+        result = run_in_process(feddyn, tmp_path, evaluate=False, run_id="faults", wrap_transport=FEDDYN_FAULTS[fault])
+    expected_round_2 = {"rejected": ["site-1", "site-2"], "dropped": ["site-1", "site-3"], "replayed": list(SITES)}
+    assert result.rounds[1]["aggregated"] == expected_round_2[fault]
     stored = [ClientStateStore(tmp_path, site).latest("feddyn").state for site in SITES]
     for key, value in result.state["h_sum"].items():
         np.testing.assert_allclose(value, sum(s[key].numpy() for s in stored), atol=1e-6)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from controllers import report
 
 
@@ -50,8 +52,14 @@ def test_some_failed_rounds_are_warnings_not_errors(tmp_path, capsys):
     assert "warning: ws: round 1: x" in capsys.readouterr().err
 
 
-def test_an_empty_metrics_file_is_an_error():
+def test_an_empty_metrics_file_is_an_error(tmp_path, capsys):
     assert report.completion_problems([]) == ["the metrics file is empty: the server stopped before its first round"]
+    empty = write_metrics(tmp_path / "empty", [])
+    assert report.main([str(empty), "--plot", str(tmp_path / "p.png")]) == 1
+    assert "error: empty: the metrics file is empty" in capsys.readouterr().err
+    finished = write_metrics(tmp_path / "ws", [initial(), *(round_record(i) for i in range(3))])
+    assert report.main([str(finished), str(empty), "--plot", str(tmp_path / "p.png")]) == 1  # one bad run of two
+    assert "error: empty: the metrics file is empty" in capsys.readouterr().err
 
 
 def test_a_scaffold_control_runaway_is_named_by_site_and_round():
@@ -70,3 +78,13 @@ def test_a_scaffold_control_runaway_is_named_by_site_and_round():
     lines = report.control_runaways(records)
     assert len(lines) == 1 and lines[0].startswith("round 3: site-1's SCAFFOLD control ||c_i|| jumped from 4.9 to 30")
     assert report.control_runaways(records[:2]) == []  # x4.9 is growth, not a runaway
+
+
+def test_scripts_that_run_the_simulator_get_the_records_only_of_a_finished_job(tmp_path):
+    finished = write_metrics(tmp_path / "done", [initial(2), round_record(0), round_record(1)])
+    assert len(report.finished_records(finished)) == 3
+    aborted = write_metrics(tmp_path / "aborted", [initial(5), round_record(0)])
+    with pytest.raises(RuntimeError, match=r"did not finish: the job stopped after round 1 of 5.*\nTraceback: boom"):
+        report.finished_records(aborted, "Traceback: boom")
+    with pytest.raises(RuntimeError, match=r"no metrics at .*\nsimulator log"):
+        report.finished_records(tmp_path / "never-ran", "simulator log")

@@ -322,12 +322,14 @@ def test_end_round_meta_is_complete_namespaced_and_never_reserved():
         meta_keys.NUM_SAMPLES,
         meta_keys.FIT_SECONDS,  # the site's compute time, which the round-overhead benchmark subtracts
         meta_keys.PARAM_KEYS,  # which entries are trainable (the rest are buffers)
+        meta_keys.TRAINED_ROUND,  # the server round it was trained in: a late result is refused by it
         meta_keys.FEDNOVA_TAU,  # the local update is plain SGD, so FedNova can normalise it
         meta_keys.FEDNOVA_A_NORM,
         "recorder.num_events",  # the algorithm's own meta is merged in
     }
     assert meta[meta_keys.NUM_STEPS] == 4
     assert meta[meta_keys.NUM_SAMPLES] == 32
+    assert meta[meta_keys.TRAINED_ROUND] == 1  # the broadcast's server.round, echoed
     assert meta[meta_keys.CLIENT_ALGORITHM] == "recorder"
     assert meta["recorder.num_events"] == rec.events.index("on_round_end") + 1
     assert len(rec.task_losses) == 4
