@@ -124,7 +124,7 @@ def test_a_duplicate_result_counts_once(tmp_path):
     assert record["rejected"] == {"site-3": ["a second result from this site in the same round"]}
 
 
-def test_a_late_result_that_never_arrives_leaves_a_round_of_the_others_with_population_scaling(tmp_path):
+def test_a_result_that_never_arrives_leaves_a_round_of_the_others_with_population_scaling(tmp_path):
     def site_3_times_out_in_round_2(round_num, results):
         return [r for r in results if not (round_num == 1 and r.site == "site-3")]
 
