@@ -369,6 +369,7 @@ class Summary:
     wall_per_round: float
     failed_rounds: int
     late_gain: float = math.nan  # accuracy points gained in the last LATE_WINDOW rounds (see late_gain)
+    late_mean: tuple[float, float] = (math.nan, math.nan)  # mean accuracy of the last LATE_WINDOW rounds: mean, std
 
 
 #: Rounds over which the report measures whether a curve has flattened.
@@ -383,6 +384,15 @@ def late_gain(curves: np.ndarray, window: int = LATE_WINDOW) -> float:
         return math.nan
     last, before = rounds[:, -window:], rounds[:, -2 * window : -window]
     return float(100 * np.mean(np.nanmean(last, axis=1) - np.nanmean(before, axis=1)))
+
+
+def late_mean(curves: np.ndarray, window: int = LATE_WINDOW) -> tuple[float, float]:
+    """Mean and std over seeds of each seed's mean accuracy in its last ``window`` rounds: the end point without the
+    round-to-round oscillation that the final round alone carries (nan when the run is shorter than ``window``)."""
+    rounds = curves[:, 1:]
+    if rounds.shape[1] < window:
+        return math.nan, math.nan
+    return mean_std(np.nanmean(rounds[:, -window:], axis=1))
 
 
 def flattened(summary: Summary) -> bool:
@@ -434,6 +444,7 @@ def summarise(algorithm: str, results: Sequence[Mapping[str, Any]], target: floa
         wall_per_round=float(np.mean(walls)) if walls else math.nan,
         failed_rounds=failed,
         late_gain=late_gain(curves_array),
+        late_mean=late_mean(curves_array),
     )
 
 
@@ -477,10 +488,10 @@ def spread_text(spread: float) -> str:
 def group_table(summaries: Sequence[Summary], target: float) -> list[str]:
     notes = ranking_notes(summaries)
     lines = [
-        f"| algorithm | seeds | final acc % | best acc % | rounds to {target:.0%} | gain, last {LATE_WINDOW} rounds "
-        "(pts) | site loss spread | worst site train acc | KB / site / round (meta share) | client state KB / site | "
-        "s / round | |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| algorithm | seeds | final acc % | mean acc %, last {LATE_WINDOW} rounds | best acc % | rounds to "
+        f"{target:.0%} | gain, last {LATE_WINDOW} rounds (pts) | site loss spread | worst site train acc | "
+        "KB / site / round (meta share) | client state KB / site | s / round | |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in sorted(summaries, key=lambda s: -s.final[0]):
         reach = f"{s.rounds_to_target:.1f} ({s.reached}/{s.seeds})" if s.rounds_to_target is not None else "never"
@@ -489,8 +500,8 @@ def group_table(summaries: Sequence[Summary], target: float) -> list[str]:
         gain = "–" if math.isnan(s.late_gain) else f"{s.late_gain:+.1f}" + (" (flat)" if flattened(s) else "")
         traffic = f"{s.bytes_per_site_round / 1024:.0f} ({s.meta_share:.0%})"
         lines.append(
-            f"| {s.algorithm} | {s.seeds} | {_pct(s.final)} | {_pct(s.best)} | {reach} | {gain} | "
-            f"{spread_text(s.loss_spread)} | {s.worst_site_train_acc:.3f} | {traffic} | "
+            f"| {s.algorithm} | {s.seeds} | {_pct(s.final)} | {_pct(s.late_mean)} | {_pct(s.best)} | {reach} | "
+            f"{gain} | {spread_text(s.loss_spread)} | {s.worst_site_train_acc:.3f} | {traffic} | "
             f"{s.state_bytes_per_site / 1024:.0f} | {s.wall_per_round:.2f} | {remarks} |"
         )
     return lines
@@ -579,6 +590,8 @@ def write_report(out: Path, command: str) -> Path:
         "simulator, tested). Mean ± std over the seeds named in each table; a gap smaller than the seed spread "
         "is a tie. Single-seed rows carry no spread and cannot be ranked. Site loss spread: std of the sites' "
         "local training losses in a round. Worst site: local training accuracy (the sites' own data), last round. "
+        f"Mean acc, last {LATE_WINDOW} rounds: each seed's mean test accuracy over its last {LATE_WINDOW} rounds, "
+        "then mean ± std over seeds (the end point without the last round's oscillation). "
         f"Gain, last {LATE_WINDOW} rounds: mean accuracy of the last {LATE_WINDOW} rounds minus that of the "
         f"{LATE_WINDOW} before, in points, mean over seeds; (flat) when it is within the seed spread of the final "
         "accuracy.",

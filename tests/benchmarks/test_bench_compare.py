@@ -98,6 +98,15 @@ def test_late_gain_is_the_last_window_minus_the_one_before_in_points_and_flat_wi
     assert not compare.flattened(dataclasses.replace(summary, late_gain=float("nan")))
 
 
+def test_late_mean_is_each_seeds_mean_over_the_last_window_then_mean_and_std_over_seeds():
+    # Window 2: seed 0 (0.5 + 0.6)/2 = 0.55, seed 1 (0.7 + 0.7)/2 = 0.7; mean 0.625, sample std 0.15/sqrt(2).
+    curves = np.array([[0.0, 0.1, 0.2, 0.5, 0.6], [0.0, 0.6, 0.6, 0.7, 0.7]])
+    mean, std = compare.late_mean(curves, window=2)
+    assert mean == pytest.approx(0.625, abs=1e-12) and std == pytest.approx(0.15 / np.sqrt(2), abs=1e-12)
+    assert compare.late_mean(curves, window=4) == pytest.approx((0.5, np.std([0.35, 0.65], ddof=1)), abs=1e-12)
+    assert all(np.isnan(compare.late_mean(curves, window=5)))  # shorter than the window
+
+
 def test_table_remarks_and_loss_spreads_read_cleanly():
     """Failed rounds without a rank note have no stray separator; blown-up and non-finite spreads stay readable."""
     best = dataclasses.replace(_summary("fedavg", 0.8, 0.01), loss_spread=0.25)
@@ -105,7 +114,7 @@ def test_table_remarks_and_loss_spreads_read_cleanly():
     diverged = dataclasses.replace(_summary("feddyn", 0.7, 0.01), failed_rounds=2, loss_spread=2.15e24)
     rows = compare.group_table([best, collapsed, diverged], target=0.7)[2:]
     cells = [[cell.strip() for cell in row.split("|")[1:-1]] for row in rows]
-    assert [(c[0], c[6], c[-1]) for c in cells] == [
+    assert [(c[0], c[7], c[-1]) for c in cells] == [
         ("fedavg", "0.250", "best"),
         ("feddyn", "2.1e+24", "2 failed rounds"),
         ("scaffold", "non-finite", "41 failed rounds"),
