@@ -130,9 +130,8 @@ def validate_result(
     """
     params, meta = dict(result.params or {}), dict(result.meta or {})
     problems = param_problems(global_params, params)
-    trained = meta.get(meta_keys.TRAINED_ROUND, round_num)
-    if round_num is not None and trained != round_num:
-        problems.append(f"a result trained in round {trained!r} arrived in round {round_num} (late or replayed)")
+    if wrong_round := other_round_problem(meta, round_num):
+        problems.append(wrong_round)
     problems += meta_problems(meta, [meta_keys.NUM_SAMPLES, *required_meta])
     num_samples = meta.get(meta_keys.NUM_SAMPLES)
     if meta_keys.NUM_SAMPLES in meta:
@@ -147,6 +146,15 @@ def validate_result(
     update = ClientUpdate(site=result.site, params=params, num_samples=int(num_samples), meta=meta)
     rule_problems = rule_check(update) if rule_check is not None else []
     return Rejection(site=result.site, problems=tuple(rule_problems)) if rule_problems else update
+
+
+def other_round_problem(meta: Mapping[str, Any], round_num: int | None) -> str | None:
+    """Why a result is not one of round ``round_num`` (its ``train.round`` names another), or None; a result that
+    does not say, or no round to compare with, is taken as the round's."""
+    trained = meta.get(meta_keys.TRAINED_ROUND, round_num)
+    if round_num is None or trained == round_num:
+        return None
+    return f"a result trained in round {trained!r} arrived in round {round_num} (late or replayed)"
 
 
 def aggregate_problems(global_params: Mapping[str, np.ndarray], params: Mapping[str, Any]) -> list[str]:
@@ -390,9 +398,7 @@ class RoundEngine:
         rejections: list[Rejection] = []
         seen: set[str] = set()
         for result in results:
-            of_this_round = (
-                round_num is None or (result.meta or {}).get(meta_keys.TRAINED_ROUND, round_num) == round_num
-            )
+            of_this_round = other_round_problem(result.meta or {}, round_num) is None
             if of_this_round and result.site in seen:
                 rejections.append(Rejection(result.site, ("a second result from this site in the same round",)))
                 continue
