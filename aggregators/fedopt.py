@@ -44,6 +44,14 @@ CHUNK = 1 << 16  # elements per slice of a parameter: ~16 slices of 256 KiB stay
 # Per variant: (server lr eta, beta1). Adam/Yogi/Adagrad follow Flower's and google-research/federated's
 # starting points; Adagrad has no momentum in the released code; FedAvgM uses momentum 0.9 at eta = 1.
 VARIANT_DEFAULTS = {"adam": (0.01, 0.9), "yogi": (0.01, 0.9), "adagrad": (0.1, 0.0), "avgm": (1.0, 0.9)}
+#: Smallest tau of the adaptive variants (Adam, Yogi, Adagrad); :data:`TAU_FLOOR_WHY` says why.
+TAU_FLOOR = 1e-12
+TAU_FLOOR_WHY = (
+    "m and v are float32: v of a coordinate that moved by |d| underflows once d^2 is below float32's smallest "
+    "normal (1.2e-38), and then the step is eta * m / tau, which only tau bounds (a move of 1e-24 steps by "
+    "eta * 1e-25 / tau: at most 1e-15 at tau = 1e-12 with eta = 0.01, 1e13 at tau = 1e-40; tau = 1e-46 is 0 in float32 "
+    "and an unmoved coordinate becomes 0 / 0 = NaN)"
+)
 
 
 def second_moment(variant: str, v_prev: np.ndarray, squared: np.ndarray, beta2: float) -> np.ndarray:
@@ -65,6 +73,14 @@ def second_moment(variant: str, v_prev: np.ndarray, squared: np.ndarray, beta2: 
     return v
 
 
+def check_tau(rule: str, variant: str, tau: Any) -> None:
+    """tau >= 0 for FedAvgM (which does not use it); tau >= :data:`TAU_FLOOR` for the adaptive variants, else an
+    error naming the rule, the setting, the allowed range and why (:data:`TAU_FLOOR_WHY`)."""
+    check_number(rule, "tau", tau, low=0.0 if variant == "avgm" else -math.inf)  # a finite number first
+    if variant != "avgm" and tau < TAU_FLOOR:
+        raise AggregationError(f"{rule}: tau must lie in [{TAU_FLOOR}, inf], got {tau}; {TAU_FLOOR_WHY}")
+
+
 def effective_lr(server_lr: float, beta1: float, beta2: float, step: int, bias_correction: bool) -> float:
     """eta, or eta * sqrt(1 - beta2^t) / (1 - beta1^t) with bias correction (t = 1 in the first round)."""
     if not bias_correction:
@@ -80,9 +96,11 @@ class FedOpt(AggregationRule):
         server_lr: eta (``None``: the variant's default, see ``VARIANT_DEFAULTS``).
         beta1: first-moment decay; for FedAvgM the server momentum (``None``: the variant's default).
         beta2: second-moment decay (Adam, Yogi).
-        tau: adaptivity, added to sqrt(v_t) (Adam, Yogi, Adagrad).
+        tau: adaptivity, added to sqrt(v_t) (Adam, Yogi, Adagrad): at least ``TAU_FLOOR`` = 1e-12, since m and v
+            are float32 and v of a coordinate that moved by less than ~1e-19 underflows, leaving eta * m / tau as its
+            step (``TAU_FLOOR_WHY``); FedAvgM ignores it (any tau >= 0).
         bias_correction: Kingma-Ba bias correction of eta (off in Algorithm 2).
-        v0: initial second moment (``None``: tau^2).
+        v0: initial second moment (``None``: tau^2); a finite number >= 0.
         weighting: ``samples`` (p_i = n_i / n, docs/design.md decision 6) or ``uniform`` (1/|S|, Algorithm 2's mean).
     """
 
@@ -107,10 +125,10 @@ class FedOpt(AggregationRule):
             object.__setattr__(self, "beta1", default_beta1)
         check_number(self.name, "server_lr", self.server_lr, low=0.0, low_open=True)
         # beta = 1 would freeze a moment (and divide by zero with bias correction); tau = 0 makes every coordinate
-        # that no client moved 0 / 0 = NaN in an adaptive step.
+        # that no client moved 0 / 0 = NaN in an adaptive step, and a tiny tau an unbounded one (TAU_FLOOR_WHY).
         check_number(self.name, "beta1", self.beta1, low=0.0, high=1.0, high_open=True)
         check_number(self.name, "beta2", self.beta2, low=0.0, high=1.0, high_open=True)
-        check_number(self.name, "tau", self.tau, low=0.0, low_open=self.variant != "avgm")
+        check_tau(self.name, self.variant, self.tau)
         if self.v0 is not None:
             check_number(self.name, "v0", self.v0, low=0.0)
         if not isinstance(self.bias_correction, bool):

@@ -268,9 +268,18 @@ class IncompleteFederation(RuntimeError):
 
 
 def require_rounds(rounds: Sequence[Any], planned: int) -> None:
-    """A table cell must come from the rounds it claims; fewer round records than planned is an error."""
+    """A table cell must come from the rounds it claims: fewer round records than planned is an error, and so are
+    rounds none of which updated the global model (the round engine records failed rounds too, so such a federation
+    would report the initial model's flat curve). Some failed rounds are not an error: a federation under attack
+    may reject every result of a round. The check is the one made of simulator runs
+    (:func:`controllers.report.completion_problems`)."""
+    from controllers.report import completion_problems  # here: this module's own imports stay those of the harness
+
     if len(rounds) < planned:
         raise IncompleteFederation(f"{len(rounds)} round record(s) of {planned} planned")
+    problems = completion_problems(rounds) if rounds else []  # no rounds planned: nothing can have failed
+    if problems:
+        raise IncompleteFederation("; ".join(problems))
 
 
 def write_json(path: Path, value: Any) -> None:

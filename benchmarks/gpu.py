@@ -9,13 +9,16 @@ bf16-mixed, through the in-process round engine (the sites' Lightning rounds as 
 Throughput is training samples per second of the sites' ``trainer.fit`` (``train.fit_seconds``, so start-up and
 aggregation are not counted); accuracy is the global test accuracy (LeNet-5) or the sites' mean validation accuracy
 of the final model (genomics). Every client state file is checked to hold float32 tensors only: the algorithm
-state stays fp32 under bf16-mixed. Results: a table on stdout and ``--out`` JSON. The device is named in both.
+state stays fp32 under bf16-mixed. Results: a table on stdout and ``--out`` JSON. The device is named in both. A run
+that records fewer rounds than planned, or none that updated the global model, is named with the reason and makes
+the command exit 1 (:func:`benchmarks.compare.require_rounds`): its throughput and accuracy would measure nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -44,6 +47,8 @@ def case_specs(quick: bool) -> dict[str, dict[str, Any]]:
 
 
 def run_case(name: str, settings: dict[str, Any], algorithm: str, precision: str) -> dict[str, Any]:
+    """One run's row; :class:`benchmarks.compare.IncompleteFederation` when it did not complete its rounds."""
+    from benchmarks.compare import require_rounds
     from controllers.in_process import quiet_lightning, run_in_process
     from jobs.spec import JobSpec
     from lightning_modules.state_store import ClientStateStore
@@ -62,6 +67,7 @@ def run_case(name: str, settings: dict[str, Any], algorithm: str, precision: str
             }
         )
     rounds = run.rounds
+    require_rounds(rounds, settings["num_rounds"])
     samples = sum(sum(r["site_num_samples"].values()) for r in rounds)
     fit_seconds = sum(m.get("train.fit_seconds", 0.0) for r in rounds for m in r["site_meta"].values())
     final = rounds[-1]
@@ -85,6 +91,15 @@ def _empty() -> Any:
     return SimpleNamespace(state={})
 
 
+def format_row(row: dict[str, Any]) -> str:
+    """One table line; an accuracy that is None (no test set and no site scores) shows as "-"."""
+    accuracy = "-" if row["final_accuracy"] is None else f"{row['final_accuracy']:.4f}"
+    return (
+        f"{row['case']:22s} {row['algorithm']:9s} {row['precision']:11s} {row['samples_per_s']:10.0f} samples/s  "
+        f"accuracy {accuracy}  state {','.join(row['state_dtypes']) or '-'}"
+    )
+
+
 def device_name() -> str:
     import torch
 
@@ -98,25 +113,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="2 rounds on small data: checks the script runs")
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
     args = parser.parse_args(argv)
-    rows = []
+    from benchmarks.compare import IncompleteFederation
+
+    rows, incomplete = [], []
     for name, settings in case_specs(args.quick).items():
         for algorithm in ALGORITHMS:
             for precision in PRECISIONS:
-                rows.append(run_case(name, settings, algorithm, precision))
-                row = rows[-1]
-                print(
-                    f"{name:22s} {algorithm:9s} {precision:11s} {row['samples_per_s']:10.0f} samples/s  "
-                    f"accuracy {row['final_accuracy']:.4f}  state {','.join(row['state_dtypes']) or '-'}",
-                    flush=True,
-                )
+                try:
+                    rows.append(run_case(name, settings, algorithm, precision))
+                except IncompleteFederation as exc:  # the other runs still measure; the exit status says so
+                    incomplete.append(f"{name} {algorithm} {precision}: {exc}")
+                    print(f"{name} {algorithm} {precision}: did not complete", file=sys.stderr, flush=True)
+                    continue
+                print(format_row(rows[-1]), flush=True)
     print(f"device: {device_name()}")
     bad = [r for r in rows if any(d != "torch.float32" for d in r["state_dtypes"])]
     if args.out:
         args.out.write_text(json.dumps({"device": device_name(), "rows": rows}, indent=1))
     if bad:
         print(f"error: algorithm state not fp32 in {[(r['case'], r['algorithm'], r['precision']) for r in bad]}")
-        return 1
-    return 0
+    for failure in incomplete:
+        print(f"error: run did not complete: {failure}", file=sys.stderr)
+    return 1 if bad or incomplete else 0
 
 
 if __name__ == "__main__":

@@ -16,16 +16,21 @@ rules that need neither can run there:
   ``rule(x, {y_i}) = rule(0, {y_i})`` — FedAvg with ``server_lr = 1`` (x + Σ p_i (y_i − x) = Σ p_i y_i), the
   coordinate-wise median and trimmed mean, and Krum (distances between the y_i do not involve x).
 
-Every other rule is refused when the aggregator is built, with the reason. Each result passes the same
-validation as in our own controller (keys, shapes, finite values, sample count), against the first result's keys
-and shapes; a bad site is left out by name and the round goes on. A round that cannot aggregate (no valid result,
-a rule error, a non-finite aggregate) leaves the global model unchanged instead of ending the job
+Every other rule is refused when the aggregator is built, with the reason. The results are kept as they arrive
+and checked together when the round aggregates, with the round engine's validation (keys, shapes, finite values,
+sample count, one result per site, the round's agreed ``train.param_keys``): a bad site is left out by name and the
+round goes on. The keys and shapes they are checked against are those of the model this aggregator last returned
+(the global model: NVFlare's FedAvg replaces it with a FULL update); before any round aggregated, those most of the
+round's results carry (:func:`majority_signature`), so no single result, the first to arrive included, defines
+them. A tie trusts no result and fails the round. A round that cannot aggregate (no valid result, a rule error, a
+non-finite aggregate) leaves the global model unchanged instead of ending the job
 (:meth:`RuleAggregator.aggregate_model`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -34,9 +39,36 @@ from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
 from nvflare.app_common.aggregators.model_aggregator import ModelAggregator
 
 from aggregators import AggregationError, ClientUpdate, RoundContext, build_rule
-from controllers.adapters import Rejection, to_client_update
+from controllers.adapters import Rejection, result_site
 from controllers.checkpoint import save_updates
-from controllers.engine import aggregate_problems
+from controllers.engine import RoundEngine, SiteResult, aggregate_problems
+
+#: A result's parameter keys, each with its shape.
+Signature = frozenset[tuple[str, tuple[int, ...]]]
+
+
+def params_signature(params: Mapping[str, Any]) -> Signature:
+    """The keys and shapes of a result's parameters (``np.shape`` also reads lists and tensors)."""
+    return frozenset((str(key), tuple(np.shape(value))) for key, value in params.items())
+
+
+def majority_signature(signatures: Sequence[Signature]) -> tuple[Signature | None, str]:
+    """The keys and shapes most results carry, or ``None`` and why none is trusted.
+
+    Every site runs the job's model, so the shapes are a property of the job: the signature most results carry is
+    the model's, and a site sending another (an oversized payload, another model) is the one to reject, whenever it
+    arrives. A tie trusts no signature, as the round engine's trainable-set agreement does: the server cannot tell
+    which side is right. A result without parameters does not vote.
+    """
+    ranked = Counter(s for s in signatures if s).most_common()
+    if not ranked:
+        return None, "no result carries parameters"
+    if len(ranked) > 1 and ranked[1][1] == ranked[0][1]:
+        return None, (
+            f"the round's results carry {len(ranked)} different sets of parameter keys and shapes, none more often "
+            "than another; none is trusted"
+        )
+    return ranked[0][0], ""
 
 
 class RuleAggregator(ModelAggregator):
@@ -62,25 +94,24 @@ class RuleAggregator(ModelAggregator):
         self.aggregation_rule = build_rule(rule, **self.rule_args)
         _check_usable(self.aggregation_rule, rule)
         self.state = self.aggregation_rule.init_state({})
+        # The round engine's validation, so a result is accepted here exactly when our controller would accept it.
+        self.validator = RoundEngine(self.aggregation_rule, num_rounds=0, rule_label=rule)
+        #: keys and shapes of the model this aggregator last returned, i.e. NVFlare's global model (None: none yet).
+        self.model_signature: Signature | None = None
         self.reset_stats()
 
     def reset_stats(self) -> None:
+        self.results: list[SiteResult] = []
         self.updates: list[ClientUpdate] = []
         self.rejections: list[Rejection] = []
         self.reference: dict[str, np.ndarray] | None = None
         self.round_num = 0
 
     def accept_model(self, model: FLModel) -> None:
-        params = {key: np.asarray(value) for key, value in (model.params or {}).items()}
-        if self.reference is None:
-            self.reference = {key: np.zeros_like(value) for key, value in params.items()}
+        """Keep the result; it is checked with the round's others in :meth:`aggregate_model`, so that the order in
+        which results arrive decides nothing (module docstring)."""
         self.round_num = model.current_round or self.round_num
-        checked = to_client_update(model, self.reference, self.aggregation_rule.required_meta)
-        if isinstance(checked, Rejection):
-            self.rejections.append(checked)
-            self.error(str(checked))
-        else:
-            self.updates.append(checked)
+        self.results.append(SiteResult(result_site(model), model.params or {}, model.meta or {}))
 
     def aggregate_model(self) -> FLModel:
         """The new global model; on any failure a no-op update (below), never an exception.
@@ -102,9 +133,10 @@ class RuleAggregator(ModelAggregator):
 
     def _aggregate(self) -> dict[str, np.ndarray]:
         """The rule's aggregate of the accepted results, checked; the rule state advances only when it is usable."""
+        self._validate()
         if not self.updates or self.reference is None:
             raise AggregationError(f"{self.rule}: no valid result this round ({len(self.rejections)} rejected)")
-        updates = sorted(self.updates, key=lambda u: u.site)
+        updates = self.updates
         sites = tuple(u.site for u in updates)
         context = RoundContext(round_num=self.round_num, num_rounds=self.round_num + 1, population=sites)
         # Translation equivariance (module docstring): aggregating around x = 0 gives the rule's result for any x.
@@ -113,9 +145,32 @@ class RuleAggregator(ModelAggregator):
         if problems:
             raise AggregationError(f"rule '{self.rule}' produced an unusable model: " + "; ".join(problems))
         self.state = result.state
+        self.model_signature = params_signature(result.params)
         if self.save_updates_dir:
             save_updates(Path(self.save_updates_dir) / f"round_{self.round_num:05d}.npz", updates, result.params)
         return dict(result.params)
+
+    def _validate(self) -> None:
+        """Sets :attr:`updates` (sorted by site), :attr:`rejections` (each logged by site name) and
+        :attr:`reference`: zeros with the global model's keys and shapes when known, else the majority's."""
+        signatures = [params_signature(r.params) for r in self.results]
+        chosen, reason = (self.model_signature, "") if self.model_signature else majority_signature(signatures)
+        if chosen is None:
+            self.updates, self.rejections = [], [Rejection(r.site, (reason,)) for r in self.results]
+        else:
+            self.reference = reference_of(self.results, chosen)
+            self.updates, self.rejections = self.validator.validate(self.results, self.reference, self.state)
+        for rejection in self.rejections:
+            self.error(str(rejection))
+
+
+def reference_of(results: Sequence[SiteResult], signature: Signature) -> dict[str, np.ndarray]:
+    """Zeros with ``signature``'s keys and shapes, in the key order and dtypes of the result that carries it from
+    the first site by name (arrival order decides nothing); float32 when no result carries it."""
+    matching = sorted((r for r in results if params_signature(r.params) == signature), key=lambda r: r.site)
+    if matching:
+        return {key: np.zeros_like(np.asarray(value)) for key, value in matching[0].params.items()}
+    return {key: np.zeros(shape, np.float32) for key, shape in sorted(signature)}
 
 
 def _check_usable(rule: Any, name: str) -> None:

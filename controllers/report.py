@@ -5,7 +5,9 @@
 
 Reads ``<workspace>/server/simulate_job/metrics/round_metrics.jsonl`` as written by the controller. The NVFlare
 simulator exits 0 even when a job aborts, so the report checks that every configured round is in the metrics and
-that at least one round aggregated; otherwise it prints why and exits 1 (``make demo`` fails with it).
+that at least one round aggregated; otherwise it prints why and exits 1 (``make demo`` fails with it). That check
+comes before the plot, so without matplotlib (a site install) the reason is still printed; the missing plot is then
+an error naming the extra that installs it.
 """
 
 from __future__ import annotations
@@ -259,8 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"global model: {workspace / RUN_DIR / 'app_server' / 'FL_global_model.pt'}")
         print(f"metrics:      {workspace / METRICS}")
     shown = {label: records for label, records in runs.items() if records}
-    plot = plot_runs(shown, args.plot or args.workspaces[0] / "round_metrics.png")
-    print(f"plot:         {plot}")
+    # Completion before the plot: a job that stopped early must say why even when the plot cannot be drawn.
     status = 1 if empty else 0
     for label, records in shown.items():
         for line in [*failed_rounds(records), *control_runaways(records)[:3]]:
@@ -268,6 +269,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for problem in completion_problems(records):
             print(f"error: {label}: {problem}", file=sys.stderr)
             status = 1
+    try:
+        plot = plot_runs(shown, args.plot or args.workspaces[0] / "round_metrics.png")
+    except ModuleNotFoundError as exc:  # matplotlib missing (a site install): the message names the extra
+        print(f"error: no plot: {exc}", file=sys.stderr)
+        return 1
+    print(f"plot:         {plot}")
     return status
 
 

@@ -207,6 +207,8 @@ def test_a_nan_client_is_rejected_and_the_others_aggregate_without_it():
         ("fedadagrad", {"bias_correction": True}, "fedadam and fedyogi only"),
         ("fedavgm", {"weighting": "steps"}, "weighting"),
         ("fedadam", {"v0": float("nan")}, "v0"),
+        ("fedadam", {"v0": -1e-6}, r"v0 must lie in \[0.0, inf\], got -1e-06"),
+        ("fedyogi", {"v0": float("inf")}, "v0 must be a finite number, got inf"),
         ("fedadam", {"lr": 0.1}, "bad hyperparameters"),
     ],
 )
@@ -225,9 +227,9 @@ def test_a_stored_moment_of_the_wrong_shape_is_an_error():
 @pytest.mark.parametrize(
     ("rule", "args", "message"),
     [
-        ("fedadam", {"tau": 0.0}, r"tau must lie in \(0.0, inf\]"),
-        ("fedyogi", {"tau": 0.0}, r"tau must lie in \(0.0, inf\]"),
-        ("fedadagrad", {"tau": -1.0}, r"tau must lie in \(0.0, inf\]"),
+        ("fedadam", {"tau": 0.0}, r"tau must lie in \[1e-12, inf\], got 0.0"),
+        ("fedyogi", {"tau": 0.0}, r"tau must lie in \[1e-12, inf\], got 0.0"),
+        ("fedadagrad", {"tau": -1.0}, r"tau must lie in \[1e-12, inf\], got -1.0"),
         ("fedadam", {"beta1": 1.0}, r"beta1 must lie in \[0.0, 1.0\)"),
         ("fedavgm", {"beta1": 1.0}, r"beta1 must lie in \[0.0, 1.0\)"),
         ("fedadam", {"beta2": 1.0}, r"beta2 must lie in \[0.0, 1.0\)"),
@@ -236,6 +238,39 @@ def test_a_stored_moment_of_the_wrong_shape_is_an_error():
 def test_settings_that_make_nan_or_a_frozen_moment_are_refused(rule, args, message):
     with pytest.raises(AggregationError, match=message):
         build_rule(rule, **args)
+
+
+@pytest.mark.parametrize("rule", ["fedadam", "fedyogi", "fedadagrad"])
+@pytest.mark.parametrize("tau", [1e-40, 1e-46, 9.99e-13])
+def test_a_tau_below_the_floor_is_refused_naming_the_setting_the_range_and_why(rule, tau):
+    """1e-46 is 0 in float32 (0 / 0 = NaN on an unmoved coordinate); 1e-40 turns a move of 1e-24 into ~1e13."""
+    expected = f"{rule}: tau must lie in [1e-12, inf], got {tau}; m and v are float32: v of a coordinate that moved"
+    with pytest.raises(AggregationError) as refused:
+        build_rule(rule, tau=tau)
+    assert str(refused.value).startswith(expected) and "\n" not in str(refused.value)
+
+
+def test_fedavgm_ignores_tau_so_any_tau_of_at_least_0_is_accepted():
+    assert build_rule("fedavgm", tau=0.0).tau == 0.0
+    with pytest.raises(AggregationError, match=r"fedavgm: tau must lie in \[0.0, inf\], got -1.0$"):
+        build_rule("fedavgm", tau=-1.0)
+
+
+@pytest.mark.parametrize(
+    ("v0", "expected"),
+    [
+        # v0 = 0: Delta^2 = 1e-48 underflows to 0 in float32, so v = 0 and the step is eta * m / tau, with
+        # m = (1 - 0.9) * 1e-24: 0.01 * 1e-25 / 1e-12 = 1e-15.
+        (0.0, 1e-15),
+        # v0 = tau^2 = 1e-24: v = 0.99 * 1e-24 + 0, sqrt(v) = sqrt(0.99) * 1e-12, so the step is
+        # 0.01 * 1e-25 / ((1 + sqrt(0.99)) * 1e-12).
+        (None, 1e-27 / ((1 + 0.99**0.5) * 1e-12)),
+    ],
+)
+def test_tau_at_the_floor_keeps_the_step_of_an_underflowing_coordinate_finite_and_tiny(v0, expected):
+    rule = build_rule("fedadam", server_lr=0.01, beta1=0.9, beta2=0.99, tau=1e-12, v0=v0)
+    x, _ = _run(rule, [[np.array([1e-24, 0.0])]])
+    np.testing.assert_allclose(x["w"], [expected, 0.0], rtol=1e-6, atol=0)
 
 
 def test_a_coordinate_no_client_moved_stays_exactly_where_it_was():

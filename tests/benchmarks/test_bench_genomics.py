@@ -34,3 +34,24 @@ def test_smoke_grid_writes_a_report_and_resumes(tmp_path, capsys):
     capsys.readouterr()
     assert genomics.main(["--grid", "smoke", "--out", str(tmp_path), "--workers", "1"]) == 0
     assert "4 already done, 0 to run" in capsys.readouterr().out
+
+
+def test_a_federation_in_which_no_round_aggregated_fails_its_cell_and_the_command_exits_1(
+    tmp_path, monkeypatch, capsys
+):
+    """The round engine records failed rounds too: a federation none of whose rounds updated the global model is no
+    table entry (its curve would be the initial model's)."""
+    import controllers.in_process as in_process
+
+    def never_aggregates(spec, state_root, *, run_id, **_):
+        failed = {"stage": "round", "status": "failed", "failure": "rule 'fedavg': no valid result"}
+        records = [{"stage": "initial", "num_rounds": 2}, *({**failed, "round": r} for r in range(2))]
+        return in_process.InProcessRun(params={}, state={}, records=records)
+
+    monkeypatch.setattr(in_process, "run_in_process", never_aggregates)
+    argv = ["--grid", "smoke", "--algorithms", "fedavg", "--out", str(tmp_path), "--workers", "1"]
+    assert genomics.main(argv) == 1
+    err = capsys.readouterr().err
+    reason = "IncompleteFederation: no round updated the global model (last failure: rule 'fedavg': no valid result)"
+    assert f"cell fedavg__dir0.1__s0 failed: {reason}" in err
+    assert not list((tmp_path / "cells").glob("*.json"))

@@ -1,7 +1,7 @@
 """The robustness grid on the comparison harness, without training (the in-process federation is replaced by a
-stand-in): it exits 1 naming the cell when a federation crashed or recorded fewer rounds than planned (its entry
-would otherwise be missing or wrong in a table printed with exit status 0), a rerun recomputes no finished cell
-(more seeds run only the new cells), and cells of other settings are refused."""
+stand-in): it exits 1 naming the cell when a federation crashed, recorded fewer rounds than planned or no round that
+aggregated (its entry would otherwise be missing or wrong in a table printed with exit status 0), a rerun recomputes
+no finished cell (more seeds run only the new cells), and cells of other settings are refused."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ from benchmarks import robustness
 ARGV = ["--quick", "--rules", "fedavg,median", "--attacks", "sign_flip", "--fractions", "0", "--workers", "1"]
 
 
-def fake_run(rounds_by_rule: dict[str, int | Exception], calls: list[tuple[str, int]] | None = None):
-    """``run_in_process`` stand-in: per rule, an exception to raise or the number of round records to return (the
-    test accuracy is 0.5 + seed / 10); every call's (rule, seed) is appended to ``calls``."""
+def fake_run(rounds_by_rule: dict[str, int | list[str] | Exception], calls: list[tuple[str, int]] | None = None):
+    """``run_in_process`` stand-in: per rule, an exception to raise, the number of round records to return (all
+    aggregated) or their statuses (a failed one says "every result rejected"); the test accuracy is
+    0.5 + seed / 10. Every call's (rule, seed) is appended to ``calls``."""
 
     def run_in_process(spec, state_root, observers=()):
         if calls is not None:
@@ -25,10 +26,15 @@ def fake_run(rounds_by_rule: dict[str, int | Exception], calls: list[tuple[str, 
         outcome = rounds_by_rule[spec.server]
         if isinstance(outcome, Exception):
             raise outcome
-        records = [{"round": r, "status": "aggregated", "test_accuracy": 0.5 + spec.seed / 10} for r in range(outcome)]
-        return SimpleNamespace(rounds=records)
+        statuses = ["aggregated"] * outcome if isinstance(outcome, int) else outcome
+        return SimpleNamespace(rounds=[round_record(r, status, spec.seed) for r, status in enumerate(statuses)])
 
     return run_in_process
+
+
+def round_record(round_num: int, status: str, seed: int) -> dict:
+    record = {"stage": "round", "round": round_num, "status": status, "test_accuracy": 0.5 + seed / 10}
+    return {**record, "failure": "every result rejected"} if status == "failed" else record
 
 
 @pytest.mark.parametrize(
@@ -36,6 +42,10 @@ def fake_run(rounds_by_rule: dict[str, int | Exception], calls: list[tuple[str, 
     [
         (RuntimeError("site process died"), "RuntimeError: site process died"),
         (1, "IncompleteFederation: 1 round record(s) of 2 planned"),
+        (
+            ["failed", "failed"],
+            "IncompleteFederation: no round updated the global model (last failure: every result rejected)",
+        ),
     ],
 )
 def test_a_crashed_or_short_federation_makes_the_run_exit_1_naming_it(monkeypatch, tmp_path, capsys, median, reason):
@@ -47,6 +57,15 @@ def test_a_crashed_or_short_federation_makes_the_run_exit_1_naming_it(monkeypatc
     assert named in err and "fedavg__" not in err
     assert "| none | 0% | 50.0 | – |" in out  # the others still report; the missing cell says so
     assert sorted(p.name for p in (tmp_path / "cells").iterdir()) == ["fedavg__none__m0__s0.json"]
+
+
+def test_a_federation_under_attack_with_some_failed_rounds_still_completes(monkeypatch, tmp_path, capsys):
+    """Only a federation in which no round aggregated fails its cell; a round that rejected every result is a
+    warning naming it."""
+    monkeypatch.setattr(robustness, "run_in_process", fake_run({"fedavg": 2, "median": ["failed", "aggregated"]}))
+    assert robustness.main([*ARGV, "--out-dir", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "round 0: every result rejected" in err and "did not complete" not in err
 
 
 def test_every_federation_complete_exits_0(monkeypatch, tmp_path, capsys):

@@ -56,9 +56,80 @@ def test_a_bad_site_is_left_out_by_name_and_the_round_goes_on():
     bad["w"][0, 0] = np.nan
     aggregator.accept_model(result("site-2", bad))
     aggregator.accept_model(result("site-3"))
+    update = aggregator.aggregate_model()  # results are checked together when the round aggregates
     assert [r.site for r in aggregator.rejections] == ["site-2"]
     assert aggregator.rejections[0].problems == ("parameter 'w' contains NaN or Inf",)
-    assert aggregator.aggregate_model().meta["nr_aggregated"] == 2
+    assert update.meta["nr_aggregated"] == 2
+
+
+def constant(w: float, b: float, scale: int = 1) -> dict[str, np.ndarray]:
+    """Parameters shaped like X (``scale`` = 2: each axis doubled, an array four times the model's size for w)."""
+    return {
+        "w": np.full((3 * scale, 4 * scale), w, dtype=np.float32),
+        "b": np.full(4 * scale * scale, b, dtype=np.float32),
+    }
+
+
+OVERSIZED = ("parameter 'b' has shape (16,), expected (4,)", "parameter 'w' has shape (6, 8), expected (3, 4)")
+
+
+def test_an_oversized_first_result_is_rejected_by_name_and_the_good_sites_aggregate(monkeypatch):
+    """The first result to arrive must not define the model's shapes: the majority of the round does."""
+    aggregator = RuleAggregator("fedavg")
+    logged: list[str] = []
+    monkeypatch.setattr(aggregator, "error", logged.append)
+    aggregator.accept_model(result("site-1", constant(9.0, 9.0, scale=2)))  # arrives first
+    aggregator.accept_model(result("site-2", constant(1.0, -1.0)))
+    aggregator.accept_model(result("site-3", constant(2.0, 3.0)))
+    update = aggregator.aggregate_model()
+    assert [(r.site, r.problems) for r in aggregator.rejections] == [("site-1", OVERSIZED)]
+    assert logged == ["rejected result from site-1: " + "; ".join(OVERSIZED)]
+    # Sample weights 20/50 and 30/50: w = 0.4 * 1 + 0.6 * 2 = 1.6, b = 0.4 * (-1) + 0.6 * 3 = 1.4.
+    assert update.params_type == ParamsType.FULL and update.meta["nr_aggregated"] == 2
+    assert update.params["w"].shape == (3, 4) and update.params["b"].shape == (4,)
+    np.testing.assert_allclose(update.params["w"], 1.6, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(update.params["b"], 1.4, atol=1e-6, rtol=0)
+
+
+def test_a_tie_of_shapes_trusts_no_result_and_leaves_the_global_model_unchanged():
+    aggregator = RuleAggregator("fedavg")
+    aggregator.accept_model(result("site-1", constant(9.0, 9.0, scale=2)))
+    aggregator.accept_model(result("site-2", constant(1.0, -1.0)))
+    update = aggregator.aggregate_model()
+    reason = "the round's results carry 2 different sets of parameter keys and shapes, none more often than another"
+    assert [r.site for r in aggregator.rejections] == ["site-1", "site-2"]
+    assert all(r.problems[0].startswith(reason) for r in aggregator.rejections)
+    assert update.meta["round_failed"] == "fedavg: no valid result this round (2 rejected)"
+    assert unchanged_by(update)
+
+
+def test_once_a_round_aggregated_its_shapes_hold_even_against_a_misshapen_majority():
+    aggregator = RuleAggregator("fedavg")
+    for site in ("site-1", "site-2", "site-3"):
+        aggregator.accept_model(result(site, constant(1.0, 1.0)))
+    assert aggregator.aggregate_model().params_type == ParamsType.FULL
+    aggregator.reset_stats()  # NVFlare's FedAvg starts the next round
+    aggregator.accept_model(result("site-1", constant(9.0, 9.0, scale=2)))
+    aggregator.accept_model(result("site-2", constant(9.0, 9.0, scale=2)))
+    aggregator.accept_model(result("site-3", constant(2.0, 3.0)))
+    update = aggregator.aggregate_model()
+    assert [(r.site, r.problems) for r in aggregator.rejections] == [("site-1", OVERSIZED), ("site-2", OVERSIZED)]
+    np.testing.assert_allclose(update.params["w"], 2.0, atol=1e-6, rtol=0)  # site-3 alone
+    np.testing.assert_allclose(update.params["b"], 3.0, atol=1e-6, rtol=0)
+
+
+def test_a_site_reporting_another_trainable_set_is_rejected_by_name_and_the_others_aggregate():
+    """The round engine's trainable-set agreement, now that the aggregator sees the round's results together."""
+    aggregator = RuleAggregator("fedavg")
+    aggregator.accept_model(result("site-1", constant(1.0, 0.0)))
+    aggregator.accept_model(result("site-2", constant(4.0, 3.0)))
+    aggregator.accept_model(result("site-3", constant(9.0, 9.0), **{meta_keys.PARAM_KEYS: ["w"]}))
+    update = aggregator.aggregate_model()
+    assert [r.site for r in aggregator.rejections] == ["site-3"]
+    assert aggregator.rejections[0].problems[0].startswith("'train.param_keys' differs from the set 2 of 3 sites")
+    # Sample weights 10/30 and 20/30: w = (10 * 1 + 20 * 4) / 30 = 3, b = (10 * 0 + 20 * 3) / 30 = 2.
+    np.testing.assert_allclose(update.params["w"], 3.0, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(update.params["b"], 2.0, atol=1e-6, rtol=0)
 
 
 def unchanged_by(update: FLModel) -> bool:

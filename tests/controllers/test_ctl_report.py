@@ -4,6 +4,7 @@ itself exits 0 when a job aborts)."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -35,6 +36,16 @@ def test_missing_rounds_exit_1_and_say_where_the_job_stopped(tmp_path, capsys):
     ws = write_metrics(tmp_path / "ws", [initial(5), round_record(0), round_record(1)])
     assert report.main([str(ws), "--plot", str(tmp_path / "p.png")]) == 1
     assert "stopped after round 2 of 5" in capsys.readouterr().err
+
+
+def test_without_matplotlib_a_short_job_still_says_why_it_stopped_and_exits_1(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # importing it now fails as on a site install
+    ws = write_metrics(tmp_path / "ws", [initial(5), round_record(0), round_record(1)])
+    assert report.main([str(ws), "--plot", str(tmp_path / "p.png")]) == 1
+    err = capsys.readouterr().err
+    assert "error: ws: the job stopped after round 2 of 5" in err
+    assert "error: no plot: the report's plot needs matplotlib, which a site install leaves out" in err
+    assert err.index("stopped after round 2") < err.index("no plot") and not (tmp_path / "p.png").exists()
 
 
 def test_a_run_whose_rounds_all_failed_exits_1_with_the_last_reason(tmp_path, capsys):

@@ -50,6 +50,16 @@ def test_the_builder_refuses_unknown_or_bad_hyperparameters_in_one_line(argv, me
     assert not out.exists()
 
 
+def test_the_builder_refuses_a_fedopt_tau_below_its_floor_in_one_line_with_the_reason(tmp_path, capsys):
+    """The rule's own refusal (aggregators/fedopt.py, TAU_FLOOR) reaches the builder before anything is written."""
+    out = tmp_path / "jobs"
+    assert main(["--server", "fedadam", "--server-args", '{"tau": 1e-40}', "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    expected = "error: --server-args: fedadam: tau must lie in [1e-12, inf], got 1e-40; m and v are float32"
+    assert err.startswith(expected) and "\n" not in err
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("name", sorted(RULES))
 def test_every_server_rule_checks_keys_against_its_fields(name):
     allowed = rule_settings(RULES[name])
