@@ -11,7 +11,7 @@ Importing this package does not import torch, scikit-learn or matplotlib; only t
 
 from data_prep.datasets import DATASETS, ArrayDataset, load_dataset, read_idx
 from data_prep.errors import DataPrepError
-from data_prep.partition import SCHEMES, dirichlet, iid, partition, quantity, shards
+from data_prep.partition import SCHEMES, dirichlet, iid, label_quantity, partition, quantity, shards
 from data_prep.report import format_counts_table, label_counts, save_counts_heatmap
 from data_prep.sites import (
     SiteDataConfig,
@@ -34,6 +34,7 @@ __all__ = [
     "format_counts_table",
     "iid",
     "label_counts",
+    "label_quantity",
     "load_dataset",
     "partition",
     "partition_sites",

@@ -17,7 +17,14 @@ ICDE 2022, arXiv:2102.02079):
 ``shards``
     "#C=k" label skew. Every site holds exactly ``k`` distinct labels; each label's samples are split evenly among the
     sites that hold it. Labels are dealt least-used first, so every label is used whenever ``num_sites * k >= classes``
-    (otherwise the samples of unassigned labels are left out).
+    (otherwise the samples of unassigned labels are left out). Every label is shared by about the same number of
+    sites, so site sizes are about equal.
+``label_quantity``
+    "#C=k" label skew dealt as NIID-Bench deals it (and Flower's ``niid_bench`` baseline after it): site ``i``'s first
+    label is ``i mod classes``, its other ``k - 1`` labels are drawn uniformly at random (a draw it already holds is
+    drawn again); each label's samples are shuffled and split evenly among its holders in site order. A label can be
+    held by one site or by several, so site sizes differ (with 10 sites, k = 2 and seed 42 on Fashion-MNIST: 4,000 to
+    9,000 samples). Used to reproduce NIID-Bench's tables with its own split.
 ``population``
     Site = population (label shift, and for genotype data covariate shift with it): all samples of class ``c`` go
     to site ``c mod num_sites``, so each site holds whole classes and no class is split. Needs
@@ -36,9 +43,9 @@ import numpy as np
 
 from data_prep.errors import DataPrepError
 
-__all__ = ["SCHEMES", "dirichlet", "iid", "partition", "population", "quantity", "shards"]
+__all__ = ["SCHEMES", "dirichlet", "iid", "label_quantity", "partition", "population", "quantity", "shards"]
 
-SCHEMES: tuple[str, ...] = ("iid", "dirichlet", "shards", "quantity", "population")
+SCHEMES: tuple[str, ...] = ("iid", "dirichlet", "shards", "quantity", "population", "label_quantity")
 MAX_DRAWS = 1000
 
 
@@ -90,13 +97,7 @@ def shards(labels: np.ndarray, num_sites: int, *, seed: int, classes_per_site: i
     """Label skew "#C=k": every site gets exactly ``classes_per_site`` distinct labels."""
     labels = _check_labels(labels, num_sites)
     classes = np.unique(labels)
-    if isinstance(classes_per_site, bool) or not isinstance(classes_per_site, int | np.integer):
-        raise DataPrepError(f"classes_per_site must be an integer, got {classes_per_site!r}")
-    if not 1 <= classes_per_site <= len(classes):
-        raise DataPrepError(
-            f"shards: classes_per_site={classes_per_site} but the labels have {len(classes)} classes; "
-            f"use a value from 1 to {len(classes)}"
-        )
+    _check_classes_per_site(classes_per_site, len(classes), "shards")
     rng = np.random.default_rng(seed)
     holders = _deal_labels(len(classes), num_sites, classes_per_site, rng)
     parts: list[list[np.ndarray]] = [[] for _ in range(num_sites)]
@@ -104,9 +105,55 @@ def shards(labels: np.ndarray, num_sites: int, *, seed: int, classes_per_site: i
         if not holders[class_pos]:
             continue  # only when num_sites * k < number of classes: this label's samples stay unused
         members = rng.permutation(np.flatnonzero(labels == label))
-        for site, chunk in zip(holders[class_pos], np.array_split(members, len(holders[class_pos])), strict=True):
-            parts[site].append(chunk)
+        _split_among(members, holders[class_pos], parts)
     return _finish([np.concatenate(site_parts) for site_parts in parts], "shards")
+
+
+def label_quantity(labels: np.ndarray, num_sites: int, *, seed: int, classes_per_site: int = 2) -> list[np.ndarray]:
+    """Label skew "#C=k" as NIID-Bench deals it: site i holds label ``i mod classes`` and k - 1 random others.
+
+    The random stream is used in NIID-Bench's order (every site's draws, then one in-place shuffle per class), so
+    with the same seed and the same sample order the split is NIID-Bench's own.
+    """
+    labels = _check_labels(labels, num_sites)
+    classes = np.unique(labels)
+    _check_classes_per_site(classes_per_site, len(classes), "label_quantity")
+    rng = np.random.default_rng(seed)
+    held = [_niid_bench_labels(site, len(classes), classes_per_site, rng) for site in range(num_sites)]
+    parts: list[list[np.ndarray]] = [[] for _ in range(num_sites)]
+    for class_pos, label in enumerate(classes):
+        members = np.flatnonzero(labels == label)
+        rng.shuffle(members)
+        holders = [site for site in range(num_sites) if class_pos in held[site]]
+        if holders:  # a label nobody drew (fewer sites than labels) stays unused
+            _split_among(members, holders, parts)
+    return _finish([np.concatenate(site_parts) for site_parts in parts], "label_quantity")
+
+
+def _niid_bench_labels(site: int, num_classes: int, k: int, rng: np.random.Generator) -> list[int]:
+    """One site's labels under NIID-Bench's rule: ``site mod classes`` first, then uniform draws until k distinct."""
+    held = [site % num_classes]
+    while len(held) < k:
+        draw = int(rng.choice(num_classes, 1)[0])  # one-element draws: the stream NIID-Bench's seed gives
+        if draw not in held:
+            held.append(draw)
+    return held
+
+
+def _split_among(members: np.ndarray, holders: list[int], parts: list[list[np.ndarray]]) -> None:
+    """Cut one label's (already shuffled) samples into near-equal chunks, one per holder, in the holders' order."""
+    for site, chunk in zip(holders, np.array_split(members, len(holders)), strict=True):
+        parts[site].append(chunk)
+
+
+def _check_classes_per_site(classes_per_site: int, num_classes: int, scheme: str) -> None:
+    if isinstance(classes_per_site, bool) or not isinstance(classes_per_site, int | np.integer):
+        raise DataPrepError(f"classes_per_site must be an integer, got {classes_per_site!r}")
+    if not 1 <= classes_per_site <= num_classes:
+        raise DataPrepError(
+            f"{scheme}: classes_per_site={classes_per_site} but the labels have {num_classes} classes; "
+            f"use a value from 1 to {num_classes}"
+        )
 
 
 def _deal_labels(num_classes: int, num_sites: int, k: int, rng: np.random.Generator) -> list[list[int]]:
@@ -167,6 +214,7 @@ _SCHEME_FUNCTIONS: dict[str, Callable[..., list[np.ndarray]]] = {
     "iid": iid,
     "dirichlet": dirichlet,
     "shards": shards,
+    "label_quantity": label_quantity,
     "quantity": quantity,
     "population": population,
 }
@@ -184,8 +232,8 @@ def partition(
 ) -> list[np.ndarray]:
     """Split ``range(len(labels))`` among ``num_sites`` sites with the named scheme (one of :data:`SCHEMES`).
 
-    Parameters that a scheme does not use are ignored (``alpha`` for iid/shards, ``classes_per_site`` except shards,
-    ``min_samples`` for iid/shards).
+    Parameters that a scheme does not use are ignored (``alpha`` for iid/shards, ``classes_per_site`` except
+    shards/label_quantity, ``min_samples`` for iid/shards).
 
     Returns
     -------
@@ -201,8 +249,8 @@ def partition(
         raise DataPrepError(f"unknown partition scheme {scheme!r}; choose one of: {', '.join(SCHEMES)}")
     if scheme in ("dirichlet", "quantity"):
         return _SCHEME_FUNCTIONS[scheme](labels, num_sites, seed=seed, alpha=alpha, min_samples=min_samples)
-    if scheme == "shards":
-        return shards(labels, num_sites, seed=seed, classes_per_site=classes_per_site)
+    if scheme in ("shards", "label_quantity"):
+        return _SCHEME_FUNCTIONS[scheme](labels, num_sites, seed=seed, classes_per_site=classes_per_site)
     if scheme == "population":
         return population(labels, num_sites)
     return iid(labels, num_sites, seed=seed)

@@ -76,7 +76,7 @@ class SiteDataConfig:
     alpha
         Dirichlet concentration for ``dirichlet`` and ``quantity``.
     classes_per_site
-        Labels per site for ``shards``.
+        Labels per site for ``shards`` and ``label_quantity``.
     max_train_samples
         If set, partition only a seeded random subset of this many training samples (fast tests and smoke runs).
     data_dir
@@ -123,7 +123,7 @@ def describe(cfg: SiteDataConfig) -> str:
     details = [cfg.dataset, cfg.scheme]
     if cfg.scheme in ("dirichlet", "quantity"):
         details.append(f"alpha={cfg.alpha:g}")
-    if cfg.scheme == "shards":
+    if cfg.scheme in ("shards", "label_quantity"):
         details.append(f"k={cfg.classes_per_site}")
     details += [f"sites={cfg.num_sites}", f"seed={cfg.seed}"]
     if cfg.max_train_samples is not None:

@@ -76,11 +76,11 @@ class DataSettings:
     data, configured on the site (docs/deployment.md)."""
 
     dataset: Literal["fashion_mnist", "mnist", "digits"] = setting("fashion_mnist", "dataset")
-    scheme: Literal["iid", "dirichlet", "shards", "quantity"] = setting(
-        "dirichlet", "how labels are split across sites"
+    scheme: Literal["iid", "dirichlet", "shards", "quantity", "label_quantity"] = setting(
+        "dirichlet", "how labels are split across sites (label_quantity: #C=k dealt as NIID-Bench deals it)"
     )
     alpha: float = setting(0.5, "Dirichlet concentration for dirichlet/quantity (smaller = more skewed)", gt=0)
-    classes_per_site: int = setting(2, "labels per site for the shards scheme (#C=k)", ge=1)
+    classes_per_site: int = setting(2, "labels per site for the shards and label_quantity schemes (#C=k)", ge=1)
     num_sites: int = setting(3, "number of sites the data is split into (= clients the job needs)", ge=1)
     max_train_samples: int | None = setting(None, "use a seeded subset of the training set (quick runs)", ge=1)
     max_test_samples: int | None = setting(

@@ -102,7 +102,7 @@ def advisories(spec: JobSpec) -> list[str]:
     """Notes about a valid but risky job (printed by the builder, never refused): measured pitfalls."""
     notes = []
     strong_skew = (spec.scheme == "dirichlet" and spec.alpha <= 0.1) or (
-        spec.scheme == "shards" and spec.classes_per_site <= 2
+        spec.scheme in ("shards", "label_quantity") and spec.classes_per_site <= 2
     )
     if spec.client == "scaffold" and spec.model is None and strong_skew and spec.lr > 0.02:
         notes.append(

@@ -69,13 +69,17 @@ def test_niid_bench_grid_is_the_published_protocol():
     fedprox = compare.cell_spec(compare.Cell("fedprox", "iid", 1.0, 42), grid.protocol)
     fednova = compare.cell_spec(compare.Cell("fednova_equal_epochs", "iid", 1.0, 42), grid.protocol)
     assert fedprox.client_args == {"mu": 0.01} and fednova.server == "fednova" and fednova.pattern == "constant"
+    # "#C=k" is dealt as NIID-Bench deals it (unequal sites), not with the balanced shards of the headline grid.
+    c2 = compare.cell_spec(compare.Cell("scaffold", "C2nb", 1.0, 42), grid.protocol)
+    assert (c2.scheme, c2.classes_per_site) == ("label_quantity", 2)
+    assert set(grid.partitions) == {"iid", "dir0.5", "C3nb", "C2nb", "C1"}
 
 
 def test_published_comparison_takes_the_best_round_and_the_difference():
     records = [{"test_accuracy": 0.1}, {"test_accuracy": 0.5}, {"test_accuracy": 0.9}, {"test_accuracy": 0.7}]
-    groups = {("C2", 1.0): {"scaffold": [{"records": records}], "fedavg": [{"records": records[:2]}]}}
+    groups = {("C2nb", 1.0): {"scaffold": [{"records": records}], "fedavg": [{"records": records[:2]}]}}
     table = "\n".join(compare.published_comparison(groups))
-    assert "| C2 | 81.0 / 50.0 (-31.0) | 10.0 / 90.0 (+80.0) |" in table  # the initial model never counts
+    assert "| C2nb | 81.0 / 50.0 (-31.0) | 10.0 / 90.0 (+80.0) |" in table  # the initial model never counts
     assert "89.0 / not run" in table
 
 
@@ -157,3 +161,37 @@ def test_a_federation_that_records_fewer_rounds_than_planned_fails_its_cell_and_
     assert "cell fedavg__dir0.1__p1__s0 failed: IncompleteFederation: 1 round record(s) of 2 planned" in err
     assert "error: 4 cell(s) failed" in err
     assert not list((tmp_path / "cells").glob("*.json"))  # a failed cell is never written, so a rerun retries it
+
+
+def test_a_federation_in_which_no_round_aggregated_fails_its_cell_and_the_command_exits_1(
+    tmp_path, monkeypatch, capsys
+):
+    """The round engine records failed rounds too: all its rounds, none aggregated, is the initial model's flat
+    curve, never a table entry."""
+    import controllers.in_process as in_process
+
+    failed = {"stage": "round", "status": "failed", "failure": "rule 'fedavg': no valid result"}
+
+    def never_aggregates(spec, state_root, *, run_id, wrap_transport, **_):
+        wrap_transport(None)
+        records = [{"stage": "initial", "num_rounds": 2}, *({**failed, "round": r} for r in range(2))]
+        return in_process.InProcessRun(params={}, state={}, records=records)
+
+    monkeypatch.setattr(in_process, "run_in_process", never_aggregates)
+    assert compare.main(["--grid", "smoke", "--out", str(tmp_path), "--workers", "1"]) == 1
+    err = capsys.readouterr().err
+    reason = "IncompleteFederation: no round updated the global model (last failure: rule 'fedavg': no valid result)"
+    assert f"cell fedavg__dir0.1__p1__s0 failed: {reason}" in err
+    assert "error: 4 cell(s) failed" in err
+    assert not list((tmp_path / "cells").glob("*.json"))
+
+
+def test_some_failed_rounds_are_not_an_incomplete_federation():
+    """A federation under attack may fail a round; only one in which no round aggregated is refused."""
+    rounds = [
+        {"stage": "round", "round": 0, "status": "failed", "failure": "every result rejected"},
+        {"stage": "round", "round": 1, "status": "aggregated"},
+    ]
+    compare.require_rounds(rounds, 2)
+    with pytest.raises(compare.IncompleteFederation, match=r"^no round updated the global model \(last failure: every"):
+        compare.require_rounds(rounds[:1], 1)

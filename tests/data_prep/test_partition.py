@@ -11,6 +11,7 @@ from data_prep import (
     dirichlet,
     iid,
     label_counts,
+    label_quantity,
     partition,
     quantity,
     shards,
@@ -143,6 +144,37 @@ def test_shards_with_fewer_slots_than_classes_use_only_dealt_labels(labels: np.n
     parts = shards(labels, 2, seed=0, classes_per_site=3)
     used = np.unique(labels[np.concatenate(parts)])
     assert len(used) == 6  # 2 sites x 3 distinct labels, no label shared while unused ones remain
+
+
+#: NIID-Bench's "#C=2" dealing for 10 sites, seed 42, derived with an independent loop written from the paper's
+#: description (site i: label i mod 10, then one-element draws of default_rng(42).choice(10, 1) until 2 distinct).
+NIID_BENCH_C2_SEED42 = [{0, 7}, {1, 6}, {2, 4}, {3, 4}, {4, 8}, {5, 0}, {6, 2}, {7, 0}, {8, 5}, {9, 7}]
+
+
+def test_label_quantity_deals_niid_benchs_labels_and_sizes() -> None:
+    labels = np.repeat(np.arange(10), 60)  # 60 samples of each label
+    parts = label_quantity(labels, 10, seed=42, classes_per_site=2)
+    assert [set(np.unique(labels[p]).tolist()) for p in parts] == NIID_BENCH_C2_SEED42
+    # Holders per label: 0 -> 3, 1 -> 1, 2 -> 2, 3 -> 1, 4 -> 3, 5 -> 2, 6 -> 2, 7 -> 3, 8 -> 2, 9 -> 1; a site's
+    # size is 60 / holders summed over its two labels.
+    assert [len(p) for p in parts] == [40, 90, 50, 80, 50, 50, 60, 40, 60, 80]
+    np.testing.assert_array_equal(np.sort(np.concatenate(parts)), np.arange(len(labels)))
+
+
+def test_label_quantity_gives_site_i_label_i_mod_classes_first_and_k_labels(labels: np.ndarray) -> None:
+    parts = label_quantity(labels, 12, seed=3, classes_per_site=3)
+    for site, part in enumerate(parts):
+        held = np.unique(labels[part])
+        assert len(held) == 3 and site % 10 in held
+    counts = label_counts(labels, parts, 10)
+    for column in counts.T:  # each label split evenly among its holders
+        held = column[column > 0]
+        assert held.max() - held.min() <= 1
+
+
+def test_label_quantity_refuses_more_labels_than_classes(labels: np.ndarray) -> None:
+    with pytest.raises(DataPrepError, match="label_quantity: classes_per_site=11 but the labels have 10 classes"):
+        label_quantity(labels, 10, seed=0, classes_per_site=11)
 
 
 def test_quantity_sizes_vary_but_labels_stay_iid() -> None:
