@@ -21,10 +21,16 @@ from controllers.report import GLOBAL_CONTROL_NORM, LOCAL_NORM, control_runaways
 
 
 def load(folder: Path) -> list[dict[str, Any]]:
-    cells = sorted((folder / "cells").glob("*.json"))
-    if not cells:
-        raise SystemExit(f"error: no finished cells in {folder / 'cells'}")
-    return [json.loads(path.read_text()) for path in cells]
+    """The folder's SCAFFOLD cells: those whose rounds report a global control (a comparison run mixes algorithms)."""
+    cells = [json.loads(path.read_text()) for path in sorted((folder / "cells").glob("*.json"))]
+    scaffold = [
+        cell for cell in cells if any(GLOBAL_CONTROL_NORM in (r.get("rule_diagnostics") or {}) for r in rounds_of(cell))
+    ]
+    if not scaffold:
+        raise SystemExit(
+            f"error: no finished SCAFFOLD cells in {folder / 'cells'} ({len(cells)} cells of other algorithms)"
+        )
+    return scaffold
 
 
 def rounds_of(cell: dict[str, Any]) -> list[dict[str, Any]]:

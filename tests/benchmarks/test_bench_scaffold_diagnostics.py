@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import scaffold_diagnostics
 
 
@@ -32,3 +34,19 @@ def test_the_first_runaway_names_round_site_samples_and_steps(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "round 2: site-2 (900 samples, 15 steps/round), ||c_i|| 2 to 30" in out
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_cells_of_other_algorithms_are_left_out_and_a_folder_without_scaffold_is_an_error(tmp_path, capsys):
+    (tmp_path / "cells").mkdir()
+    scaffold = _cell([{"site-1": 1.0, "site-2": 2.0}, {"site-1": 1.1, "site-2": 30.0}])
+    fedavg = _cell([{}, {}])
+    for record in fedavg["records"][1:]:
+        record["rule_diagnostics"] = {}
+    (tmp_path / "cells" / "a.json").write_text(json.dumps(scaffold))
+    (tmp_path / "cells" / "b.json").write_text(json.dumps(fedavg))
+    assert scaffold_diagnostics.main([str(tmp_path), "--plot", str(tmp_path / "p.png")]) == 0
+    table_rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"| {tmp_path.name} |")]
+    assert len(table_rows) == 1 and "site-2" in table_rows[0]
+    (tmp_path / "cells" / "a.json").unlink()
+    with pytest.raises(SystemExit, match=r"no finished SCAFFOLD cells .* \(1 cells of other algorithms\)"):
+        scaffold_diagnostics.load(tmp_path)
