@@ -113,3 +113,30 @@ def test_the_recipe_refuses_unknown_hyperparameters_with_the_builders_line():
         FedAlgRecipe(client="scaffold", server="scaffold", client_args={"zzz": 1})
     with pytest.raises(JobBuildError, match=r"^--server-args: krum has no setting 'f'; allowed: num_byzantine, num_"):
         FedAlgRecipe(server="krum", server_args={"f": 5})
+
+
+@pytest.mark.parametrize(
+    ("lr", "momentum", "advised"),
+    [
+        (0.05, 0.0, True),  # plain SGD at 0.05: measured collapse (scaffold_label_skew.md)
+        (0.01, 0.9, True),  # effective 0.01 / (1 - 0.9) = 0.1: NIID-Bench's collapse (niid_bench.md)
+        (0.02, 0.0, False),  # effective 0.02: at the limit, not above it
+        (0.002, 0.9, False),  # effective 0.02
+    ],
+)
+def test_scaffold_under_strong_skew_is_advised_by_its_effective_learning_rate(lr, momentum, advised):
+    from jobs.spec import JobSpec, advisories
+
+    spec = JobSpec(
+        name="skew",
+        client="scaffold",
+        server="scaffold",
+        scheme="label_quantity",
+        classes_per_site=2,
+        lr=lr,
+        momentum=momentum,
+    )
+    notes = [note for note in advisories(spec) if note.startswith("SCAFFOLD with lr")]
+    assert bool(notes) is advised
+    if advised:
+        assert f"effective lr {lr / (1 - momentum):g}" in notes[0] and "niid_bench.md" in notes[0]
