@@ -43,9 +43,21 @@ import numpy as np
 
 from data_prep.errors import DataPrepError
 
-__all__ = ["SCHEMES", "dirichlet", "iid", "label_quantity", "partition", "population", "quantity", "shards"]
+__all__ = [
+    "LABEL_COUNT_SCHEMES",
+    "SCHEMES",
+    "dirichlet",
+    "iid",
+    "label_quantity",
+    "partition",
+    "population",
+    "quantity",
+    "shards",
+]
 
 SCHEMES: tuple[str, ...] = ("iid", "dirichlet", "shards", "quantity", "population", "label_quantity")
+#: The "#C=k" schemes: the ones that read ``classes_per_site``.
+LABEL_COUNT_SCHEMES: tuple[str, ...] = ("shards", "label_quantity")
 MAX_DRAWS = 1000
 
 
@@ -249,7 +261,7 @@ def partition(
         raise DataPrepError(f"unknown partition scheme {scheme!r}; choose one of: {', '.join(SCHEMES)}")
     if scheme in ("dirichlet", "quantity"):
         return _SCHEME_FUNCTIONS[scheme](labels, num_sites, seed=seed, alpha=alpha, min_samples=min_samples)
-    if scheme in ("shards", "label_quantity"):
+    if scheme in LABEL_COUNT_SCHEMES:
         return _SCHEME_FUNCTIONS[scheme](labels, num_sites, seed=seed, classes_per_site=classes_per_site)
     if scheme == "population":
         return population(labels, num_sites)

@@ -17,7 +17,7 @@ import numpy as np
 
 from data_prep.datasets import canonical_dataset_name, load_dataset
 from data_prep.errors import DataPrepError
-from data_prep.partition import SCHEMES, partition
+from data_prep.partition import LABEL_COUNT_SCHEMES, SCHEMES, partition
 
 if TYPE_CHECKING:
     from torch.utils.data import TensorDataset
@@ -123,7 +123,7 @@ def describe(cfg: SiteDataConfig) -> str:
     details = [cfg.dataset, cfg.scheme]
     if cfg.scheme in ("dirichlet", "quantity"):
         details.append(f"alpha={cfg.alpha:g}")
-    if cfg.scheme in ("shards", "label_quantity"):
+    if cfg.scheme in LABEL_COUNT_SCHEMES:
         details.append(f"k={cfg.classes_per_site}")
     details += [f"sites={cfg.num_sites}", f"seed={cfg.seed}"]
     if cfg.max_train_samples is not None:

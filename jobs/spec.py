@@ -100,9 +100,11 @@ def validate_spec(spec: JobSpec) -> None:
 
 def advisories(spec: JobSpec) -> list[str]:
     """Notes about a valid but risky job (printed by the builder, never refused): measured pitfalls."""
+    from data_prep.partition import LABEL_COUNT_SCHEMES  # build time only: the spec module stays import-light
+
     notes = []
     strong_skew = (spec.scheme == "dirichlet" and spec.alpha <= 0.1) or (
-        spec.scheme in ("shards", "label_quantity") and spec.classes_per_site <= 2
+        spec.scheme in LABEL_COUNT_SCHEMES and spec.classes_per_site <= 2
     )
     # Momentum rho scales SGD's steady step by 1/(1 - rho): lr 0.01 with momentum 0.9 steps like plain lr 0.1.
     effective_lr = spec.lr / (1 - spec.momentum)
