@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_JOBS ?= scaffold
 
-.PHONY: setup demo demo-compare poc bench bench-agg bench-algorithms bench-genomics bench-latency bench-niid pretrain-attention bench-robust compare test test-fast lint format jobs check-jobs clean
+.PHONY: docs setup demo demo-compare poc bench bench-agg bench-algorithms bench-genomics bench-latency bench-niid pretrain-attention bench-robust compare test test-fast lint format jobs check-jobs clean
 
 setup: $(VENV)/.setup-done
 
@@ -86,6 +86,10 @@ lint: setup
 format: setup
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .
+
+# The documentation site (mkdocs.yml) into site/, with --strict: a broken link or page fails. Open site/index.html.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 jobs: setup
 	$(PY) -m jobs.build --presets

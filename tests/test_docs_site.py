@@ -1,0 +1,98 @@
+"""The documentation site builds with `mkdocs build --strict` (a broken link or a missing page fails the suite),
+every page under docs/ is in its navigation and the hook that serves files outside docs/ rewrites links correctly."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytest.importorskip("mkdocs", reason="the docs tools come with the dev extra (make setup)")
+yaml = pytest.importorskip("yaml")
+
+
+def load_hooks():
+    spec = importlib.util.spec_from_file_location("mkdocs_hooks", ROOT / "scripts" / "mkdocs_hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def mkdocs_build(config: Path, site_dir: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}  # the theme's end-of-life banner, not a problem of ours
+    command = [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(config), "-d", str(site_dir)]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def nav_pages(nav) -> list[str]:
+    if isinstance(nav, str):
+        return [nav]
+    if isinstance(nav, dict):
+        return [page for value in nav.values() for page in nav_pages(value)]
+    return [page for item in nav for page in nav_pages(item)]
+
+
+def test_the_site_builds_strict_without_a_warning(tmp_path):
+    built = mkdocs_build(ROOT / "mkdocs.yml", tmp_path / "site")
+    output = built.stdout + built.stderr
+    assert built.returncode == 0, output[-4000:]
+    assert "WARNING" not in output, output[-4000:]
+    assert (tmp_path / "site" / "benchmarks" / "results" / "genomics" / "index.html").is_file()
+
+
+def test_every_page_under_docs_is_in_the_navigation():
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    listed = set(nav_pages(config["nav"]))
+    pages = {p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs").rglob("*.md")}
+    assert sorted(pages - listed) == []
+    missing = [page for page in listed if page not in pages and not (ROOT / page).is_file()]
+    assert missing == []
+
+
+def test_a_link_to_a_missing_file_outside_docs_fails_the_strict_build(tmp_path):
+    # The real pages (the served reports link back into them) with the default theme, no API pages, one probe page.
+    docs = tmp_path / "docs"
+    shutil.copytree(ROOT / "docs", docs, ignore=shutil.ignore_patterns("api"))
+    config = tmp_path / "mkdocs.yml"
+    config.write_text(f"site_name: t\ndocs_dir: {docs}\nhooks:\n  - {ROOT / 'scripts' / 'mkdocs_hooks.py'}\n")
+    (docs / "probe.md").write_text("# t\n\n[report](../benchmarks/results/genomics.md)\n")
+    ok = mkdocs_build(config, tmp_path / "ok")
+    assert ok.returncode == 0, (ok.stdout + ok.stderr)[-4000:]
+    (docs / "probe.md").write_text("# t\n\n[report](../benchmarks/results/no_such_report.md)\n")
+    broken = mkdocs_build(config, tmp_path / "broken")
+    assert broken.returncode != 0
+    assert "no_such_report.md" in broken.stdout + broken.stderr
+
+
+@pytest.mark.parametrize(
+    ("page", "target", "expected"),
+    [
+        ("genomics.md", "../benchmarks/results/genomics.md", "benchmarks/results/genomics.md"),
+        ("tutorials/genomics.md", "../../benchmarks/README.md", "../benchmarks/README.md"),
+        ("tutorials/genomics.md", "../genomics.md", "../genomics.md"),
+        ("genomics.md", "../examples/genomics/", "examples/genomics/index.md"),
+        ("benchmarks/results/genomics.md", "../../docs/genomics.md", "../../genomics.md"),
+        ("benchmarks/results/genomics.md", "genomics_1kg/report.md", "genomics_1kg/report.md"),
+        ("genomics.md", "../benchmarks/results/no_such_report.md", "../benchmarks/results/no_such_report.md"),
+        ("genomics.md", "https://example.org/a.md", "https://example.org/a.md"),
+    ],
+)
+def test_links_that_leave_docs_point_at_the_served_copy(page, target, expected):
+    hooks = load_hooks()
+    mounted = set(hooks.mounted_paths())
+    assert "benchmarks/results/genomics.md" in mounted
+    assert hooks.rewrite_link(page, target, mounted) == expected
+
+
+def test_an_image_link_and_its_anchor_are_rewritten_together():
+    hooks = load_hooks()
+    markdown = "![plot](../benchmarks/results/genomics_1kg/curves.png), [a](../benchmarks/README.md#genomics-table)"
+    rewritten = hooks.rewrite_links(markdown, "results.md", set(hooks.mounted_paths()))
+    assert rewritten == "![plot](benchmarks/results/genomics_1kg/curves.png), [a](benchmarks/README.md#genomics-table)"
