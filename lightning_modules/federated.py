@@ -11,6 +11,8 @@ Where each hook of :class:`lightning_modules.algorithms.base.ClientAlgorithm` ru
 
 - ``on_round_start``: at the first training epoch of the fit; NVFlare's FLCallback has loaded the global weights
   (its ``on_train_start``) and the server meta of the round is read from NVFlare;
+- ``on_batch``: Lightning's ``on_train_batch_start``, with the batch ``training_step`` receives (the algorithms that
+  evaluate the task loss at other weights take their batch from here, not from the module's ``training_step``);
 - ``correct_gradients``: Lightning's ``on_before_optimizer_step``, i.e. after backward (and after gradient
   accumulation) and before gradient clipping and the optimizer step;
 - ``after_step``: a post-step hook on the module's optimizer (``torch.optim.Optimizer.register_step_post_hook``), so
@@ -210,6 +212,11 @@ class FederatedAlgorithm(pl.Callback):
             self._round_started = True
 
     # -- per step -----------------------------------------------------------------------------------------------
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self.algorithm.on_batch(pl_module, batch)
+
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:

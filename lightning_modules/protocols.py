@@ -7,7 +7,10 @@ script, the in-process runner), when the round starts. Each check returns one li
 
 Client algorithm declarations (on the class; a property where it depends on hyperparameters):
 
-- ``needs_task_loss``: the algorithm evaluates the task loss at other weights (FedMoS; SCAFFOLD Option I);
+- ``needs_task_loss``: the algorithm evaluates the task loss at other weights (FedMoS; SCAFFOLD Option I), through
+  :func:`lightning_modules.algorithms.task_gradient.task_gradient` on a batch the callback hands it; the module's
+  ``training_step`` needs nothing for it (only an algorithm that overrides ``loss_terms``, MOON, needs
+  ``algorithm_loss`` there);
 - ``needs_representation``: the algorithm contrasts the module's projected representation (MOON);
 - ``needs_plain_sgd``: the algorithm applies its update as one plain SGD step (FedMoS).
 

@@ -4,7 +4,14 @@ A client algorithm is a small object with hooks that :class:`lightning_modules.f
 Lightning callback) drives on any LightningModule:
 
 - ``on_round_start``  once per federated round, after the global weights are loaded, with the server meta;
+- ``on_batch``        before every training batch's ``training_step`` (Lightning's ``on_train_batch_start``), with the
+  batch as ``training_step`` receives it (on its device): an algorithm that needs the task loss or its gradient at
+  other weights on the current batch keeps it here and evaluates it with
+  :func:`lightning_modules.algorithms.task_gradient.task_gradient` (FedMoS). Under gradient accumulation it runs
+  once per micro-batch, so the batch kept when ``correct_gradients`` runs is the last micro-batch only (FedMoS
+  refuses accumulation);
 - ``loss_terms``      inside the module's ``training_step`` (via ``algorithm_loss``): extra differentiable terms (MOON);
+  only an algorithm that adds a term overrides it, and the module must then call ``algorithm_loss``;
 - ``correct_gradients`` in ``on_before_optimizer_step``, after backward and before the optimizer moves the weights;
 - ``after_step``      right after each optimizer step (post-step parameter corrections, step/lr bookkeeping);
 - ``on_round_end``    returns the namespaced meta to send to the server with the model.
@@ -80,6 +87,9 @@ class ClientAlgorithm:
 
     def on_round_start(self, module: nn.Module, meta: Mapping[str, Any]) -> None:
         """Called once per round after the global weights were loaded into ``module``."""
+
+    def on_batch(self, module: nn.Module, batch: Any) -> None:
+        """Called before every training batch's ``training_step`` with that batch (module docstring)."""
 
     def loss_terms(self, module: nn.Module, batch: Any, logits: torch.Tensor) -> torch.Tensor | None:
         """Extra loss added to the task loss in ``training_step``; ``None`` adds nothing."""

@@ -9,9 +9,12 @@ are those of the authors' code and of the STORM estimator the method is named af
     w_{t+1} = (1 - mu) * w_t - eta * d_t + mu * x                                              (proximal pull)
 
 g(w; xi) is the gradient of the task loss on batch xi; g(w_{t-1}; xi_t) is the *previous iterate's* gradient on the
-*current* batch (a second forward/backward per step, at a float32 copy of w_{t-1} evaluated with
-``torch.func.functional_call``; nothing is registered on the module). A "previous step's own gradient" instead would
-make d_t - g_t = (1 - a)(d_{t-1} - g_{t-1}) = 0, i.e. plain SGD (tested). x is the global model received this round,
+*current* batch (a second forward/backward per step, at a float32 copy of w_{t-1}, by
+:func:`lightning_modules.algorithms.task_gradient.task_gradient` through the module's ``task_loss(batch, params=...)``;
+nothing is registered on the module). The batch is the one the callback hands to :meth:`FedMoS.on_batch` before the
+step's ``training_step``, so the module's ``training_step`` need not call ``algorithm_loss`` (FedMoS adds no loss
+term). A "previous step's own gradient" instead would make d_t - g_t = (1 - a)(d_{t-1} - g_{t-1}) = 0, i.e. plain SGD
+(tested). x is the global model received this round,
 a float32 snapshot; eta is the learning rate the optimizer applies in that step (read from its param group).
 
 How the update is applied inside Lightning's automatic optimization: after backward, ``correct_gradients`` replaces
@@ -27,9 +30,10 @@ d_t = g_t + (1 - a)^{t-1} * g_1 (only the first gradient is remembered) and need
 
 State: d, the previous iterate and x are float32 copies of the trainable parameters (buffers are never touched), and
 all of it is per round: a new round starts from d_1 = g_1 again (the authors recreate the optimizer every round).
-Nothing persists across rounds, so no state file is written. BatchNorm statistics are updated by the first pass only
-(the second pass runs on copies of the buffers); dropout masks are not shared between the two passes (the bundled
-models have no dropout).
+Nothing persists across rounds, so no state file is written. The second pass follows the policy of
+:mod:`lightning_modules.algorithms.task_gradient`: BatchNorm statistics are updated by the first pass only (the
+second runs on copies of the buffers), dropout is off in it (the bundled models have no dropout), and it runs in the
+trainer's precision context like the first.
 
 Hyperparameters: ``a`` in (0, 1] ("1 - momentum": a = 1 is SGD with the proximal pull, a -> 0 remembers more),
 ``mu`` in [0, 1) (the share of the way back to x taken every step). Defaults a = 0.1, mu = 0.001: the authors'
@@ -39,7 +43,6 @@ side (server momentum, client selection) is :mod:`aggregators.fedmos`.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
@@ -50,6 +53,7 @@ from torch import nn
 from aggregators import meta_keys
 from lightning_modules.algorithms.base import ClientAlgorithm, ClientAlgorithmError, trainable_parameters
 from lightning_modules.algorithms.hparams import HParams, hparam
+from lightning_modules.algorithms.task_gradient import task_gradient
 
 DEFAULT_A = 0.1
 DEFAULT_MU = 0.001
@@ -140,10 +144,9 @@ class FedMoS(ClientAlgorithm):
         self.steps = 0
         self._checked_optimizer = False
 
-    def loss_terms(self, module: nn.Module, batch: Any, logits: torch.Tensor) -> torch.Tensor | None:
-        # Not a loss term: the batch whose gradient is in .grad is needed again for g(w_{t-1}; xi_t).
+    def on_batch(self, module: nn.Module, batch: Any) -> None:
+        # The batch whose gradient will be in .grad is needed again for g(w_{t-1}; xi_t).
         self._batch = batch
-        return None
 
     @torch.no_grad()
     def correct_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -179,18 +182,13 @@ class FedMoS(ClientAlgorithm):
     def _gradient_at_previous_iterate(self, module: nn.Module, names: list[str]) -> list[torch.Tensor]:
         """g(w_{t-1}; xi_t): the task loss of the current batch at the stored previous iterate, differentiated."""
         if self._batch is None:
-            raise ClientAlgorithmError(f"{self.site}: fedmos saw no batch in training_step before this step")
-        prev = {n: self.prev[n].detach().requires_grad_(True) for n in names}
-        # Copies of the buffers: BatchNorm running statistics must be updated once per step, by the first pass.
-        buffers = {n: b.clone() for n, b in module.named_buffers()}
-        trainer = getattr(module, "_trainer", None)
-        with torch.enable_grad(), _forward_context(trainer):
-            loss, _ = module.task_loss(self._batch, params={**buffers, **prev})
-            grads = torch.autograd.grad(loss, list(prev.values()), allow_unused=True)
+            raise ClientAlgorithmError(
+                f"{self.site}: fedmos was handed no training batch before this step (on_batch; the "
+                "FederatedAlgorithm callback hands it over)"
+            )
+        _, grads = task_gradient(module, self._batch, self.prev, names=names)
         self._batch = None
-        return [
-            torch.zeros_like(prev[n]) if g is None else g.to(torch.float32) for n, g in zip(names, grads, strict=True)
-        ]
+        return [grads[n] for n in names]
 
     def _write_step_gradients(self, optimizer: torch.optim.Optimizer, names: list[str], weights: list) -> None:
         """.grad <- d + (mu / lr) * (w - x): the SGD step then gives w <- (1 - mu) w - lr d + mu x."""
@@ -211,9 +209,3 @@ class FedMoS(ClientAlgorithm):
 
     def on_round_end(self, module: nn.Module) -> dict[str, Any]:
         return {meta_keys.FEDMOS_A: self.a, meta_keys.FEDMOS_MU: self.mu}
-
-
-def _forward_context(trainer: Any) -> Any:
-    """Lightning's precision context (autocast under bf16-mixed), so both passes see the same numerics."""
-    plugin = getattr(trainer, "precision_plugin", None) if trainer is not None else None
-    return plugin.forward_context() if plugin is not None else contextlib.nullcontext()

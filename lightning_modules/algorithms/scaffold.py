@@ -19,7 +19,9 @@ gradient in both modes, so c_i absorbs lambda * y; that is consistent as long as
 End of round (K = optimizer steps actually taken, sum_k eta_k = learning rates actually applied):
 
 - Option II (default): c_i+ = c_i - c + (x - y_i) / sum_k eta_k   (= K * eta_l in the paper's constant-lr notation)
-- Option I:            c_i+ = g_i(x), the full local gradient at the received model x (one extra pass over the data)
+- Option I:            c_i+ = g_i(x), the full local gradient at the received model x (one extra pass over the data
+  at round start, batch by batch through :func:`lightning_modules.algorithms.task_gradient.task_gradient`: buffers
+  left as they were, dropout off, the trainer's precision; the module must define ``task_loss(batch)``)
 
 The client sends delta_c_i = c_i+ - c_i under ``scaffold.ctrl.diff`` and keeps c_i+ in the per-site state store,
 so it survives process restarts (``nvflare simulator -n N`` with one thread starts a process per client-round).
@@ -28,8 +30,7 @@ Controls and the snapshot of x are float32 copies of the trainable parameters on
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -50,6 +51,7 @@ from lightning_modules.algorithms.base import (
 )
 from lightning_modules.algorithms.hparams import HParams
 from lightning_modules.algorithms.kernels import add_in_own_dtype_
+from lightning_modules.algorithms.task_gradient import task_gradient
 
 Tensors = dict[str, torch.Tensor]
 Option = Literal["I", "II"]
@@ -215,7 +217,9 @@ def clips_gradients(module: nn.Module) -> bool:
 def full_local_gradient(module: nn.Module, params: Mapping[str, nn.Parameter]) -> Tensors:
     """g_i(x): the gradient of the local empirical loss at the current weights, over the whole local dataset.
 
-    Uses an unshuffled loader over the same dataset so that the training order of the round is not disturbed.
+    Uses an unshuffled loader over the same dataset so that the training order of the round is not disturbed. Each
+    batch's gradient is taken by :func:`lightning_modules.algorithms.task_gradient.task_gradient`, whose policy
+    leaves the round untouched: buffers (BatchNorm running statistics) restored, dropout off, the trainer's precision.
     """
     loader = module.trainer.train_dataloader
     dataset = getattr(loader, "dataset", None)
@@ -224,31 +228,11 @@ def full_local_gradient(module: nn.Module, params: Mapping[str, nn.Parameter]) -
     unshuffled = torch.utils.data.DataLoader(dataset, batch_size=getattr(loader, "batch_size", None) or 256)
     totals = {name: torch.zeros_like(p, dtype=torch.float32) for name, p in params.items()}
     seen = 0
-    with buffers_and_dropout_untouched(module):
-        for batch in unshuffled:
-            batch = [t.to(module.device) for t in batch]
-            loss, _ = module.task_loss(batch)
-            grads = torch.autograd.grad(loss, list(params.values()))
-            size = len(batch[0])
-            for (name, _), grad in zip(params.items(), grads, strict=True):
-                totals[name] += grad.to(torch.float32) * size
-            seen += size
+    for batch in unshuffled:
+        batch = [t.to(module.device) for t in batch]
+        _, grads = task_gradient(module, batch, names=list(params))
+        size = len(batch[0])
+        for name, grad in grads.items():
+            totals[name] += grad * size
+        seen += size
     return {name: total / seen for name, total in totals.items()}
-
-
-@contextlib.contextmanager
-def buffers_and_dropout_untouched(module: nn.Module) -> Iterator[None]:
-    """An extra pass that must not change the round: BatchNorm running statistics (and every other buffer) are
-    restored afterwards, and dropout is off during it (a gradient of the loss, not of a random mask)."""
-    saved = {name: buffer.detach().clone() for name, buffer in module.named_buffers()}
-    dropouts = [m for m in module.modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.training]
-    for dropout in dropouts:
-        dropout.eval()
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for name, buffer in module.named_buffers():
-                buffer.copy_(saved[name])
-        for dropout in dropouts:
-            dropout.train()

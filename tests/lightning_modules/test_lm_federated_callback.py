@@ -18,7 +18,7 @@ from aggregators import meta_keys
 from lightning_modules import FederatedAlgorithm, FLClassifier
 from lightning_modules.algorithms import CLIENT_ALGORITHMS, build_client_algorithm
 from lightning_modules.algorithms.base import ClientAlgorithmError
-from lightning_modules.federated import algorithm_loss
+from lightning_modules.federated import adds_loss_terms, algorithm_loss
 from lightning_modules.state_store import ClientStateStore
 
 LR, MU, ALPHA, C = 0.05, 0.1, 0.2, 0.1
@@ -261,6 +261,31 @@ def test_every_algorithm_on_a_plain_module_equals_the_built_in_classifier(tmp_pa
             assert got[key] == pytest.approx(value, abs=1e-6)
         else:
             assert got[key] == value, key
+
+
+class TaskLossOnlyModule(PlainModule):
+    """A user module with task_loss and a training_step that returns the task loss alone (no algorithm_loss)."""
+
+    def training_step(self, batch, batch_idx):
+        return self.task_loss(batch)[0]
+
+
+def test_fedmos_trains_a_module_whose_training_step_has_no_algorithm_loss(tmp_path):
+    """FedMoS adds no loss term (it takes its batch from the callback's on_batch), so a module with task_loss but
+    without algorithm_loss in training_step trains, bit for bit as one that adds the (zero) algorithm_loss."""
+    assert not adds_loss_terms(build_client_algorithm("fedmos")) and adds_loss_terms(build_client_algorithm("moon"))
+    meta = {meta_keys.ROUND: 0, meta_keys.RUN_ID: "r"}
+    fitted = {}
+    for module in (TaskLossOnlyModule({}), PlainModule({})):
+        callback = FederatedAlgorithm("fedmos", site="site-1", meta_source=lambda: meta)
+        torch.manual_seed(2)
+        trainer(callback).fit(module, torch.utils.data.DataLoader(data(), batch_size=BATCH))
+        assert callback.last_meta[meta_keys.NUM_STEPS] == N // BATCH
+        fitted[type(module).__name__] = module.state_dict()
+    start = PlainModule({}).state_dict()
+    for key, value in fitted["PlainModule"].items():
+        torch.testing.assert_close(fitted["TaskLossOnlyModule"][key], value, atol=0, rtol=0)
+        assert not torch.equal(value, start[key])  # it trained
 
 
 def test_a_per_run_store_keeps_state_under_the_servers_run_id_across_jobs(tmp_path):

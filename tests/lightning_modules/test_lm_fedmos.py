@@ -44,13 +44,13 @@ class OneDim(nn.Module):
 
 
 def drive(algorithm: ClientAlgorithm, module: OneDim, batches: list[torch.Tensor], lr: float = ETA) -> list[float]:
-    """The hook order of the FederatedAlgorithm callback: loss_terms, backward, correct, step, after."""
+    """The hook order of the FederatedAlgorithm callback: on_batch, forward and backward, correct, step, after."""
     optimizer = torch.optim.SGD(module.parameters(), lr=lr)
     path = []
     for batch in batches:
         optimizer.zero_grad()
+        algorithm.on_batch(module, batch)
         loss, _ = module.task_loss(batch)
-        algorithm.loss_terms(module, batch, None)
         loss.backward()
         algorithm.correct_gradients(module, optimizer)
         optimizer.step()
