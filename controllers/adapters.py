@@ -8,23 +8,13 @@ with the others.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from aggregators import ClientUpdate
-
-
-@dataclass(frozen=True)
-class Rejection:
-    """A client result the server refused, with every reason found."""
-
-    site: str
-    problems: tuple[str, ...]
-
-    def __str__(self) -> str:
-        return f"rejected result from {self.site}: " + "; ".join(self.problems)
+from controllers.engine import SiteResult, validate_result  # the engine's one validation path
+from controllers.rejection import Rejection  # also imported from here by the NVFlare aggregator and tests
 
 
 def result_site(result: Any) -> str:
@@ -45,8 +35,6 @@ def to_client_update(
 
     ``rule_check`` adds the aggregation rule's own checks (e.g. the SCAFFOLD control's keys and shapes).
     """
-    from controllers.engine import SiteResult, validate_result  # the engine's one validation path
-
     site_result = SiteResult(
         site=result_site(result),
         params=getattr(result, "params", None) or {},

@@ -42,8 +42,8 @@ from aggregators import AggregationRule, ClientUpdate, RoundContext, meta_keys
 from aggregators.deltas import agreed_param_keys, param_keys_problems
 from aggregators.validation import meta_problems, num_samples_problems, param_problems
 from aggregators.wire import RoundInfo
-from controllers.adapters import Rejection
 from controllers.checkpoint import params_digest
+from controllers.rejection import Rejection
 from controllers.sampling import clients_per_round_count, clients_per_round_problem, select_round_sites
 
 LOG = logging.getLogger("fedalg.engine")
