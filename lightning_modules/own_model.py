@@ -27,6 +27,7 @@ import pytorch_lightning as pl
 from pytorch_lightning.utilities.model_helpers import is_overridden
 
 from lightning_modules.algorithms.base import ClientAlgorithmError
+from lightning_modules.options import json_arg
 
 IMPORT_PATH_FORMAT = "'package.module:ClassName'"
 
@@ -233,11 +234,6 @@ def run_user_script(args: Any, client_script: str) -> None:
         runpy.run_path(str(script), run_name="__main__")
     finally:
         sys.argv = argv
-
-
-def json_arg(value: Any) -> dict[str, Any]:
-    """A JSON setting as a dict, whether the command line gave text or the caller a mapping."""
-    return json.loads(value) if isinstance(value, str) else dict(value or {})
 
 
 def _scalars(meta: Mapping[str, Any]) -> dict[str, Any]:

@@ -41,7 +41,7 @@ from lightning_modules.classifier import FLClassifier
 from lightning_modules.distributed import check_launch
 from lightning_modules.federated import FederatedAlgorithm
 from lightning_modules.fl_callback import MetaSource, nvflare_meta_source
-from lightning_modules.own_model import json_arg
+from lightning_modules.options import json_arg
 from lightning_modules.state_store import ClientStateStore
 
 __all__ = [
