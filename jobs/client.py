@@ -1,4 +1,9 @@
-"""The one NVFlare client script of the bundle (runs on every site, copied into each job's ``custom/``).
+"""The bundle's NVFlare client: what every site runs for a job, through the job's thin client script.
+
+The code lives here, in the installed bundle, not in the job: each exported job's ``app/custom/client.py`` is a
+thin launcher (``jobs/site_script/client.py``, copied by the builder) that imports this module and calls
+:func:`main`, so the bundle must be installed on every site (the job's ``site_requirements.txt``). This module
+still runs as a script too (``python -m jobs.client``, or its installed path for jobs without ``custom/``).
 
 Per round: receive the global model (NVFlare's FLCallback loads it into the module), train locally with
 Lightning under the configured client algorithm, send the weights back with namespaced meta
@@ -11,7 +16,7 @@ Start-up and round latency (docs/deployment.md, section 9): a simulated site kee
 shard in its workspace for its later client-rounds, and NVFlare's in-process Client API polls are shortened to
 ``$FEDALG_CLIENT_POLL_S`` (0.02 s).
 
-Runs as ``python client.py --help`` outside NVFlare too, to show the options.
+Runs as ``python client.py --help`` (in a job's ``app/custom/``) outside NVFlare too, to show the options.
 """
 
 from __future__ import annotations
@@ -156,7 +161,10 @@ def site_training_data(site: str, args: argparse.Namespace, num_classes: int) ->
     return data
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None, *, client_script: str | None = None) -> None:
+    """Run a site's side of the job: ``argv`` are the job's client options (default ``sys.argv[1:]``, as NVFlare or
+    torchrun pass them); ``client_script`` is the job's client script, beside which a ``--script`` user script is
+    shipped (default: this file, when it runs as the script itself)."""
     args = build_parser().parse_args(argv)
     poll = client_poll_seconds()
     changed = shorten_client_polls(poll)
@@ -165,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.script is not None:  # the user's own training script, shipped beside this one
         from lightning_modules.own_model import run_user_script
 
-        run_user_script(args, __file__)
+        run_user_script(args, client_script or __file__)
     elif args.model is not None:  # the user's own LightningModule and data module (lightning_modules/own_model.py)
         from lightning_modules.own_model import run_site
 

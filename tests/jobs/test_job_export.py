@@ -84,6 +84,42 @@ def test_client_script_help_runs_without_nvflare_session():
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_committed_job_carries_the_thin_client_script(preset):
+    """The job's client.py is the launcher of the installed bundle's client (jobs/site_script/client.py), not the
+    client's code: at most 40 lines, calling jobs.client.main."""
+    from jobs.assembly import SITE_SCRIPT
+
+    text = (JOBS_DIR / preset / "app" / "custom" / "client.py").read_text()
+    assert text == SITE_SCRIPT.read_text()
+    assert len(text.splitlines()) <= 40
+    assert "from jobs.client import main" in text and "main(client_script=__file__)" in text
+
+
+def test_a_committed_jobs_client_script_shows_the_options_from_its_job_folder():
+    import subprocess
+    import sys
+
+    custom = JOBS_DIR / "fedavg" / "app" / "custom"
+    command = [sys.executable, "client.py", "--help"]
+    completed = subprocess.run(command, cwd=custom, capture_output=True, text=True, timeout=120, check=False)
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.startswith("usage: client.py") and "--client-args" in completed.stdout
+
+
+def test_a_site_without_the_bundle_is_told_what_to_install(tmp_path):
+    """-I -S: no site-packages (the bundle's install), no PYTHONPATH, no script folder on sys.path."""
+    import subprocess
+    import sys
+
+    script = JOBS_DIR / "fedavg" / "app" / "custom" / "client.py"
+    command = [sys.executable, "-I", "-S", str(script), "--help"]
+    completed = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
+    assert completed.returncode == 1
+    assert completed.stderr.startswith("error: this job's client needs the nvflare-noniid bundle installed")
+    assert "site_requirements.txt" in completed.stderr and "jobs" in completed.stderr
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_every_preset_client_command_line_parses_as_nvflare_passes_it(preset):
     """NVFlare splits ``task_script_args`` on whitespace (no shell quoting): the client must still parse it."""
     from jobs.build import client_script_args

@@ -99,6 +99,29 @@ def test_a_users_own_script_travels_in_the_job_and_the_sites_get_its_file_name(t
     assert "--script train_script.py" in args and str(EXAMPLE) not in args
 
 
+def test_the_jobs_thin_client_script_runs_the_users_script_shipped_beside_it(tmp_path, capsys):
+    """The client code is the installed bundle's (jobs.client), but a --script is found in the job's custom/."""
+    import subprocess
+    import sys
+
+    from lightning_modules.federated import CLIENT_ENV
+
+    probe = tmp_path / "probe_script.py"
+    probe.write_text(
+        f"import os, sys\nprint('PROBE', os.path.realpath(__file__), os.environ['{CLIENT_ENV}'], sys.argv)\n"
+    )
+    code, err = build(tmp_path, capsys, f"--model={OWN['model']}", f"--script={probe}", f"--ship={OWN['ship']}")
+    assert code == 0, err
+    app = tmp_path / "out" / "own" / "app"
+    client = json.loads((app / "config" / "config_fed_client.json").read_text())
+    args = client["executors"][0]["executor"]["args"]["task_script_args"].split()
+    command = [sys.executable, "client.py", *args]
+    done = subprocess.run(command, cwd=app / "custom", capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shipped = (app / "custom" / "probe_script.py").resolve()
+    assert done.stdout.strip() == f"PROBE {shipped} scaffold {[str(shipped)]}"
+
+
 def test_a_data_module_without_training_data_is_refused_on_the_site(tmp_path):
     from lightning_modules.own_model import UserCodeError, build_user_data
 
