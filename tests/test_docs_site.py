@@ -1,5 +1,6 @@
 """The documentation site builds with `mkdocs build --strict` (a broken link or a missing page fails the suite),
-every page under docs/ is in its navigation and the hook that serves files outside docs/ rewrites links correctly."""
+every page under docs/ is in its navigation, the hook that serves files outside docs/ rewrites links correctly, and the
+README stays short enough to read in five minutes."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+README_MAX_LINES = 250
 
 pytest.importorskip("mkdocs", reason="the docs tools come with the dev extra (make setup)")
 yaml = pytest.importorskip("yaml")
@@ -96,3 +98,8 @@ def test_an_image_link_and_its_anchor_are_rewritten_together():
     markdown = "![plot](../benchmarks/results/genomics_1kg/curves.png), [a](../benchmarks/README.md#genomics-table)"
     rewritten = hooks.rewrite_links(markdown, "results.md", set(hooks.mounted_paths()))
     assert rewritten == "![plot](benchmarks/results/genomics_1kg/curves.png), [a](benchmarks/README.md#genomics-table)"
+
+
+def test_the_readme_is_at_most_250_lines():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; move detail into docs/"
