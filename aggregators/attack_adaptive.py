@@ -47,9 +47,9 @@ from aggregators.attention import (
 )
 from aggregators.capture import CapturedRound, capture_labels, new_run_dir, write_round
 from aggregators.deltas import model_trainable_keys, trainable_keys
+from aggregators.hparams import RuleHParams, hparam
 from aggregators.robust import assemble, finite_updates
 from aggregators.types import AggregationError, AggregationResult, AggregationRule, ClientUpdate, RoundContext
-from aggregators.validation import check_int, check_number
 
 LOG = logging.getLogger("fedalg.attack_adaptive")
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -77,17 +77,17 @@ def layer_shapes(global_params: Mapping[str, np.ndarray]) -> dict[str, list[int]
 
 
 @dataclass(frozen=True)
-class AttackAdaptive(AggregationRule):
+class AttackAdaptive(RuleHParams, AggregationRule):
     """Attack-adaptive aggregation; defaults are the paper's aggregation settings (docs/robustness.md, attack-adaptive
     aggregation)."""
 
     attention_model_path: str | None = None
     allow_random_attention: bool = False
-    pca_components: int = 10
-    attention_hidden: int = 32
-    attention_loops: int = 5
-    scaling_factor: float = 10.0
-    threshold: float = 0.005
+    pca_components: int = hparam(10, low=1, note="SVD components per layer")
+    attention_hidden: int = hparam(32, low=1, note="the attention network's hidden width")
+    attention_loops: int = hparam(5, low=1, note="attention loops, each refining the query")
+    scaling_factor: float = hparam(10.0, low=0, note="the scale of the attention scores")
+    threshold: float = hparam(0.005, low=0, note="weights at or below it are set to 0")
     dataset_capture_dir: str | None = None
     random_attention_seed: int = 0
 
@@ -95,16 +95,18 @@ class AttackAdaptive(AggregationRule):
 
     _loaded: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        for name in ("pca_components", "attention_hidden", "attention_loops"):
-            check_int(self.name, name, getattr(self, name), 1)
-        for name in ("scaling_factor", "threshold"):
-            check_number(self.name, name, getattr(self, name), low=0.0)
+    def check_together(self) -> None:
         if self.attention_model_path is None and not self.allow_random_attention:
-            raise AggregationError(
-                f"{self.name}: attention_model_path is required (a pretrained attention network, e.g. "
-                f"'{SHIPPED_CHECKPOINT}' for LeNet-5); set allow_random_attention=true only for experiments"
+            self.refuse(
+                "attention_model_path",
+                "a checkpoint path",
+                None,
+                f"a pretrained attention network, e.g. '{SHIPPED_CHECKPOINT}' for LeNet-5; "
+                "set allow_random_attention=true only for experiments",
             )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.attention_model_path is not None:
             # Load at construction: a bad path fails when the job starts, not after the first round.
             try:

@@ -30,8 +30,8 @@ import numpy as np
 
 from aggregators.deltas import average_buffers, delta_alignment, split_keys, trainable_keys
 from aggregators.functional import by_site, sample_weights, weighted_sum
+from aggregators.hparams import RuleHParams, hparam
 from aggregators.types import AggregationResult, AggregationRule, ClientUpdate, RoundContext
-from aggregators.validation import check_number
 
 
 def gompertz(theta: np.ndarray, alpha: float) -> np.ndarray:
@@ -78,15 +78,12 @@ def client_angles(
 
 
 @dataclass(frozen=True)
-class FedAdp(AggregationRule):
+class FedAdp(RuleHParams, AggregationRule):
     """FedAdp server rule. ``alpha`` is the Gompertz steepness (paper: 5; unrelated to FedDyn's alpha)."""
 
-    alpha: float = 5.0
+    alpha: float = hparam(5.0, low=0, low_open=True, note="the Gompertz steepness")
 
     name: ClassVar[str] = "fedadp"
-
-    def __post_init__(self) -> None:
-        check_number(self.name, "alpha", self.alpha, low=0.0, low_open=True)
 
     def init_state(self, global_params: Mapping[str, np.ndarray]) -> dict[str, Any]:
         return {"angles": {}, "counts": {}}

@@ -25,8 +25,8 @@ import numpy as np
 
 from aggregators.deltas import average_buffers, delta_sq_norms, split_keys, trainable_keys
 from aggregators.functional import by_site, weighted_sum
+from aggregators.hparams import RuleHParams, hparam
 from aggregators.types import AggregationError, AggregationResult, AggregationRule, ClientUpdate, RoundContext
-from aggregators.validation import check_number
 
 
 def softmax(scores: np.ndarray) -> np.ndarray:
@@ -41,7 +41,7 @@ def layer_distances(x: np.ndarray, layers: Sequence[np.ndarray]) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class FedAtt(AggregationRule):
+class FedAtt(RuleHParams, AggregationRule):
     """FedAtt server rule.
 
     Args:
@@ -51,21 +51,13 @@ class FedAtt(AggregationRule):
         seed: seeds the noise generator together with the round index.
     """
 
-    epsilon: float = 1.2
-    noise: float = 0.001
-    seed: int = 0
+    epsilon: float = hparam(1.2, low=0, low_open=True, note="the step towards the clients; 0 never moves the model")
+    noise: float = hparam(0.001, low=0, note="the standard deviation of the Gaussian noise; 0 disables it")
+    seed: int = hparam(0, low=0, note="seeds the noise together with the round index")
 
     name: ClassVar[str] = "fedatt"
     #: x + epsilon * sum_i alpha_i (y_i - x): a step of size epsilon towards the clients, plus noise.
     mean_type: ClassVar[bool] = False
-
-    def __post_init__(self) -> None:
-        check_number(self.name, "epsilon", self.epsilon, low=0.0)
-        check_number(self.name, "noise", self.noise, low=0.0)
-        if self.epsilon == 0:
-            raise AggregationError("fedatt: epsilon must be > 0 (0 never moves the model)")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise AggregationError(f"fedatt: seed must be a non-negative integer, got {self.seed!r}")
 
     def aggregate(
         self,

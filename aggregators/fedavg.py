@@ -20,8 +20,8 @@ from typing import ClassVar
 import numpy as np
 
 from aggregators.functional import by_site, is_float_array, sample_weights, weighted_average_params
+from aggregators.hparams import RuleHParams, hparam
 from aggregators.types import AggregationRule, ClientUpdate, Params, RoundContext
-from aggregators.validation import check_number
 
 
 def fedavg_params(
@@ -53,15 +53,12 @@ def _server_step(current: np.ndarray, averaged: np.ndarray, server_lr: float) ->
 
 
 @dataclass(frozen=True)
-class FedAvg(AggregationRule):
+class FedAvg(RuleHParams, AggregationRule):
     """FedAvg as an aggregation rule (stateless). ``server_lr`` is eta_g; 1.0 is the paper's FedAvg."""
 
-    server_lr: float = 1.0
+    server_lr: float = hparam(1.0, low=0, low_open=True, note="eta_g; 1 is the paper's FedAvg")
 
     name: ClassVar[str] = "fedavg"
-
-    def __post_init__(self) -> None:
-        check_number(self.name, "server_lr", self.server_lr, low=0.0, low_open=True)
 
     def aggregate_params(
         self, global_params: Mapping[str, np.ndarray], updates: Sequence[ClientUpdate], context: RoundContext

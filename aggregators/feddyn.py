@@ -37,7 +37,6 @@ does not depend on alpha.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -46,6 +45,7 @@ import numpy as np
 
 from aggregators import meta_keys
 from aggregators.functional import by_site, is_float_array, weighted_average_params, weighted_mean
+from aggregators.hparams import RuleHParams, hparam
 from aggregators.types import AggregationError, AggregationResult, AggregationRule, ClientUpdate, RoundContext
 from aggregators.wire import FedDynReport
 
@@ -115,7 +115,7 @@ def feddyn_params(
 
 
 @dataclass(frozen=True)
-class FedDyn(AggregationRule):
+class FedDyn(RuleHParams, AggregationRule):
     """FedDyn server rule.
 
     Args:
@@ -123,23 +123,14 @@ class FedDyn(AggregationRule):
         population_size: m; ``None`` uses every site connected when the job started.
     """
 
-    alpha: float = DEFAULT_ALPHA
-    population_size: int | None = None
+    alpha: float = hparam(DEFAULT_ALPHA, low=0, low_open=True, note="the dynamic-regulariser coefficient")
+    population_size: int | None = hparam(None, low=1, note="m; unset: every site connected when the job started")
 
     name: ClassVar[str] = "feddyn"
     #: x = mean(y) - h / alpha: the correction h moves it off the clients' common model.
     mean_type: ClassVar[bool] = False
     required_meta: ClassVar[tuple[str, ...]] = (meta_keys.FEDDYN_ALPHA_K, meta_keys.FEDDYN_PARAM_KEYS)
     broadcast_keys: ClassVar[tuple[str, ...]] = (meta_keys.FEDDYN_ALPHA,)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, int | float):
-            raise AggregationError(f"feddyn: alpha must be a number, got {self.alpha!r}")
-        if not math.isfinite(self.alpha) or self.alpha <= 0:
-            raise AggregationError(f"feddyn: alpha must be finite and > 0, got {self.alpha!r}")
-        size = self.population_size
-        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-            raise AggregationError(f"feddyn: population_size must be a positive integer, got {self.population_size!r}")
 
     def init_state(self, global_params: Mapping[str, np.ndarray]) -> dict[str, Any]:
         return {"h_sum": {}}

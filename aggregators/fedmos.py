@@ -40,18 +40,17 @@ If a selected site's result is missing or rejected, the weights of the others ar
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any, ClassVar, Literal, get_args
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 
 from aggregators.functional import by_site, is_float_array, sample_weights, weighted_mean
+from aggregators.hparams import CHECKED_TOGETHER, RuleHParams, hparam
 from aggregators.types import AggregationError, AggregationResult, AggregationRule, ClientUpdate, RoundContext
-from aggregators.validation import check_number
 
 Selection = Literal["uniform", "adaptive"]
-SELECTIONS = get_args(Selection)
 _SELECTION_STREAM = 0x466D53  # separates the selection's random stream from other seeded draws of the job
 
 
@@ -133,7 +132,7 @@ def momentum_step(
 
 
 @dataclass(frozen=True)
-class FedMoS(AggregationRule):
+class FedMoS(RuleHParams, AggregationRule):
     """FedMoS server rule.
 
     Args:
@@ -142,21 +141,21 @@ class FedMoS(AggregationRule):
         site_num_samples: optional ``{site: n_i}`` known up front; without it the first round is a census round.
     """
 
-    beta: float = 0.8
+    beta: float = hparam(0.8, low=0, high=1, high_open=True, note="server momentum")
     selection: Selection = "uniform"
-    site_num_samples: dict[str, int] | None = None
+    site_num_samples: dict[str, int] | None = field(default=None, metadata=CHECKED_TOGETHER)
 
     name: ClassVar[str] = "fedmos"
     #: Server momentum carries earlier rounds into this one.
     mean_type: ClassVar[bool] = False
 
-    def __post_init__(self) -> None:
-        check_number(self.name, "beta (server momentum)", self.beta, low=0.0, high=1.0, high_open=True)
-        if self.selection not in SELECTIONS:
-            raise AggregationError(f"fedmos: selection must be one of {SELECTIONS}, got {self.selection!r}")
-        for site, count in (self.site_num_samples or {}).items():
+    def check_together(self) -> None:
+        counts = self.site_num_samples
+        if counts is not None and not isinstance(counts, Mapping):
+            self.refuse("site_num_samples", "a mapping of site -> sample count", counts)
+        for site, count in (counts or {}).items():
             if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-                raise AggregationError(f"fedmos: site_num_samples['{site}'] must be a positive int, got {count!r}")
+                self.refuse("site_num_samples", "a positive integer for every site", count, f"site '{site}'")
 
     def init_state(self, global_params: Mapping[str, np.ndarray]) -> dict[str, Any]:
         return {"momentum": {}, "num_samples": dict(self.site_num_samples or {}), "selection": {}}

@@ -29,19 +29,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, get_args
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 
 from aggregators import meta_keys
 from aggregators.deltas import average_buffers, split_keys, trainable_keys
 from aggregators.functional import by_site, sample_weights, weighted_sum
+from aggregators.hparams import RuleHParams, hparam
 from aggregators.types import AggregationError, AggregationResult, AggregationRule, ClientUpdate, RoundContext
-from aggregators.validation import check_number
 from aggregators.wire import FedNovaReport
 
 TauEff = Literal["a_norm", "steps"]
-TAU_EFF_CHOICES = get_args(TauEff)
 
 
 def normalizer_l1(lrs: Sequence[float], momentum: float = 0.0, dampening: float = 0.0, mu: float = 0.0) -> float:
@@ -73,7 +72,7 @@ def nova_problems(meta: Mapping[str, Any]) -> list[str]:
 
 
 @dataclass(frozen=True)
-class FedNova(AggregationRule):
+class FedNova(RuleHParams, AggregationRule):
     """FedNova server rule.
 
     Args:
@@ -83,17 +82,12 @@ class FedNova(AggregationRule):
     """
 
     tau_eff: TauEff = "a_norm"
-    server_momentum: float = 0.0
+    server_momentum: float = hparam(0.0, low=0, high=1, high_open=True, note="gmf; 0 = none")
 
     name: ClassVar[str] = "fednova"
     required_meta: ClassVar[tuple[str, ...]] = (meta_keys.FEDNOVA_TAU, meta_keys.FEDNOVA_A_NORM)
     #: Client algorithms whose local update is not eta * G a (a drift that is not a local gradient) cannot compose.
     needs_linear_local_solver: ClassVar[bool] = True
-
-    def __post_init__(self) -> None:
-        if self.tau_eff not in TAU_EFF_CHOICES:
-            raise AggregationError(f"fednova: tau_eff must be one of {TAU_EFF_CHOICES}, got {self.tau_eff!r}")
-        check_number(self.name, "server_momentum", self.server_momentum, low=0.0, high=1.0, high_open=True)
 
     def init_state(self, global_params: Mapping[str, np.ndarray]) -> dict[str, Any]:
         return {"momentum": {}}

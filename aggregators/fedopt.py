@@ -36,9 +36,9 @@ from typing import Any, ClassVar
 import numpy as np
 
 from aggregators.deltas import average_buffers, split_keys, trainable_keys
-from aggregators.functional import WEIGHTINGS, Weighting, by_site, sample_weights, weighted_sum
+from aggregators.functional import Weighting, by_site, sample_weights, weighted_sum
+from aggregators.hparams import RuleHParams, hparam, interval_text
 from aggregators.types import AggregationError, AggregationResult, AggregationRule, ClientUpdate, RoundContext
-from aggregators.validation import check_number
 
 CHUNK = 1 << 16  # elements per slice of a parameter: ~16 slices of 256 KiB stay in cache
 # Per variant: (server lr eta, beta1). Adam/Yogi/Adagrad follow Flower's and google-research/federated's
@@ -73,12 +73,10 @@ def second_moment(variant: str, v_prev: np.ndarray, squared: np.ndarray, beta2: 
     return v
 
 
-def check_tau(rule: str, variant: str, tau: Any) -> None:
-    """tau >= 0 for FedAvgM (which does not use it); tau >= :data:`TAU_FLOOR` for the adaptive variants, else an
-    error naming the rule, the setting, the allowed range and why (:data:`TAU_FLOOR_WHY`)."""
-    check_number(rule, "tau", tau, low=0.0 if variant == "avgm" else -math.inf)  # a finite number first
-    if variant != "avgm" and tau < TAU_FLOOR:
-        raise AggregationError(f"{rule}: tau must lie in [{TAU_FLOOR}, inf], got {tau}; {TAU_FLOOR_WHY}")
+def tau_floor(variant: str) -> tuple[float, str]:
+    """The smallest tau of a variant and why: :data:`TAU_FLOOR` for the adaptive ones (:data:`TAU_FLOOR_WHY`), 0 for
+    FedAvgM, which does not use it."""
+    return (0.0, "fedavgm does not use it") if variant == "avgm" else (TAU_FLOOR, TAU_FLOOR_WHY)
 
 
 def effective_lr(server_lr: float, beta1: float, beta2: float, step: int, bias_correction: bool) -> float:
@@ -89,7 +87,7 @@ def effective_lr(server_lr: float, beta1: float, beta2: float, step: int, bias_c
 
 
 @dataclass(frozen=True)
-class FedOpt(AggregationRule):
+class FedOpt(RuleHParams, AggregationRule):
     """Server optimizer rule; use the registered variants ``fedadam``, ``fedadagrad``, ``fedyogi``, ``fedavgm``.
 
     Args:
@@ -104,12 +102,14 @@ class FedOpt(AggregationRule):
         weighting: ``samples`` (p_i = n_i / n, docs/design.md decision 6) or ``uniform`` (1/|S|, Algorithm 2's mean).
     """
 
-    server_lr: float | None = None
-    beta1: float | None = None
-    beta2: float = 0.99
-    tau: float = 1e-3
+    server_lr: float | None = hparam(None, low=0, low_open=True, note="eta")
+    # beta = 1 would freeze a moment (and divide by zero with bias correction); tau = 0 makes every coordinate
+    # that no client moved 0 / 0 = NaN in an adaptive step, and a tiny tau an unbounded one (TAU_FLOOR_WHY).
+    beta1: float | None = hparam(None, low=0, high=1, high_open=True, note="first-moment decay")
+    beta2: float = hparam(0.99, low=0, high=1, high_open=True, note="second-moment decay")
+    tau: float = hparam(1e-3)  # the floor depends on the variant: check_together
     bias_correction: bool = False
-    v0: float | None = None
+    v0: float | None = hparam(None, low=0, note="initial second moment; unset: tau^2")
     weighting: Weighting = "samples"
 
     name: ClassVar[str] = "fedopt"
@@ -118,25 +118,20 @@ class FedOpt(AggregationRule):
     variant: ClassVar[str] = "adam"
 
     def __post_init__(self) -> None:
+        # Unset server_lr and beta1 take the variant's defaults before the declaration checks them.
         default_lr, default_beta1 = VARIANT_DEFAULTS[self.variant]
         if self.server_lr is None:
             object.__setattr__(self, "server_lr", default_lr)
         if self.beta1 is None:
             object.__setattr__(self, "beta1", default_beta1)
-        check_number(self.name, "server_lr", self.server_lr, low=0.0, low_open=True)
-        # beta = 1 would freeze a moment (and divide by zero with bias correction); tau = 0 makes every coordinate
-        # that no client moved 0 / 0 = NaN in an adaptive step, and a tiny tau an unbounded one (TAU_FLOOR_WHY).
-        check_number(self.name, "beta1", self.beta1, low=0.0, high=1.0, high_open=True)
-        check_number(self.name, "beta2", self.beta2, low=0.0, high=1.0, high_open=True)
-        check_tau(self.name, self.variant, self.tau)
-        if self.v0 is not None:
-            check_number(self.name, "v0", self.v0, low=0.0)
-        if not isinstance(self.bias_correction, bool):
-            raise AggregationError(f"{self.name}: bias_correction must be true or false, got {self.bias_correction!r}")
+        super().__post_init__()
+
+    def check_together(self) -> None:
+        floor, why = tau_floor(self.variant)
+        if self.tau < floor:
+            self.refuse("tau", interval_text(floor, math.inf), self.tau, why)
         if self.bias_correction and self.variant not in ("adam", "yogi"):
-            raise AggregationError(f"{self.name}: bias_correction applies to fedadam and fedyogi only")
-        if self.weighting not in WEIGHTINGS:
-            raise AggregationError(f"{self.name}: weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
+            self.refuse("bias_correction", "false", True, "bias correction applies to fedadam and fedyogi only")
 
     def init_state(self, global_params: Mapping[str, np.ndarray]) -> dict[str, Any]:
         # Empty moments mean "not yet created": m = 0 and v = v0 on first use (the trainable keys are known then).

@@ -23,9 +23,9 @@ from typing import Any, ClassVar
 import numpy as np
 
 from aggregators.deltas import trainable_keys
+from aggregators.hparams import RuleHParams, hparam
 from aggregators.robust import assemble, finite_updates, stacked
 from aggregators.types import AggregationError, AggregationResult, AggregationRule, ClientUpdate, RoundContext
-from aggregators.validation import check_int
 
 
 def krum_scores(vectors: np.ndarray, num_byzantine: int) -> np.ndarray:
@@ -61,17 +61,13 @@ def krum_params(
 
 
 @dataclass(frozen=True)
-class Krum(AggregationRule):
+class Krum(RuleHParams, AggregationRule):
     """Krum (``num_selected=1``) or Multi-Krum (``num_selected=m``); ``num_byzantine`` is the assumed f."""
 
-    num_byzantine: int = 1
-    num_selected: int = 1
+    num_byzantine: int = hparam(1, low=0, note="f, the Byzantine clients assumed")
+    num_selected: int = hparam(1, low=1, note="m, the updates averaged; 1 is Krum")
 
     name: ClassVar[str] = "krum"
-
-    def __post_init__(self) -> None:
-        check_int(self.name, "num_byzantine", self.num_byzantine, 0)
-        check_int(self.name, "num_selected", self.num_selected, 1)
 
     def aggregate(
         self,

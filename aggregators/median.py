@@ -20,6 +20,7 @@ from typing import ClassVar
 import numpy as np
 
 from aggregators.deltas import trainable_keys
+from aggregators.hparams import RuleHParams
 from aggregators.robust import assemble, finite_updates, stacked
 from aggregators.types import AggregationRule, ClientUpdate, Params, RoundContext
 
@@ -33,7 +34,7 @@ def median_params(global_params: Mapping[str, np.ndarray], updates: Sequence[Cli
 
 
 @dataclass(frozen=True)
-class Median(AggregationRule):
+class Median(RuleHParams, AggregationRule):
     """Coordinate-wise median of the client updates (stateless, no hyperparameters)."""
 
     name: ClassVar[str] = "median"

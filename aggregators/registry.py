@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -14,6 +13,7 @@ from aggregators.feddyn import FedDyn
 from aggregators.fedmos import FedMoS
 from aggregators.fednova import FedNova
 from aggregators.fedopt import FEDOPT_RULES
+from aggregators.hparams import HParams
 from aggregators.krum import Krum
 from aggregators.median import Median
 from aggregators.scaffold import Scaffold
@@ -42,11 +42,12 @@ def unknown_setting_problem(owner: str, given: Iterable[str], allowed: Sequence[
 
 
 def rule_settings(rule_cls: type) -> tuple[str, ...] | None:
-    """The hyperparameters a rule's constructor takes: the fields of its dataclass, in declaration order (``None``
-    for a rule that is no dataclass: its constructor checks its own arguments)."""
-    if not dataclasses.is_dataclass(rule_cls):
+    """The hyperparameters a rule's constructor takes, from its declaration (:class:`aggregators.hparams.HParams`,
+    as for the client algorithms), in declaration order (``None`` for a rule that declares none that way: its
+    constructor checks its own arguments)."""
+    if not (isinstance(rule_cls, type) and issubclass(rule_cls, HParams)):
         return None
-    return tuple(spec_field.name for spec_field in dataclasses.fields(rule_cls) if spec_field.init)
+    return rule_cls.names()
 
 
 def rule_args_problem(name: str, kwargs: Iterable[str]) -> str | None:

@@ -26,7 +26,8 @@ import numpy as np
 from aggregators import meta_keys
 from aggregators.deltas import model_trainable_keys
 from aggregators.fedavg import weighted_model_step
-from aggregators.functional import WEIGHTINGS, Weighting, by_site, sample_weights
+from aggregators.functional import Weighting, by_site, sample_weights
+from aggregators.hparams import RuleHParams, hparam
 from aggregators.types import (
     AggregationError,
     AggregationResult,
@@ -93,22 +94,18 @@ def update_global_control(
 
 
 @dataclass(frozen=True)
-class ScaffoldControl(CompanionRule):
+class ScaffoldControl(RuleHParams, CompanionRule):
     """SCAFFOLD's server control c alone, as a companion of another model-update rule (aggregators/compose.py).
 
     Keeps c <- c + (1/N) * sum_{i in S} delta_c_i and broadcasts it; the model step is left to the rule it is composed
     with (e.g. FedYogi), which then steps from the SCAFFOLD-corrected client models.
     """
 
-    population_size: int | None = None
+    population_size: int | None = hparam(None, low=1, note="N; unset: every site connected when the job started")
 
     name: ClassVar[str] = "scaffold_control"
     required_meta: ClassVar[tuple[str, ...]] = (meta_keys.SCAFFOLD_CTRL_DIFF,)
     broadcast_keys: ClassVar[tuple[str, ...]] = (meta_keys.SCAFFOLD_CTRL_GLOBAL,)
-
-    def __post_init__(self) -> None:
-        if self.population_size is not None and self.population_size < 1:
-            raise AggregationError(f"scaffold: population_size must be at least 1, got {self.population_size}")
 
     def init_state(self, global_params: Mapping[str, np.ndarray]) -> dict[str, Any]:
         return {"control": {}}
@@ -147,7 +144,7 @@ class ScaffoldControl(CompanionRule):
 
 
 @dataclass(frozen=True)
-class Scaffold(AggregationRule):
+class Scaffold(RuleHParams, AggregationRule):
     """SCAFFOLD server rule.
 
     Args:
@@ -156,20 +153,13 @@ class Scaffold(AggregationRule):
         population_size: N; ``None`` uses every site connected when the job started.
     """
 
-    server_lr: float = 1.0
+    server_lr: float = hparam(1.0, low=0, low_open=True, note="eta_g")
     weighting: Weighting = "uniform"
-    population_size: int | None = None
+    population_size: int | None = hparam(None, low=1, note="N; unset: every site connected when the job started")
 
     name: ClassVar[str] = "scaffold"
     required_meta: ClassVar[tuple[str, ...]] = (meta_keys.SCAFFOLD_CTRL_DIFF,)
     broadcast_keys: ClassVar[tuple[str, ...]] = (meta_keys.SCAFFOLD_CTRL_GLOBAL,)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.server_lr, bool) or not isinstance(self.server_lr, int | float) or self.server_lr <= 0:
-            raise AggregationError(f"scaffold: server_lr must be a positive number, got {self.server_lr!r}")
-        if self.weighting not in WEIGHTINGS:
-            raise AggregationError(f"scaffold: weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
-        ScaffoldControl(population_size=self.population_size)  # refuses a bad population_size now, not per round
 
     @property
     def control(self) -> ScaffoldControl:

@@ -21,9 +21,9 @@ from typing import ClassVar
 import numpy as np
 
 from aggregators.deltas import trainable_keys
+from aggregators.hparams import RuleHParams, hparam
 from aggregators.robust import assemble, finite_updates, stacked
 from aggregators.types import AggregationError, AggregationRule, ClientUpdate, Params, RoundContext
-from aggregators.validation import check_number
 
 
 def trimmed_mean(values: np.ndarray, beta: float) -> np.ndarray:
@@ -47,15 +47,12 @@ def trimmed_mean_params(
 
 
 @dataclass(frozen=True)
-class TrimmedMean(AggregationRule):
+class TrimmedMean(RuleHParams, AggregationRule):
     """Coordinate-wise trimmed mean; ``beta`` is the fraction trimmed on each side (default 0.1)."""
 
-    beta: float = 0.1
+    beta: float = hparam(0.1, low=0, high=0.5, high_open=True, note="the fraction trimmed on each side")
 
     name: ClassVar[str] = "trimmed_mean"
-
-    def __post_init__(self) -> None:
-        check_number(self.name, "beta", self.beta, low=0.0, high=0.5, high_open=True)
 
     def aggregate_params(
         self, global_params: Mapping[str, np.ndarray], updates: Sequence[ClientUpdate], context: RoundContext

@@ -6,14 +6,12 @@ carries on with the others. The global model never absorbs an update that failed
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
 from aggregators.functional import is_float_array
-from aggregators.types import AggregationError
 
 
 def param_problems(global_params: Mapping[str, np.ndarray], params: Mapping[str, Any]) -> list[str]:
@@ -54,27 +52,3 @@ def num_samples_problems(num_samples: Any) -> list[str]:
     if num_samples < 0:
         return [f"sample count must be non-negative, got {num_samples}"]
     return []
-
-
-def check_number(
-    rule: str,
-    name: str,
-    value: Any,
-    low: float,
-    high: float = math.inf,
-    low_open: bool = False,
-    high_open: bool = False,
-) -> None:
-    """A rule's real-valued hyperparameter: a finite int/float (not a bool) in the given interval, else an error
-    naming the rule, the field and the interval."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise AggregationError(f"{rule}: {name} must be a finite number, got {value!r}")
-    if value < low or value > high or (low_open and value == low) or (high_open and value == high):
-        bounds = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
-        raise AggregationError(f"{rule}: {name} must lie in {bounds}, got {value}")
-
-
-def check_int(rule: str, name: str, value: object, minimum: int) -> None:
-    """A rule's integer hyperparameter (not a bool) of at least ``minimum``, else an error naming rule and field."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
-        raise AggregationError(f"{rule}: {name} must be an integer >= {minimum}, got {value!r}")

@@ -68,7 +68,7 @@ from lightning_modules.algorithms.base import (
     settle_state,
     trainable_parameters,
 )
-from lightning_modules.algorithms.hparams import HParams, check_int, hparam
+from lightning_modules.algorithms.hparams import HParams, hparam
 from lightning_modules.algorithms.kernels import pull_before_plain_sgd_step_
 
 AlphaWeighting = Literal["uniform", "samples"]
@@ -80,20 +80,21 @@ class FedDynHParams(HParams):
     """FedDyn's hyperparameters: how alpha_k is derived from the server's alpha (``alpha_weighting``) and, for
     ``"samples"``, the population's size m and its total training samples sum_j n_j (the same on every site)."""
 
-    algorithm: ClassVar[str] = "feddyn"
+    name: ClassVar[str] = "feddyn"
 
     alpha_weighting: AlphaWeighting = "uniform"
     population_size: int | None = hparam(None, low=1, note="m, the sites of the whole population")
     total_samples: int | None = hparam(None, low=1, note="sum_j n_j over the whole population")
 
     def check_together(self) -> None:
-        if self.alpha_weighting == "samples":  # alpha_k = alpha * total_samples / (n_k * m) needs both
-            check_int(self.algorithm, "population_size", self.population_size, 1)
-            check_int(self.algorithm, "total_samples", self.total_samples, 1)
-        elif self.population_size is not None or self.total_samples is not None:
-            raise ClientAlgorithmError(
-                "feddyn: population_size and total_samples are used only with alpha_weighting='samples'"
-            )
+        # alpha_k = alpha * total_samples / (n_k * m) needs both with "samples"; "uniform" uses neither.
+        samples = self.alpha_weighting == "samples"
+        for field_name in ("population_size", "total_samples"):
+            value = getattr(self, field_name)
+            if samples and value is None:
+                self.refuse(field_name, "a positive integer", value, "alpha_weighting='samples' needs it")
+            if not samples and value is not None:
+                self.refuse(field_name, "left unset", value, "used only with alpha_weighting='samples'")
 
 
 def parse_alpha(value: Any, site: str) -> float:

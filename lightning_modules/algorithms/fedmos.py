@@ -65,7 +65,7 @@ Tensors = dict[str, torch.Tensor]
 class FedMoSHParams(HParams):
     """FedMoS's hyperparameters: the STORM weight ``a``, the proximal share ``mu`` and the ``estimator``."""
 
-    algorithm: ClassVar[str] = "fedmos"
+    name: ClassVar[str] = "fedmos"
 
     a: float = hparam(DEFAULT_A, low=0, high=1, low_open=True, note="a = 1 - momentum; 1 = SGD")
     mu: float = hparam(

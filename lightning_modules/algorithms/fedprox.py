@@ -51,7 +51,7 @@ DEFAULT_MU = 0.01
 class FedProxHParams(HParams):
     """FedProx's hyperparameter: the proximal coefficient ``mu`` (0 is FedAvg's local training)."""
 
-    algorithm: ClassVar[str] = "fedprox"
+    name: ClassVar[str] = "fedprox"
 
     mu: float = hparam(DEFAULT_MU, low=0)
 

@@ -82,7 +82,7 @@ class MoonHParams(HParams):
     are the negatives; ``on_bad_history`` is what a site does with an unusable history file (not part of the
     method, so ``hparams()`` leaves it out)."""
 
-    algorithm: ClassVar[str] = "moon"
+    name: ClassVar[str] = "moon"
 
     mu: float = hparam(DEFAULT_MU, low=0)
     temperature: float = hparam(DEFAULT_TEMPERATURE, low=0, low_open=True)

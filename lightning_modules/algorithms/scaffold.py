@@ -62,7 +62,7 @@ Correction = Literal["step", "grad"]
 class ScaffoldHParams(HParams):
     """SCAFFOLD's hyperparameters: how c_i+ is computed (``option``) and where c - c_i is applied (``correction``)."""
 
-    algorithm: ClassVar[str] = "scaffold"
+    name: ClassVar[str] = "scaffold"
 
     option: Option = "II"
     correction: Correction = "step"

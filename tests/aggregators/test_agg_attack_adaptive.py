@@ -90,7 +90,8 @@ def test_width_mismatch_is_a_clear_error(tmp_path) -> None:
 def test_missing_checkpoint_and_unsafe_file_are_errors(tmp_path) -> None:
     with pytest.raises(AggregationError, match="found neither"):
         AttackAdaptive(attention_model_path="no/such/file.pt")
-    with pytest.raises(AggregationError, match="attention_model_path is required"):
+    required = r"^attack_adaptive: hyperparameter 'attention_model_path' must be a checkpoint path \(.*\), got None$"
+    with pytest.raises(AggregationError, match=required):
         AttackAdaptive()
     unsafe = tmp_path / "unsafe.pt"
     torch.save({"format": "attack_adaptive.attention/1", "x": logging.getLogger("x")}, unsafe)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from aggregators import AggregationError, build_rule
+from aggregators.fedopt import TAU_FLOOR_WHY
 from aggregators.registry import RULES, rule_args_problem, rule_settings
 from jobs.build import JobBuildError, JobSpec, main
 from jobs.recipe import FedAlgRecipe
@@ -39,7 +40,7 @@ REPO = Path(__file__).resolve().parents[2]
         ),
         (
             ["--client", "scaffold", "--client-args", '{"option":"III"}'],
-            "error: --client-args: scaffold: option must be one of ['I', 'II'], got 'III'",
+            "error: --client-args: scaffold: hyperparameter 'option' must be one of ['I', 'II'], got 'III'",
         ),
     ],
 )
@@ -55,8 +56,10 @@ def test_the_builder_refuses_a_fedopt_tau_below_its_floor_in_one_line_with_the_r
     out = tmp_path / "jobs"
     assert main(["--server", "fedadam", "--server-args", '{"tau": 1e-40}', "--output-dir", str(out)]) == 2
     err = capsys.readouterr().err.strip()
-    expected = "error: --server-args: fedadam: tau must lie in [1e-12, inf], got 1e-40; m and v are float32"
-    assert err.startswith(expected) and "\n" not in err
+    expected = (
+        "error: --server-args: fedadam: hyperparameter 'tau' must be a finite number >= 1e-12 (m and v are float32"
+    )
+    assert err.startswith(expected) and err.endswith("), got 1e-40") and TAU_FLOOR_WHY in err and "\n" not in err
     assert not out.exists()
 
 

@@ -1,6 +1,7 @@
 """Every client algorithm declares its hyperparameters once, as a frozen dataclass (lightning_modules/algorithms/
-hparams.py): the constructor, the registry's key check and ``hparams()`` all come from it, and a bad value or an
-unknown key is refused with one line naming the algorithm, the setting, the value and what is allowed."""
+hparams.py, on the declaration the server rules share: aggregators/hparams.py): the constructor, the registry's key
+check and ``hparams()`` all come from it, and a bad value or an unknown key is refused with one line naming the
+algorithm, the setting, the value and what is allowed."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import typing
 
 import pytest
 
+from aggregators.hparams import check_choice, check_int, check_number
 from lightning_modules.algorithms import CLIENT_ALGORITHMS, ClientAlgorithmError, HParams, build_client_algorithm
-from lightning_modules.algorithms.hparams import check_choice, check_int, check_number, declared_fields
+from lightning_modules.algorithms.hparams import declared_fields
 from lightning_modules.algorithms.registry import client_args_problem, declared_hparams
 
 ALGORITHMS = sorted(CLIENT_ALGORITHMS)
@@ -30,7 +32,7 @@ def test_every_algorithm_declares_a_frozen_dataclass_named_after_it(name):
     hparams_cls = declared_hparams(algorithm_cls)
     assert hparams_cls is algorithm_cls.hparams_class and issubclass(hparams_cls, HParams)
     assert dataclasses.is_dataclass(hparams_cls) and hparams_cls.__dataclass_params__.frozen
-    assert hparams_cls.algorithm == algorithm_cls.name == name
+    assert hparams_cls.name == algorithm_cls.name == name
     with pytest.raises(dataclasses.FrozenInstanceError):
         hparams_cls().algorithm_is_frozen = 1
 
@@ -92,7 +94,7 @@ def test_every_option_is_refused_outside_its_literal(name, field_name):
     choices = list(typing.get_args(hint))
     with pytest.raises(ClientAlgorithmError) as info:
         build_client_algorithm(name, **{field_name: "nope"})
-    assert str(info.value) == f"{name}: {field_name} must be one of {choices}, got 'nope'"
+    assert str(info.value) == f"{name}: hyperparameter '{field_name}' must be one of {choices}, got 'nope'"
 
 
 def test_whole_numbers_become_floats_so_json_1_and_1_0_train_alike():
@@ -102,24 +104,27 @@ def test_whole_numbers_become_floats_so_json_1_and_1_0_train_alike():
 
 
 def test_shared_checks_word_the_interval():
-    with pytest.raises(
-        ClientAlgorithmError, match=r"^x: hyperparameter 'a' must be a number in \(0, 1\] \(why\), got 0$"
-    ):
-        check_number("x", "a", 0, 0, 1, low_open=True, note="why")
-    with pytest.raises(ClientAlgorithmError, match=r"^x: hyperparameter 'b' must be a finite number > 0, got -1$"):
-        check_number("x", "b", -1, 0, low_open=True)
-    with pytest.raises(ClientAlgorithmError, match=r"^x: hyperparameter 'c' must be an integer >= 2, got 2.0$"):
-        check_int("x", "c", 2.0, 2)
-    with pytest.raises(ClientAlgorithmError, match=r"^x: hyperparameter 'd' must be a positive integer, got True$"):
-        check_int("x", "d", True, 1)
-    with pytest.raises(ClientAlgorithmError, match=r"^x: e must be one of \['p', 'q'\], got \['p'\]$"):
-        check_choice("x", "e", ["p"], ("p", "q"))
+    error = ClientAlgorithmError
+    with pytest.raises(error, match=r"^x: hyperparameter 'a' must be a number in \(0, 1\] \(why\), got 0$"):
+        check_number("x", "a", 0, 0, 1, low_open=True, note="why", error=error)
+    with pytest.raises(error, match=r"^x: hyperparameter 'b' must be a finite number > 0, got -1$"):
+        check_number("x", "b", -1, 0, low_open=True, error=error)
+    with pytest.raises(error, match=r"^x: hyperparameter 'c' must be an integer >= 2, got 2.0$"):
+        check_int("x", "c", 2.0, 2, error=error)
+    with pytest.raises(error, match=r"^x: hyperparameter 'd' must be a positive integer, got True$"):
+        check_int("x", "d", True, 1, error=error)
+    with pytest.raises(error, match=r"^x: hyperparameter 'e' must be one of \['p', 'q'\], got \['p'\]$"):
+        check_choice("x", "e", ["p"], ("p", "q"), error=error)
     assert check_number("x", "f", 1, 0, 1) == 1.0 and check_int("x", "g", 3, 1) == 3
 
 
 def test_cross_field_rules_run_after_each_field():
-    with pytest.raises(ClientAlgorithmError, match="'population_size' must be a positive integer, got None"):
+    needed = r"'population_size' must be a positive integer \(alpha_weighting='samples' needs it\), got None$"
+    with pytest.raises(ClientAlgorithmError, match=needed):
         build_client_algorithm("feddyn", alpha_weighting="samples", total_samples=10)
+    unused = r"^feddyn: hyperparameter 'total_samples' must be left unset \(used only with .*\), got 10$"
+    with pytest.raises(ClientAlgorithmError, match=unused):
+        build_client_algorithm("feddyn", total_samples=10)
     algorithm = build_client_algorithm("feddyn", alpha_weighting="samples", population_size=3, total_samples=9)
     assert algorithm.hparams() == {"alpha_weighting": "samples", "population_size": 3, "total_samples": 9}
 

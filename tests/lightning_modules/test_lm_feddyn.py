@@ -335,7 +335,7 @@ def test_sample_weighting_without_a_sized_training_set_is_an_error(tmp_path):
 @pytest.mark.parametrize(
     ("hparams", "message"),
     [
-        ({"alpha_weighting": "data"}, "alpha_weighting must be one of"),
+        ({"alpha_weighting": "data"}, "hyperparameter 'alpha_weighting' must be one of"),
         ({"alpha_weighting": "samples", "total_samples": 100}, "'population_size' must be a positive integer"),
         ({"alpha_weighting": "samples", "population_size": 3}, "'total_samples' must be a positive integer"),
         ({"alpha_weighting": "samples", "population_size": 0, "total_samples": 9}, "'population_size'"),
