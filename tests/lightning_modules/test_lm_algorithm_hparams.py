@@ -21,9 +21,12 @@ from lightning_modules.algorithms.registry import client_args_problem, declared_
 ALGORITHMS = sorted(CLIENT_ALGORITHMS)
 
 
-def _float_fields(name: str) -> list[str]:
+def _float_fields(name: str, optional: bool | None = None) -> list[str]:
+    """The real-valued fields of an algorithm (only those that may, or may not, be None when ``optional`` says)."""
     hparams_cls = CLIENT_ALGORITHMS[name].hparams_class
-    return [f.name for f, kind in declared_fields(hparams_cls) if kind.base is float]
+    return [
+        f.name for f, kind in declared_fields(hparams_cls) if kind.base is float and optional in (None, kind.optional)
+    ]
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)
@@ -74,10 +77,18 @@ def test_an_unknown_key_is_refused_naming_the_allowed_ones(name):
 @pytest.mark.parametrize(
     ("name", "field_name"), [(name, field) for name in ALGORITHMS for field in _float_fields(name)]
 )
-@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, True, "0.1", None])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, True, "0.1"])
 def test_every_real_valued_hyperparameter_must_be_a_finite_number(name, field_name, value):
     with pytest.raises(ClientAlgorithmError, match=rf"^{name}: hyperparameter '{field_name}' must be .*, got "):
         build_client_algorithm(name, **{field_name: value})
+
+
+@pytest.mark.parametrize(
+    ("name", "field_name"), [(name, field) for name in ALGORITHMS for field in _float_fields(name, optional=False)]
+)
+def test_a_real_valued_hyperparameter_may_be_none_only_when_declared_optional(name, field_name):
+    with pytest.raises(ClientAlgorithmError, match=rf"^{name}: hyperparameter '{field_name}' must be .*, got None$"):
+        build_client_algorithm(name, **{field_name: None})
 
 
 @pytest.mark.parametrize(
