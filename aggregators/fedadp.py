@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from aggregators.deltas import average_buffers, delta_alignment, split_keys, trainable_keys
-from aggregators.functional import by_site, sample_weights, weighted_sum
+from aggregators.functional import by_site, sample_weights, weighted_step
 from aggregators.hparams import RuleHParams, hparam
 from aggregators.types import AggregationResult, AggregationRule, ClientUpdate, RoundContext
 
@@ -104,8 +104,6 @@ class FedAdp(RuleHParams, AggregationRule):
         psi = adaptive_weights(p, np.array([smoothed[s] for s in sites]), self.alpha)
         params = average_buffers(global_params, updates, p, split_keys(global_params, trainable))
         for key in trainable:
-            x = np.asarray(global_params[key])
-            # x + sum_i psi_i (y_i - x) = sum_i psi_i y_i, since psi sums to 1.
-            params[key] = weighted_sum([u.params[key] for u in updates], psi, x)
+            params[key] = weighted_step(global_params[key], [u.params[key] for u in updates], psi)
         ordered = {key: params[key] for key in global_params}
         return AggregationResult(params=ordered, state={"angles": smoothed, "counts": counts})

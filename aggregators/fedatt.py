@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from aggregators.deltas import average_buffers, delta_sq_norms, split_keys, trainable_keys
-from aggregators.functional import by_site, weighted_sum
+from aggregators.functional import by_site, weighted_step
 from aggregators.hparams import RuleHParams, hparam
 from aggregators.types import AggregationError, AggregationResult, AggregationRule, ClientUpdate, RoundContext
 
@@ -77,10 +77,7 @@ class FedAtt(RuleHParams, AggregationRule):
             x = np.asarray(global_params[key])
             layers = [u.params[key] for u in updates]
             alpha = softmax(layer_distances(x, layers))
-            # x + eps * sum_k alpha_k (y_k - x) = (1 - eps) x + eps * sum_k alpha_k y_k  (alpha sums to 1)
-            # (1 - eps) x joins the blocked sum as its last term: the same additions in the same order as adding it
-            # afterwards, without a model-sized temporary.
-            moved = weighted_sum([*layers, x], [*(self.epsilon * alpha), 1.0 - self.epsilon], x)
+            moved = weighted_step(x, layers, self.epsilon * alpha)  # x + eps * sum_k alpha_k (y_k - x)
             if self.noise:
                 noise = rng.standard_normal(x.shape, dtype=np.float32)
                 noise *= self.noise

@@ -35,7 +35,7 @@ import numpy as np
 
 from aggregators import meta_keys
 from aggregators.deltas import average_buffers, split_keys, trainable_keys
-from aggregators.functional import by_site, sample_weights, weighted_sum
+from aggregators.functional import by_site, sample_weights, weighted_step, weighted_sum
 from aggregators.hparams import RuleHParams, hparam
 from aggregators.types import AggregationError, AggregationResult, AggregationRule, ClientUpdate, RoundContext
 from aggregators.wire import FedNovaReport
@@ -64,6 +64,20 @@ def normalizer_l1(lrs: Sequence[float], momentum: float = 0.0, dampening: float 
         total += abs(into_b * feed)  # coefficient of g_k in e_tau is -eta_0 a_k
         sens_e, sens_b = sens_e + into_b * feed * mu, into_b * momentum
     return total / float(lrs[0])
+
+
+def nova_momentum_step(
+    x: np.ndarray, ys: Sequence[np.ndarray], coefficients: np.ndarray, previous: np.ndarray | None, gmf: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """(x - b, b) with b = gmf * b_prev + g and g = sum_i c_i (x - y_i): the server momentum step of one tensor.
+
+    g is summed from the deltas (not as x minus the moved model), so a round in which no client moved gives g = 0
+    exactly and, from b_prev = 0, x back bit for bit however many rounds run. b is float32, the checkpointed state.
+    """
+    step = weighted_sum(ys, -coefficients, x, minus=x, dtype=np.float32)
+    if previous is not None:
+        step += gmf * np.asarray(previous, dtype=np.float32)
+    return (x - step).astype(x.dtype, copy=False), step
 
 
 def nova_problems(meta: Mapping[str, Any]) -> list[str]:
@@ -118,17 +132,12 @@ class FedNova(RuleHParams, AggregationRule):
         params = average_buffers(global_params, updates, p, split_keys(global_params, trainable))
         momentum = {}
         for key in trainable:
-            x = np.asarray(global_params[key])
-            # x - sum_i c_i (x - y_i) = (1 - sum_i c_i) x + sum_i c_i y_i: one weighted sum, no per-client delta.
-            moved = weighted_sum([u.params[key] for u in updates], coefficients, x)
-            moved += (1.0 - float(coefficients.sum())) * x
-            if self.server_momentum:
-                step = x - moved  # g = tau_eff * sum_i p_i d_i / a_i
-                previous = state["momentum"].get(key)
-                if previous is not None:
-                    step += self.server_momentum * np.asarray(previous, dtype=np.float32)
-                momentum[key] = step.astype(np.float32, copy=False)
-                moved = x - step
-            params[key] = moved.astype(x.dtype, copy=False)
+            x, ys = np.asarray(global_params[key]), [u.params[key] for u in updates]
+            if not self.server_momentum:
+                params[key] = weighted_step(x, ys, coefficients)  # x - sum_i c_i (x - y_i)
+                continue
+            params[key], momentum[key] = nova_momentum_step(
+                x, ys, coefficients, state["momentum"].get(key), self.server_momentum
+            )
         ordered = {key: params[key] for key in global_params}
         return AggregationResult(params=ordered, state={"momentum": momentum}, meta={})

@@ -2,7 +2,9 @@
 
 - inputs (global model, updates, their meta, the state) are never mutated;
 - the result does not depend on the order of the updates;
-- for mean-type rules (``mean_type``), identical client models give exactly that model;
+- for mean-type rules (``mean_type``), identical client models give that model (to float32 round-off);
+- a round in which no client moved leaves the model exactly where it was (bit for bit), for every rule, over many
+  rounds, with server momentum too (FedAtt's noise switched off: it moves the model on purpose);
 - the rule state survives the server checkpoint: aggregating after a save/load round trip gives the same model;
 - the result has the global model's keys, shapes and dtypes, and is finite.
 
@@ -42,16 +44,20 @@ META_FOR_KEY: dict[str, Callable[[dict[str, np.ndarray]], object]] = {
 }
 #: Arguments a rule cannot be built without.
 ARGS = {"attack_adaptive": {"allow_random_attention": True}}  # the shipped network fits LeNet-5 only
+#: Settings other than the defaults under which a round that no client moved must leave the model where it is.
+UNMOVED_VARIANTS = {"fednova": {"server_momentum": 0.9}, "fedavg": {"server_lr": 0.7}, "scaffold": {"server_lr": 0.7}}
+#: FedAtt adds Gaussian noise on purpose; without it, it too must leave an unmoved model where it is.
+QUIET = {"fedatt": {"noise": 0.0}}
 
 
 def rule_names() -> list[str]:
     return sorted(RULES)
 
 
-def make_rule(name: str):
+def make_rule(name: str, **settings):
     if name == "attack_adaptive":
         pytest.importorskip("torch")
-    return build_rule(name, **ARGS.get(name, {}))
+    return build_rule(name, **{**ARGS.get(name, {}), **settings})
 
 
 def update(site: str, params: dict[str, np.ndarray], rule) -> ClientUpdate:
@@ -114,6 +120,33 @@ def test_identical_client_models_give_that_model_for_mean_type_rules(name):
     result = aggregate(rule, updates, rule.init_state(GLOBAL)).params
     for key in TRAINABLE:
         np.testing.assert_allclose(result[key], same[key], atol=1e-6, rtol=0, err_msg=key)
+
+
+def unmoved_cases() -> list[tuple[str, dict]]:
+    """Every registered rule with its defaults, then the variants with server momentum or a server learning rate."""
+    cases = [(name, QUIET.get(name, {})) for name in rule_names()]
+    return cases + [(name, settings) for name, settings in sorted(UNMOVED_VARIANTS.items())]
+
+
+def test_the_variants_and_quiet_settings_name_registered_rules():
+    assert set(UNMOVED_VARIANTS) | set(QUIET) <= set(RULES)
+
+
+@pytest.mark.parametrize(("name", "settings"), unmoved_cases(), ids=lambda v: v if isinstance(v, str) else str(v))
+def test_a_round_in_which_no_client_moved_leaves_the_model_bit_for_bit(name, settings):
+    """Every client returns exactly the global model (random float32 x, unequal sample weights) for 30 rounds.
+
+    The rearranged sum (1 - sum_i c_i) x + sum_i c_i y_i used to round x by an ulp in about a third of its
+    coordinates (FedNova, FedAdp, FedAtt), and FedNova's server momentum carried that on round after round.
+    """
+    rule = make_rule(name, **settings)
+    params, state = dict(GLOBAL), rule.init_state(GLOBAL)
+    for round_num in range(30):
+        unmoved = [update(site, {k: v.copy() for k, v in params.items()}, rule) for site in SITES]
+        result = rule.aggregate(params, unmoved, state, context(round_num))
+        params, state = result.params, result.state
+    for key, value in GLOBAL.items():
+        assert params[key].dtype == value.dtype and np.array_equal(params[key], value), key
 
 
 @pytest.mark.parametrize("name", [*rule_names(), "fedyogi+scaffold_control"])

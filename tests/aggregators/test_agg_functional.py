@@ -39,6 +39,20 @@ def test_differences_are_formed_before_weighting(monkeypatch):
     assert got[1] == pytest.approx(0.5 / 3, abs=1e-6)
 
 
+@pytest.mark.parametrize("block", [3, 1 << 15])
+def test_a_weighted_step_is_x_plus_the_weighted_deltas_and_gives_an_unmoved_x_back_bit_for_bit(monkeypatch, block):
+    monkeypatch.setattr(functional, "BLOCK", block)
+    x = _arrays((50,), count=1, seed=3)[0] * np.float32(100)
+    weights = [0.13, 0.41, 0.29, 0.35]  # sum 1.18: the rearranged (1 - sum w) x + sum w y moved x
+    unmoved = functional.weighted_step(x, [x.copy() for _ in weights], weights)
+    assert unmoved.dtype == np.float32 and unmoved.tobytes() == x.tobytes()
+    ys = [x + d for d in _arrays((50,), count=4, seed=4)]
+    expected = x.astype(np.float64) + sum(w * (y.astype(np.float64) - x) for w, y in zip(weights, ys, strict=True))
+    got = functional.weighted_step(x, ys, weights)
+    assert got.dtype == np.float32 and got.shape == x.shape
+    np.testing.assert_array_max_ulp(got, expected.astype(np.float32), maxulp=2)  # float32 round-off
+
+
 def test_integer_buffers_are_averaged_in_float_and_rounded_back():
     counters = [np.array(10, dtype=np.int64), np.array(13, dtype=np.int64)]
     got = functional.weighted_mean(counters, np.array([0.5, 0.5]), counters[0])
