@@ -18,6 +18,7 @@ from typing import Any
 
 from jobs.settings import dataset_num_classes
 from jobs.spec import JobSpec, client_script_args, companion_rules, model_arch_args, shipped_folders
+from jobs.tracking import add_tracking, server_requirements
 
 JOBS_DIR = Path(__file__).resolve().parent
 CLIENT_SCRIPT = "client.py"
@@ -83,7 +84,7 @@ def build_job(spec: JobSpec) -> Any:
     # ScriptRunner copies the script it names (jobs/client.py: NVFlare needs the path "client.py" in the config);
     # the thin launcher of the same name replaces that copy, as NVFlare copies file sources after scripts.
     job.to_clients(ShippedPackage(SITE_SCRIPT))
-    add_tracking(job)
+    add_tracking(job, spec)
     return job
 
 
@@ -161,18 +162,6 @@ class ShippedPackage:
         job.add_file_source(str(self.folder), self.folder.name if self.folder.is_dir() else None, None, ctx)
 
 
-def add_tracking(job: Any) -> None:
-    """Stream each site's training curves to the server: the client script logs through NVFlare's tracking API,
-    each site converts those events into federated events, and the server writes TensorBoard event files under
-    ``<run dir>/tb_events/<site>/`` (``tensorboard --logdir <run dir>/tb_events``)."""
-    from nvflare.apis.analytix import ANALYTIC_EVENT_TYPE
-    from nvflare.app_common.widgets.convert_to_fed_event import ConvertToFedEvent
-    from nvflare.app_opt.tracking.tb.tb_receiver import TBAnalyticsReceiver
-
-    job.to_server(TBAnalyticsReceiver(events=["fed." + ANALYTIC_EVENT_TYPE]), id="tb_receiver")
-    job.to_clients(ConvertToFedEvent(events_to_convert=[ANALYTIC_EVENT_TYPE], fed_event_prefix="fed."), id="to_fed")
-
-
 def site_requirements(spec: JobSpec) -> str:
     """What every site (and the server) must have installed for the job, in pip's requirements format: this bundle
     and the dependencies it declares, plus where the user's model and data come from (shipped or installed)."""
@@ -184,6 +173,7 @@ def site_requirements(spec: JobSpec) -> str:
         f"# {project['name']} is this bundle (not on PyPI): pip install <its repository> installs it and the rest.",
         f"{project['name']}=={project['version']}",
         *project["dependencies"],
+        *server_requirements(spec),
     ]
     if spec.devices > 1:
         lines.append("# --devices: the sites start the client with torch.distributed.run (part of torch).")

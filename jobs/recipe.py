@@ -42,7 +42,8 @@ class FedAlgRecipe(Recipe):
         min_clients: sites the job needs (NVFlare waits for this many before it starts the job; also the number of
             simulated shards).
         **settings: any other :class:`jobs.build.JobSpec` field (data, local training, precision, sampling,
-            ``min_responses``, ``train_timeout``, ...; not ``num_sites``, which is ``min_clients`` here); see
+            ``min_responses``, ``train_timeout``, ``tracking="mlflow"``, ...; not ``num_sites``, which is
+            ``min_clients`` here); see
             ``python -m jobs.build --help``.
     """
 

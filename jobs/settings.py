@@ -270,6 +270,31 @@ class AttackSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TrackingSettings:
+    """Where the server writes the sites' training curves (train_loss, train_accuracy per round) with NVFlare's
+    receivers (jobs/tracking.py; docs/deployment.md, "Experiment tracking")."""
+
+    tracking: Literal["tensorboard", "mlflow", "wandb", "none"] = setting(
+        "tensorboard",
+        "experiment tracker on the server: tensorboard (event files in <run dir>/tb_events/), mlflow, wandb (the "
+        "server installs the 'tracking' extra) or none",
+        side=SERVER,
+    )
+    tracking_uri: str | None = setting(
+        None,
+        "with --tracking mlflow: the MLflow tracking URI (none = an SQLite file <run dir>/mlflow.db on the server, "
+        "no tracking server)",
+        side=SERVER,
+    )
+    tracking_project: str = setting(
+        "nvflare-noniid", "with --tracking mlflow or wandb: the MLflow experiment or W&B project", side=SERVER
+    )
+    wandb_mode: Literal["offline", "online"] = setting(
+        "offline", "with --tracking wandb: offline writes run files on the server, no account needed", side=SERVER
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
 class SiteSettings:
     """Chosen by each site for itself, never written into a job (client script only)."""
 
@@ -287,6 +312,7 @@ JOB_GROUPS: tuple[type, ...] = (
     ClientAlgorithmSettings,
     RoundSettings,
     AttackSettings,
+    TrackingSettings,
 )
 #: Options the builder renders in its own way at the end of the client command line (resolved sites, JSON).
 ATTACK_FIELDS = frozenset(f.name for f in dataclasses.fields(AttackSettings))

@@ -30,6 +30,7 @@ from jobs.settings import (
     ModelSettings,
     PrecisionSettings,
     RoundSettings,
+    TrackingSettings,
     UserCodeSettings,
     check_settings,
     compact_json,
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
 # Base classes are listed last-to-first: a dataclass orders inherited fields from the end of its MRO.
 @dataclass(frozen=True, kw_only=True)
 class JobSpec(
+    TrackingSettings,
     AttackSettings,
     RoundSettings,
     ClientAlgorithmSettings,
@@ -96,13 +98,26 @@ def validate_spec(spec: JobSpec) -> None:
     _check_client_algorithm(spec)
     _check_server_rule(spec)
     job_attack_args(spec)  # unknown attack, no malicious site, bad share: refused at build time
+    _check_tracking(spec)
+
+
+def _check_tracking(spec: JobSpec) -> None:
+    """The tracker's options fit it, and its package is here: NVFlare's receiver is constructed when the job is
+    built (jobs/tracking.py)."""
+    from jobs.tracking import tracking_problem
+
+    problem = tracking_problem(spec)
+    if problem:
+        raise JobBuildError(problem)
 
 
 def advisories(spec: JobSpec) -> list[str]:
-    """Notes about a valid but risky job (printed by the builder, never refused): measured pitfalls."""
+    """Notes about a valid job (printed by the builder, never refused): measured pitfalls, and what the server must
+    install for the job's tracker."""
     from data_prep.partition import LABEL_COUNT_SCHEMES  # build time only: the spec module stays import-light
+    from jobs.tracking import tracking_note
 
-    notes = []
+    notes = [note] if (note := tracking_note(spec)) else []
     strong_skew = (spec.scheme == "dirichlet" and spec.alpha <= 0.1) or (
         spec.scheme in LABEL_COUNT_SCHEMES and spec.classes_per_site <= 2
     )
