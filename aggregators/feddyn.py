@@ -19,7 +19,11 @@ stale H_k included (verified in the tests against explicit per-client bookkeepin
     theta^t = mean_{k in P_t}(theta_k^t) + h_sum / m.
 
 Pitfalls this rule avoids (each pinned by a test): dividing h_sum by |P_t| instead of m, dropping the
-non-participants' H_k, sample-weighting the model mean (the paper's mean is uniform).
+non-participants' H_k, sample-weighting the model mean (the paper's mean is uniform), and a site's alpha_k below
+alpha / m, which with ``alpha_weighting="samples"`` means its population total of samples is smaller than its own
+count (the round is refused, naming the site; :func:`population_total_problem`). The identity holds with rejected
+results too: a site commits its H_k only once the server confirms the round's result was aggregated
+(docs/design.md, decision 17), and a rejected result never enters h_sum.
 
 Scope and precision: h covers exactly the trainable parameters the clients name in ``feddyn.param_keys``; every
 other entry (BatchNorm statistics and other buffers) is the uniform mean of the participants, integer buffers
@@ -77,6 +81,32 @@ def alpha_k_problems(value: Any) -> list[str]:
     """The alpha_k a client reports must be a finite positive number (the wire contract's check)."""
     report = FedDynReport.from_meta({meta_keys.FEDDYN_ALPHA_K: value, meta_keys.FEDDYN_PARAM_KEYS: ["-"]})
     return report.lines()
+
+
+#: Rounding slack of the comparison alpha_k >= alpha / m (alpha_k is computed at the site in float64).
+ALPHA_K_SLACK = 1e-9
+
+
+def population_total_problem(update: ClientUpdate, alpha: float, population: int) -> str | None:
+    """Why a site's alpha_k shows a population total of samples smaller than its own count (``None``: it does not).
+
+    With ``alpha_weighting="samples"`` a site uses alpha_k = alpha * total_samples / (n_k * m), which is at least
+    alpha / m exactly when total_samples >= n_k (``"uniform"``: alpha_k = alpha, always). The server never sees
+    total_samples, but an alpha_k below alpha / m can only come from a total below the site's own n_k (or from a
+    client population_size above the server's m): FedDyn would then regularise that site less than one that holds
+    every sample of the federation.
+    """
+    alpha_k = float(update.meta[meta_keys.FEDDYN_ALPHA_K])
+    if alpha_k * population >= alpha * (1.0 - ALPHA_K_SLACK):
+        return None
+    implied = alpha_k * update.num_samples * population / alpha
+    return (
+        f"site '{update.site}' reports '{meta_keys.FEDDYN_ALPHA_K}' = {alpha_k:.6g}, below alpha / m = {alpha:.6g} / "
+        f"{population}: its client setting 'total_samples' (alpha_k = alpha * total_samples / (n_k * m)) works out at "
+        f"{implied:.6g}, smaller than its own {update.num_samples} training samples; total_samples must be the "
+        f"training samples of the whole population, at least every site's own count, and the client's "
+        f"population_size must equal the server's m = {population}"
+    )
 
 
 def accumulate_displacements(
@@ -158,6 +188,9 @@ class FedDyn(RuleHParams, AggregationRule):
         population = self.population_size or len(context.population)
         if population < len(updates):
             raise AggregationError(f"feddyn: {len(updates)} participants but a population of only {population}")
+        totals = [problem for u in updates if (problem := population_total_problem(u, self.alpha, population))]
+        if totals:
+            raise AggregationError("feddyn: " + "; ".join(totals))
         key_sets = {u.site: frozenset(u.meta[meta_keys.FEDDYN_PARAM_KEYS]) for u in updates}
         keys = key_sets[updates[0].site]
         if any(k != keys for k in key_sets.values()):

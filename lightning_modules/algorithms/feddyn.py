@@ -44,8 +44,10 @@ The site reports the alpha_k it used (``feddyn.alpha_k``) and the names of the t
 State: H_k is float32 (even under ``bf16-mixed``), covers trainable parameters only, and is written to the site's
 state store after every round, so it survives process restarts (``nvflare simulator -n N`` with one thread) and
 crashes; state written by another run of a job is ignored with a warning (the site starts again from H_k = 0),
-and a corrupt or mismatched file is an error. H_k is saved when the site's round ends; a result the server later
-rejects leaves H_k and the server's running sum out of step (the same holds for any client-held FL state).
+and a corrupt or mismatched file is an error. H_k is saved as pending when the site's round ends and committed at
+the start of its next round only if the server's broadcast confirms (``server.last_aggregated``) that the round's
+result was aggregated; a rejected, late, failed or replayed round's H_k is discarded, so H_k stays in step with
+the server's running sum (docs/design.md, decision 17).
 """
 
 from __future__ import annotations

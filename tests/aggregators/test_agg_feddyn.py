@@ -250,6 +250,29 @@ def test_inconsistent_rounds_raise():
         )
 
 
+@pytest.mark.parametrize(("total", "refused"), [(99, True), (100, False), (101, False), (1000, False)])
+def test_a_population_total_smaller_than_the_sites_own_count_is_refused_by_site_and_setting(total, refused):
+    """site-2 holds n_k = 100 samples; with alpha_weighting='samples' its alpha_k comes from the client's formula
+    with its total_samples. A total below its own count is refused with the site, the setting and what is allowed;
+    a total equal to it (the boundary, alpha_k = alpha / m up to rounding) or above it is aggregated."""
+    from lightning_modules.algorithms.feddyn import client_alpha
+
+    rule, m = FedDyn(alpha=0.03), 3
+    fine = _update("site-1", 1.0, n=50, alpha_k=client_alpha(0.03, 50, m, 1000))
+    tested = _update("site-2", 2.0, n=100, alpha_k=client_alpha(0.03, 100, m, total))
+    uniform = _update("site-3", 3.0, n=100, alpha_k=0.03)
+    run = lambda: rule.aggregate(_global(0.0), [fine, tested, uniform], {"h_sum": {}}, _context(m))  # noqa: E731
+    if not refused:
+        assert run().params["w"][0] == pytest.approx(2.0 + 6.0 / 3, abs=1e-6)  # mean 2 + h_sum / m = 6 / 3
+        return
+    with pytest.raises(AggregationError) as raised:
+        run()
+    message = str(raised.value)
+    assert "site 'site-2'" in message and "site-1" not in message and "site-3" not in message
+    assert "'total_samples'" in message and "works out at 99," in message and "own 100 training samples" in message
+    assert "at least every site's own count" in message and "server's m = 3" in message
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
