@@ -1,6 +1,6 @@
 """Aggregation cost of each server rule: time and peak memory as ratios to a plain numpy weighted sum.
 
-    python -m benchmarks.aggregation                       # 10 clients x {1M, 10M} float32 parameters
+    python -m benchmarks.aggregation                       # every registered rule, 10 clients x {1M, 10M} params
     python -m benchmarks.aggregation --sizes 100000 --repeats 3 --rules fedavg fedadam
 
 For every model size the script builds one global model (four float32 tensors and an int64 counter, like a small
@@ -32,9 +32,19 @@ from typing import Any
 
 import numpy as np
 
-from aggregators import ClientUpdate, RoundContext, build_rule, meta_keys
+from aggregators import RULES, ClientUpdate, RoundContext, build_rule, meta_keys
 
-DEFAULT_RULES = ("fedavg", "fedadam", "fedyogi", "fedadagrad", "fedavgm", "fednova", "fedadp", "fedatt")
+#: Every registered rule (``aggregators.RULES``), in name order: a new rule is measured without being listed here.
+DEFAULT_RULES = tuple(sorted(RULES))
+#: Arguments a rule cannot be built without (attack_adaptive's shipped attention network fits LeNet-5 only).
+RULE_ARGS = {"attack_adaptive": {"allow_random_attention": True}}
+#: How a client reports each meta key a rule requires, given the trainable keys and the global model; the values
+#: do not change a rule's cost. A rule that requires another key stops the benchmark by name (:func:`rule_meta`).
+META_FOR_KEY = {
+    meta_keys.SCAFFOLD_CTRL_DIFF: lambda keys, model: {k: np.zeros_like(model[k]) for k in keys},
+    meta_keys.FEDDYN_ALPHA_K: lambda keys, model: 0.01,
+    meta_keys.FEDDYN_PARAM_KEYS: lambda keys, model: list(keys),
+}
 LAYER_SHARES = (0.55, 0.3, 0.1, 0.05)
 
 
@@ -100,9 +110,20 @@ def peak_bytes(call: Callable[[], Any]) -> int:
     return peak - before
 
 
+def rule_meta(rule: Any, global_params: Mapping[str, np.ndarray], updates: Sequence[ClientUpdate]) -> dict[str, Any]:
+    """The meta ``rule`` requires beyond what :func:`make_updates` sends, the same for every client."""
+    missing = [key for key in rule.required_meta if key not in META_FOR_KEY and key not in updates[0].meta]
+    if missing:
+        raise SystemExit(f"rule '{rule.name}' requires {missing}: teach META_FOR_KEY how a client reports it")
+    keys = updates[0].meta[meta_keys.PARAM_KEYS]
+    return {k: META_FOR_KEY[k](keys, global_params) for k in rule.required_meta if k in META_FOR_KEY}
+
+
 def rule_call(name: str, global_params: dict[str, np.ndarray], updates: list[ClientUpdate]) -> Callable[[], Any]:
     """A zero-argument call of the rule's second-round aggregation (state from a first round)."""
-    rule = build_rule(name)
+    rule = build_rule(name, **RULE_ARGS.get(name, {}))
+    extra = rule_meta(rule, global_params, updates)
+    updates = [ClientUpdate(u.site, u.params, u.num_samples, {**u.meta, **extra}) for u in updates]
     population = tuple(u.site for u in updates)
     first = rule.aggregate(global_params, updates, rule.init_state(global_params), RoundContext(0, 2, population))
     context = RoundContext(1, 2, population)
@@ -156,7 +177,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.aggregation", description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 10_000_000], help="parameters per model")
     parser.add_argument("--clients", type=int, default=10, help="client models per round (default: 10)")
-    parser.add_argument("--rules", nargs="+", default=list(DEFAULT_RULES), help="rule names (default: %(default)s)")
+    parser.add_argument(
+        "--rules",
+        nargs="+",
+        default=list(DEFAULT_RULES),
+        choices=DEFAULT_RULES,
+        metavar="RULE",
+        help="registered rule names (default: all of them, %(default)s)",
+    )
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per rule; the median is reported")
     return parser
 

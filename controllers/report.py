@@ -84,10 +84,49 @@ def failed_rounds(records: Sequence[dict[str, Any]]) -> list[str]:
     ]
 
 
+PERSONAL_PREFIX = "personal_"
+
+
 def site_eval_metric(records: Sequence[dict[str, Any]]) -> str | None:
-    """The site-evaluation metric to show: the first one named like an accuracy, else the first one."""
-    names = sorted({name for r in records for name in (r.get("site_eval") or {})})
+    """The site-evaluation metric to show: the first one named like an accuracy, else the first one (scores of the
+    global model; a personal model's ``personal_<metric>`` is shown beside it)."""
+    names = sorted(
+        {name for r in records for name in (r.get("site_eval") or {}) if not name.startswith(PERSONAL_PREFIX)}
+    )
     return next((n for n in names if "acc" in n.lower()), names[0] if names else None)
+
+
+def personal_metric(records: Sequence[dict[str, Any]], metric: str | None) -> str | None:
+    """``personal_<metric>`` when the sites reported their personal model's scores (docs/personalization.md)."""
+    name = f"{PERSONAL_PREFIX}{metric}"
+    return name if metric and any(name in (r.get("site_eval") or {}) for r in records) else None
+
+
+def personal_gains(records: Sequence[dict[str, Any]], metric: str) -> dict[str, tuple[float, float, float]]:
+    """Per site, from the last round in which it reported both: (global score, personal score, gain), the gain
+    being personal minus global (negated for losses and errors, so that a positive gain is always better)."""
+    from controllers.engine import lower_is_better
+
+    sign = -1.0 if lower_is_better(metric) else 1.0
+    gains: dict[str, tuple[float, float, float]] = {}
+    for record in records:
+        evaluation = record.get("site_eval") or {}
+        if metric not in evaluation or PERSONAL_PREFIX + metric not in evaluation:
+            continue
+        personal = evaluation[PERSONAL_PREFIX + metric]["per_site"]
+        for site, score in evaluation[metric]["per_site"].items():
+            if site in personal:
+                gains[site] = (score, personal[site], sign * (personal[site] - score))
+    return dict(sorted(gains.items()))
+
+
+def format_gains(gains: dict[str, tuple[float, float, float]], metric: str) -> str:
+    """One row per site: the global model's score, the personal model's, and the gain."""
+    width = max([len("site"), *map(len, gains)])
+    lines = [f"{'site':<{width}}  {'global':>8}  {'personal':>8}  {'gain':>8}"]
+    for site, (score, personal, gain) in gains.items():
+        lines.append(f"{site:<{width}}  {score:>8.4f}  {personal:>8.4f}  {gain:>+8.4f}")
+    return "\n".join(lines)
 
 
 GLOBAL_CONTROL_NORM = "scaffold.ctrl.global_norm"
@@ -132,7 +171,9 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
     that round on their own validation data: sample-weighted mean, and the worst site's value. SCAFFOLD runs add
     the norm of the global control and the sites' mean control change (are the control variates moving?)."""
     metric = site_eval_metric(records)
+    personal = personal_metric(records, metric)
     site_column = f"  {'site ' + metric + ' mean (worst site)':>36}" if metric else ""
+    site_column += f"  {personal + ' mean (worst site)':>36}" if personal else ""
     scaffold = any(control_norms(r)[0] is not None for r in records)
     control_column = f"  {'||c||':>9}  {'mean ||dc_i||':>13}" if scaffold else ""
     lines = [
@@ -144,11 +185,9 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
         losses = [v for v in (record.get("site_train_loss") or {}).values() if v is not None]
         mean_loss = f"{sum(losses) / len(losses):.4f}" if losses else "-"
         rejected = ",".join(record.get("rejected") or {}) or "-"
-        site = ""
-        if metric:
-            summary = (record.get("site_eval") or {}).get(metric)
-            text = f"{summary['mean']:.4f} ({summary['worst']:.4f} {summary['worst_site']})" if summary else "-"
-            site = f"  {text:>36}"
+        site = "".join(
+            f"  {_summary_text((record.get('site_eval') or {}).get(name)):>36}" for name in (metric, personal) if name
+        )
         controls = ""
         if scaffold:
             global_norm, diff_norm = control_norms(record)
@@ -158,6 +197,10 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
             f"{mean_loss:>20}{site}{controls}  {rejected}"
         )
     return "\n".join(lines)
+
+
+def _summary_text(summary: dict[str, Any] | None) -> str:
+    return f"{summary['mean']:.4f} ({summary['worst']:.4f} {summary['worst_site']})" if summary else "-"
 
 
 def final_site_table(workspace: Path) -> str | None:
@@ -213,6 +256,11 @@ def _plot_site_eval(axis: Any, records: Sequence[dict[str, Any]], label: str) ->
         line = axis.plot([p[0] for p in points], [p[1]["mean"] for p in points], marker=".", label=f"{label} sites")
         color = line[0].get_color()
         axis.plot([p[0] for p in points], [p[1]["worst"] for p in points], "--", color=color, label=f"{label} worst")
+    personal = personal_metric(records, metric)
+    if personal:  # scored after the round's local work: drawn at the round's end, r + 1
+        scored = [r for r in records if personal in (r.get("site_eval") or {})]
+        mine = [(r["round"] + 1, r["site_eval"][personal]["mean"]) for r in scored]
+        axis.plot([p[0] for p in mine], [p[1] for p in mine], ":", marker="x", label=f"{label} personal")
 
 
 def _plot_controls(axis: Any, records: Sequence[dict[str, Any]], label: str) -> None:
@@ -254,6 +302,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(
                 f"site {metric} of the last global model the sites received: mean {last['mean']:.4f}, "
                 f"worst {last['worst']:.4f} ({last['worst_site']}), spread {last['spread']:.4f}"
+            )
+        personal = personal_metric(records, metric)
+        if personal and metric:
+            gains = personal_gains(records, metric)
+            mean_gain = sum(g for _, _, g in gains.values()) / len(gains)
+            print(
+                f"site {metric}: global model received vs the site's personal model (last round each site scored "
+                f"both; gain = personal - global, higher is better; mean {mean_gain:+.4f}):\n"
+                f"{format_gains(gains, metric)}"
             )
         table = final_site_table(workspace)
         if table:

@@ -44,6 +44,14 @@ PRESET_SETTINGS: dict[str, dict[str, Any]] = {
         momentum=0.9,
         weight_decay=1e-5,
     ),
+    # Personal models scored at the sites (docs/personalization.md): local fine-tuning of the received FedAvg model
+    # (1 epoch) and Ditto (lam 0.1, inside the paper's sweep), each site holding out 10 % of its shard to score the
+    # received global model and its personal model on. Not tuned.
+    "finetune": dict(site_val_fraction=0.1, finetune_epochs=1),
+    "ditto": dict(client="ditto", client_args={"lam": 0.1}, site_val_fraction=0.1),
+    # The genomics consortium with Ditto: the model trains with AdamW (lr 1e-3); the personal step is plain SGD, so it
+    # gets its own step size (not tuned).
+    "snp_ditto": dict(client="ditto", client_args={"lam": 0.1, "personal_lr": 0.01}, **SNP_JOB),
     # Server rules (docs/server_rules.md): plain local SGD clients, the same data and model as above;
     # server settings picked by short measured runs (docs/server_rules.md, "Presets").
     "fedadam": dict(server="fedadam", server_args={"server_lr": 0.03, "tau": 0.001}),

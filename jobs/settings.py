@@ -152,6 +152,10 @@ def _not_constant(spec: Any) -> bool:
     return spec.pattern != "constant"
 
 
+def _finetunes(spec: Any) -> bool:
+    return spec.finetune_epochs > 0
+
+
 @dataclass(frozen=True, kw_only=True)
 class LocalTrainingSettings:
     """The local optimizer (SGD) and how long each site trains per round."""
@@ -170,6 +174,15 @@ class LocalTrainingSettings:
     lr: float = setting(0.05, "local SGD learning rate", gt=0)
     momentum: float = setting(0.0, "local SGD momentum (0 = vanilla SGD, what SCAFFOLD's analysis assumes)", ge=0, lt=1)
     weight_decay: float = setting(0.0, "local SGD weight decay", ge=0)
+    finetune_epochs: int = setting(
+        0,
+        "local fine-tuning (docs/personalization.md): every round each site trains a copy of the received global "
+        "model this many epochs on its training split and scores it on its validation split (eval.personal_*); the "
+        "copy never leaves the site. 0 = off. Needs a validation split (--site-val-fraction, or your data module's "
+        "val_dataloader)",
+        ge=0,
+        exported_when=_finetunes,
+    )
 
 
 def _several_devices(spec: Any) -> bool:

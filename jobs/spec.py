@@ -96,6 +96,8 @@ def validate_spec(spec: JobSpec) -> None:
             raise JobBuildError(f"arch '{spec.arch}' does not fit dataset '{spec.dataset}': use mlp for digits only")
         _check_arch_args(spec)
     _check_client_algorithm(spec)
+    if spec.finetune_epochs:
+        _check_finetune(spec)
     _check_server_rule(spec)
     job_attack_args(spec)  # unknown attack, no malicious site, bad share: refused at build time
     _check_tracking(spec)
@@ -262,6 +264,44 @@ def _check_arch_args(spec: JobSpec) -> None:
         raise JobBuildError(
             f"arch '{spec.arch}' cannot be built with arch_args {model_arch_args(spec)}: {exc}"
         ) from None
+
+
+def _check_finetune(spec: JobSpec) -> None:
+    """Local fine-tuning (lightning_modules/finetune.py) scores the fine-tuned copy on the site's validation split,
+    trains it in one process, beside the bundle's site loop, and is the site's one personal model."""
+    why = f"finetune_epochs {spec.finetune_epochs}"
+    if spec.script is not None:
+        raise JobBuildError(f"{why}: the bundle's site loop fine-tunes; a --script runs its own loop instead")
+    if spec.devices > 1:
+        raise JobBuildError(f"{why}: the fine-tuned copy trains in one process; use devices 1")
+    if spec.client == "ditto":
+        raise JobBuildError(
+            f"{why} with client 'ditto': Ditto's v_i is already the site's personal model, and both would be "
+            "reported as personal_*; choose one"
+        )
+    if spec.model is None and not spec.site_val_fraction:
+        raise JobBuildError(f"{why} needs a validation split to score the fine-tuned copy on: set site_val_fraction")
+    if spec.model is not None:
+        problem = _user_validation_problem(spec)
+        if problem:
+            raise JobBuildError(f"{why} needs a validation split to score the fine-tuned copy on: {problem}")
+
+
+def _user_validation_problem(spec: JobSpec) -> str | None:
+    """What the user's model or data module lacks to score a model at the site, or ``None``."""
+    import pytorch_lightning as pl
+    from pytorch_lightning.utilities.model_helpers import is_overridden
+
+    from lightning_modules.own_model import user_class
+
+    with importable(shipped_folders(spec)):
+        model_cls = user_class(spec.model, pl.LightningModule, "model")
+        data_cls = user_class(spec.data, pl.LightningDataModule, "data") if spec.data else None
+    if not is_overridden("validation_step", model_cls, pl.LightningModule):
+        return f"model {spec.model!r} defines no validation_step"
+    if data_cls is None or not is_overridden("val_dataloader", data_cls, pl.LightningDataModule):
+        return f"data {spec.data!r} defines no val_dataloader()"
+    return None
 
 
 def _check_client_algorithm(spec: JobSpec) -> None:

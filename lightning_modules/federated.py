@@ -22,6 +22,10 @@ Where each hook of :class:`lightning_modules.algorithms.base.ClientAlgorithm` ru
   step if it did not;
 - the global model's scores on the site's validation split, when ``trainer.validate`` runs before ``trainer.fit``
   (NVFlare's FLCallback loads the received weights for it): sent as ``eval.<metric>`` meta;
+- the site's personal model (docs/personalization.md, "Scores at the sites"), at the end of the fit, after the round's
+  local work and before NVFlare sends the result: an algorithm's ``personal_weights`` (Ditto's v_i) scored by
+  ``personal_scorer``, and scores the site round handed over (:meth:`FederatedAlgorithm.add_personal_scores`: local
+  fine-tuning), sent as ``eval.personal_<metric>`` meta;
 - ``on_round_end``: at the end of the fit; its meta, the round's step count, mean training loss, the trainable keys
   and FedNova's report go to ``pl_module.__fl_meta__``, where NVFlare's FLCallback picks them up.
 
@@ -35,7 +39,7 @@ Adam/AdamW, momentum and schedules is in docs/own_model.md.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import pytorch_lightning as pl
@@ -56,6 +60,11 @@ from lightning_modules.protocols import (  # sgd_step_settings: also imported fr
 from lightning_modules.state_store import ClientStateStore
 
 _ALGORITHM_ATTRIBUTE = "__fl_algorithm__"
+#: The personal model's scores travel as ``eval.personal_<metric>`` (lightning_modules/personal_scores.py).
+PERSONAL_PREFIX = "personal_"
+#: ``personal_scorer(module, weights) -> {metric: value}``: the site's module with ``weights`` loaded, scored on the
+#: site's validation split (lightning_modules/personal_scores.py).
+PersonalScorer = Callable[[pl.LightningModule, Mapping[str, torch.Tensor]], Mapping[str, float]]
 #: Set by the bundle's client script before it runs a user's own training script (``--script``).
 CLIENT_ENV, CLIENT_ARGS_ENV = "FEDALG_CLIENT", "FEDALG_CLIENT_ARGS"
 
@@ -74,6 +83,11 @@ def algorithm_loss(module: pl.LightningModule, batch: Any, logits: torch.Tensor)
     # Remembered so that the round's training loss is the task loss alone, as with the bundle's own classifier.
     module.__fl_extra_loss__ = 0.0 if extra is None else float(extra.detach())
     return 0.0 if extra is None else extra
+
+
+def personal_eval_meta(scores: Mapping[str, float]) -> dict[str, float]:
+    """``eval.personal_<metric>`` for every validation metric of the site's personal model."""
+    return {meta_keys.eval_key(PERSONAL_PREFIX + name): float(value) for name, value in scores.items()}
 
 
 def distributed_refusal(algorithm: ClientAlgorithm) -> str | None:
@@ -166,6 +180,9 @@ class FederatedAlgorithm(pl.Callback):
         self.meta_source = meta_source
         self.last_meta: dict[str, Any] = {}
         self._site_eval: dict[str, float] = {}
+        #: Scores the site's personal model (set by the site round when the site has a validation split).
+        self.personal_scorer: PersonalScorer | None = None
+        self._personal_eval: dict[str, float] = {}
         self._reset_round()
         self._step_hook: Any = None
 
@@ -256,6 +273,21 @@ class FederatedAlgorithm(pl.Callback):
         """Drop the scores of the last ``trainer.validate`` (it scored a model outside a round)."""
         self._site_eval = {}
 
+    # -- the site's personal model -------------------------------------------------------------------------------
+    def add_personal_scores(self, scores: Mapping[str, float]) -> None:
+        """Scores of a personal model the site round built itself (local fine-tuning), sent with this round's
+        result as ``eval.personal_<metric>``."""
+        self._personal_eval.update(personal_eval_meta(scores))
+
+    def _personal_meta(self, pl_module: pl.LightningModule) -> dict[str, float]:
+        """The round's ``eval.personal_*`` meta: handed-over scores, and the algorithm's personal weights scored."""
+        meta, self._personal_eval = self._personal_eval, {}
+        provider = getattr(self.algorithm, "personal_weights", None)
+        weights = provider(pl_module) if callable(provider) else None
+        if weights is not None and self.personal_scorer is not None:
+            meta.update(personal_eval_meta(self.personal_scorer(pl_module, weights)))
+        return meta
+
     # -- round end ----------------------------------------------------------------------------------------------
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._remove_step_hook()
@@ -278,6 +310,7 @@ class FederatedAlgorithm(pl.Callback):
         meta.update(module_round_metrics(pl_module))
         meta.update(self._site_eval)
         self._site_eval = {}
+        meta.update(self._personal_meta(pl_module))
         meta[meta_keys.NUM_SAMPLES] = self.num_samples if self.num_samples is not None else _dataset_size(trainer)
         meta[meta_keys.FIT_SECONDS] = round(time.monotonic() - self._fit_started, 4)
         if self._trained_round is not None:  # echoed so the server can refuse a result that arrives in another round

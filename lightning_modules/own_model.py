@@ -8,7 +8,10 @@ lets NVFlare's ``flare.patch`` load the global weights and send the result, and 
    ``validation_step`` and the data module a ``val_dataloader``); the logged metrics travel as ``eval.<name>`` meta
    and the server logs them per site, with the sample-weighted mean, the worst site and the spread;
 2. trains locally with the module's own optimizer (fresh every round, as FedAvg's clients are), seeded per
-   (job seed, site, round) so that one-process and process-per-round simulations give the same bits.
+   (job seed, site, round) so that one-process and process-per-round simulations give the same bits;
+3. scores its personal model on the same split, when a method provides one (``eval.personal_<name>``,
+   lightning_modules/personal_scores.py): Ditto's v_i, or with ``finetune_epochs`` K > 0 a copy of the received
+   model fine-tuned K epochs on the data module's ``train_dataloader`` (lightning_modules/finetune.py).
 
 Data modules learn which site they run on: a constructor that takes ``site`` (and ``num_sites``) gets them, so one
 class can shard a public dataset in simulation and read the site's own files in a real deployment.
@@ -130,6 +133,16 @@ class UserSite:
         self.evaluate = evaluates_at_the_site(self.module, self.data)
         if not self.evaluate:
             print(f"{site}: no validation_step/val_dataloader: the global model is not evaluated at this site")
+        self.finetune_epochs = int(getattr(args, "finetune_epochs", 0) or 0)
+        if self.finetune_epochs and not self.evaluate:
+            raise UserCodeError(
+                f"{site}: finetune_epochs {self.finetune_epochs} needs a validation split to score the fine-tuned "
+                f"copy on: {args.model!r} needs a validation_step and {args.data!r} a val_dataloader()"
+            )
+        if self.evaluate:  # the personal model an algorithm provides (Ditto's v_i) is scored on the same split
+            from lightning_modules.personal_scores import validation_scorer
+
+            self.callback.personal_scorer = validation_scorer(args.precision, args.accelerator, datamodule=self.data)
         self.index = seed_index(site, args.num_sites)
 
     def fit(self, round_num: int, connect: Any) -> dict[str, Any]:
@@ -145,8 +158,31 @@ class UserSite:
         connect(trainer)
         if self.evaluate:
             trainer.validate(self.module, datamodule=self.data, verbose=False)
+            if self.finetune_epochs:
+                self.finetune(round_num)
         trainer.fit(self.module, datamodule=self.data)
         return self.callback.last_meta
+
+    def finetune(self, round_num: int) -> pl.LightningModule:
+        """Local fine-tuning (lightning_modules/finetune.py): a copy of the received model (loaded for the
+        validation) trained ``finetune_epochs`` on the data module, scored on its validation split and sent as
+        ``eval.personal_*``; the module and the round's random draws are untouched."""
+        from lightning_modules.finetune import finetune_seed, finetuned_copy
+        from lightning_modules.personal_scores import single_process_trainer, validation_scores
+
+        seed = finetune_seed(self.args.seed, self.index, round_num)
+        precision, accelerator = self.args.precision, self.args.accelerator
+        tuned = finetuned_copy(
+            self.module,
+            self.finetune_epochs,
+            seed,
+            lambda trainer, copy: trainer.fit(copy, datamodule=self.data),
+            precision,
+            accelerator,
+        )
+        trainer = single_process_trainer(precision, accelerator)
+        self.callback.add_personal_scores(validation_scores(tuned, trainer, datamodule=self.data))
+        return tuned
 
     def train(self, round_num: int, global_params: Mapping[str, Any], server_meta: Mapping[str, Any]):
         """One round in process: the global model and server meta in, the site's model (numpy) and meta out."""

@@ -20,7 +20,10 @@ gets the result back as numpy arrays + meta. Both go through the same steps, so 
 
 With ``site_val_fraction`` > 0 every site holds out that seeded share of its shard (:func:`validation_indices`)
 and, before step 5, scores the received global model on it with ``trainer.validate`` (:class:`ValidatedClassifier`),
-as a user model's site does: the scores travel as ``eval.val_loss`` / ``eval.val_accuracy`` meta.
+as a user model's site does: the scores travel as ``eval.val_loss`` / ``eval.val_accuracy`` meta. The site's
+personal model, when a method provides one (Ditto's v_i; with ``finetune_epochs`` K > 0 a copy of the received model
+fine-tuned K epochs on the training part, lightning_modules/finetune.py), is scored on the same split and sent as
+``eval.personal_*`` (lightning_modules/personal_scores.py).
 """
 
 from __future__ import annotations
@@ -40,8 +43,10 @@ from lightning_modules.attacks import AttackCallback, AttackConfig, attack_confi
 from lightning_modules.classifier import FLClassifier
 from lightning_modules.distributed import check_launch
 from lightning_modules.federated import FederatedAlgorithm
+from lightning_modules.finetune import finetune_seed, finetuned_copy
 from lightning_modules.fl_callback import MetaSource, nvflare_meta_source
 from lightning_modules.options import json_arg
+from lightning_modules.personal_scores import single_process_trainer, validation_scorer, validation_scores
 from lightning_modules.state_store import ClientStateStore
 
 __all__ = [
@@ -70,6 +75,7 @@ class LocalTraining:
     precision: str = "32-true"
     accelerator: str = "auto"
     devices: int = 1
+    finetune_epochs: int = 0
 
     @classmethod
     def from_namespace(cls, args: Any) -> LocalTraining:
@@ -175,6 +181,10 @@ class SiteRound:
     def __post_init__(self) -> None:
         if self.dataset is None:
             self.dataset = to_tensor_dataset(self.x, self.y)
+        if self.validation is not None:  # the personal model an algorithm provides (Ditto) is scored on the split
+            self.round_callback.personal_scorer = validation_scorer(
+                self.training.precision, self.training.accelerator, dataloaders=self.validation_loader()
+            )
 
     @property
     def attack(self) -> AttackConfig:
@@ -197,13 +207,39 @@ class SiteRound:
         connect(trainer)
         if self.validation is not None:
             self.score_received(trainer)
+            if self.training.finetune_epochs:
+                self.finetune(round_num, round_data)
         trainer.fit(self.module, train_dataloaders=loader)
         return self.round_callback.last_meta
+
+    def validation_loader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(self.validation, batch_size=self.training.batch_size)
+
+    def finetune(self, round_num: int, data: TensorDataset) -> pl.LightningModule:
+        """Local fine-tuning (lightning_modules/finetune.py): a copy of the received model (in the module after
+        :meth:`score_received`) trained ``finetune_epochs`` on ``data``, scored on the validation split; the
+        scores go out as ``eval.personal_*``. The module and the round's random draws are untouched."""
+        seed = finetune_seed(self.training.seed, self.site_index, round_num)
+
+        def fit(trainer: pl.Trainer, copy: pl.LightningModule) -> None:
+            generator = torch.Generator().manual_seed(seed)
+            loader = torch.utils.data.DataLoader(
+                data, batch_size=self.training.batch_size, shuffle=True, generator=generator
+            )
+            trainer.fit(copy, train_dataloaders=loader)
+
+        precision, accelerator = self.training.precision, self.training.accelerator
+        tuned = finetuned_copy(self.module, self.training.finetune_epochs, seed, fit, precision, accelerator)
+        trainer = single_process_trainer(precision, accelerator)
+        self.round_callback.add_personal_scores(
+            validation_scores(tuned, trainer, dataloaders=self.validation_loader())
+        )
+        return tuned
 
     def score_received(self, trainer: pl.Trainer) -> None:
         """Score the received global model on the validation split before training (eval mode, no gradients);
         the algorithm callback sends the scores as ``eval.*`` meta with the round's result."""
-        loader = torch.utils.data.DataLoader(self.validation, batch_size=self.training.batch_size)
+        loader = self.validation_loader()
         # Iterating a loader draws a base seed from torch's global generator: fork it so that training shuffles
         # and initialises exactly as it would after torch.manual_seed alone (evaluation uses no CUDA randomness).
         with torch.random.fork_rng(devices=[]):

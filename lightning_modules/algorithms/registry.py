@@ -7,6 +7,7 @@ from typing import Any
 
 from aggregators.registry import unknown_setting_problem
 from lightning_modules.algorithms.base import ClientAlgorithm, ClientAlgorithmError
+from lightning_modules.algorithms.ditto import Ditto
 from lightning_modules.algorithms.feddyn import FedDyn
 from lightning_modules.algorithms.fedmos import FedMoS
 from lightning_modules.algorithms.fedprox import FedProx
@@ -19,6 +20,7 @@ CLIENT_ALGORITHMS[FedProx.name] = FedProx
 CLIENT_ALGORITHMS[FedDyn.name] = FedDyn
 CLIENT_ALGORITHMS[FedMoS.name] = FedMoS
 CLIENT_ALGORITHMS[Moon.name] = Moon
+CLIENT_ALGORITHMS[Ditto.name] = Ditto
 
 
 def declared_hparams(algorithm_cls: type[ClientAlgorithm]) -> type[HParams] | None:

@@ -1,19 +1,45 @@
-"""Smoke test of the aggregation benchmark: tiny models, every default rule, a well-formed markdown table."""
+"""Smoke test of the aggregation benchmark: tiny models, every registered rule, a well-formed markdown table."""
 
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
-from benchmarks.aggregation import DEFAULT_RULES, main, make_model, make_updates, peak_bytes, weighted_sum_baseline
+from aggregators import RULES
+from benchmarks.aggregation import (
+    DEFAULT_RULES,
+    main,
+    make_model,
+    make_updates,
+    peak_bytes,
+    rule_meta,
+    weighted_sum_baseline,
+)
+
+
+def test_the_default_rules_are_the_registry_and_other_names_are_refused(capsys):
+    assert tuple(sorted(RULES)) == DEFAULT_RULES
+    with pytest.raises(SystemExit) as refused:
+        main(["--sizes", "2000", "--rules", "fedavg", "nosuchrule"])
+    assert refused.value.code == 2 and "nosuchrule" in capsys.readouterr().err
+
+
+def test_a_rule_requiring_meta_the_benchmark_cannot_report_stops_it_by_name():
+    model = make_model(100)
+    rule = SimpleNamespace(name="newrule", required_meta=("newrule.secret",))
+    with pytest.raises(SystemExit, match=r"rule 'newrule' requires \['newrule.secret'\]"):
+        rule_meta(rule, model, make_updates(model, 2))
 
 
 def test_table_has_the_baseline_and_every_rule_per_size(capsys):
-    assert main(["--sizes", "2000", "5000", "--clients", "3", "--repeats", "1"]) == 0
+    # 4 clients: Krum needs n - f - 2 >= 1 with its default f = 1.
+    assert main(["--sizes", "2000", "5000", "--clients", "4", "--repeats", "1"]) == 0
     machine, _, *lines = capsys.readouterr().out.strip().splitlines()
     assert machine.startswith(f"{os.cpu_count()} CPUs, load average")
-    assert lines[0].startswith("| params | rule (3 clients)")
+    assert lines[0].startswith("| params | rule (4 clients)")
     rows = [line.split("|")[1:-1] for line in lines[2:]]
     assert len(rows) == 2 * (1 + len(DEFAULT_RULES))
     assert [r[1].strip() for r in rows[: 1 + len(DEFAULT_RULES)]] == ["numpy weighted sum", *DEFAULT_RULES]
