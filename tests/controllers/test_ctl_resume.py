@@ -16,7 +16,7 @@ import pytest
 import torch
 from nvflare.app_common.abstract.fl_model import FLModel
 
-from aggregators import meta_keys
+from aggregators import RULES, meta_keys
 from controllers.checkpoint import GLOBAL_MODEL_FILE, load_resume_point, save_rule_state
 from controllers.fedalg_controller import STATE_FILE, FedAlgController, resumed_population
 
@@ -48,6 +48,8 @@ def client_result(site: str, round_num: int, params: dict, meta_in: dict) -> FLM
         meta_keys.FEDNOVA_TAU: 3 + index,
         meta_keys.FEDNOVA_A_NORM: 3.0 + index,
         meta_keys.SCAFFOLD_CTRL_DIFF: {"conv.weight": rng.normal(0, 0.1, (2, 3, 4)).astype(np.float32)},
+        meta_keys.FEDDYN_ALPHA_K: 0.01,
+        meta_keys.FEDDYN_PARAM_KEYS: ["conv.weight"],
     }
     return FLModel(params=new, meta=meta)
 
@@ -117,6 +119,11 @@ def _final(app_dir: Path) -> tuple[dict, dict]:
     return {k: v.numpy() for k, v in model.items()}, payload
 
 
+def _statuses(run_dir: Path) -> list[str]:
+    lines = (run_dir / "metrics" / "round_metrics.jsonl").read_text().splitlines()
+    return [record["status"] for record in map(json.loads, lines) if "status" in record]
+
+
 def _assert_identical(a, b, where="state"):
     if isinstance(a, torch.Tensor | np.ndarray):
         assert np.asarray(a).dtype == np.asarray(b).dtype, where
@@ -129,14 +136,24 @@ def _assert_identical(a, b, where="state"):
         assert a == b, where
 
 
-RULES_UNDER_TEST = {
+#: What a registered rule needs to run on this three-site federation (default: two sites a round, no arguments).
+NEEDS = {
+    "attack_adaptive": {"rule_args": {"allow_random_attention": True}},  # the shipped network fits LeNet-5 only
+    "krum": {"clients_per_round": None, "rule_args": {"num_byzantine": 0}},  # n - f - 2 >= 1 with three sites
+}
+#: Settings other than the defaults whose state must survive a resume as well.
+VARIANTS = {
     "fedyogi+scaffold": {"rule": "fedyogi", "rule_args": {"server_lr": 0.05}, "companions": {"scaffold_control": {}}},
     "fedadam-bias": {"rule": "fedadam", "rule_args": {"bias_correction": True}},
-    "fedavgm": {"rule": "fedavgm"},
     "fednova-momentum": {"rule": "fednova", "rule_args": {"server_momentum": 0.5}},
-    "fedadp": {"rule": "fedadp"},
     "fedatt-noise": {"rule": "fedatt", "rule_args": {"noise": 0.01, "seed": 3}},
 }
+#: Every registered rule (from the registry: a new rule is under this test once registered), then the variants.
+RULES_UNDER_TEST = {name: {"rule": name, **NEEDS.get(name, {})} for name in sorted(RULES)} | VARIANTS
+
+
+def test_the_adaptations_name_registered_rules():
+    assert set(NEEDS) <= set(RULES) and {case["rule"] for case in VARIANTS.values()} <= set(RULES)
 
 
 @pytest.mark.parametrize("case", list(RULES_UNDER_TEST))
@@ -144,6 +161,8 @@ def test_stop_and_resume_equals_an_uninterrupted_run(tmp_path, case):
     settings = RULES_UNDER_TEST[case]
     straight = FakeEngineController(tmp_path / "straight" / "app", num_rounds=ROUNDS, **settings)
     straight.run()
+    # Every round aggregated: a rule these fake clients cannot serve would otherwise pass on an unchanged model.
+    assert _statuses(tmp_path / "straight") == ["aggregated"] * ROUNDS
     first = FakeEngineController(tmp_path / "first" / "app", stop_after=STOP_AFTER, num_rounds=ROUNDS, **settings)
     first.run()
     assert first.rounds_run == STOP_AFTER
@@ -232,6 +251,7 @@ def test_a_site_down_when_the_job_resumes_stays_in_the_population(tmp_path, rule
     straight.run()
     first = FakeEngineController(tmp_path / "first" / "app", stop_after=STOP_AFTER, num_rounds=ROUNDS, **settings)
     first.run()
+    assert _statuses(tmp_path / "first") == ["aggregated"] * STOP_AFTER  # the rule's state did move
     resumed = FakeEngineController(
         tmp_path / "resumed" / "app",
         num_rounds=ROUNDS,
