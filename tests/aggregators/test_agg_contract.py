@@ -149,6 +149,22 @@ def test_a_round_in_which_no_client_moved_leaves_the_model_bit_for_bit(name, set
         assert params[key].dtype == value.dtype and np.array_equal(params[key], value), key
 
 
+def test_the_rules_listed_for_nvflares_fedavg_are_registered_and_ignore_the_global_model():
+    """controllers/nvflare_aggregator.py keeps by hand the rules that may run where the global model is never shown
+    (RuleAggregator.EQUIVARIANT): each must be registered, and its result must not depend on the global model."""
+    from controllers.nvflare_aggregator import RuleAggregator
+
+    shifted = {k: (v + np.float32(3.0)).astype(v.dtype) if v.dtype.kind == "f" else v for k, v in GLOBAL.items()}
+    for name in RuleAggregator.EQUIVARIANT:
+        assert name in RULES, name
+        rule = make_rule(name)
+        updates = [update(site, params, rule) for site, params in site_models().items()]
+        here = aggregate(rule, updates, rule.init_state(GLOBAL)).params
+        there = rule.aggregate(shifted, updates, rule.init_state(shifted), context()).params
+        for key in GLOBAL:
+            assert np.array_equal(here[key], there[key]), (name, key)
+
+
 @pytest.mark.parametrize("name", [*rule_names(), "fedyogi+scaffold_control"])
 def test_the_state_survives_the_server_checkpoint(tmp_path, name):
     if "+" in name:
