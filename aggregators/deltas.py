@@ -18,14 +18,16 @@ Two jobs:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
 from aggregators import meta_keys
 from aggregators.functional import is_float_array, weighted_average_params
 from aggregators.types import AggregationError, ClientUpdate
+
+V = TypeVar("V")
 
 
 def param_keys_problems(value: Any, global_params: Mapping[str, np.ndarray]) -> list[str]:
@@ -161,3 +163,16 @@ def split_keys(global_params: Mapping[str, np.ndarray], trainable: Sequence[str]
     """The entries that are not in ``trainable``: the buffers, in the global model's key order."""
     chosen = set(trainable)
     return [k for k in global_params if k not in chosen]
+
+
+def shared_entries(params: Mapping[str, V], local_keys: Iterable[str]) -> dict[str, V]:
+    """``params`` without the site-local entries (``--local-keys``: FedPer, FedBN, FedRep's head), in the same key
+    order: what a site sends and what the server validates, agrees keys on and aggregates
+    (docs/personalization.md, "Partial sharing")."""
+    local = set(local_keys)
+    return {key: value for key, value in params.items() if key not in local}
+
+
+def leaked_local_keys(params: Mapping[str, Any], local_keys: Iterable[str]) -> list[str]:
+    """The site-local entries present in a site's result, sorted (a result must carry none)."""
+    return sorted(set(params) & set(local_keys))

@@ -39,7 +39,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from aggregators import AggregationRule, ClientUpdate, RoundContext, meta_keys
-from aggregators.deltas import agreed_param_keys, param_keys_problems
+from aggregators.deltas import agreed_param_keys, leaked_local_keys, param_keys_problems, shared_entries
 from aggregators.validation import meta_problems, num_samples_problems, param_problems
 from aggregators.wire import RoundInfo
 from controllers.checkpoint import params_digest
@@ -48,6 +48,15 @@ from controllers.sampling import clients_per_round_count, clients_per_round_prob
 
 LOG = logging.getLogger("fedalg.engine")
 Params = dict[str, np.ndarray]
+#: Record field, with ``--local-keys`` only: what the server-side evaluation of the global model used for the
+#: local entries (``initial``: the initial model's values, which the global model keeps for them).
+LOCAL_EVAL_FIELD = "global_eval_local_entries"
+
+
+def local_leak_problem(leaked: Sequence[str]) -> str:
+    """Why a result that carries local entries is rejected."""
+    more = " ..." if len(leaked) > 5 else ""
+    return f"sent local entries {list(leaked[:5])}{more}, which never leave a site (local_keys)"
 
 
 @dataclass(frozen=True)
@@ -200,6 +209,11 @@ class RoundEngine:
         rule_label: the rule name broadcast to clients (``server.rule``) and used in messages; the rule's own
             ``name`` when ``None``.
         observers: called before each aggregation with the accepted updates (see :data:`RoundObserver`).
+        local_keys: entries that never leave the sites (``--local-keys``: FedPer, FedBN, FedRep's head). The rule,
+            the validation, the key agreement, the observers and every distance see the other entries only; the
+            global model keeps its initial values for these, untouched by every rule, so a server-side evaluation
+            of the global model uses the initial values for them (said in every record, :data:`LOCAL_EVAL_FIELD`);
+            a site that sends one is rejected by name (docs/personalization.md, "Partial sharing").
     """
 
     def __init__(
@@ -212,6 +226,7 @@ class RoundEngine:
         seed: int = 0,
         rule_label: str | None = None,
         observers: Sequence[RoundObserver] = (),
+        local_keys: Sequence[str] = (),
     ) -> None:
         if isinstance(min_accepted, bool) or not isinstance(min_accepted, int | np.integer) or min_accepted < 1:
             raise ValueError(
@@ -233,6 +248,7 @@ class RoundEngine:
         self.seed = seed
         self.rule_label = rule_label or rule.name
         self.observers = tuple(observers)
+        self.local_keys = tuple(sorted(local_keys))
         #: site -> the last round whose aggregate included its result, broadcast so that sites commit or roll back
         #: the client state of their previous round (transactional client state). A resumed job restores it from
         #: its checkpoint; ``None`` (a checkpoint without it): no confirmations are sent and sites commit as before.
@@ -250,6 +266,7 @@ class RoundEngine:
             "num_rounds": self.num_rounds,  # lets a report tell a finished job from one that stopped early
             "global_sha256": params_digest(params),
         }
+        record.update(self.local_eval_note())
         record.update(host.evaluate(params))
         host.record(record)
         return record
@@ -309,6 +326,7 @@ class RoundEngine:
             host.log(logging.INFO, f"round {round_num + 1}/{self.num_rounds}: training on {targets}")
             results = transport.train(round_num, targets, params, self.broadcast_meta(round_num, state, run_id))
             updates, rejections = self.validate(results, params, state, round_num)
+            shared = self.shared(params)
             for rejection in rejections:
                 host.log(logging.ERROR, f"round {round_num + 1}: {rejection}")
             if len(updates) < self.min_accepted:
@@ -318,7 +336,8 @@ class RoundEngine:
                 )
             else:
                 context = RoundContext(round_num=round_num, num_rounds=self.num_rounds, population=population)
-                new_params, new_state = self._aggregate(params, updates, state, context)
+                new_shared, new_state = self._aggregate(shared, updates, state, context)
+                new_params = self.with_local_entries(new_shared, params)
         except RuleFailure as exc:
             failure = f"{exc}; the global model is left unchanged this round"
         except Exception as exc:  # not the rule's (transport, observer): still no reason to end the job
@@ -346,10 +365,32 @@ class RoundEngine:
         diagnostics = self._diagnostics(new_state, host) if aggregated else {}
         if diagnostics:
             record["rule_diagnostics"] = diagnostics
+        record.update(self.local_eval_note())
         record.update(host.evaluate(new_params))
         record["elapsed_s"] = round(time.monotonic() - started, 4)  # the precision of its parts (ROUND_TIMING_KEYS)
         host.record(record)
         return RoundOutcome(params=new_params, state=new_state, record=record, aggregated=aggregated, updates=updates)
+
+    # -- partial sharing (local_keys) ------------------------------------------------------------------------------
+
+    def shared(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """The entries the rule sees: ``params`` without the sites' local ones."""
+        return shared_entries(params, self.local_keys) if self.local_keys else dict(params)
+
+    def with_local_entries(self, shared: Mapping[str, Any], params: Mapping[str, Any]) -> Params:
+        """The next global model: the rule's ``shared`` entries, the local ones as they were in ``params`` (never
+        changed by any rule), in ``params``' key order."""
+        if not self.local_keys:
+            return dict(shared)
+        return {key: (params[key] if key in self.local_keys else shared[key]) for key in params}
+
+    def init_state(self, params: Params) -> dict[str, Any]:
+        """The rule's initial state, over the shared entries only (SCAFFOLD's c, FedOpt's moments, ...)."""
+        return self.rule.init_state(self.shared(params))
+
+    def local_eval_note(self) -> dict[str, Any]:
+        """What a server-side evaluation of the global model uses for the local entries (records with them only)."""
+        return {LOCAL_EVAL_FIELD: "initial"} if self.local_keys else {}
 
     def broadcast_meta(self, round_num: int, state: Mapping[str, Any], run_id: str) -> dict[str, Any]:
         """The wire contract's :class:`aggregators.wire.RoundInfo` (what sites parse with ``RoundInfo.from_meta``)
@@ -374,14 +415,14 @@ class RoundEngine:
         rule's own checks, which therefore only see updates that agree on the trainable set (SCAFFOLD's round-1
         control check relies on it).
         """
-        checked, rejections = self._checked_results(results, params, round_num)
+        checked, rejections = self._checked_results(results, self.shared(params), round_num)
         _, disagreeing = agreed_param_keys({u.site: u.meta.get(meta_keys.PARAM_KEYS) for u in checked})
         updates: list[ClientUpdate] = []
         for update in checked:
             if update.site in disagreeing:
                 problems = [disagreeing[update.site]]
             else:
-                problems = self._rule_problems(update, params, state)
+                problems = self._rule_problems(update, self.shared(params), state)
             if problems:
                 rejections.append(Rejection(site=update.site, problems=tuple(problems)))
             else:
@@ -404,6 +445,10 @@ class RoundEngine:
                 continue
             if of_this_round:
                 seen.add(result.site)
+            leaked = leaked_local_keys(result.params or {}, self.local_keys)
+            if leaked:  # named as what it is, not as an unexpected key
+                rejections.append(Rejection(result.site, (local_leak_problem(leaked),)))
+                continue
             outcome = validate_result(result, params, self.rule.required_meta, round_num=round_num)
             (checked if isinstance(outcome, ClientUpdate) else rejections).append(outcome)
         return checked, rejections

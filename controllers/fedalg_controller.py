@@ -98,6 +98,9 @@ class FedAlgController(ModelController):
             and run id.
         final_site_eval: after the last round, send the final global model to every site as a ``validate`` task
             and write their scores on their own validation splits to ``<run dir>/metrics/final_site_scores.json``.
+        local_keys: the entries that never leave the sites, as the job builder resolved ``--local-keys`` (FedPer,
+            FedBN, FedRep's head): the rule sees the other entries only and the global model keeps its initial
+            values for these (:class:`controllers.engine.RoundEngine`; docs/personalization.md, "Partial sharing").
     """
 
     def __init__(
@@ -118,6 +121,7 @@ class FedAlgController(ModelController):
         companions: dict[str, dict[str, Any]] | None = None,
         resume_from: str | None = ROUND_DEFAULTS.resume_from,
         final_site_eval: bool = ROUND_DEFAULTS.final_site_eval,
+        local_keys: list[str] | None = None,
     ) -> None:
         check_round_settings(
             num_rounds=num_rounds,
@@ -159,6 +163,7 @@ class FedAlgController(ModelController):
         self.companions = companions
         self.resume_from = resume_from
         self.final_site_eval = final_site_eval
+        self.local_keys = check_local_keys(local_keys)
         # Fail at job start, not after the first round, when the rule or its arguments are wrong.
         self._rule: AggregationRule = compose(build_rule(rule, **(rule_args or {})), companions)
         self._round_engine()
@@ -186,6 +191,7 @@ class FedAlgController(ModelController):
             min_accepted=self.min_accepted,
             seed=self.seed,
             rule_label=self.rule,
+            local_keys=self.local_keys or (),
         )
 
     def run(self) -> None:
@@ -199,10 +205,10 @@ class FedAlgController(ModelController):
         # The job's sites: NVFlare deploys a job to the sites connected when it starts, and only they get tasks.
         self._reachable = tuple(sorted(client.name for client in self.engine.get_clients()))
         population = self._population = self._reachable
-        state = self._rule.init_state(global_params)
+        engine = self._active_engine = self._round_engine()
+        state = engine.init_state(global_params)  # over the shared entries only (local_keys)
         evaluator = self.get_component(self.evaluator_id) if self.evaluator_id else None
         first_round, stage = 0, "initial"
-        engine = self._active_engine = self._round_engine()
         if self.resume_from:
             # docs/design.md decision 5: continue a stopped job as if it had never stopped.
             resume = load_resume_point(Path(self.resume_from), self._rule.name)
@@ -320,6 +326,15 @@ def check_round_settings(**values: Any) -> None:
         raise JobBuildError(
             f"min_accepted must be at most the {waits_for} result(s) a round waits for, got {values['min_accepted']}"
         )
+
+
+def check_local_keys(local_keys: Any) -> list[str] | None:
+    """The controller's ``local_keys``: ``None`` or a list of state_dict names (the builder writes them resolved)."""
+    if local_keys is None:
+        return None
+    if not isinstance(local_keys, list | tuple) or not all(isinstance(k, str) and k for k in local_keys):
+        raise JobBuildError(f"local_keys must be a list of state_dict names, got {local_keys!r}")
+    return list(local_keys)
 
 
 def numeric_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:

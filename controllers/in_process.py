@@ -141,6 +141,7 @@ def run_in_process(
         seed=spec.seed,
         rule_label=spec.server,
         observers=observers,
+        local_keys=[key for key in getattr(spec, "local_keys", "").split(",") if key],
     )
     if host is None:
         evaluator = None
@@ -159,7 +160,7 @@ def run_in_process(
     if wrap_transport is not None:
         transport = wrap_transport(transport)
     final, state = engine.run(
-        tuple(sites), params, rule.init_state(params), transport, host, run_id=run_id or uuid.uuid4().hex
+        tuple(sites), params, engine.init_state(params), transport, host, run_id=run_id or uuid.uuid4().hex
     )
     for name in sites:  # the job's end confirms its last round: the sites settle their pending state
         ClientStateStore(Path(state_root), name).settle_all(spec.num_rounds, engine.last_aggregated)

@@ -71,6 +71,14 @@ def majority_signature(signatures: Sequence[Signature]) -> tuple[Signature | Non
     return ranked[0][0], ""
 
 
+#: Why partial sharing (``local_keys``: FedPer, FedBN, FedRep) cannot run under NVFlare's FedAvg controller.
+LOCAL_KEYS_REFUSAL = (
+    "NVFlare's FedAvg controller replaces its whole global model with what the aggregator returns and never shows "
+    "the aggregator that model, so the local entries the sites keep (and do not send) would vanish from it; run "
+    "partial sharing with the bundle's controller (python -m jobs.build --local-keys ...)"
+)
+
+
 class RuleAggregator(ModelAggregator):
     """A rule of :data:`aggregators.RULES` as an NVFlare ``ModelAggregator`` (module docstring)."""
 
@@ -83,10 +91,18 @@ class RuleAggregator(ModelAggregator):
     }
 
     def __init__(
-        self, rule: str = "fedavg", rule_args: Mapping[str, Any] | None = None, save_updates_dir: str = ""
+        self,
+        rule: str = "fedavg",
+        rule_args: Mapping[str, Any] | None = None,
+        save_updates_dir: str = "",
+        local_keys: Sequence[str] = (),
     ) -> None:
-        """``save_updates_dir``: also save every round's accepted site models and the result there (audits)."""
+        """``save_updates_dir``: also save every round's accepted site models and the result there (audits).
+        ``local_keys`` (partial sharing) is refused: see :data:`LOCAL_KEYS_REFUSAL`."""
+        if local_keys:
+            raise ValueError(f"RuleAggregator: local_keys {list(local_keys)[:5]}: {LOCAL_KEYS_REFUSAL}")
         super().__init__()
+        self.local_keys: list[str] = []
         # NVFlare's job export reads the constructor's arguments back from attributes of the same names.
         self.rule = rule
         self.rule_args = dict(rule_args or {})

@@ -77,6 +77,7 @@ def build_job(spec: JobSpec) -> Any:
         resume_from=spec.resume_from,
         final_site_eval=spec.final_site_eval,
         **({"evaluator_id": ""} if spec.model is not None else {}),  # the sites evaluate a user's model
+        **({"local_keys": spec.local_keys.split(",")} if spec.local_keys else {}),  # resolved by JobSpec
     )
     job.to_server(controller)
     job.to_server(ServerSettings({"task_request_interval": task_request_interval(spec.num_sites)}))

@@ -64,6 +64,11 @@ PRESET_SETTINGS: dict[str, dict[str, Any]] = {
     # the job (custom/genomics/); 1000 Genomes panel, Dirichlet 0.1 over super-populations, AdamW.
     "snp_scaffold": dict(client="scaffold", server="scaffold", **SNP_JOB),
     "snp_fedavg": dict(**SNP_JOB),
+    # Partial sharing (docs/personalization.md): FedBN keeps every BatchNorm entry at its site (the small BatchNorm
+    # CNN), FedRep keeps the classifier head (the model's declared head) and trains it 2 epochs before each body epoch
+    # (the paper's 10 was chosen on its datasets; 2 keeps the example short, not tuned).
+    "fedbn": dict(arch="bn_cnn", local_keys="batchnorm"),
+    "fedrep": dict(client="fedrep", client_args={"head_epochs": 2}),
     # Attack-adaptive aggregation (docs/robustness.md): the shipped LeNet-5 attention checkpoint, 10 sites.
     "attack_adaptive": dict(
         server="attack_adaptive",

@@ -152,6 +152,10 @@ def _not_constant(spec: Any) -> bool:
     return spec.pattern != "constant"
 
 
+def _has_local_keys(spec: Any) -> bool:
+    return bool(spec.local_keys)
+
+
 def _finetunes(spec: Any) -> bool:
     return spec.finetune_epochs > 0
 
@@ -211,6 +215,14 @@ class ClientAlgorithmSettings:
         "fedavg", "client algorithm", registry="lightning_modules.algorithms.registry:CLIENT_ALGORITHMS"
     )
     client_args: dict[str, Any] = setting({}, 'client algorithm hyperparameters, a JSON object (e.g. {"mu":0.01})')
+    local_keys: str = setting(
+        "",
+        "state_dict entries that never leave the site (partial sharing, docs/personalization.md): comma-separated "
+        "globs over the model's state_dict names (e.g. 'net.classifier.*': FedPer) or the word batchnorm (every "
+        "BatchNorm entry: FedBN); with --client fedrep, the head. The builder resolves them against the job's model "
+        "and writes the explicit names into the job",
+        exported_when=_has_local_keys,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

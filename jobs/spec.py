@@ -67,6 +67,8 @@ class JobSpec(
             if kind.types == (float,) and isinstance(value, int) and not isinstance(value, bool):
                 object.__setattr__(self, spec_field.name, float(value))
         validate_spec(self)
+        # Resolved once, here, against the job's model: the sites and the server get the same explicit names.
+        object.__setattr__(self, "local_keys", ",".join(job_local_keys(self)))
         # Shipped folders are named relative to where the job is specified; the export runs elsewhere.
         object.__setattr__(self, "ship", ",".join(str(p.resolve()) for p in shipped_folders(self)))
         if self.script is not None:
@@ -101,6 +103,67 @@ def validate_spec(spec: JobSpec) -> None:
     _check_server_rule(spec)
     job_attack_args(spec)  # unknown attack, no malicious site, bad share: refused at build time
     _check_tracking(spec)
+
+
+def job_model(spec: JobSpec) -> Any:
+    """The module every side of the job builds (the built-in classifier or the user's module), for build-time
+    questions about its state_dict."""
+    if spec.model is not None:
+        from lightning_modules.own_model import build_user_module
+
+        with importable(shipped_folders(spec)):
+            return build_user_module(spec.model, spec.model_args)
+    from lightning_modules.classifier import FLClassifier
+
+    return FLClassifier(arch=spec.arch, num_classes=dataset_num_classes(spec.dataset), arch_args=model_arch_args(spec))
+
+
+def job_local_keys(spec: JobSpec) -> tuple[str, ...]:
+    """The job's local entries as explicit state_dict names (docs/personalization.md, "Partial sharing"): the
+    ``local_keys`` patterns resolved against the job's model, or for a client algorithm that needs a head (FedRep)
+    without them, the head the model declares. Refused in one line: a pattern that matches nothing, patterns that
+    cover everything, a head that cannot be found, a combination whose math does not hold."""
+    from lightning_modules.algorithms import CLIENT_ALGORITHMS
+    from lightning_modules.personalization.local_keys import LocalKeysError, declared_head_keys, resolve_local_keys
+
+    needs_head = getattr(CLIENT_ALGORITHMS[spec.client], "needs_head", False)
+    if not spec.local_keys and not needs_head:
+        return ()
+    _check_partial_sharing(spec)
+    model = job_model(spec)
+    try:
+        keys = resolve_local_keys(spec.local_keys, model) if spec.local_keys else declared_head_keys(model)
+    except LocalKeysError as exc:
+        raise JobBuildError(str(exc)) from None
+    if not keys:
+        raise JobBuildError(
+            f"client '{spec.client}' needs a head that stays at the site: give --local-keys (globs over the model's "
+            f"state_dict names, e.g. {list(model.state_dict())[-2:]}) or define fl_head_keys() on the model"
+        )
+    if needs_head and not any(name in keys for name, _ in model.named_parameters()):
+        raise JobBuildError(
+            f"client '{spec.client}': local_keys {list(keys)[:5]} hold no trainable parameter to use as a head"
+        )
+    if len(keys) == len(model.state_dict()):
+        raise JobBuildError(f"local_keys: the head {list(keys)[:5]} is the whole model: nothing would be shared")
+    return keys
+
+
+#: Server rules whose math does not hold on the shared entries alone, and why.
+PARTIAL_SHARING_REFUSED = {
+    "attack_adaptive": "its attention model was trained on whole LeNet-5 updates; it cannot score part of a model",
+}
+
+
+def _check_partial_sharing(spec: JobSpec) -> None:
+    """Combinations where keeping entries at the sites does not hold."""
+    if spec.server in PARTIAL_SHARING_REFUSED:
+        raise JobBuildError(f"local_keys with server '{spec.server}': {PARTIAL_SHARING_REFUSED[spec.server]}")
+    if spec.script is not None:
+        raise JobBuildError(
+            "local_keys (or a client that keeps a head) with --script: your own training script builds its own "
+            "callback, which the bundle cannot give the local entries; use --model and --data"
+        )
 
 
 def _check_tracking(spec: JobSpec) -> None:

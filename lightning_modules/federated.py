@@ -39,7 +39,7 @@ Adam/AdamW, momentum and schedules is in docs/own_model.md.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import pytorch_lightning as pl
@@ -51,6 +51,7 @@ from aggregators.fednova import normalizer_l1
 from aggregators.wire import FedNovaReport
 from lightning_modules.algorithms.base import ClientAlgorithm, ClientAlgorithmError, check_server_meta
 from lightning_modules.fl_callback import MetaSource, nvflare_meta_source
+from lightning_modules.personalization.partial_sharing import LocalEntries, local_entries_for
 from lightning_modules.protocols import (  # sgd_step_settings: also imported from here by its users
     module_problem,
     needs_task_loss,
@@ -153,6 +154,8 @@ class FederatedAlgorithm(pl.Callback):
             default: the one the algorithm is bound to (none: state lives only in memory).
         num_samples: the FedAvg weight sent to the server; default: the size of the training dataset.
         meta_source: where the server meta of the round comes from (NVFlare's received model by default).
+        local_keys: state_dict names that never leave the site (``--local-keys`` as the job builder resolved them:
+            FedPer's head, FedBN's BatchNorm entries, FedRep's head; docs/personalization.md, "Partial sharing").
     """
 
     def __init__(
@@ -164,6 +167,7 @@ class FederatedAlgorithm(pl.Callback):
         state_store: ClientStateStore | None = None,
         num_samples: int | None = None,
         meta_source: MetaSource = nvflare_meta_source,
+        local_keys: str | Sequence[str] | None = None,
     ) -> None:
         if isinstance(algorithm, str):
             from lightning_modules.algorithms import build_client_algorithm
@@ -178,6 +182,9 @@ class FederatedAlgorithm(pl.Callback):
         self.site = site
         self.num_samples = num_samples
         self.meta_source = meta_source
+        self.local_entries = LocalEntries(site, (), algorithm.state_store)
+        self._local_keys = local_keys
+        self._round_meta: Mapping[str, Any] = {}
         self.last_meta: dict[str, Any] = {}
         self._site_eval: dict[str, float] = {}
         #: Scores the site's personal model (set by the site round when the site has a validation split).
@@ -203,9 +210,13 @@ class FederatedAlgorithm(pl.Callback):
             if reason:
                 raise ClientAlgorithmError(f"{self.site}: {trainer.world_size} DDP processes: {reason}")
             attach_algorithm(pl_module, self.algorithm)
+            self.local_entries = local_entries_for(self.algorithm, pl_module, self._local_keys)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         check_trainer_supports(self.algorithm, trainer, pl_module.automatic_optimization)
+        extra_epochs = getattr(self.algorithm, "extra_epochs", None)
+        if callable(extra_epochs) and trainer.max_epochs is not None:  # FedRep's head phase precedes the job's epochs
+            trainer.fit_loop.max_epochs = trainer.max_epochs + int(extra_epochs())
         self._remove_step_hook()
         optimizer = trainer.optimizers[0]
         self._step_hook = optimizer.register_step_post_hook(lambda opt, *_: self.after_optimizer_step(pl_module, opt))
@@ -224,9 +235,17 @@ class FederatedAlgorithm(pl.Callback):
             check_round_optimizer(self.algorithm, meta, trainer.optimizers[0])
             if self.algorithm.state_store is not None:  # a per-run store follows the server's run id
                 self.algorithm.state_store.use_run(meta.get(meta_keys.RUN_ID))
-            rank_zero_first(trainer, lambda: self.algorithm.on_round_start(pl_module, meta))
+            rank_zero_first(trainer, lambda: self._start_round(pl_module, meta))
             self._trained_round = meta.get(meta_keys.ROUND)
             self._round_started = True
+
+    def _start_round(self, pl_module: pl.LightningModule, meta: Mapping[str, Any]) -> None:
+        """The site's own local entries over the received ones first, so the algorithm starts from the model the
+        site trains (docs/personalization.md, "Partial sharing")."""
+        self._round_meta = meta
+        if self.local_entries:
+            self.local_entries.restore(pl_module, meta)
+        self.algorithm.on_round_start(pl_module, meta)
 
     # -- per step -----------------------------------------------------------------------------------------------
     def on_train_batch_start(
@@ -296,7 +315,11 @@ class FederatedAlgorithm(pl.Callback):
             meta_keys.NUM_STEPS: self._steps,
             meta_keys.TRAIN_LOSS: self._mean_loss(trainer, pl_module),
             meta_keys.CLIENT_ALGORITHM: self.algorithm.name,
-            meta_keys.PARAM_KEYS: [name for name, p in pl_module.named_parameters() if p.requires_grad],
+            meta_keys.PARAM_KEYS: [
+                name
+                for name, p in pl_module.named_parameters()
+                if p.requires_grad and name not in self.local_entries.keys
+            ],
             **fednova_meta(self.algorithm, self._solver_steps),
         }
         algorithm_meta = self.algorithm.on_round_end(pl_module)
@@ -317,6 +340,12 @@ class FederatedAlgorithm(pl.Callback):
             meta[meta_keys.TRAINED_ROUND] = self._trained_round
         self.last_meta = meta
         pl_module.__fl_meta__ = meta
+        if self.local_entries:  # after everything above read the state_dict; NVFlare's on_train_end comes next
+            self.local_entries.save(pl_module, self._round_meta)
+            self.local_entries.hide(pl_module)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.local_entries.show()  # the result is taken: the module's state_dict is whole again
 
     def _mean_loss(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> float:
         """The round's mean training loss; under DDP the mean over the ranks (each saw its share of the batches)."""
@@ -327,6 +356,7 @@ class FederatedAlgorithm(pl.Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._remove_step_hook()
+        self.local_entries.show()
 
     def _remove_step_hook(self) -> None:
         if self._step_hook is not None:

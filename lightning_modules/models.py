@@ -27,6 +27,7 @@ from torch import Tensor, nn
 __all__ = [
     "MLP",
     "MODELS",
+    "BatchNormCNN",
     "FeatureClassifier",
     "LeNet5",
     "ProjectionHead",
@@ -78,6 +79,11 @@ class FeatureClassifier(nn.Module):
     def embed(self, x: Tensor) -> Tensor:
         """z = project(features(x)), the representation MOON contrasts."""
         return self.project(self.features(x))
+
+    def fl_head_keys(self) -> list[str]:
+        """The personal head FedRep keeps at the site when the job names none (``--local-keys``): the final
+        ``classifier`` layer (lightning_modules/personalization/local_keys.py)."""
+        return [f"classifier.{name}" for name in self.classifier.state_dict()]
 
     def head(self, h: Tensor) -> Tensor:
         """Map a representation from :meth:`features` to logits (through the projection head when present)."""
@@ -134,6 +140,36 @@ class SimpleCNN(_TwoConvNet):
         super().__init__(num_classes=num_classes, in_channels=in_channels, conv1_padding=0, flat_side=4)
 
 
+class BatchNormCNN(FeatureClassifier):
+    """A small CNN with BatchNorm for ``in_channels x 28 x 28`` inputs, FedBN's kind of model (``jobs/fedbn``).
+
+    conv 6@5x5 pad 2 → BN → ReLU → max-pool 2 → conv 16@5x5 → BN → ReLU → max-pool 2 → fc 120 → ReLU → fc 84 → ReLU
+    | classifier fc ``num_classes``: LeNet-5 with a BatchNorm after each convolution. No BatchNorm after the fully
+    connected layers: a 1-d BatchNorm refuses a last batch of one sample, which a site's shard can leave.
+    """
+
+    def __init__(self, *, num_classes: int = 10, in_channels: int = 1) -> None:
+        super().__init__()
+        _check_positive("num_classes", num_classes)
+        _check_positive("in_channels", in_channels)
+        self.conv1 = nn.Conv2d(in_channels, 6, kernel_size=5, padding=2)
+        self.bn1 = nn.BatchNorm2d(6)
+        self.conv2 = nn.Conv2d(6, 16, kernel_size=5)
+        self.bn2 = nn.BatchNorm2d(16)
+        self.pool = nn.MaxPool2d(kernel_size=2, stride=2)
+        self.fc1 = nn.Linear(16 * 5 * 5, 120)
+        self.fc2 = nn.Linear(120, 84)
+        self.classifier = nn.Linear(84, num_classes)
+        self.feature_dim = 84
+
+    def features(self, x: Tensor) -> Tensor:
+        """Return the 84-dim representation (after the ReLU of the second fully connected layer)."""
+        x = self.pool(torch.relu(self.bn1(self.conv1(x))))
+        x = self.pool(torch.relu(self.bn2(self.conv2(x))))
+        x = torch.relu(self.fc1(torch.flatten(x, start_dim=1)))
+        return torch.relu(self.fc2(x))
+
+
 class MLP(FeatureClassifier):
     """Fully connected network for flat inputs (default: the 64-pixel sklearn digits).
 
@@ -168,6 +204,7 @@ MODELS: dict[str, type[nn.Module]] = {
     "lenet5": LeNet5,
     "simple_cnn": SimpleCNN,
     "mlp": MLP,
+    "bn_cnn": BatchNormCNN,
 }
 
 

@@ -128,7 +128,12 @@ class UserSite:
         self.data = build_user_data(args.data, json_arg(args.data_args), site, args.num_sites)
         extra = {"meta_source": meta_source} if meta_source is not None else {}
         self.callback = FederatedAlgorithm(
-            args.client, algorithm_args=json_arg(args.client_args), site=site, state_store=state_store, **extra
+            args.client,
+            algorithm_args=json_arg(args.client_args),
+            site=site,
+            state_store=state_store,
+            local_keys=getattr(args, "local_keys", None),
+            **extra,
         )
         self.evaluate = evaluates_at_the_site(self.module, self.data)
         if not self.evaluate:

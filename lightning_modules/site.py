@@ -303,7 +303,12 @@ def build_site_round(
     )
     algorithm = build_client_algorithm(args.client, **json_arg(args.client_args))
     callback = FederatedAlgorithm(
-        algorithm, site=site, state_store=state_store, num_samples=len(y), meta_source=meta_source
+        algorithm,
+        site=site,
+        state_store=state_store,
+        num_samples=len(y),
+        meta_source=meta_source,
+        local_keys=getattr(args, "local_keys", None),
     )
     attack = attack_config_from_args(args, num_classes)
     return SiteRound(

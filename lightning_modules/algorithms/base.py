@@ -124,9 +124,22 @@ def check_server_meta(algorithm: ClientAlgorithm, meta: Mapping[str, Any], site:
         )
 
 
+#: Set on the module by :class:`lightning_modules.federated.FederatedAlgorithm`: the site's local entries
+#: (``--local-keys``), which every client algorithm leaves alone (docs/personalization.md, "Partial sharing").
+LOCAL_KEYS_ATTRIBUTE = "__fl_local_keys__"
+
+
+def local_keys_of(module: nn.Module) -> frozenset[str]:
+    """The entries of ``module`` that never leave the site (empty without partial sharing)."""
+    return frozenset(getattr(module, LOCAL_KEYS_ATTRIBUTE, ()) or ())
+
+
 def trainable_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
-    """Named trainable parameters (``requires_grad``), keyed like the state_dict; buffers are never included."""
-    return {name: p for name, p in module.named_parameters() if p.requires_grad}
+    """Named trainable parameters (``requires_grad``), keyed like the state_dict; buffers are never included, nor
+    the site's local entries: SCAFFOLD's controls, FedProx's and FedDyn's terms, FedMoS and MOON's anchors are about
+    the shared model only, so they are filtered here, once, for every algorithm."""
+    local = local_keys_of(module)
+    return {name: p for name, p in module.named_parameters() if p.requires_grad and name not in local}
 
 
 def settle_state(algorithm: ClientAlgorithm, meta: Mapping[str, Any]) -> str | None:

@@ -11,6 +11,7 @@ from lightning_modules.algorithms.ditto import Ditto
 from lightning_modules.algorithms.feddyn import FedDyn
 from lightning_modules.algorithms.fedmos import FedMoS
 from lightning_modules.algorithms.fedprox import FedProx
+from lightning_modules.algorithms.fedrep import FedRep
 from lightning_modules.algorithms.hparams import HParams
 from lightning_modules.algorithms.moon import Moon
 from lightning_modules.algorithms.scaffold import Scaffold
@@ -20,6 +21,7 @@ CLIENT_ALGORITHMS[FedProx.name] = FedProx
 CLIENT_ALGORITHMS[FedDyn.name] = FedDyn
 CLIENT_ALGORITHMS[FedMoS.name] = FedMoS
 CLIENT_ALGORITHMS[Moon.name] = Moon
+CLIENT_ALGORITHMS[FedRep.name] = FedRep
 CLIENT_ALGORITHMS[Ditto.name] = Ditto
 
 

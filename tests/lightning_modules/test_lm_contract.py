@@ -15,6 +15,7 @@ from aggregators import meta_keys
 from aggregators.wire import ControlVariate, FedDynReport, FedNovaReport, TrainingStats
 from lightning_modules import FederatedAlgorithm, FLClassifier
 from lightning_modules.algorithms import CLIENT_ALGORITHMS, build_client_algorithm
+from lightning_modules.personalization.partial_sharing import STORE_NAME
 from lightning_modules.state_store import ClientStateStore
 
 META = {meta_keys.ROUND: 0, meta_keys.RUN_ID: "run", meta_keys.SCAFFOLD_CTRL_GLOBAL: {}, meta_keys.FEDDYN_ALPHA: 0.1}
@@ -50,7 +51,8 @@ def test_outputs_are_finite_and_the_meta_validates_through_the_wire(tmp_path, na
     assert all(meta_keys.is_namespaced(key) for key in meta)
     stats = TrainingStats.from_meta(meta)
     assert stats.ok, stats.problems
-    trainable = {n: tuple(p.shape) for n, p in module.named_parameters() if p.requires_grad}
+    local = getattr(module, "__fl_local_keys__", frozenset())  # a head the site keeps (FedRep) is not sent
+    trainable = {n: tuple(p.shape) for n, p in module.named_parameters() if p.requires_grad and n not in local}
     assert set(stats.value.param_keys) == set(trainable)
     if meta_keys.SCAFFOLD_CTRL_DIFF in meta:
         key = meta_keys.SCAFFOLD_CTRL_DIFF
@@ -63,8 +65,10 @@ def test_outputs_are_finite_and_the_meta_validates_through_the_wire(tmp_path, na
 
 @pytest.mark.parametrize("name", sorted(CLIENT_ALGORITHMS))
 def test_the_kept_state_reads_back_and_a_restarted_site_starts_from_it(tmp_path, name):
+    algorithm = name
     fit(name, tmp_path)
     store = ClientStateStore(tmp_path, "site-1")
+    name = STORE_NAME if getattr(CLIENT_ALGORITHMS[name], "needs_head", False) else name  # FedRep's kept head
     stored = store.latest(name)  # the round's new state, pending until the server confirms the round
     if stored is None:
         assert not [p for p in tmp_path.rglob("*") if p.is_file()], f"{name} wrote state it does not read"
@@ -76,4 +80,4 @@ def test_the_kept_state_reads_back_and_a_restarted_site_starts_from_it(tmp_path,
     assert all(bool(torch.isfinite(v).all()) for v in tensors.values())
     for key, value in tensors.items():
         torch.testing.assert_close(again.state[key], value, atol=0, rtol=0)
-    fit(name, tmp_path, round_num=1)  # a new instance (a restarted process) runs its next round from the file
+    fit(algorithm, tmp_path, round_num=1)  # a new instance (a restarted process) runs its next round from the file

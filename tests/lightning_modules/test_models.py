@@ -127,7 +127,7 @@ def test_invalid_mlp_hidden_size_raises() -> None:
 
 
 def test_registry_names_and_no_arg_construction() -> None:
-    assert set(MODELS) == {"lenet5", "simple_cnn", "mlp"}
+    assert set(MODELS) == {"lenet5", "simple_cnn", "mlp", "bn_cnn"}
     for name, model_cls in MODELS.items():
         model = build_model(name)
         assert type(model) is model_cls
