@@ -169,6 +169,13 @@ class FedDyn(ClientAlgorithm):
             num_samples = local_num_samples(module, self.site)
             if num_samples < 1:
                 raise ClientAlgorithmError(f"{self.site}: feddyn alpha_weighting='samples' with an empty training set")
+            if self.total_samples < num_samples:
+                # sum_j n_j includes this site's n_k: a smaller total is a wrong setting, and alpha_k would fall below
+                # alpha / m (the server refuses the round on that too, without knowing which setting is wrong).
+                raise ClientAlgorithmError(
+                    f"{self.site}: feddyn hyperparameter 'total_samples' ({self.total_samples}) must be at least this "
+                    f"site's own training samples ({num_samples}): it is sum_j n_j over the whole population"
+                )
             self.alpha_k = client_alpha(alpha, num_samples, self.population_size, self.total_samples)
         else:
             self.alpha_k = alpha

@@ -326,6 +326,16 @@ def test_sample_weighted_alpha_k(tmp_path):
     assert algorithm.on_round_end(module)[meta_keys.FEDDYN_ALPHA_K] == pytest.approx(0.6)
 
 
+def test_population_total_smaller_than_the_site_count_is_refused(tmp_path):
+    algorithm = make(tmp_path, alpha_weighting="samples", population_size=4, total_samples=9)
+    with pytest.raises(ClientAlgorithmError, match=r"site-1: .*'total_samples' \(9\) must be at least .*\(10\)"):
+        algorithm.on_round_start(WithTrainer(0.0, n=10), meta())
+    # Equal is allowed: a population of one site holding every sample.
+    algorithm = make(tmp_path, alpha_weighting="samples", population_size=1, total_samples=10)
+    algorithm.on_round_start(WithTrainer(0.0, n=10), meta(alpha=0.3))
+    assert algorithm.alpha_k == pytest.approx(0.3)
+
+
 def test_sample_weighting_without_a_sized_training_set_is_an_error(tmp_path):
     algorithm = make(tmp_path, alpha_weighting="samples", population_size=4, total_samples=80)
     with pytest.raises(ClientAlgorithmError, match=r"site-1: .*size of the training set"):
