@@ -1,4 +1,5 @@
-"""Per-step cost and client memory of FedMoS and MOON relative to plain SGD on LeNet-5.
+"""Per-step cost and client memory of FedMoS, MOON and Ditto relative to plain SGD on LeNet-5, and the seconds local
+fine-tuning adds to a round.
 
 Reuses the machinery of :mod:`benchmarks.step_overhead` (read its docstring for the method): every variant takes one
 optimizer step per cycle inside the same ``pl.Trainer.fit`` of :class:`lightning_modules.FLClassifier`, in a freshly
@@ -12,6 +13,12 @@ Variants:
 - on LeNet-5 with MOON's projection head (84 → 84 → 256, classifier on the 256-d projection): ``fedavg`` on that model,
   and ``moon`` with 1, 2 and 4 previous local models in its history (pre-filled, as from earlier rounds). The cost per
   history model is the slope of ms/step over h = 1 → 4.
+
+- on LeNet-5 also ``ditto`` (lam 0.1): the global step plus one personal SGD step on v_i (a second forward/backward
+  at v_i on the same batch; target <= 2.1x plain);
+- local fine-tuning: the seconds one round of a built-in site (LeNet-5, ``--finetune-samples`` random
+  Fashion-MNIST-shaped samples, 10 % held out) takes with ``finetune_epochs`` 1 minus without, median over
+  ``--finetune-rounds`` rounds (``--finetune-rounds 0`` skips it).
 
 Client memory per site: the bytes of the tensors the algorithm keeps during a round (its state: FedMoS x, d and the
 previous iterate; MOON's frozen global model and negatives), counted by walking the algorithm object (shared storages
@@ -77,6 +84,7 @@ def cases_for(spec: ModelSpec) -> list[Case]:
             Case(BASELINE, "fedavg", {}),
             Case("fedmos", "fedmos", {}),
             Case("fedmos authors", "fedmos", {"estimator": "authors"}),
+            Case("ditto", "ditto", {"lam": 0.1}),
         ]
     moon = [Case(f"moon h={h}", "moon", {"history_size": h}, history_models=h) for h in HISTORY_SIZES]
     return [Case(BASELINE, "fedavg", {}), *moon]
@@ -125,11 +133,19 @@ class Configured(Ours):
             history = [storable_state(module.net) for _ in range(self.case.history_models)]
             self.store.save("moon", {RUN_ID_KEY: RUN_ID, HISTORY_KEY: history}, round_num=0)
         self.start_callback(trainer, module, algorithm, {meta_keys.ROUND: 1, meta_keys.RUN_ID: RUN_ID})
+        # The harness times steps on one fixed batch and its callback does not call on_batch, which the callback of
+        # a real fit does: FedMoS's and Ditto's extra pass take the batch from there.
+        self.batch = [tensor.to(module.device) for tensor in next(iter(trainer.train_dataloader))]
+
+    def activate(self, module: Any) -> None:
+        super().activate(module)
+        self.algorithm.on_batch(module, self.batch)
 
     def finish(self, module: Any) -> None:
         self.state_bytes = algorithm_state_bytes(self.algorithm, module.state_dict(keep_vars=True).values())
         self.algorithm.on_round_end(module)
-        path = self.store.path(self.case.algorithm)
+        path = self.store.pending_path(self.case.algorithm)  # a round's state is pending until the server confirms
+        path = path if path.exists() else self.store.path(self.case.algorithm)
         self.file_bytes = path.stat().st_size if path.exists() else 0
         counted = getattr(self.algorithm, "steps", None)
         if isinstance(counted, int) and counted != self.steps:
@@ -202,6 +218,34 @@ def history_slope(rows: Sequence[Row]) -> str:
     )
 
 
+def finetune_added_seconds(samples: int, rounds: int, epochs: int = 1) -> tuple[float, float]:
+    """(median seconds of a built-in site's round without fine-tuning, median seconds it adds with ``epochs``)."""
+    import tempfile
+
+    import numpy as np
+
+    from controllers.in_process import site_args
+    from jobs.spec import JobSpec
+    from lightning_modules.site import build_site_round
+
+    rng = np.random.default_rng(0)
+    x, y = rng.random((samples, 1, 28, 28), dtype=np.float32), rng.integers(0, 10, samples).astype(np.int64)
+    seconds: dict[int, list[float]] = {0: [], epochs: []}
+    with tempfile.TemporaryDirectory() as tmp:
+        sites = {}
+        for k in seconds:
+            args = site_args(JobSpec(name="ft", site_val_fraction=0.1, finetune_epochs=k))
+            sites[k] = build_site_round(args, SITE, 0, x, y, 10, ClientStateStore(Path(tmp) / str(k), SITE))
+        params = {key: v.numpy().copy() for key, v in sites[0].module.state_dict().items()}
+        for round_num in range(rounds):
+            for k, site in sites.items():  # interleaved: the shared machine's load hits both alike
+                started = time.perf_counter()
+                site.train(round_num, params, {meta_keys.ROUND: round_num, meta_keys.RUN_ID: RUN_ID})
+                seconds[k].append(time.perf_counter() - started)
+    base = statistics.median(seconds[0])
+    return base, statistics.median(seconds[epochs]) - base
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.client_algorithms",
@@ -213,10 +257,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: usable CPUs)")
     parser.add_argument("--out", type=Path, default=None, help="also write the report to this file")
+    parser.add_argument("--finetune-rounds", type=int, default=3, help="rounds timed for fine-tuning (0: skip)")
+    parser.add_argument("--finetune-samples", type=int, default=2000, help="a fine-tuning site's samples")
     parser.add_argument("--quick", action="store_true", help="smoke-test sizes: 2 fits x 3 kept steps, 1 warm-up")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.rounds, args.warmup = 6, 2, 1
+        args.finetune_rounds, args.finetune_samples = min(args.finetune_rounds, 1), 200
     if min(args.steps, args.rounds, args.batch_size) < 1 or args.warmup < 0:
         parser.error("--steps, --rounds and --batch-size must be >= 1, --warmup >= 0")
     return args
@@ -239,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "python -m benchmarks.client_algorithms " + " ".join(sys.argv[1:] if argv is None else argv)
     report = "\n".join(
         [
-            "## FedMoS and MOON: step time and client memory vs plain SGD",
+            "## FedMoS, MOON and Ditto: step time and client memory vs plain SGD",
             "",
             f"Command: `{command.strip()}` ({time.perf_counter() - started:.0f} s)",
             "",
@@ -255,6 +302,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             "",
         ]
     )
+    if args.finetune_rounds > 0:
+        progress(f"fine-tuning: {args.finetune_rounds} rounds with and without, {args.finetune_samples} samples")
+        with _quiet_lightning():
+            base, added = finetune_added_seconds(args.finetune_samples, args.finetune_rounds)
+        report += (
+            f"Local fine-tuning (1 epoch, LeNet-5, {args.finetune_samples} samples, 10 % held out): a round takes "
+            f"{base:.2f} s without and {added:+.2f} s more with it (median over {args.finetune_rounds} rounds).\n"
+        )
     print(report)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
