@@ -112,7 +112,7 @@ def job_model(spec: JobSpec) -> Any:
         from lightning_modules.own_model import build_user_module
 
         with importable(shipped_folders(spec)):
-            return build_user_module(spec.model, spec.model_args)
+            return build_user_module(spec.model, spec.model_args, seed=spec.seed)
     from lightning_modules.classifier import FLClassifier
 
     return FLClassifier(arch=spec.arch, num_classes=dataset_num_classes(spec.dataset), arch_args=model_arch_args(spec))
@@ -304,13 +304,13 @@ def _check_user_code(spec: JobSpec) -> None:
             raise JobBuildError("script: give --model too: the server builds the initial global model from it")
     elif spec.model is None or spec.data is None:
         raise JobBuildError("model and data go together: give both --model and --data (import paths)")
-    compact_json(spec.model_args)
-    compact_json(spec.data_args)
+    compact_json(spec.model_args, "--model-args")
+    compact_json(spec.data_args, "--data-args")
     import pytorch_lightning as pl
 
     with importable(shipped_folders(spec)):
         try:
-            module = build_user_module(spec.model, spec.model_args)
+            module = build_user_module(spec.model, spec.model_args, seed=spec.seed)
             if spec.data is not None:
                 user_class(spec.data, pl.LightningDataModule, "data")
             check_user_job(spec, module)  # jobs/user_checks.py: what the client and the rule need from the user code
@@ -342,6 +342,13 @@ def _check_finetune(spec: JobSpec) -> None:
             f"{why} with client 'ditto': Ditto's v_i is already the site's personal model, and both would be "
             "reported as personal_*; choose one"
         )
+    if spec.local_keys or spec.client == "fedrep":
+        # The copy is taken from the received model, whose local entries are the initial ones, not the site's own:
+        # it would fine-tune a model that is neither the global nor the site's personal one.
+        raise JobBuildError(
+            f"{why} with local_keys (FedPer/FedBN) or client 'fedrep': the site's personal model is already its "
+            "trained module with its own local entries, scored as personal_*; choose one"
+        )
     if spec.model is None and not spec.site_val_fraction:
         raise JobBuildError(f"{why} needs a validation split to score the fine-tuned copy on: set site_val_fraction")
     if spec.model is not None:
@@ -369,7 +376,7 @@ def _user_validation_problem(spec: JobSpec) -> str | None:
 
 def _check_client_algorithm(spec: JobSpec) -> None:
     """The client algorithm, constructed with ``client_args`` exactly as every site will construct it."""
-    compact_json(spec.client_args)  # whitespace would break NVFlare's split of the command line
+    compact_json(spec.client_args, "--client-args")  # whitespace would break NVFlare's split of the line
     _client_algorithm(spec)
 
 
@@ -446,12 +453,12 @@ def client_script_args(spec: JobSpec) -> str:
         parts.append(f"{flag(name)} {value}")
     parts += job_attack_args(spec)
     if model_arch_args(spec):
-        parts.append(f"--arch-args {compact_json(model_arch_args(spec))}")
+        parts.append(f"--arch-args {compact_json(model_arch_args(spec), '--arch-args')}")
     if spec.client_args:
-        parts.append(f"--client-args {compact_json(spec.client_args)}")
+        parts.append(f"--client-args {compact_json(spec.client_args, '--client-args')}")
     for name in ("model_args", "data_args"):
         if getattr(spec, name):
-            parts.append(f"{flag(name)} {compact_json(getattr(spec, name))}")
+            parts.append(f"{flag(name)} {compact_json(getattr(spec, name), flag(name))}")
     return " ".join(parts)
 
 

@@ -303,6 +303,10 @@ class FederatedAlgorithm(pl.Callback):
         meta, self._personal_eval = self._personal_eval, {}
         provider = getattr(self.algorithm, "personal_weights", None)
         weights = provider(pl_module) if callable(provider) else None
+        if weights is None and self.local_entries:
+            # Partial sharing (FedPer, FedBN, FedRep): the personal model is the trained module itself, its shared
+            # entries with the site's own local ones; no weights to load into the scored copy.
+            weights = {}
         if weights is not None and self.personal_scorer is not None:
             meta.update(personal_eval_meta(self.personal_scorer(pl_module, weights)))
         return meta

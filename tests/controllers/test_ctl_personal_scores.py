@@ -98,3 +98,37 @@ def test_a_ditto_site_sends_its_personal_models_scores(tmp_path):
     assert {"eval.val_accuracy", "eval.personal_val_accuracy", "eval.personal_val_loss"} <= set(meta)
     # v_i after one epoch of personal steps is not the received model: its loss differs from the global one's.
     assert meta["eval.personal_val_loss"] != meta["eval.val_loss"]
+
+
+def test_a_fedper_site_scores_its_trained_module_with_its_own_head(tmp_path):
+    # Partial sharing: the personal model is the module the site trained (shared entries + its own head), scored
+    # on the same split as the received model, before the result (without the head) is sent.
+    from controllers.in_process import site_args
+    from jobs.spec import JobSpec
+    from lightning_modules.personal_scores import single_process_trainer, validation_scores
+    from lightning_modules.site import build_site_round
+    from lightning_modules.state_store import ClientStateStore
+
+    spec = JobSpec(name="p", dataset="digits", arch="mlp", site_val_fraction=0.2, local_keys="net.classifier.*")
+    args = site_args(spec)
+    args.accelerator = "cpu"
+    rng = np.random.default_rng(0)
+    x, y = rng.random((60, 64), dtype=np.float32), rng.integers(0, 10, 60).astype(np.int64)
+    site = build_site_round(args, "site-1", 0, x, y, 10, ClientStateStore(tmp_path, "site-1"))
+    params = {k: v.numpy().copy() for k, v in site.module.state_dict().items()}
+    sent, meta = site.train(0, params, {"server.round": 0, "server.run_id": "r"})
+    assert not any(key.startswith("net.classifier.") for key in sent)
+    expected = validation_scores(
+        site.module, single_process_trainer("32-true", "cpu"), dataloaders=site.validation_loader()
+    )
+    assert meta["eval.personal_val_loss"] == pytest.approx(expected["val_loss"], abs=1e-6)
+    assert meta["eval.personal_val_accuracy"] == pytest.approx(expected["val_accuracy"], abs=1e-6)
+    assert meta["eval.personal_val_loss"] != meta["eval.val_loss"]  # the trained module, not the received one
+
+
+def test_finetuning_with_local_keys_or_fedrep_is_refused_at_build_time():
+    from jobs.spec import JobBuildError, JobSpec
+
+    for extra in ({"local_keys": "net.classifier.*"}, {"client": "fedrep"}):
+        with pytest.raises(JobBuildError, match=r"finetune_epochs 1 with local_keys .*choose one"):
+            JobSpec(name="f", dataset="digits", arch="mlp", site_val_fraction=0.2, finetune_epochs=1, **extra)
