@@ -1,0 +1,5 @@
+"""``python -m data_prep.genotypes harmonise ...`` (see :mod:`data_prep.genotypes.cli`)."""
+
+from data_prep.genotypes.cli import main
+
+raise SystemExit(main())

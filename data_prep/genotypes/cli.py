@@ -1,0 +1,115 @@
+"""``python -m data_prep.genotypes harmonise``: a site's VCF/BCF/PLINK file -> the consortium's matrix (``.npz``) and a
+JSON report.
+
+``OUT.npz`` holds ``genotypes`` (int8, people x table SNPs, copies of the table's alt allele, 3 = missing or
+unusable), ``samples`` (file order), ``snps`` (table order), ``status`` (each SNP's alignment) and, with ``--labels``,
+``labels`` (each person's label from a ``sample,<label column>`` CSV). It is written uncompressed, so the training
+loader memory-maps the matrix instead of reading it (``data_prep.genotypes.loader``).
+
+The report counts the SNPs per alignment status, and summarises call rate, MAF and Hardy-Weinberg over the usable
+SNPs. Bad input stops the command with one line (file, line or record, what is wrong) and writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from data_prep.errors import DataPrepError
+from data_prep.genotypes.harmonise import USABLE, Harmonised, harmonise_file, read_snp_table
+from data_prep.genotypes.qc import genotype_counts, summary
+
+__all__ = ["build_parser", "main", "read_labels", "report", "write_npz"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m data_prep.genotypes", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    harmonise = commands.add_parser("harmonise", help="harmonise a genotype file against the consortium's SNP table")
+    harmonise.add_argument("--genotypes", required=True, help=".vcf, .vcf.gz, .bcf, PLINK 1 .bed or PLINK 2 .pgen")
+    harmonise.add_argument("--snp-table", required=True, help="CSV snp,chrom,pos,ref,alt (or snp,ref,alt)")
+    harmonise.add_argument("--out", required=True, type=Path, help="the .npz to write")
+    harmonise.add_argument("--report", type=Path, default=None, help="the JSON report to write")
+    harmonise.add_argument("--labels", default=None, help="CSV with a 'sample' column and the label column")
+    harmonise.add_argument("--label-column", default="population")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        result = harmonise_file(args.genotypes, read_snp_table(args.snp_table))
+        labels = read_labels(args.labels, args.label_column, result.samples) if args.labels else None
+        counts = report(result)
+        write_npz(args.out, result, labels)
+        if args.report:
+            _write_atomic(args.report, json.dumps(counts, indent=2) + "\n")
+    except DataPrepError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    usable = sum(counts["alignment"][s] for s in USABLE)
+    print(f"wrote {args.out}: {len(result.samples)} people x {len(result.snps)} table SNPs ({usable} usable)")
+    return 0
+
+
+def report(result: Harmonised) -> dict[str, object]:
+    """The harmonise report: SNPs per alignment status, and QC summaries over the usable SNPs."""
+    usable = np.isin(np.array(result.status), USABLE)
+    return {
+        "file": result.path,
+        "people": len(result.samples),
+        "table_snps": len(result.snps),
+        "usable_snps": int(usable.sum()),
+        "alignment": result.counts(),
+        "qc": summary(genotype_counts(result.genotypes), usable),
+    }
+
+
+def read_labels(path: str, column: str, samples: Sequence[str]) -> np.ndarray:
+    """Each sample's label (strings, in ``samples`` order) from a CSV with a ``sample`` column and ``column``."""
+    try:
+        with open(path, newline="") as handle:
+            rows = list(csv.DictReader(handle))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataPrepError(f"{path}: cannot read the labels file ({exc})") from None
+    header = list(rows[0]) if rows else []
+    if "sample" not in header or column not in header:
+        raise DataPrepError(f"{path}: line 1: the labels file needs columns 'sample' and {column!r}, got {header}")
+    by_sample = {row["sample"]: row[column] for row in rows}
+    missing = [s for s in samples if s not in by_sample]
+    if missing:
+        raise DataPrepError(f"{path}: no label for sample(s) {missing[:5]} of the genotype file")
+    return np.array([by_sample[s] for s in samples])
+
+
+def write_npz(path: Path, result: Harmonised, labels: np.ndarray | None = None) -> Path:
+    """Uncompressed ``.npz`` (memory-mappable), written to a temporary name and renamed (never half written)."""
+    arrays = {
+        "genotypes": np.ascontiguousarray(result.genotypes, dtype=np.int8),
+        "samples": np.array(result.samples),
+        "snps": np.array(result.snps),
+        "status": np.array(result.status),
+    }
+    if labels is not None:
+        arrays["labels"] = np.asarray(labels)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp.npz")
+    np.savez(partial, **arrays)
+    os.replace(partial, path)
+    return path
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    partial.write_text(text)
+    os.replace(partial, path)

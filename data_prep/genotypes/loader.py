@@ -1,0 +1,102 @@
+"""A streaming loader for large genotype matrices: int8 in memory (or memory-mapped from disk), converted to the
+model's int64 tokens one batch at a time, so a site with 10^4 people x 10^5 SNPs holds 1 GB of int8, never the
+8 GB an int64 copy of the matrix would take.
+
+:func:`open_matrix` memory-maps the ``genotypes`` member of an uncompressed ``.npz`` (what ``python -m
+data_prep.genotypes harmonise`` writes) or a ``.npy``: a member stored without compression is the bytes of a ``.npy``
+file inside the zip, at an offset the zip's local header gives. A compressed ``.npz`` is read into memory (int8).
+
+:class:`GenotypeRows` is indexed by a *list* of people and :func:`genotype_loader` hands it one batch of indices
+at a time (a ``BatchSampler`` with ``DataLoader(batch_size=None)``), so gathering rows from the int8 matrix and the
+int64 conversion happen once per batch, not per person. Rows are read in ascending order within a batch (sequential
+on disk) and the batch is then put back in the sampled order.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler
+
+from data_prep.errors import DataPrepError
+
+__all__ = ["GenotypeRows", "genotype_loader", "open_matrix"]
+
+_LOCAL_HEADER = 30  # bytes of a zip local file header before its file name and extra field
+
+
+def open_matrix(path: str | Path, key: str = "genotypes") -> np.ndarray:
+    """The int8 people x SNPs matrix of ``path`` (``.npy`` or ``.npz``), memory-mapped when stored uncompressed."""
+    path = Path(path)
+    matrix = np.load(path, mmap_mode="r") if path.suffix == ".npy" else _npz_member(path, key)
+    if matrix.dtype != np.int8 or matrix.ndim != 2:
+        raise DataPrepError(f"{path}: {key!r} must be a 2-D int8 matrix, got {matrix.dtype} of shape {matrix.shape}")
+    return matrix
+
+
+def _npz_member(path: Path, key: str) -> np.ndarray:
+    try:
+        with zipfile.ZipFile(path) as archive:
+            info = archive.getinfo(f"{key}.npy")
+            if info.compress_type != zipfile.ZIP_STORED:
+                with archive.open(info) as member:
+                    return np.lib.format.read_array(member)
+        with open(path, "rb") as handle:
+            handle.seek(info.header_offset)
+            local = handle.read(_LOCAL_HEADER)
+            name_length = int.from_bytes(local[26:28], "little")
+            extra_length = int.from_bytes(local[28:30], "little")
+            handle.seek(info.header_offset + _LOCAL_HEADER + name_length + extra_length)
+            version = np.lib.format.read_magic(handle)
+            read_header = (
+                np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            )
+            shape, fortran, dtype = read_header(handle)
+            offset = handle.tell()
+    except KeyError:
+        raise DataPrepError(f"{path}: holds no {key!r} array") from None
+    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+        raise DataPrepError(f"{path}: not a readable .npz file ({exc})") from None
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape, order="F" if fortran else "C")
+
+
+class GenotypeRows(Dataset):
+    """People of an int8 matrix, a batch at a time: ``dataset[list_of_indices]`` -> ``(int64 states, target)``."""
+
+    def __init__(self, genotypes: np.ndarray, targets: np.ndarray | torch.Tensor, rows: np.ndarray | None = None):
+        if genotypes.dtype != np.int8 or genotypes.ndim != 2:
+            raise DataPrepError(
+                f"the streaming loader reads a 2-D int8 matrix, got {genotypes.dtype} {genotypes.shape}"
+            )
+        self.genotypes, self.targets = genotypes, torch.as_tensor(np.asarray(targets))
+        self.rows = np.arange(len(genotypes)) if rows is None else np.asarray(rows, dtype=np.int64)
+        if len(self.targets) != len(self.rows):
+            raise DataPrepError(f"{len(self.rows)} people but {len(self.targets)} targets")
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        index = np.asarray(index, dtype=np.int64)
+        rows = self.rows[index]
+        ascending = np.argsort(rows, kind="stable")  # sequential reads from a memory map, then the asked order
+        block = np.empty((len(rows), self.genotypes.shape[1]), np.int8)
+        block[ascending] = self.genotypes[rows[ascending]]
+        return torch.from_numpy(block).long(), self.targets[torch.from_numpy(index)]
+
+
+def genotype_loader(
+    data: GenotypeRows, batch_size: int, shuffle: bool = False, seed: int | None = None, num_workers: int = 0
+) -> DataLoader:
+    """Batches of ``data``: a new shuffled order every epoch when ``shuffle`` (from ``seed``, else from torch's global
+    generator, as ``DataLoader(shuffle=True)`` does); the last batch may be short."""
+    if batch_size < 1:
+        raise DataPrepError(f"batch_size must be >= 1, got {batch_size}")
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
+    order = RandomSampler(data, generator=generator) if shuffle else SequentialSampler(data)
+    batches = BatchSampler(order, batch_size, drop_last=False)
+    return DataLoader(data, batch_size=None, sampler=batches, num_workers=num_workers)

@@ -1,0 +1,106 @@
+"""A real site's genotypes for training: its VCF/BCF/PLINK file harmonised on the fly, or the ``.npz`` that
+``python -m data_prep.genotypes harmonise`` wrote (memory-mapped), with each person's label.
+
+Paths come from the data module's arguments or the site's environment (a job ships the same arguments to every site):
+``$FEDALG_SITE_GENOTYPES`` (the genotype file or ``.npz``), ``$FEDALG_SNP_TABLE`` (the consortium's SNP table, needed
+to harmonise a raw file; optional for an ``.npz``, which then must hold exactly the table's SNPs in order) and
+``$FEDALG_SITE_LABELS`` (a CSV ``sample,<label column>``; optional for an ``.npz`` written with ``--labels``).
+``{site}`` in a path is replaced by the site's name, so one simulator run can give every site its own file.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from data_prep.errors import DataPrepError
+from data_prep.genotypes.cli import read_labels
+from data_prep.genotypes.formats import FORMATS
+from data_prep.genotypes.harmonise import harmonise_file, read_snp_table
+from data_prep.genotypes.loader import open_matrix
+
+__all__ = ["GENOTYPES_ENV", "LABELS_ENV", "SNP_TABLE_ENV", "SiteGenotypes", "is_genotype_input", "site_genotypes"]
+
+GENOTYPES_ENV, SNP_TABLE_ENV, LABELS_ENV = "FEDALG_SITE_GENOTYPES", "FEDALG_SNP_TABLE", "FEDALG_SITE_LABELS"
+
+
+@dataclass(frozen=True)
+class SiteGenotypes:
+    genotypes: np.ndarray  # int8 people x table SNPs (a memory map for an .npz)
+    labels: np.ndarray  # int64 class index per person
+    classes: tuple[str, ...]
+    snps: tuple[str, ...]
+    source: str
+
+
+def is_genotype_input(path: str) -> bool:
+    """A VCF/BCF/PLINK file or a harmonised ``.npz`` (rather than the bundle's genotype CSV)."""
+    name = str(path).lower()
+    return name.endswith(".npz") or any(name.endswith(suffix) for suffix in FORMATS)
+
+
+def resolve(path: str | None, env: str, site: str, environ: Mapping[str, str]) -> str | None:
+    """``path`` or ``$env``, with ``{site}`` replaced by the site's name."""
+    value = path or environ.get(env) or None
+    return value.replace("{site}", site) if value else None
+
+
+def site_genotypes(
+    site: str,
+    data_file: str,
+    classes: Sequence[str],
+    snp_table: str | None = None,
+    labels_file: str | None = None,
+    label_column: str = "population",
+) -> SiteGenotypes:
+    """The site's harmonised genotypes and labels (module docstring); errors name the site."""
+    try:
+        if data_file.lower().endswith(".npz"):
+            genotypes, samples, snps, stored = _from_npz(data_file, snp_table)
+        else:
+            if snp_table is None:
+                raise DataPrepError(f"{data_file}: harmonising a genotype file needs the consortium's SNP table")
+            result = harmonise_file(data_file, read_snp_table(snp_table))
+            genotypes, samples, snps, stored = result.genotypes, result.samples, result.snps, None
+        if labels_file:
+            raw = read_labels(labels_file, label_column, samples)
+        elif stored is not None:
+            raw = stored
+        else:
+            raise DataPrepError(
+                f"{data_file}: no labels: set {LABELS_ENV} (a CSV sample,{label_column}) or labels_file"
+            )
+    except DataPrepError as exc:
+        raise DataPrepError(f"{site}: {exc}") from None
+    unknown = sorted(set(raw.tolist()) - set(classes))
+    if unknown:
+        raise DataPrepError(f"{site}: labels {unknown[:5]} are not among the classes {list(classes)}")
+    labels = np.array([list(classes).index(v) for v in raw.tolist()], dtype=np.int64)
+    return SiteGenotypes(genotypes, labels, tuple(classes), snps, data_file)
+
+
+def _from_npz(path: str, snp_table: str | None):
+    if not Path(path).is_file():
+        raise DataPrepError(f"{path}: no such file")
+    genotypes = open_matrix(path)
+    try:
+        with np.load(path, allow_pickle=False) as stored:
+            samples, snps = tuple(stored["samples"].tolist()), tuple(stored["snps"].tolist())
+            labels = stored["labels"] if "labels" in stored.files else None
+    except (KeyError, OSError, ValueError, zipfile.BadZipFile) as exc:
+        raise DataPrepError(f"{path}: not a harmonised genotype file ({exc})") from None
+    if snp_table is not None:
+        expected = read_snp_table(snp_table).snps
+        if snps != expected:
+            differ = next((j for j, (a, b) in enumerate(zip(snps, expected, strict=False)) if a != b), len(snps))
+            raise DataPrepError(
+                f"{path}: its SNPs are not those of {snp_table} in order ({len(snps)} vs {len(expected)} SNPs, first "
+                f"difference at column {differ + 1}); harmonise it again against this table"
+            )
+    if genotypes.shape != (len(samples), len(snps)):
+        raise DataPrepError(f"{path}: genotypes of shape {genotypes.shape} for {len(samples)} samples x {len(snps)}")
+    return genotypes, samples, snps, labels
