@@ -6,6 +6,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from aggregators.attack_adaptive import AttackAdaptive
+from aggregators.dp_fedavg import DPFedAvg
 from aggregators.fedadp import FedAdp
 from aggregators.fedatt import FedAtt
 from aggregators.fedavg import FedAvg
@@ -28,6 +29,8 @@ RULES[FedMoS.name] = FedMoS
 RULES.update({rule.name: rule for rule in (*FEDOPT_RULES, FedNova, FedAtt, FedAdp)})
 # Byzantine-robust rules.
 RULES.update({rule.name: rule for rule in (Median, TrimmedMean, Krum, AttackAdaptive)})
+# Client-level differential privacy: clipped, noised sum under FedAvg or a FedOpt server optimizer.
+RULES[DPFedAvg.name] = DPFedAvg
 
 
 def unknown_setting_problem(owner: str, given: Iterable[str], allowed: Sequence[str]) -> str | None:

@@ -101,6 +101,7 @@ def validate_spec(spec: JobSpec) -> None:
     if spec.finetune_epochs:
         _check_finetune(spec)
     _check_server_rule(spec)
+    _check_client_level_dp(spec)
     job_attack_args(spec)  # unknown attack, no malicious site, bad share: refused at build time
     _check_tracking(spec)
 
@@ -407,6 +408,27 @@ def _check_server_rule(spec: JobSpec) -> None:
         compose(build_rule(spec.server, **spec.server_args), companion_rules(spec))
     except (TypeError, ValueError) as exc:
         raise JobBuildError(f"--server-args: {exc}") from None
+
+
+def _check_client_level_dp(spec: JobSpec) -> None:
+    """DP-FedAvg (aggregators/dp_fedavg.py) protects what its noised sum releases: a companion's state built from
+    the sites' individual results, or float buffers averaged beside it, would escape the noise."""
+    if spec.server != "dp_fedavg":
+        return
+    from aggregators.dp_fedavg import FLOAT_BUFFER_ADVICE
+
+    companions = companion_rules(spec)
+    if companions:
+        raise JobBuildError(
+            f"server dp_fedavg with client '{spec.client}': its server state ({', '.join(companions)}) is built from "
+            "every site's own result, which DP-FedAvg's clipping and noise do not cover; use a client algorithm "
+            "without server state (fedavg, fedprox, moon, ...)"
+        )
+    model, local = job_model(spec), set(job_local_keys(spec))
+    trainable = {name for name, _ in model.named_parameters()}
+    buffers = [k for k, v in model.state_dict().items() if v.is_floating_point() and k not in trainable | local]
+    if buffers:
+        raise JobBuildError(f"server dp_fedavg: the model's float buffers {buffers[:3]}: {FLOAT_BUFFER_ADVICE}")
 
 
 def _check_composition(client_cls: type, rule_cls: type) -> tuple[str, ...]:

@@ -1,5 +1,5 @@
 """``python -m data_prep.genotypes harmonise``: a site's VCF/BCF/PLINK file -> the consortium's matrix (``.npz``) and a
-JSON report.
+JSON report; ``python -m data_prep.genotypes qc-job``: export the federated QC job (``federated_qc``).
 
 ``OUT.npz`` holds ``genotypes`` (int8, people x table SNPs, copies of the table's alt allele, 3 = missing or
 unusable), ``samples`` (file order), ``snps`` (table order), ``status`` (each SNP's alignment) and, with ``--labels``,
@@ -39,11 +39,19 @@ def build_parser() -> argparse.ArgumentParser:
     harmonise.add_argument("--report", type=Path, default=None, help="the JSON report to write")
     harmonise.add_argument("--labels", default=None, help="CSV with a 'sample' column and the label column")
     harmonise.add_argument("--label-column", default="population")
+    qc_job = commands.add_parser("qc-job", help="export the federated QC job (data_prep.genotypes.federated_qc)")
+    qc_job.add_argument("--output-dir", required=True, type=Path)
+    qc_job.add_argument("--name", default="genotype_qc")
+    qc_job.add_argument("--num-sites", type=int, default=3, help="sites the server waits for")
+    qc_job.add_argument("--min-call-rate", type=float, default=0.95)
+    qc_job.add_argument("--min-maf", type=float, default=0.01)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "qc-job":
+        return _qc_job(args)
     try:
         result = harmonise_file(args.genotypes, read_snp_table(args.snp_table))
         labels = read_labels(args.labels, args.label_column, result.samples) if args.labels else None
@@ -56,6 +64,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     usable = sum(counts["alignment"][s] for s in USABLE)
     print(f"wrote {args.out}: {len(result.samples)} people x {len(result.snps)} table SNPs ({usable} usable)")
+    return 0
+
+
+def _qc_job(args: argparse.Namespace) -> int:
+    from data_prep.genotypes.federated_qc import export_qc_job
+    from data_prep.genotypes.qc import QcThresholds
+
+    try:
+        job = export_qc_job(args.output_dir, QcThresholds(args.min_call_rate, args.min_maf), args.num_sites, args.name)
+    except DataPrepError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {job}: run it with nvflare simulator {job} -w <workspace> -n {args.num_sites}")
     return 0
 
 

@@ -23,7 +23,15 @@ from data_prep.genotypes.formats import FORMATS
 from data_prep.genotypes.harmonise import harmonise_file, read_snp_table
 from data_prep.genotypes.loader import open_matrix
 
-__all__ = ["GENOTYPES_ENV", "LABELS_ENV", "SNP_TABLE_ENV", "SiteGenotypes", "is_genotype_input", "site_genotypes"]
+__all__ = [
+    "GENOTYPES_ENV",
+    "LABELS_ENV",
+    "SNP_TABLE_ENV",
+    "SiteGenotypes",
+    "is_genotype_input",
+    "load_harmonised",
+    "site_genotypes",
+]
 
 GENOTYPES_ENV, SNP_TABLE_ENV, LABELS_ENV = "FEDALG_SITE_GENOTYPES", "FEDALG_SNP_TABLE", "FEDALG_SITE_LABELS"
 
@@ -59,13 +67,7 @@ def site_genotypes(
 ) -> SiteGenotypes:
     """The site's harmonised genotypes and labels (module docstring); errors name the site."""
     try:
-        if data_file.lower().endswith(".npz"):
-            genotypes, samples, snps, stored = _from_npz(data_file, snp_table)
-        else:
-            if snp_table is None:
-                raise DataPrepError(f"{data_file}: harmonising a genotype file needs the consortium's SNP table")
-            result = harmonise_file(data_file, read_snp_table(snp_table))
-            genotypes, samples, snps, stored = result.genotypes, result.samples, result.snps, None
+        genotypes, samples, snps, stored = load_harmonised(data_file, snp_table)
         if labels_file:
             raw = read_labels(labels_file, label_column, samples)
         elif stored is not None:
@@ -81,6 +83,18 @@ def site_genotypes(
         raise DataPrepError(f"{site}: labels {unknown[:5]} are not among the classes {list(classes)}")
     labels = np.array([list(classes).index(v) for v in raw.tolist()], dtype=np.int64)
     return SiteGenotypes(genotypes, labels, tuple(classes), snps, data_file)
+
+
+def load_harmonised(
+    data_file: str, snp_table: str | None
+) -> tuple[np.ndarray, tuple[str, ...], tuple[str, ...], np.ndarray | None]:
+    """(int8 genotypes, samples, table SNPs, stored labels or None) of a genotype file or harmonised ``.npz``."""
+    if data_file.lower().endswith(".npz"):
+        return _from_npz(data_file, snp_table)
+    if snp_table is None:
+        raise DataPrepError(f"{data_file}: harmonising a genotype file needs the consortium's SNP table")
+    result = harmonise_file(data_file, read_snp_table(snp_table))
+    return result.genotypes, result.samples, result.snps, None
 
 
 def _from_npz(path: str, snp_table: str | None):

@@ -43,11 +43,14 @@ META_FOR_KEY: dict[str, Callable[[dict[str, np.ndarray]], object]] = {
     meta_keys.FEDDYN_PARAM_KEYS: lambda y: list(TRAINABLE),
 }
 #: Arguments a rule cannot be built without.
-ARGS = {"attack_adaptive": {"allow_random_attention": True}}  # the shipped network fits LeNet-5 only
+ARGS = {
+    "attack_adaptive": {"allow_random_attention": True},  # the shipped network fits LeNet-5 only
+    "dp_fedavg": {"seed": 0},  # unset, every run draws its own secret noise: two runs could not be compared
+}
 #: Settings other than the defaults under which a round that no client moved must leave the model where it is.
 UNMOVED_VARIANTS = {"fednova": {"server_momentum": 0.9}, "fedavg": {"server_lr": 0.7}, "scaffold": {"server_lr": 0.7}}
-#: FedAtt adds Gaussian noise on purpose; without it, it too must leave an unmoved model where it is.
-QUIET = {"fedatt": {"noise": 0.0}}
+#: FedAtt and DP-FedAvg add Gaussian noise on purpose; without it, it too must leave an unmoved model where it is.
+QUIET = {"fedatt": {"noise": 0.0}, "dp_fedavg": {"noise_multiplier": 0.0}}
 
 
 def rule_names() -> list[str]:

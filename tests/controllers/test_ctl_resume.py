@@ -140,6 +140,7 @@ def _assert_identical(a, b, where="state"):
 NEEDS = {
     "attack_adaptive": {"rule_args": {"allow_random_attention": True}},  # the shipped network fits LeNet-5 only
     "krum": {"clients_per_round": None, "rule_args": {"num_byzantine": 0}},  # n - f - 2 >= 1 with three sites
+    "dp_fedavg": {"rule_args": {"seed": 0}},  # unset, each run draws its own secret noise and site sample
 }
 #: Settings other than the defaults whose state must survive a resume as well.
 VARIANTS = {

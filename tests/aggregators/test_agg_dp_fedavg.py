@@ -1,0 +1,245 @@
+"""DP-FedAvg (aggregators/dp_fedavg.py): clipping, noise, the adaptive clip norm, the accountant, the server
+optimizers it composes with, and what it refuses (at construction and when the job is built)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from aggregators import RULES, AggregationError, ClientUpdate, RoundContext, build_rule, meta_keys
+from aggregators.dp_fedavg import (
+    CLIP_NORM,
+    EPSILON,
+    ORDERS,
+    SAMPLING_RATE,
+    SERVER_OPTIMIZERS,
+    dp_fedavg_epsilon,
+    rdp_epsilon,
+    sampled_gaussian_rdp,
+    update_noise_multiplier,
+)
+
+X = {"w": np.array([1.0, -2.0, 0.5], np.float32), "b": np.array([0.25], np.float32)}
+KEYS = ["w", "b"]
+
+
+def site_update(site: str, delta: dict[str, list[float]], samples: int = 10, base=X) -> ClientUpdate:
+    params = {k: (base[k] + np.asarray(delta[k], np.float32)).astype(np.float32) for k in KEYS}
+    return ClientUpdate(site=site, params=params, num_samples=samples, meta={meta_keys.PARAM_KEYS: KEYS})
+
+
+def context(round_num: int = 0, sites: int = 3) -> RoundContext:
+    return RoundContext(round_num=round_num, num_rounds=10, population=tuple(f"site-{i + 1}" for i in range(sites)))
+
+
+def dp(**settings):
+    return build_rule("dp_fedavg", **{"seed": 0, **settings})
+
+
+def run(rule, updates, round_num=0, state=None, params=X, sites=3):
+    state = rule.init_state(params) if state is None else state
+    return rule.aggregate(params, updates, state, context(round_num, sites))
+
+
+# -- clipping and the mean ------------------------------------------------------------------------------------------
+def test_each_update_is_clipped_to_s_over_all_its_entries_and_the_sum_divided_by_m():
+    # ||Delta_1|| = 5 (3, 0, 0 | 4) is clipped to S = 1: (0.6, 0, 0 | 0.8); ||Delta_2|| = 0.5 stays.
+    updates = [site_update("site-1", {"w": [3, 0, 0], "b": [4]}), site_update("site-2", {"w": [0, 0.5, 0], "b": [0]})]
+    rule = dp(noise_multiplier=0.0, clip_norm=1.0, adaptive=False)
+    result = run(rule, updates).params
+    np.testing.assert_allclose(result["w"], X["w"] + np.array([0.6, 0.5, 0]) / 2, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(result["b"], X["b"] + np.array([0.8]) / 2, atol=1e-6, rtol=0)
+    # m = expected_sites divides the sum, whoever reported.
+    fixed = run(dp(noise_multiplier=0.0, clip_norm=1.0, adaptive=False, expected_sites=4), updates).params
+    np.testing.assert_allclose(fixed["w"], X["w"] + np.array([0.6, 0.5, 0]) / 4, atol=1e-6, rtol=0)
+
+
+def test_without_noise_and_clipping_it_is_fedavg_and_under_fedadam_the_uniform_fedadam():
+    rng = np.random.default_rng(3)
+    deltas = [{k: rng.normal(size=X[k].shape) for k in KEYS} for _ in range(3)]
+    updates = [site_update(f"site-{i + 1}", d, samples=20) for i, d in enumerate(deltas)]
+    plain = dp(noise_multiplier=0.0, clip_norm=None, adaptive=False)
+    expected = build_rule("fedavg").aggregate(X, updates, {}, context()).params
+    for key in KEYS:
+        np.testing.assert_allclose(run(plain, updates).params[key], expected[key], atol=1e-6, rtol=0)
+    adam = dp(noise_multiplier=0.0, clip_norm=None, adaptive=False, server_optimizer="fedadam")
+    reference = build_rule("fedadam", weighting="uniform")
+    params, state, ref_params, ref_state = X, adam.init_state(X), X, reference.init_state(X)
+    for round_num in range(3):  # the optimizer's moments carry over from round to round
+        moved = [site_update(u.site, {k: u.params[k] - X[k] for k in KEYS}, base=params) for u in updates]
+        ref_moved = [site_update(u.site, {k: u.params[k] - X[k] for k in KEYS}, base=ref_params) for u in updates]
+        result = adam.aggregate(params, moved, state, context(round_num))
+        ref = reference.aggregate(ref_params, ref_moved, ref_state, context(round_num))
+        params, state, ref_params, ref_state = result.params, result.state, ref.params, ref.state
+    assert state["optimizer"]["step"] == 3
+    for key in KEYS:
+        np.testing.assert_allclose(params[key], ref_params[key], atol=1e-6, rtol=0)
+
+
+def test_buffers_keep_the_global_value():
+    base = {**X, "bn.running_mean": np.array([0.5, 1.5], np.float32), "bn.num_batches_tracked": np.array(3)}
+    updates = []
+    for i in range(2):
+        params = {k: v + (1 + i) for k, v in base.items()}
+        updates.append(ClientUpdate(f"site-{i + 1}", params, 10, {meta_keys.PARAM_KEYS: KEYS}))
+    result = run(dp(noise_multiplier=0.0, clip_norm=None, adaptive=False), updates, params=base).params
+    assert np.array_equal(result["bn.running_mean"], base["bn.running_mean"])
+    assert np.array_equal(result["bn.num_batches_tracked"], base["bn.num_batches_tracked"])
+    np.testing.assert_allclose(result["w"], X["w"] + 1.5, atol=1e-6, rtol=0)
+
+
+# -- noise ----------------------------------------------------------------------------------------------------------
+def test_the_noise_on_the_mean_has_std_z_s_over_m():
+    big = {"w": np.zeros(200_000, np.float32)}
+    updates = [ClientUpdate(f"site-{i}", {"w": big["w"].copy()}, 10, {meta_keys.PARAM_KEYS: ["w"]}) for i in range(4)]
+    rule = dp(noise_multiplier=1.3, clip_norm=0.5, adaptive=False)
+    moved = rule.aggregate(big, updates, rule.init_state(big), context(0, 8)).params["w"].astype(np.float64)
+    assert abs(moved.mean()) < 4 * 1.3 * 0.5 / 4 / math.sqrt(moved.size)
+    assert moved.std() == pytest.approx(1.3 * 0.5 / 4, rel=0.01)
+
+
+def test_the_noise_repeats_with_the_seed_and_is_secret_without_one():
+    updates = [site_update(f"site-{i + 1}", {"w": [0.1 * i, 0, 0], "b": [0]}) for i in range(3)]
+    first, again = run(dp(), updates).params, run(dp(), updates).params
+    assert all(np.array_equal(first[k], again[k]) for k in KEYS)
+    secret = build_rule("dp_fedavg")
+    state_a, state_b = secret.init_state(X), secret.init_state(X)
+    assert state_a["seed"] != state_b["seed"]  # drawn from the OS per run, then kept in the (checkpointed) state
+    resumed = [secret.aggregate(X, updates, state_a, context()).params for _ in range(2)]
+    assert all(np.array_equal(resumed[0][k], resumed[1][k]) for k in KEYS)
+
+
+# -- adaptive clipping ----------------------------------------------------------------------------------------------
+def test_the_adaptive_clip_norm_moves_geometrically_towards_the_target_quantile():
+    # Norms 0.5, 2, 3 against S = 1: one of three unclipped, b = 1/3; S' = exp(-0.2 (1/3 - 0.5)).
+    updates = [
+        site_update("site-1", {"w": [0.5, 0, 0], "b": [0]}),
+        site_update("site-2", {"w": [0, 2, 0], "b": [0]}),
+        site_update("site-3", {"w": [0, 0, 3], "b": [0]}),
+    ]
+    rule = dp(noise_multiplier=0.0, clip_norm=1.0, clip_count_stddev=0.0, clip_lr=0.2, target_quantile=0.5)
+    result = run(rule, updates)
+    assert result.state["clip_norm"] == pytest.approx(math.exp(-0.2 * (1 / 3 - 0.5)), abs=1e-12)
+    assert rule.diagnostics(result.state)[CLIP_NORM] == pytest.approx(math.exp(0.2 / 6), abs=1e-12)
+    # The round itself used the old S = 1: (0.5, 1, 1) / 3 on the three axes.
+    np.testing.assert_allclose(result.params["w"], X["w"] + np.array([0.5, 1, 1]) / 3, atol=1e-6, rtol=0)
+
+
+def test_the_update_noise_multiplier_leaves_the_pair_at_z():
+    assert update_noise_multiplier(1.0, 1.0) == pytest.approx((1 - 1 / 4) ** -0.5, abs=1e-12)
+    assert update_noise_multiplier(2.0, 0.0) == 2.0 and update_noise_multiplier(0.0, 5.0) == 0.0
+    z, sigma_b = 0.8, 3.0  # the pair's multiplier: (z_Delta^-2 + (2 sigma_b)^-2)^(-1/2) = z
+    assert (update_noise_multiplier(z, sigma_b) ** -2 + (2 * sigma_b) ** -2) ** -0.5 == pytest.approx(z, abs=1e-12)
+
+
+def test_the_clip_count_noise_has_std_sigma_b():
+    """All four updates are zero (b_i = 1): log(S'/S) = -eta_C ((4 + noise) / 4 - gamma), so the noise is read back
+    from S' in each of 3000 independent rounds."""
+    zero = [site_update(f"site-{i}", {"w": [0, 0, 0], "b": [0]}) for i in range(4)]
+    rule = dp(noise_multiplier=1.0, clip_norm=1.0, clip_count_stddev=2.0, clip_lr=0.2, target_quantile=0.5)
+    state = rule.init_state(X)
+    noise = [
+        (0.5 - math.log(rule.aggregate(X, zero, state, context(r, 4)).state["clip_norm"]) / 0.2) * 4 - 4
+        for r in range(3000)
+    ]
+    assert np.std(noise) == pytest.approx(2.0, rel=0.05) and abs(np.mean(noise)) < 0.15
+    assert rule.count_stddev(40.0) == 2.0 and dp(noise_multiplier=1.0).count_stddev(40.0) == 2.0  # max(m/20, z)
+    assert dp(noise_multiplier=1.0).count_stddev(4.0) == 1.0 and dp(noise_multiplier=0.0).count_stddev(4.0) == 0.0
+
+
+# -- accounting -----------------------------------------------------------------------------------------------------
+def test_the_gaussian_mechanism_rdp_and_its_epsilon():
+    np.testing.assert_allclose(sampled_gaussian_rdp(1.0, 2.0, (2, 3, 10)), [2 / 8, 3 / 8, 10 / 8], atol=1e-12)
+    assert np.all(sampled_gaussian_rdp(0.0, 1.0) == 0) and np.all(np.isinf(sampled_gaussian_rdp(0.5, 0.0)))
+    # Balle et al. 2020 at one order by hand: a = 2, rdp = 1: eps = 1 + log(1/2) - (log(1e-5) + log 2).
+    assert rdp_epsilon([1.0], 1e-5, (2,)) == pytest.approx(1 + math.log(0.5) - math.log(1e-5) - math.log(2), abs=1e-12)
+    # A larger q, more rounds or less noise never lowers epsilon.
+    assert dp_fedavg_epsilon(0.1, 1.0, 10, 1e-5) < dp_fedavg_epsilon(0.2, 1.0, 10, 1e-5)
+    assert dp_fedavg_epsilon(0.1, 1.0, 10, 1e-5) < dp_fedavg_epsilon(0.1, 1.0, 20, 1e-5)
+
+
+def test_the_accountant_matches_opacus_at_the_same_orders_and_the_published_reference():
+    rdp_module = pytest.importorskip("opacus.accountants.analysis.rdp")
+    orders = list(ORDERS)
+    for q, z in ((0.01, 1.1), (0.3, 0.7), (0.05, 3.0)):
+        theirs = rdp_module.compute_rdp(q=q, noise_multiplier=z, steps=1, orders=orders)
+        np.testing.assert_allclose(sampled_gaussian_rdp(q, z), theirs, rtol=1e-9)
+        eps, _ = rdp_module.get_privacy_spent(orders=orders, rdp=theirs * 50, delta=1e-5)
+        assert dp_fedavg_epsilon(q, z, 50, 1e-5) == pytest.approx(eps, rel=1e-9)
+    # q = 0.01, z = 1.1, 1000 steps, delta = 1e-5: Opacus's fractional orders give 1.71; integers only, 1.725.
+    assert 1.71 < dp_fedavg_epsilon(0.01, 1.1, 1000, 1e-5) < 1.73
+
+
+def test_epsilon_in_the_round_diagnostics_counts_the_rounds_at_the_sampling_rate():
+    rule = dp(noise_multiplier=1.2, clip_norm=1.0)
+    population = tuple(f"site-{i}" for i in range(10))
+    state = rule.init_state(X)
+    for round_num in range(4):
+        sites, state = rule.select_sites(population, 5, state, seed=123, round_num=round_num)
+        updates = [site_update(site, {"w": [0.1, 0, 0], "b": [0]}) for site in sites]
+        state = rule.aggregate(X, updates, state, RoundContext(round_num, 10, population)).state
+    values = rule.diagnostics(state)
+    assert values[SAMPLING_RATE] == 0.5 and state["rounds"] == 4
+    assert values[EPSILON] == pytest.approx(dp_fedavg_epsilon(0.5, 1.2, 4, 1e-5), rel=1e-12)
+    assert EPSILON not in dp(noise_multiplier=0.0).diagnostics(dp(noise_multiplier=0.0).init_state(X))
+
+
+def test_the_rule_samples_the_sites_from_its_own_secret_generator():
+    rule, population = dp(), tuple(f"site-{i}" for i in range(20))
+    state = rule.init_state(X)
+    picks = [rule.select_sites(population, 4, state, seed=s, round_num=0)[0] for s in (0, 1)]
+    assert picks[0] == picks[1] and len(picks[0]) == 4 and picks[0] == sorted(picks[0])  # the job seed is ignored
+    later, new_state = rule.select_sites(population, 4, state, seed=0, round_num=1)
+    assert later != picks[0] and new_state["sampled"] == 4
+    assert rule.select_sites(population, 20, state, 0, 0)[0] == sorted(population)
+
+
+# -- refusals -------------------------------------------------------------------------------------------------------
+NOT_SUMS = ("median", "trimmed_mean", "krum", "fedatt", "fedadp", "attack_adaptive", "scaffold", "fednova")
+
+
+@pytest.mark.parametrize("inner", NOT_SUMS)
+def test_rules_that_do_not_aggregate_a_sum_are_refused_with_the_reason(inner):
+    with pytest.raises(AggregationError, match=r"server_optimizer' must be one of .*need the individual updates"):
+        build_rule("dp_fedavg", server_optimizer=inner)
+
+
+def test_the_server_optimizers_are_registered_rules_and_every_other_rule_is_refused():
+    assert set(SERVER_OPTIMIZERS) <= set(RULES)
+    assert set(RULES) - set(SERVER_OPTIMIZERS) - {"dp_fedavg"} >= set(NOT_SUMS)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"clip_norm": None}, r"'clip_norm' must be a number > 0 \(the noise is calibrated to it"),
+        ({"clip_norm": None, "noise_multiplier": 0.0}, r"'clip_norm' must be a number > 0 .*adaptive clipping"),
+        ({"noise_multiplier": 1.0, "clip_count_stddev": 0.5}, r"'clip_count_stddev' must be a number > .* = 0.5"),
+        ({"optimizer_args": {"weighting": "samples"}}, r"'optimizer_args' must be settings other than 'weighting'"),
+        ({"optimizer_args": {"beta9": 1}}, r"'optimizer_args' must be settings of fedavg"),
+        ({"server_optimizer": "fedadam", "optimizer_args": {"tau": 0.0}}, r"^fedadam: hyperparameter 'tau'"),
+    ],
+)
+def test_bad_settings_are_refused_in_one_line(settings, message):
+    with pytest.raises(AggregationError, match=message):
+        build_rule("dp_fedavg", **settings)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"client": "scaffold"}, r"dp_fedavg with client 'scaffold': its server state \(scaffold_control\)"),
+        ({"arch": "bn_cnn"}, r"float buffers \['net.bn1.running_mean'.*--local-keys batchnorm"),
+        ({"server_args": {"server_optimizer": "median"}}, r"--server-args: dp_fedavg: .*'server_optimizer'"),
+    ],
+)
+def test_the_job_builder_refuses_what_dp_fedavg_cannot_protect(values, message):
+    pytest.importorskip("torch")
+    from jobs.settings import JobBuildError
+    from jobs.spec import spec_from_values
+
+    with pytest.raises(JobBuildError, match=message):
+        spec_from_values("dp", {"server": "dp_fedavg", **values})
+    assert spec_from_values("dp", {"server": "dp_fedavg", "arch": "bn_cnn", "local_keys": "batchnorm"}).local_keys
