@@ -13,7 +13,6 @@ SNPs. Bad input stops the command with one line (file, line or record, what is w
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import sys
@@ -25,8 +24,9 @@ import numpy as np
 from data_prep.errors import DataPrepError
 from data_prep.genotypes.harmonise import USABLE, Harmonised, harmonise_file, read_snp_table
 from data_prep.genotypes.qc import genotype_counts, summary
+from data_prep.genotypes.site import read_labels
 
-__all__ = ["build_parser", "main", "read_labels", "report", "write_npz"]
+__all__ = ["build_parser", "main", "report", "write_npz"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,23 +91,6 @@ def report(result: Harmonised) -> dict[str, object]:
         "alignment": result.counts(),
         "qc": summary(genotype_counts(result.genotypes), usable),
     }
-
-
-def read_labels(path: str, column: str, samples: Sequence[str]) -> np.ndarray:
-    """Each sample's label (strings, in ``samples`` order) from a CSV with a ``sample`` column and ``column``."""
-    try:
-        with open(path, newline="") as handle:
-            rows = list(csv.DictReader(handle))
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DataPrepError(f"{path}: cannot read the labels file ({exc})") from None
-    header = list(rows[0]) if rows else []
-    if "sample" not in header or column not in header:
-        raise DataPrepError(f"{path}: line 1: the labels file needs columns 'sample' and {column!r}, got {header}")
-    by_sample = {row["sample"]: row[column] for row in rows}
-    missing = [s for s in samples if s not in by_sample]
-    if missing:
-        raise DataPrepError(f"{path}: no label for sample(s) {missing[:5]} of the genotype file")
-    return np.array([by_sample[s] for s in samples])
 
 
 def write_npz(path: Path, result: Harmonised, labels: np.ndarray | None = None) -> Path:

@@ -10,6 +10,7 @@ to harmonise a raw file; optional for an ``.npz``, which then must hold exactly 
 
 from __future__ import annotations
 
+import csv
 import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -18,7 +19,6 @@ from pathlib import Path
 import numpy as np
 
 from data_prep.errors import DataPrepError
-from data_prep.genotypes.cli import read_labels
 from data_prep.genotypes.formats import FORMATS
 from data_prep.genotypes.harmonise import harmonise_file, read_snp_table
 from data_prep.genotypes.loader import open_matrix
@@ -30,6 +30,7 @@ __all__ = [
     "SiteGenotypes",
     "is_genotype_input",
     "load_harmonised",
+    "read_labels",
     "site_genotypes",
 ]
 
@@ -83,6 +84,23 @@ def site_genotypes(
         raise DataPrepError(f"{site}: labels {unknown[:5]} are not among the classes {list(classes)}")
     labels = np.array([list(classes).index(v) for v in raw.tolist()], dtype=np.int64)
     return SiteGenotypes(genotypes, labels, tuple(classes), snps, data_file)
+
+
+def read_labels(path: str, column: str, samples: Sequence[str]) -> np.ndarray:
+    """Each sample's label (strings, in ``samples`` order) from a CSV with a ``sample`` column and ``column``."""
+    try:
+        with open(path, newline="") as handle:
+            rows = list(csv.DictReader(handle))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataPrepError(f"{path}: cannot read the labels file ({exc})") from None
+    header = list(rows[0]) if rows else []
+    if "sample" not in header or column not in header:
+        raise DataPrepError(f"{path}: line 1: the labels file needs columns 'sample' and {column!r}, got {header}")
+    by_sample = {row["sample"]: row[column] for row in rows}
+    missing = [s for s in samples if s not in by_sample]
+    if missing:
+        raise DataPrepError(f"{path}: no label for sample(s) {missing[:5]} of the genotype file")
+    return np.array([by_sample[s] for s in samples])
 
 
 def load_harmonised(
