@@ -95,6 +95,10 @@ class Protocol:
     #: The local optimizer for every algorithm of the grid; None keeps each algorithm's own (its preset's).
     momentum: float | None = None
     weight_decay: float | None = None
+    #: Share of every site's shard held out as its validation split; > 0 makes it a personalization grid: its
+    #: algorithms are PERSONALIZATION_METHODS plus the local-only baseline, scored per site
+    #: (benchmarks/personalization.py).
+    site_val_fraction: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,18 @@ NIID_BENCH = Protocol(
     weight_decay=1e-5,
 )
 
+#: Personalization methods (docs/personalization.md) by label: JobSpec settings over plain FedAvg on the grid's model;
+#: the grid adds the local-only baseline (benchmarks.personalization.LOCAL). FedBN needs BatchNorm, so its cells run
+#: the built-in bn_cnn (LeNet-5 with a BatchNorm after each convolution) whatever the protocol's model.
+PERSONALIZATION_METHODS: dict[str, dict[str, Any]] = {
+    "fedavg": {},
+    "finetune": {"finetune_epochs": 1},
+    "fedper": {"local_keys": "net.classifier.*"},
+    "fedbn": {"arch": "bn_cnn", "local_keys": "batchnorm"},
+    "fedrep": {"client": "fedrep", "client_args": {"head_epochs": 1}},
+    "ditto": {"client": "ditto", "client_args": {"lam": 0.1}},
+}
+
 GRIDS = {
     "headline": lambda: Grid(_all_algorithms(), ("dir0.1", "C2"), (1.0, 0.5), (0, 1, 2), Protocol()),
     "niid_bench": lambda: Grid(
@@ -135,6 +151,29 @@ GRIDS = {
         (1.0,),
         (42,),
         NIID_BENCH,
+    ),
+    # Does each site gain from joining (issue 25): the reduced protocol of benchmarks/results/personalization.md.
+    "personalization": lambda: Grid(
+        (*PERSONALIZATION_METHODS, "local"),
+        ("dir0.1", "C2"),
+        (1.0,),
+        (0, 1, 2),
+        Protocol(rounds=20, max_train_samples=6000, test_samples=1000, site_val_fraction=0.2),
+    ),
+    "personalization_smoke": lambda: Grid(
+        ("fedavg", "finetune", "fedper", "ditto", "local"),
+        ("dir0.1",),
+        (1.0,),
+        (0, 1),
+        Protocol(
+            dataset="digits",
+            arch="mlp",
+            num_sites=3,
+            rounds=2,
+            max_train_samples=300,
+            test_samples=200,
+            site_val_fraction=0.2,
+        ),
     ),
     "smoke": lambda: Grid(
         ("fedavg", "scaffold"),
@@ -158,10 +197,18 @@ class Cell:
         return f"{self.algorithm}__{self.partition}__p{self.participation:g}__s{self.seed}"
 
 
-def algorithm_settings(algorithm: str) -> dict[str, Any]:
-    """The JobSpec fields that make ``algorithm`` (a preset name or one of :data:`EXTRA_ALGORITHMS`)."""
+def algorithm_settings(algorithm: str, protocol: Protocol | None = None) -> dict[str, Any]:
+    """The JobSpec fields that make ``algorithm`` (a preset name or one of :data:`EXTRA_ALGORITHMS`; in a
+    personalization grid one of :data:`PERSONALIZATION_METHODS` or ``local``, which runs FedAvg's settings)."""
     from jobs.presets import PRESETS
 
+    if protocol is not None and protocol.site_val_fraction:
+        if algorithm == "local":
+            return {}
+        if algorithm not in PERSONALIZATION_METHODS:
+            known = [*PERSONALIZATION_METHODS, "local"]
+            raise SystemExit(f"error: unknown personalization method {algorithm!r}; choose from {known}")
+        return dict(PERSONALIZATION_METHODS[algorithm])
     if algorithm in EXTRA_ALGORITHMS:
         return dict(EXTRA_ALGORITHMS[algorithm])
     if algorithm not in PRESETS:
@@ -175,14 +222,14 @@ def cell_spec(cell: Cell, protocol: Protocol) -> Any:
     """The job of one cell: the algorithm's settings on the grid's data, model and protocol."""
     from jobs.spec import JobSpec
 
-    settings = algorithm_settings(cell.algorithm)
+    settings = algorithm_settings(cell.algorithm, protocol)
     if cell.algorithm == "attack_adaptive" and protocol.arch != "lenet5":
         raise SystemExit("error: attack_adaptive ships an attention checkpoint for lenet5 only")
     participation = None if cell.participation >= 1 else cell.participation
     for name in ("momentum", "weight_decay"):
         if getattr(protocol, name) is not None:
             settings[name] = getattr(protocol, name)
-    return JobSpec(
+    fields = dict(
         name=cell.key,
         dataset=protocol.dataset,
         arch=protocol.arch,
@@ -195,9 +242,10 @@ def cell_spec(cell: Cell, protocol: Protocol) -> Any:
         lr=protocol.lr,
         seed=cell.seed,
         clients_per_round=participation,
+        site_val_fraction=protocol.site_val_fraction,
         **PARTITIONS[cell.partition],
-        **settings,
     )
+    return JobSpec(**{**fields, **settings})  # an algorithm's own model (FedBN's bn_cnn) over the protocol's
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -246,6 +294,8 @@ def run_cell(cell: Cell, protocol: Protocol, threads: int) -> dict[str, Any]:
 
     torch.set_num_threads(threads)
     spec = cell_spec(cell, protocol)
+    if protocol.site_val_fraction and cell.algorithm == "local":
+        return local_only_cell(cell, protocol, spec)
     counters: list[CountingTransport] = []
 
     def wrap(transport: Any) -> CountingTransport:
@@ -256,13 +306,40 @@ def run_cell(cell: Cell, protocol: Protocol, threads: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="fedalg_compare_") as state_root, quiet_lightning():
         run = run_in_process(spec, Path(state_root), run_id=cell.key, wrap_transport=wrap)
         state_bytes = sum(p.stat().st_size for p in Path(state_root).rglob("*") if p.is_file())
-    require_rounds(run.rounds, protocol.rounds)
+        require_rounds(run.rounds, protocol.rounds)
+        scores = personal_site_scores(spec, Path(state_root), run.params) if protocol.site_val_fraction else {}
     return {
         "cell": asdict(cell),
         "protocol": asdict(protocol),
         "records": run.records,
         "traffic": counters[0].rounds,
         "client_state_bytes_per_site": state_bytes / protocol.num_sites,
+        "wall_s": time.monotonic() - started,
+        **scores,
+    }
+
+
+def personal_site_scores(spec: Any, state_root: Path, final: Any) -> dict[str, Any]:
+    """A personalization cell's per-site scores of the final global and the personalized model."""
+    from benchmarks.personalization import site_scores
+
+    scores = site_scores(spec, state_root, final)
+    return {"site_global": scores["global"], "site_personal": scores["personal"]}
+
+
+def local_only_cell(cell: Cell, protocol: Protocol, spec: Any) -> dict[str, Any]:
+    """The local-only baseline of a personalization grid: every site alone for the federation's total local epochs
+    (benchmarks.personalization.local_only_scores); no federation, no round records."""
+    from benchmarks.personalization import local_only_scores
+    from controllers.in_process import quiet_lightning
+
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="fedalg_local_") as state_root, quiet_lightning():
+        scores = local_only_scores(spec, Path(state_root))
+    return {
+        "cell": asdict(cell),
+        "protocol": asdict(protocol),
+        "site_personal": scores,
         "wall_s": time.monotonic() - started,
     }
 
@@ -589,6 +666,11 @@ def _optimizer_note(protocol: Protocol) -> str:
 
 
 def write_report(out: Path, command: str) -> Path:
+    saved = json.loads((out / "protocol.json").read_text()) if (out / "protocol.json").exists() else {}
+    if saved.get("site_val_fraction"):
+        from benchmarks.personalization import write_folder_report
+
+        return write_folder_report(out, command, PERSONALIZATION_METHODS, saved["dataset"])
     groups = load_cells(out)
     if not groups:
         raise SystemExit(f"error: no finished cells in {out / 'cells'}")

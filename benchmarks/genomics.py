@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.compare import finish, require_rounds, run_cells, same_protocol
+from benchmarks.compare import finish, personal_site_scores, require_rounds, run_cells, same_protocol
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 MODEL, DATA = "genomics.model:SnpClassifier", "genomics.data:SnpSites"
@@ -61,6 +61,17 @@ ALGORITHMS: dict[str, dict[str, Any]] = {
     "scaffold_sgd": {"client": "scaffold", "server": "scaffold", "model": {"optimizer": "sgd"}},
 }
 BASELINES = ("local", "pooled")
+#: Personalization methods (docs/personalization.md; ``--grid personalization``) over FedAvg's settings; their cells
+#: also score each site's personalized model (benchmarks/personalization.py). The model has no BatchNorm (LayerNorm
+#: only), so FedBN has nothing to keep; Ditto's personal step is plain SGD, so it gets its own step size (snp_ditto's).
+PERSONALIZATION: dict[str, dict[str, Any]] = {
+    "finetune": {"finetune_epochs": 1},
+    "fedper": {"local_keys": "net.head.*"},  # SnpNet's last layer
+    "fedrep": {"client": "fedrep", "client_args": {"head_epochs": 1}, "local_keys": "net.head.*"},
+    "ditto": {"client": "ditto", "client_args": {"lam": 0.1, "personal_lr": 0.01}},
+}
+#: The personalization grid's methods; ``local`` is the baseline above, every site alone.
+PERSONALIZATION_GRID = ("fedavg", *PERSONALIZATION, "local")
 
 
 @dataclass(frozen=True)
@@ -103,6 +114,13 @@ GRIDS = {
         (0, 1, 2),
         Protocol(source=source, num_sites=5 if source == "1kg" else 4),
     ),
+    # Does each site gain from joining (issue 25): benchmarks/results/personalization.md.
+    "personalization": lambda source: (
+        PERSONALIZATION_GRID,
+        ("iid", "dir0.1", "population"),
+        (0, 1, 2),
+        Protocol(source=source, num_sites=5 if source == "1kg" else 4),
+    ),
     "smoke": lambda source: (
         ("fedavg", "scaffold", "local", "pooled"),
         ("dir0.1",),
@@ -119,11 +137,15 @@ def model_args(protocol: Protocol, algorithm: str, seed: int) -> dict[str, Any]:
         "num_classes": protocol.num_classes,
         "lr": protocol.lr,
         "seed": seed,
-        **ALGORITHMS.get(algorithm, {}).get("model", {}),
+        **_settings(algorithm).get("model", {}),
     }
     if args.get("optimizer") == "sgd":
         args["lr"] = protocol.sgd_lr
     return args
+
+
+def _settings(algorithm: str) -> dict[str, Any]:
+    return {**ALGORITHMS, **PERSONALIZATION}.get(algorithm, {})
 
 
 def data_args(protocol: Protocol, split: str, seed: int) -> dict[str, Any]:
@@ -143,7 +165,7 @@ def cell_spec(cell: Cell, protocol: Protocol) -> Any:
     from jobs.spec import JobSpec
 
     examples_importable()
-    settings = {k: v for k, v in ALGORITHMS[cell.algorithm].items() if k != "model"}
+    settings = {k: v for k, v in _settings(cell.algorithm).items() if k != "model"}
     return JobSpec(
         name=cell.key,
         num_sites=protocol.num_sites,
@@ -173,10 +195,14 @@ def run_cell(cell: Cell, protocol: Protocol, threads: int) -> dict[str, Any]:
 def _federated(cell: Cell, protocol: Protocol) -> dict[str, Any]:
     from controllers.in_process import quiet_lightning, run_in_process
 
+    spec = cell_spec(cell, protocol)
     with tempfile.TemporaryDirectory(prefix="fedalg_genomics_") as state_root, quiet_lightning():
-        run = run_in_process(cell_spec(cell, protocol), Path(state_root), run_id=cell.key)
+        run = run_in_process(spec, Path(state_root), run_id=cell.key)
+        require_rounds(run.rounds, protocol.rounds)
+        personal = (
+            personal_site_scores(spec, Path(state_root), run.params) if cell.algorithm in PERSONALIZATION_GRID else {}
+        )
     rounds = run.rounds
-    require_rounds(rounds, protocol.rounds)
     curve = [r.get("site_eval", {}).get("val_accuracy", {}).get("mean", float("nan")) for r in rounds]
     final = {site: scores["val_accuracy"] for site, scores in run.final_site_scores.items()}
     module = _module(protocol, cell.algorithm, cell.seed)
@@ -187,6 +213,8 @@ def _federated(cell: Cell, protocol: Protocol) -> dict[str, Any]:
         "test_accuracy": _test_accuracy(module, cell, protocol),
         "control_global_norm": [r.get("rule_diagnostics", {}).get("scaffold.ctrl.global_norm") for r in rounds],
         "control_diff_norm": [_mean_site_meta(r, "scaffold.ctrl.diff_norm") for r in rounds],
+        "control_local_norm": [_site_meta(r, "scaffold.ctrl.local_norm") for r in rounds],  # runaway check per site
+        **personal,
     }
 
 
@@ -211,7 +239,8 @@ def _baseline(cell: Cell, protocol: Protocol) -> dict[str, Any]:
             module = _train(protocol, cell, DataLoader(pooled, batch_size=protocol.batch_size, shuffle=True))
             scores = {name: _accuracy(module, data.val) for name, data in sites.items()}
             tests.append(_test_accuracy(module, cell, protocol))
-    return {"site_val_accuracy": scores, "test_accuracy": float(np.mean(tests))}
+    local_only = {"site_personal": scores} if cell.algorithm == "local" else {}  # the personalization baseline
+    return {"site_val_accuracy": scores, "test_accuracy": float(np.mean(tests)), **local_only}
 
 
 def _train(protocol: Protocol, cell: Cell, loader: Any) -> Any:
@@ -279,8 +308,12 @@ def _weighted_mean(values: Mapping[str, float], weights: Mapping[str, int]) -> f
     return float(sum(values[s] * weights[s] for s in values) / total) if total else float("nan")
 
 
+def _site_meta(record: Mapping[str, Any], key: str) -> dict[str, float]:
+    return {site: float(meta[key]) for site, meta in sorted(record.get("site_meta", {}).items()) if key in meta}
+
+
 def _mean_site_meta(record: Mapping[str, Any], key: str) -> float | None:
-    values = [meta[key] for meta in record.get("site_meta", {}).values() if key in meta]
+    values = list(_site_meta(record, key).values())
     return float(np.mean(values)) if values else None
 
 
@@ -474,7 +507,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--source", choices=("1kg", "sim"), default="1kg", help="genotype source (default: 1kg)")
     parser.add_argument("--grid", choices=sorted(GRIDS), default="table", help="which grid (default: table)")
     parser.add_argument("--out", type=Path, required=True, help="folder for cells/, report.md and the plots")
-    parser.add_argument("--algorithms", nargs="+", choices=[*ALGORITHMS, *BASELINES], help="run only these")
+    parser.add_argument(
+        "--algorithms", nargs="+", choices=[*ALGORITHMS, *PERSONALIZATION, *BASELINES], help="run only these"
+    )
     parser.add_argument("--splits", nargs="+", choices=sorted(SPLITS), help="override the splits")
     parser.add_argument("--seeds", type=int, help="number of seeds (0 .. n-1)")
     parser.add_argument("--arch", choices=("mlp", "cnn_transformer"), help="override the model")
@@ -503,7 +538,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         (args.out / "cells").mkdir(parents=True, exist_ok=True)
         same_protocol(args.out / "protocol.json", protocol)
         failed = run_cells(cells, functools.partial(run_cell, protocol=protocol), args.out / "cells", args.workers)
-    return finish(write_report, args.out, "benchmarks.genomics", argv, failed)
+    return finish(report_writer(args.grid, protocol), args.out, "benchmarks.genomics", argv, failed)
+
+
+def report_writer(grid: str, protocol: Protocol) -> Any:
+    """The personalization grid's report (benchmarks/personalization.py), or the genomics table's."""
+    if grid != "personalization":
+        return write_report
+    from benchmarks.personalization import write_folder_report
+
+    title = "1000 Genomes" if protocol.source == "1kg" else "simulated cohort"
+    return functools.partial(
+        write_folder_report, methods={"fedavg": {}, **PERSONALIZATION}, dataset=f"genomics ({title})"
+    )
 
 
 if __name__ == "__main__":

@@ -195,3 +195,143 @@ def test_some_failed_rounds_are_not_an_incomplete_federation():
     compare.require_rounds(rounds, 2)
     with pytest.raises(compare.IncompleteFederation, match=r"^no round updated the global model \(last failure: every"):
         compare.require_rounds(rounds[:1], 1)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Personalization grid (benchmarks/personalization.py): does each site gain from joining?
+# --------------------------------------------------------------------------------------------------------------------
+def test_every_cell_of_the_personalization_grid_is_a_valid_job():
+    grid = compare.GRIDS["personalization"]()
+    assert set(grid.algorithms) == {"fedavg", "finetune", "fedper", "fedbn", "fedrep", "ditto", "local"}
+    assert len(grid.seeds) == 3 and set(grid.partitions) == {"dir0.1", "C2"}
+    specs = {a: compare.cell_spec(compare.Cell(a, "C2", 1.0, 0), grid.protocol) for a in grid.algorithms}
+    assert all(spec.site_val_fraction == grid.protocol.site_val_fraction > 0 for spec in specs.values())
+    assert specs["fedbn"].arch == "bn_cnn" and "bn" in specs["fedbn"].local_keys  # FedBN's own model
+    assert (
+        specs["fedper"].arch == "lenet5" and specs["fedper"].local_keys == "net.classifier.bias,net.classifier.weight"
+    )
+    assert specs["finetune"].finetune_epochs == 1 and specs["ditto"].client == "ditto"
+    assert specs["local"] == dataclasses.replace(specs["fedavg"], name=specs["local"].name)  # FedAvg's sites alone
+    with pytest.raises(SystemExit, match="unknown personalization method 'scaffold'"):
+        compare.cell_spec(compare.Cell("scaffold", "C2", 1.0, 0), grid.protocol)
+
+
+def test_a_site_gains_ties_or_loses_by_its_paired_difference_against_its_seed_spread():
+    from benchmarks import personalization as p
+
+    personal = {0: {"a": 0.9, "b": 0.5, "c": 0.1}, 1: {"a": 0.8, "b": 0.6, "c": 0.2}, 2: {"a": 0.7, "b": 0.7, "c": 0.0}}
+    local = {s: {"a": 0.6, "b": 0.6, "c": 0.6} for s in (0, 1, 2)}
+    differences = p.site_differences(personal, local)
+    assert differences["a"] == pytest.approx((0.2, 0.1), abs=1e-9)  # 0.3, 0.2, 0.1
+    assert differences["b"] == pytest.approx((0.0, 0.1), abs=1e-9)  # -0.1, 0, 0.1
+    assert differences["c"] == pytest.approx((-0.5, 0.1), abs=1e-9)  # -0.5, -0.4, -0.6
+    assert p.gain_tie_lose(differences) == (1, 1, 1)
+    assert [p.verdict(*d) for d in ((0.1, 0.1), (0.1 + 1e-9, 0.1), (-0.1 - 1e-9, 0.1), (0.0, 0.0))] == [
+        "tie",
+        "gain",
+        "lose",
+        "tie",
+    ]
+    # Seeds only one side ran are left out; a site one seed lacks is left out.
+    assert set(p.site_differences({**personal, 3: {"a": 1.0}}, {**local, 4: {"a": 0.0}})) == {"a", "b", "c"}
+
+
+def test_mean_and_worst_site_are_per_seed_first_then_mean_and_sd_over_seeds():
+    from benchmarks import personalization as p
+
+    (mean, mean_sd), (worst, worst_sd) = p.site_mean_and_worst({0: {"a": 0.9, "b": 0.5}, 1: {"a": 0.7, "b": 0.3}})
+    assert (mean, worst) == pytest.approx((0.6, 0.4), abs=1e-12)
+    assert mean_sd == pytest.approx(0.02**0.5, abs=1e-12) and worst_sd == pytest.approx(0.02**0.5, abs=1e-12)
+    assert p.site_mean_and_worst({0: {"a": 0.5}})[0] == (0.5, 0.0)  # one seed: no spread
+
+
+def _scores(global_: dict[str, float] | None, personal: dict[str, float]) -> dict[str, dict[str, float]]:
+    return {"global": global_ or {}, "personal": personal}
+
+
+def _setting() -> dict[str, dict[int, dict[str, dict[str, float]]]]:
+    """Two sites, two seeds: FedAvg's global model serves site b badly, fine-tuning fixes it; local-only between."""
+    glob = {0: {"a": 0.9, "b": 0.3}, 1: {"a": 0.9, "b": 0.1}}
+    return {
+        "local": {0: _scores(None, {"a": 0.8, "b": 0.8}), 1: _scores(None, {"a": 0.8, "b": 0.6})},
+        "fedavg": {seed: _scores(glob[seed], glob[seed]) for seed in (0, 1)},
+        "finetune": {0: _scores(glob[0], {"a": 0.95, "b": 0.85}), 1: _scores(glob[1], {"a": 0.95, "b": 0.75})},
+    }
+
+
+SD2 = 0.05 * 2**0.5  # sample sd of two values 0.1 apart
+
+
+def test_summary_numbers_counts_and_target_of_a_synthetic_setting():
+    from benchmarks import personalization as p
+
+    setting = _setting()
+    local = {seed: s["personal"] for seed, s in setting["local"].items()}
+    finetune = p.summarise_method("finetune", setting["finetune"], local)
+    assert finetune.final == pytest.approx((0.875, SD2 / 2), abs=1e-9)  # site means 0.9, 0.85
+    assert finetune.worst == pytest.approx((0.8, SD2), abs=1e-9)  # 0.85, 0.75
+    assert finetune.global_mean == pytest.approx((0.55, SD2), abs=1e-9)  # 0.6, 0.5
+    assert finetune.global_worst == pytest.approx((0.2, 2 * SD2), abs=1e-9)  # 0.3, 0.1
+    assert finetune.counts == (2, 0, 0)  # a: +0.15, +0.15; b: +0.05, +0.15 -> 0.1 > sd 0.0707
+    fedavg = p.summarise_method("fedavg", setting["fedavg"], local)
+    assert fedavg.counts == (1, 0, 1)  # a: +0.1 twice (sd 0: a gain); b: -0.5 twice
+    baseline = p.summarise_method("local", setting["local"], local)
+    assert baseline.final == pytest.approx((0.75, SD2), abs=1e-9) and baseline.counts is None
+    assert baseline.global_mean is None
+    met, text = p.target_check([finetune, fedavg, baseline])
+    assert met and text.startswith("best: finetune, 87.5 ± 3.5 vs local-only 75.0 ± 7.1 (at least")
+    assert text.endswith("0 site(s) below local-only beyond their seed spread")
+    met, text = p.target_check([fedavg, baseline])  # 55.0 is below 75.0 - 7.1, and site b loses
+    assert not met and "below it beyond the seed spread" in text and "; 1 site(s) below" in text
+
+
+def test_the_personalization_report_has_a_table_per_setting_and_the_best_methods_sites(tmp_path):
+    from benchmarks import personalization as p
+
+    (tmp_path / "cells").mkdir()
+    (tmp_path / "protocol.json").write_text(json.dumps({"dataset": "digits", "site_val_fraction": 0.2}))
+    for method, by_seed in _setting().items():
+        for seed, scores in by_seed.items():
+            cell = {"cell": {"algorithm": method, "partition": "dir0.1", "participation": 1.0, "seed": seed}}
+            cell |= {
+                "site_personal": scores["personal"],
+                **({"site_global": scores["global"]} if scores["global"] else {}),
+            }
+            (tmp_path / "cells" / f"{method}_{seed}.json").write_text(json.dumps(cell))
+    (tmp_path / "cells" / "other.json").write_text(json.dumps({"cell": {}}))  # another grid's cell: skipped
+    report = p.write_folder_report(tmp_path, "cmd", {"fedavg": {}, "fedper": {"local_keys": "x"}}, "digits").read_text()
+    assert "### digits, dir0.1" in report and "seeds [0, 1]" in report
+    assert "| finetune | 2 | 55.0 ± 7.1 | 20.0 ± 14.1 | **87.5 ± 3.5** | 80.0 ± 7.1 | 2 / 0 / 0 |" in report
+    assert "| fedavg | 2 | 55.0 ± 7.1 | 20.0 ± 14.1 | 55.0 ± 7.1 | 20.0 ± 14.1 | 1 / 0 / 1 |" in report
+    assert "| local | 2 | – | – | 75.0 ± 7.1 | 70.0 ± 14.1 | – |" in report
+    assert "Target met: best: finetune" in report
+    assert (
+        "| site-a |" not in report and "| b | 20.0 ± 14.1 | 80.0 ± 7.1 | 70.0 ± 14.1 | +10.0 ± 7.1 | gain |" in report
+    )
+    page = tmp_path / "page.md"
+    assert p.main(["--out", str(page), str(tmp_path)]) == 0
+    assert page.read_text().startswith(
+        "# Does each site gain from joining?\n\n## Does each site gain from joining? digits"
+    )
+
+
+@pytest.mark.slow
+def test_personalization_smoke_grid_scores_every_site_and_writes_the_report(tmp_path):
+    assert compare.main(["--grid", "personalization_smoke", "--out", str(tmp_path), "--workers", "1"]) == 0
+    ditto = json.loads((tmp_path / "cells" / "ditto__dir0.1__p1__s0.json").read_text())
+    local = json.loads((tmp_path / "cells" / "local__dir0.1__p1__s0.json").read_text())
+    assert (
+        set(ditto["site_global"])
+        == set(ditto["site_personal"])
+        == set(local["site_personal"])
+        == {
+            "site-1",
+            "site-2",
+            "site-3",
+        }
+    )
+    fedavg = json.loads((tmp_path / "cells" / "fedavg__dir0.1__p1__s0.json").read_text())
+    assert fedavg["site_personal"] == fedavg["site_global"]  # FedAvg's sites keep the global model
+    assert "records" not in local  # no federation
+    report = (tmp_path / "report.md").read_text()
+    assert "### digits, dir0.1" in report and "| local | 2 |" in report and "Target " in report

@@ -55,3 +55,17 @@ def test_a_federation_in_which_no_round_aggregated_fails_its_cell_and_the_comman
     reason = "IncompleteFederation: no round updated the global model (last failure: rule 'fedavg': no valid result)"
     assert f"cell fedavg__dir0.1__s0 failed: {reason}" in err
     assert not list((tmp_path / "cells").glob("*.json"))
+
+
+def test_every_cell_of_the_personalization_grid_is_a_valid_job_and_gets_the_personalization_report():
+    from benchmarks.personalization import write_folder_report
+
+    algorithms, splits, seeds, protocol = genomics.GRIDS["personalization"]("1kg")
+    assert algorithms == ("fedavg", "finetune", "fedper", "fedrep", "ditto", "local") and len(seeds) == 3
+    assert set(splits) == {"iid", "dir0.1", "population"}
+    specs = {a: genomics.cell_spec(genomics.Cell(a, "population", 0), protocol) for a in algorithms}
+    assert specs["fedper"].local_keys == specs["fedrep"].local_keys == "net.head.bias,net.head.weight"
+    assert specs["finetune"].finetune_epochs == 1 and specs["ditto"].client_args["personal_lr"] == 0.01
+    assert genomics.report_writer("table", protocol) is genomics.write_report
+    writer = genomics.report_writer("personalization", protocol)
+    assert writer.func is write_folder_report and writer.keywords["dataset"] == "genomics (1000 Genomes)"
