@@ -1,0 +1,179 @@
+"""Genotype I/O at consortium scale: ``python -m benchmarks.genotype_io``.
+
+Measures, on a random cohort (people x SNPs, genotypes 0/1/2 with 1 % missing calls, a table by position):
+
+1. read + harmonise seconds per format (VCF, VCF.gz, BCF, PLINK 1, PLINK 2) at ``--format-people`` x each SNP count,
+   the file written first by the libraries (not timed);
+2. the streaming loader's samples/s over a memory-mapped int8 matrix of ``--people`` x each SNP count (shuffled
+   int8 rows -> int64 batch -> the device; ``open_matrix`` maps a harmonised ``.npz`` the same way), with the
+   process's peak RSS before and after (the pages of the mapped file it touched count in it);
+3. the ``cnn_transformer`` training step's samples/s at each SNP count (forward, loss, backward, AdamW step; the
+   GPU settings of docs/genomics.md, ``--precision``), so the two rates can be compared: the loader keeps up when
+   its rate is well above the step's.
+
+Prints one line per measurement and writes them as JSON (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from data_prep.genotypes.harmonise import ReferenceTable, harmonise_file
+from data_prep.genotypes.loader import GenotypeRows, genotype_loader, open_matrix
+from data_prep.genotypes.writers import Sites, write_genotype_file
+
+FORMATS = ("vcf", "vcf.gz", "bcf", "bed", "pgen")
+ALLELES = ("A", "C", "G", "T")
+
+
+def cohort(people: int, snps: int, seed: int = 0) -> tuple[np.ndarray, Sites, ReferenceTable]:
+    """Random genotypes (1 % missing) at SNPs without strand-ambiguous allele pairs, and their table."""
+    genotypes = np.empty((people, snps), np.int8)
+    fill_random(genotypes, seed)
+    ref = [ALLELES[j % 2] for j in range(snps)]  # A or C ...
+    alt = [ALLELES[2 + (j % 2)] for j in range(snps)]  # ... against G or T: A/G and C/T, never A/T or C/G
+    pos = list(range(1000, 1000 + 10 * snps, 10))
+    sites = Sites(["chr1"] * snps, pos, [f"s{j}" for j in range(snps)], ref, alt)
+    table = ReferenceTable(tuple(f"rs{j}" for j in range(snps)), tuple(ref), tuple(alt), ("1",) * snps, tuple(pos))
+    return genotypes, sites, table
+
+
+def fill_random(out: np.ndarray, seed: int, rows: int = 256) -> None:
+    """Genotypes 0/1/2 with 1 % missing calls, a block of rows at a time (no float copy of the whole matrix)."""
+    rng = np.random.default_rng(seed)
+    for start in range(0, len(out), rows):
+        block = rng.integers(0, 3, size=out[start : start + rows].shape, dtype=np.int8)
+        block[rng.random(block.shape, dtype=np.float32) < 0.01] = 3
+        out[start : start + rows] = block
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def time_formats(people: int, snps: int, folder: Path) -> list[dict]:
+    genotypes, sites, table = cohort(people, snps)
+    samples = [f"p{i}" for i in range(people)]
+    rows = []
+    for fmt in FORMATS:
+        path = write_genotype_file(folder / f"cohort_{snps}.{fmt}", genotypes, samples, sites)
+        start = time.perf_counter()
+        result = harmonise_file(path, table)
+        seconds = time.perf_counter() - start
+        assert np.array_equal(result.genotypes, genotypes), fmt  # the round trip is exact
+        rows.append({"what": "read+harmonise", "format": fmt, "people": people, "snps": snps, "seconds": seconds})
+    return rows
+
+
+def time_loader(people: int, snps: int, folder: Path, batch_size: int, device: torch.device, batches: int) -> dict:
+    """The loader over a memory-mapped int8 matrix written block by block (this process never holds all of it)."""
+    path = folder / f"site_{snps}.npy"
+    matrix = np.lib.format.open_memmap(path, mode="w+", dtype=np.int8, shape=(people, snps))
+    fill_random(matrix, seed=1)
+    matrix.flush()
+    del matrix
+    before = peak_rss_mib()
+    matrix = open_matrix(path)
+    data = GenotypeRows(matrix, np.zeros(people, np.int64))
+    loader = genotype_loader(data, batch_size, shuffle=True, seed=0)
+    seen, start = 0, time.perf_counter()
+    for i, (x, _) in enumerate(loader):
+        x = x.to(device, non_blocking=True)
+        seen += len(x)
+        if i + 1 >= batches:
+            break
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    rate = seen / seconds
+    return {"what": "loader", "people": people, "snps": snps, "batch_size": batch_size, "samples_per_s": rate,
+            "peak_rss_mib": peak_rss_mib(), "peak_rss_mib_before": before, "matrix_mib": people * snps / 2**20,
+            "memmap": isinstance(matrix, np.memmap)}  # fmt: skip
+
+
+def time_step(snps: int, patch: int, batch_size: int, device: torch.device, precision: str, steps: int) -> dict:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    from genomics.model import SnpClassifier
+
+    model = SnpClassifier(n_snps=snps, num_classes=5, d_model=256, layers=4, heads=8, patch=patch).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, 4, (batch_size, snps), device=device)
+    y = torch.randint(0, 5, (batch_size,), device=device)
+    dtype = torch.bfloat16 if precision == "bf16-mixed" else None
+    for step in range(steps + 1):  # the first step warms up (kernels, allocator) and is not timed
+        if step == 1:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    row = {"what": "train_step", "snps": snps, "patch": patch, "batch_size": batch_size, "precision": precision,
+           "samples_per_s": steps * batch_size / seconds}  # fmt: skip
+    if device.type == "cuda":
+        row["peak_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    return row
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.genotype_io", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--snps", type=int, nargs="+", default=[10_000, 100_000])
+    parser.add_argument("--people", type=int, default=10_000, help="people of the loader's matrix")
+    parser.add_argument("--format-people", type=int, default=1_000, help="people of the files read per format")
+    parser.add_argument("--format-snps", type=int, nargs="*", default=None, help="SNP counts per format (--snps)")
+    parser.add_argument("--patch", type=int, nargs="+", default=[16, 64], help="cnn_transformer patch per SNP count")
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--loader-batches", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["formats", "loader", "step"])
+    parser.add_argument("--out", type=Path, default=None)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    patches = dict(zip(args.snps, args.patch + [args.patch[-1]] * len(args.snps), strict=False))
+    rows: list[dict] = []
+    print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="genotype_io_") as scratch:
+        for snps in args.snps:
+            if "formats" not in args.skip and snps in (args.format_snps or args.snps):
+                rows += _show(time_formats(args.format_people, snps, Path(scratch)))
+            if "loader" not in args.skip:
+                rows += _show([time_loader(args.people, snps, Path(scratch), args.batch_size, device,
+                                           args.loader_batches)])  # fmt: skip
+            if "step" not in args.skip:
+                rows += _show([time_step(snps, patches[snps], args.batch_size, device, args.precision, args.steps)])
+            for leftover in Path(scratch).iterdir():
+                leftover.unlink()
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"device": str(device), "rows": rows}, indent=2) + "\n")
+    return 0
+
+
+def _show(rows: list[dict]) -> list[dict]:
+    for row in rows:
+        print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
