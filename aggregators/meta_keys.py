@@ -9,6 +9,9 @@ This module is pure Python so that both sides (the Lightning client and the NVFl
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 # Client -> server: what every client reports after local training.
 NUM_SAMPLES = "train.num_samples"  # training samples of the site: the FedAvg weight (docs/design.md, decision 6)
 NUM_STEPS = "train.num_steps"  # optimizer steps actually executed this round
@@ -69,6 +72,18 @@ MOON_TEMPERATURE = "moon.temperature"
 MOON_NUM_NEGATIVES = "moon.num_negatives"
 MOON_HISTORY_MODELS = "moon.history_models"
 
+# Sample-level DP-SGD at the site (lightning_modules/privacy/), client -> server: the site's epsilon over every DP-SGD
+# step it has taken in this run (its ledger), at delta, and what it was computed from (the last noise multiplier and
+# sample rate, the cumulative steps, the clipping norm C); ``privacy.withheld``: the names of the data-dependent
+# statistics the site held back this round because DP does not protect them (docs/privacy.md).
+PRIVACY_EPSILON = "privacy.epsilon"
+PRIVACY_DELTA = "privacy.delta"
+PRIVACY_NOISE_MULTIPLIER = "privacy.noise_multiplier"
+PRIVACY_SAMPLE_RATE = "privacy.sample_rate"
+PRIVACY_STEPS = "privacy.steps"
+PRIVACY_MAX_GRAD_NORM = "privacy.max_grad_norm"
+PRIVACY_WITHHELD = "privacy.withheld"
+
 # NVFlare's own reserved keys: never sent by this bundle (a test pins it).
 NVFLARE_RESERVED = ("scaffold_c_global", "scaffold_c_diff", "fedprox_mu")
 
@@ -81,6 +96,17 @@ def eval_key(metric: str) -> str:
 def eval_metric(key: str) -> str | None:
     """The metric name of an ``eval.<metric>`` key, else ``None``."""
     return key[len("eval.") :] if key.startswith("eval.") and len(key) > len("eval.") else None
+
+
+def privacy_of(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """A DP site's ``privacy.*`` scalars without the prefix (``epsilon``, ``delta``, ``noise_multiplier``,
+    ``sample_rate``, ``steps``, ``max_grad_norm``): the ``privacy`` entry of a round's metrics line."""
+    prefix = "privacy."
+    return {
+        key[len(prefix) :]: value
+        for key, value in meta.items()
+        if key.startswith(prefix) and key != PRIVACY_WITHHELD and isinstance(value, int | float)
+    }
 
 
 def is_namespaced(key: str) -> bool:

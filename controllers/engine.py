@@ -519,6 +519,9 @@ def site_metrics(updates: Sequence[ClientUpdate]) -> dict[str, Any]:
     summary = site_eval_summary(updates)
     if summary:
         record["site_eval"] = summary
+    privacy = {u.site: meta_keys.privacy_of(u.meta) for u in updates if meta_keys.PRIVACY_EPSILON in u.meta}
+    if privacy:  # sample-level DP-SGD at the sites: each site's epsilon so far (docs/privacy.md)
+        record["privacy"] = privacy
     return record
 
 

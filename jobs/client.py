@@ -217,9 +217,12 @@ def run_builtin(args: argparse.Namespace) -> None:
         # and in-memory optimizer state would differ between one-process and process-per-round simulations.
         meta = site_round.fit(round_num, lambda trainer: flare.patch(trainer, restore_state=False))
         log_round_metrics(tracker, meta, round_num)
+        # Under DP-SGD the loss and accuracy are withheld from the result (docs/privacy.md): printed as "withheld".
+        loss, accuracy = (meta.get(key) for key in (meta_keys.TRAIN_LOSS, meta_keys.TRAIN_ACCURACY))
         print(
             f"{site} round {received.current_round}: {meta.get(meta_keys.NUM_STEPS)} steps, "
-            f"train loss {meta.get(meta_keys.TRAIN_LOSS):.4f}, train acc {meta.get(meta_keys.TRAIN_ACCURACY):.4f}",
+            f"train loss {'withheld' if loss is None else f'{loss:.4f}'}, "
+            f"train acc {'withheld' if accuracy is None else f'{accuracy:.4f}'}",
             flush=True,
         )
 

@@ -69,6 +69,17 @@ PRESET_SETTINGS: dict[str, dict[str, Any]] = {
     # (the paper's 10 was chosen on its datasets; 2 keeps the example short, not tuned).
     "fedbn": dict(arch="bn_cnn", local_keys="batchnorm"),
     "fedrep": dict(client="fedrep", client_args={"head_epochs": 2}),
+    # Sample-level DP-SGD at every site (docs/privacy.md): C = 1, delta = 1e-5, each site's sigma calibrated so that
+    # the planned rounds spend epsilon 8; the genomics job uses the model's DP-SGD-ready attention (nn.Linear layers,
+    # the position embedding in a module of its own). Not tuned.
+    "fedavg_dp": dict(dp_target_epsilon=8.0, dp_max_grad_norm=1.0),
+    "snp_scaffold_dp": dict(
+        client="scaffold",
+        server="scaffold",
+        **{**SNP_JOB, "model_args": {**SNP_JOB["model_args"], "attention": "linear"}},
+        dp_target_epsilon=8.0,
+        dp_max_grad_norm=1.0,
+    ),
     # Attack-adaptive aggregation (docs/robustness.md): the shipped LeNet-5 attention checkpoint, 10 sites.
     "attack_adaptive": dict(
         server="attack_adaptive",

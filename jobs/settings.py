@@ -319,6 +319,38 @@ class TrackingSettings:
     )
 
 
+def _private(spec: Any) -> bool:
+    return spec.dp_noise_multiplier is not None or spec.dp_target_epsilon is not None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrivacySettings:
+    """Sample-level DP-SGD at every site (docs/privacy.md): on when dp_noise_multiplier or dp_target_epsilon is set;
+    needs the 'privacy' extra (Opacus) at the sites and the builder."""
+
+    dp_noise_multiplier: float | None = setting(
+        None,
+        "DP-SGD noise multiplier sigma: Gaussian noise of std sigma * C on every step's sum of clipped per-sample "
+        "gradients (none: calibrated to --dp-target-epsilon)",
+        ge=0,
+        exported_when=_private,
+    )
+    dp_max_grad_norm: float | None = setting(
+        None,
+        "DP-SGD clipping norm C of every per-sample gradient (all trainable parameters together)",
+        gt=0,
+        exported_when=_private,
+    )
+    dp_delta: float = setting(1e-5, "DP-SGD delta of the reported (epsilon, delta)", gt=0, lt=1, exported_when=_private)
+    dp_target_epsilon: float | None = setting(
+        None,
+        "each site's privacy budget: without --dp-noise-multiplier, sigma is calibrated so that the planned rounds "
+        "spend it; a site whose next round would exceed it stops training",
+        gt=0,
+        exported_when=_private,
+    )
+
+
 @dataclass(frozen=True, kw_only=True)
 class SiteSettings:
     """Chosen by each site for itself, never written into a job (client script only)."""
@@ -338,6 +370,7 @@ JOB_GROUPS: tuple[type, ...] = (
     RoundSettings,
     AttackSettings,
     TrackingSettings,
+    PrivacySettings,
 )
 #: Options the builder renders in its own way at the end of the client command line (resolved sites, JSON).
 ATTACK_FIELDS = frozenset(f.name for f in dataclasses.fields(AttackSettings))

