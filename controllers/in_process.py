@@ -105,7 +105,7 @@ def initial_params(spec: Any) -> Params:
     if spec.model is not None:
         from lightning_modules.own_model import build_user_module
 
-        module = build_user_module(spec.model, spec.model_args)
+        module = build_user_module(spec.model, spec.model_args, seed=spec.seed)
         return {key: value.detach().cpu().numpy().copy() for key, value in module.state_dict().items()}
     model = FLClassifier(
         arch=spec.arch,

@@ -137,7 +137,18 @@ def _add_user_model(job: Any, spec: JobSpec) -> None:
         job.to_clients(ShippedPackage(folder))
     if spec.script is not None:  # the user's own training script, beside client.py (which runs it)
         job.to_clients(ShippedPackage(Path(spec.script)))
-    job.to_server(PTModel({"path": spec.model.replace(":", "."), "args": dict(spec.model_args)}))
+    job.to_server(PTModel(user_model_config(spec)))
+
+
+#: What the server's persistor calls to build a user model: the user's class seeded with the job's --seed.
+SEEDED_USER_MODULE = "lightning_modules.own_model.seeded_user_module"
+
+
+def user_model_config(spec: JobSpec) -> dict[str, Any]:
+    """The persistor's model entry for ``spec``'s user model: built by :data:`SEEDED_USER_MODULE` with the job's
+    seed, as every site builds it (NVFlare instantiates the class at ``path`` with ``args``)."""
+    args = {"model": spec.model, "model_args": dict(spec.model_args), "seed": spec.seed}
+    return {"path": SEEDED_USER_MODULE, "args": args}
 
 
 class ServerSettings:

@@ -512,13 +512,12 @@ def check_settings(values: Any, groups: Sequence[type] = JOB_GROUPS, *, registri
 # --------------------------------------------------------------------------------------------------------------------
 # Command lines
 # --------------------------------------------------------------------------------------------------------------------
-def compact_json(value: Mapping[str, Any]) -> str:
-    """JSON without whitespace: NVFlare splits ``task_script_args`` on whitespace and does not honour quotes."""
+def compact_json(value: Mapping[str, Any], option: str = "a JSON setting") -> str:
+    """JSON without whitespace: NVFlare splits ``task_script_args`` on whitespace and does not honour quotes;
+    ``option`` (``--data-args``, ...) names the setting in the refusal."""
     text = json.dumps(value, sort_keys=True, separators=(",", ":"))
     if any(ch.isspace() for ch in text):
-        raise JobBuildError(
-            f"client hyperparameters must not contain whitespace (NVFlare splits arguments on it): {text}"
-        )
+        raise JobBuildError(f"{option} must not contain whitespace (NVFlare splits arguments on it): {text}")
     return text
 
 

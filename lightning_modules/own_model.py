@@ -19,11 +19,12 @@ class can shard a public dataset in simulation and read the site's own files in 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pytorch_lightning as pl
@@ -65,32 +66,89 @@ def user_class(path: str, base: type, what: str) -> type:
     return cls
 
 
-def build_user_module(path: str, args: Mapping[str, Any] | None = None) -> pl.LightningModule:
+def build_user_module(path: str, args: Mapping[str, Any] | None = None, seed: int | None = None) -> pl.LightningModule:
+    """The user's module built with ``args``; with ``seed``, torch's generator is seeded right before the
+    constructor (and restored after it), so the server and every site build the same initial weights from the job's
+    ``--seed`` whether or not the constructor seeds itself."""
+    import torch
+
     cls = user_class(path, pl.LightningModule, "model")
     try:
-        return cls(**dict(args or {}))
+        with torch.random.fork_rng(devices=[]):
+            if seed is not None:
+                torch.manual_seed(seed)
+            return cls(**dict(args or {}))
     except TypeError as exc:
         raise UserCodeError(f"model {path!r}: bad model_args {dict(args or {})}: {exc}") from None
+
+
+def seeded_user_module(model: str, model_args: Mapping[str, Any] | None = None, seed: int = 0) -> pl.LightningModule:
+    """What the job's persistor calls on the server (``config_fed_server.json``) to build the initial global model:
+    :func:`build_user_module` seeded with the job's ``--seed``, as every site builds it."""
+    return build_user_module(model, model_args, seed=seed)
+
+
+#: Constructor parameters of a data module that every site supplies itself (:func:`build_user_data`).
+SUPPLIED_BY_THE_SITE = ("site", "num_sites")
+
+
+def data_args_problem(path: str, cls: type, args: Mapping[str, Any] | None) -> str | None:
+    """Why ``cls(**args)`` cannot be called at a site (which adds ``site`` and ``num_sites`` when the constructor
+    takes them): required arguments ``args`` lacks, or names the constructor does not take."""
+    parameters = inspect.signature(cls).parameters
+    given = set(args or {}) | {name for name in SUPPLIED_BY_THE_SITE if name in parameters}
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    missing = [
+        name
+        for name, p in parameters.items()
+        if p.default is inspect.Parameter.empty
+        and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        and name not in given
+    ]
+    unknown = [] if takes_any else sorted(set(args or {}) - set(parameters))
+    if missing:
+        return (
+            f"data {path!r}: data_args {dict(args or {})} lack the required constructor argument(s) {missing} of "
+            f"{cls.__name__}; give them in --data-args (each site supplies only {list(SUPPLIED_BY_THE_SITE)})"
+        )
+    if unknown:
+        return f"data {path!r}: data_args {unknown} are not constructor arguments of {cls.__name__}: {list(parameters)}"
+    return None
+
+
+@contextlib.contextmanager
+def naming_the_site(site: str) -> Iterator[None]:
+    """Errors of the user's code raised inside name ``site`` first (a site's log line must say which site)."""
+    try:
+        yield
+    except UserCodeError as exc:
+        if str(exc).startswith(f"{site}: "):
+            raise
+        raise UserCodeError(f"{site}: {exc}") from None
 
 
 def build_user_data(
     path: str, args: Mapping[str, Any] | None = None, site: str = "local", num_sites: int | None = None
 ) -> pl.LightningDataModule:
     """The data module, told its site (and the number of sites) when its constructor takes them."""
-    cls = user_class(path, pl.LightningDataModule, "data")
-    kwargs = dict(args or {})
-    parameters = inspect.signature(cls).parameters
-    if "site" in parameters:
-        kwargs.setdefault("site", site)
-    if "num_sites" in parameters and num_sites is not None:
-        kwargs.setdefault("num_sites", num_sites)
-    try:
-        data = cls(**kwargs)
-    except TypeError as exc:
-        raise UserCodeError(f"{site}: data {path!r}: bad data_args {dict(args or {})}: {exc}") from None
-    problem = training_data_problem(path, data)
-    if problem:
-        raise UserCodeError(f"{site}: {problem}")
+    with naming_the_site(site):
+        cls = user_class(path, pl.LightningDataModule, "data")
+        kwargs = dict(args or {})
+        parameters = inspect.signature(cls).parameters
+        if "site" in parameters:
+            kwargs.setdefault("site", site)
+        if "num_sites" in parameters and num_sites is not None:
+            kwargs.setdefault("num_sites", num_sites)
+        problem = data_args_problem(path, cls, args)
+        if problem:
+            raise UserCodeError(problem)
+        try:
+            data = cls(**kwargs)
+        except TypeError as exc:
+            raise UserCodeError(f"data {path!r}: bad data_args {dict(args or {})}: {exc}") from None
+        problem = training_data_problem(path, data)
+        if problem:
+            raise UserCodeError(problem)
     return data
 
 
@@ -125,7 +183,8 @@ class UserSite:
         from lightning_modules.site import site_privacy
 
         self.args, self.site = args, site
-        self.module = build_user_module(args.model, json_arg(args.model_args))
+        with naming_the_site(site):  # the job's --seed, as the server's persistor builds it
+            self.module = build_user_module(args.model, json_arg(args.model_args), seed=args.seed)
         self.data = build_user_data(args.data, json_arg(args.data_args), site, args.num_sites)
         extra = {"meta_source": meta_source} if meta_source is not None else {}
         self.callback = FederatedAlgorithm(

@@ -37,7 +37,11 @@ def test_the_example_exports_with_its_package_shipped_and_the_server_building_th
     assert shipped == ["__init__.py", "data.py", "model.py", "train_script.py"]
     server_config = (app / "config" / "config_fed_server.json").read_text()
     paths = [c["path"] for c in json.loads(server_config)["components"]]
-    assert '"path": "custom_model.model.DigitsClassifier"' in server_config  # the persistor's initial model
+    persistor = json.loads(server_config)["components"][0]["args"]["model"]  # the initial model, seeded with --seed
+    assert persistor == {
+        "path": "lightning_modules.own_model.seeded_user_module",
+        "args": {"model": "custom_model.model:DigitsClassifier", "model_args": {"hidden": 32}, "seed": 0},
+    }
     assert "controllers.evaluator.TestSetEvaluator" not in paths  # the sites evaluate a user's model
     client = json.loads((app / "config" / "config_fed_client.json").read_text())
     args = client["executors"][0]["executor"]["args"]["task_script_args"]
@@ -309,7 +313,11 @@ def test_the_recipe_exports_the_users_model_and_data_as_the_builder_does(tmp_pat
     recipe.export(str(tmp_path / "recipe"))
     config = tmp_path / "recipe" / "own" / "app" / "config"
     persistor = json.loads((config / "config_fed_server.json").read_text())["components"][0]
-    assert persistor["args"]["model"] == {"path": "custom_model.model.DigitsClassifier", "args": {"hidden": 32}}
+    assert persistor["args"]["model"]["args"] == {
+        "model": "custom_model.model:DigitsClassifier",
+        "model_args": {"hidden": 32},
+        "seed": 0,
+    }
     client = json.loads((config / "config_fed_client.json").read_text())
     args = client["executors"][0]["executor"]["args"]["task_script_args"]
     assert "--model custom_model.model:DigitsClassifier --data custom_model.data:DigitsSites" in args

@@ -92,3 +92,55 @@ def test_a_missing_optional_package_names_the_extra_that_installs_it():
         require("fedalg_no_such_package.sub", "plots", "the report's plot")
     assert "the report's plot needs fedalg_no_such_package" in str(caught.value)
     assert require("json", "plots", "x") is json
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The build-time import check of shipped user code sees what a site sees: the shipped folders and installed packages
+
+SHIPPED_MODEL = """
+import pytorch_lightning as pl
+import torch
+from torch import nn
+
+import {sibling}.helpers  # a sibling package beside this one: importable where the user builds, not at a site
+
+
+class Net(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(2, 2)
+
+    def training_step(self, batch, batch_idx):
+        return self.body(batch[0]).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Data(pl.LightningDataModule):
+    def train_dataloader(self):
+        return []
+"""
+
+
+def user_packages(root: Path, shipped: str, sibling: str) -> None:
+    for name in (shipped, sibling):
+        (root / name).mkdir(parents=True)
+        (root / name / "__init__.py").write_text("")
+    (root / shipped / "m.py").write_text(SHIPPED_MODEL.format(sibling=sibling))
+    (root / sibling / "helpers.py").write_text("VALUE = 1\n")
+
+
+def test_a_shipped_package_importing_an_unshipped_sibling_is_refused_naming_both(tmp_path, capsys):
+    from jobs.build import main
+
+    user_packages(tmp_path / "code", "shippedpkg26", "siblingpkg26")
+    own = ["--model", "shippedpkg26.m:Net", "--data", "shippedpkg26.m:Data"]
+    out = ["--name", "own", "--output-dir", str(tmp_path / "out")]
+    code = main([*own, "--ship", str(tmp_path / "code" / "shippedpkg26"), *out])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "No module named 'siblingpkg26'" in err and "['shippedpkg26']" in err, err
+    assert not (tmp_path / "out").exists()
+    both = ",".join(str(tmp_path / "code" / name) for name in ("shippedpkg26", "siblingpkg26"))
+    assert main([*own, "--ship", both, *out]) == 0, capsys.readouterr().err  # shipping the sibling too fixes it
