@@ -52,7 +52,7 @@ from aggregators import meta_keys
 from aggregators.deltas import delta_sq_norms, trainable_keys
 from aggregators.fedavg import FedAvg
 from aggregators.fedopt import FEDOPT_RULES
-from aggregators.functional import by_site, is_float_array, weighted_sum
+from aggregators.functional import by_site, weighted_sum
 from aggregators.hparams import CHECKED_TOGETHER, RuleHParams, hparam
 from aggregators.types import AggregationError, AggregationResult, AggregationRule, ClientUpdate, RoundContext
 
@@ -75,7 +75,6 @@ ORDERS: tuple[int, ...] = tuple(range(2, 257))
 EPSILON, DELTA = "dp_fedavg.epsilon", "dp_fedavg.delta"
 NOISE_MULTIPLIER, CLIP_NORM = "dp_fedavg.noise_multiplier", "dp_fedavg.clip_norm"
 SAMPLING_RATE, ROUNDS = "dp_fedavg.sampling_rate", "dp_fedavg.rounds"
-UNCLIPPED_SHARE = "dp_fedavg.unclipped_share"
 
 #: Streams of the rule's generator, keyed with (seed, round): the update noise, the clip-count noise, the sampling.
 _UPDATE_NOISE, _COUNT_NOISE, _SAMPLING = 0, 1, 2
@@ -234,7 +233,6 @@ class DPFedAvg(RuleHParams, AggregationRule):
             "rounds": 0,
             "rdp": [0.0] * len(ORDERS),
             "sampling_rate": 0.0,
-            "unclipped_share": 1.0,
             "optimizer": self.optimizer.init_state(global_params),
         }
 
@@ -244,7 +242,6 @@ class DPFedAvg(RuleHParams, AggregationRule):
             DELTA: self.delta,
             SAMPLING_RATE: float(state["sampling_rate"]),
             ROUNDS: float(state["rounds"]),
-            UNCLIPPED_SHARE: float(state["unclipped_share"]),
         }
         if state["clip_norm"] is not None:
             values[CLIP_NORM] = float(state["clip_norm"])
@@ -297,9 +294,10 @@ class DPFedAvg(RuleHParams, AggregationRule):
             state["optimizer"],
             context,
         )
-        unclipped = int(np.sum(norms <= clip)) if clip is not None else len(updates)
         new_clip = clip
         if self.adaptive and clip is not None:
+            # Only the noisy count leaves the server (through S): the exact one stays out of the records.
+            unclipped = int(np.sum(norms <= clip))
             count_rng = np.random.default_rng([int(state["seed"]), context.round_num, _COUNT_NOISE])
             count_noise = float(count_rng.normal(0.0, count_stddev)) if count_stddev > 0 else 0.0
             new_clip = next_clip_norm(clip, unclipped, count_noise, expected, self.target_quantile, self.clip_lr)
@@ -315,7 +313,6 @@ class DPFedAvg(RuleHParams, AggregationRule):
             "rounds": int(state["rounds"]) + 1,
             "rdp": [float(v) for v in rdp],
             "sampling_rate": rate,
-            "unclipped_share": unclipped / len(updates),
             "optimizer": moved.state,
         }
         return AggregationResult(params=params, state=new_state, meta=moved.meta)
@@ -325,13 +322,6 @@ class DPFedAvg(RuleHParams, AggregationRule):
         if self.clip_count_stddev is not None:
             return self.clip_count_stddev
         return max(expected / 20, self.noise_multiplier) if self.noise_multiplier > 0 else 0.0
-
-
-def float_buffers(global_params: Mapping[str, np.ndarray], private: Sequence[str]) -> list[str]:
-    """The float entries outside the noised sum (BatchNorm statistics): the rule keeps their global value, so a job
-    whose shared model has any is refused at build time (:data:`FLOAT_BUFFER_ADVICE`)."""
-    chosen = set(private)
-    return [key for key, value in global_params.items() if key not in chosen and is_float_array(value)]
 
 
 #: What to do about float buffers (the build-time refusal's advice).
