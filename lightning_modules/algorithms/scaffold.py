@@ -1,27 +1,59 @@
-"""SCAFFOLD, client side: control-variate correction of local steps.
+"""SCAFFOLD, client side: control-variate correction of local steps, for SGD and for adaptive optimizers.
 
 Reference: Karimireddy et al., "SCAFFOLD: Stochastic Controlled Averaging for Federated Learning", ICML 2020,
 arXiv:1910.06378, Algorithm 1 (client lines).
 
-Per local step (paper: y <- y - eta * (g_i(y) - c_i + c)):
+Per local step (paper: y <- y - eta * (g_i(y) - c_i + c)), where c - c_i is applied (``correction``):
 
-- ``correction="step"`` (default; as NIID-Bench and NVFlare do it): the optimizer takes its normal step, then
-  y <- y - eta_k * (c - c_i) with eta_k the learning rate that step actually used (read from the optimizer's
-  param groups, so schedulers and per-group rates are honoured);
-- ``correction="grad"``: c - c_i is added to ``.grad`` before the optimizer step, so momentum, weight decay and
-  gradient clipping act on it too.
+- ``"step"``: the optimizer takes its normal step, then y <- y - eta_k * (c - c_i) with eta_k the learning rate that
+  step actually used (read from the optimizer's param groups, so schedulers and per-group rates are honoured); as
+  NIID-Bench and NVFlare do it;
+- ``"grad"``: c - c_i is added to ``.grad`` before the optimizer step, so momentum, weight decay, gradient clipping
+  and an adaptive optimizer's moments act on it too;
+- ``"auto"`` (default): ``"grad"`` with the ``gradients`` estimator, ``"step"`` with the ``displacement`` one.
 
-With vanilla SGD both are the paper's update. With momentum rho they differ: the gradient is amplified by about
-1/(1 - rho) by the momentum buffer while a post-step correction is not ("step"), or the correction is amplified
-too ("grad"); neither is the paper's algorithm, which assumes plain SGD. Weight decay lambda is part of the local
-gradient in both modes, so c_i absorbs lambda * y; that is consistent as long as every round uses the same lambda.
+With vanilla SGD ``"step"`` and ``"grad"`` are the paper's update. With momentum rho they differ: the gradient is
+amplified by about 1/(1 - rho) by the momentum buffer while a post-step correction is not ("step"), or the correction
+is amplified too ("grad"); neither is the paper's algorithm, which assumes plain SGD.
 
-End of round (K = optimizer steps actually taken, sum_k eta_k = learning rates actually applied):
+End of round (K = optimizer steps actually taken, eta_k = the learning rate step k applied, g_k = the raw stochastic
+gradient of step k, before c - c_i is added), Option II, with the estimate of c_i+ picked by ``estimator``:
 
-- Option II (default): c_i+ = c_i - c + (x - y_i) / sum_k eta_k   (= K * eta_l in the paper's constant-lr notation)
-- Option I:            c_i+ = g_i(x), the full local gradient at the received model x (one extra pass over the data
-  at round start, batch by batch through :func:`lightning_modules.algorithms.task_gradient.task_gradient`: buffers
-  left as they were, dropout off, the trainer's precision; the module must define ``task_loss(batch)``)
+- ``"displacement"`` (the paper's Option II): c_i+ = c_i - c + (x - y_i) / sum_k eta_k;
+- ``"gradients"``: c_i+ = sum_k eta_k g_k / sum_k eta_k, the learning-rate-weighted mean of the round's raw
+  stochastic gradients, accumulated in float32 at every step;
+- ``"auto"`` (default): ``"displacement"`` when the optimizer is ``torch.optim.SGD`` (or a subclass), ``"gradients"``
+  for any other optimizer (Adam, AdamW, Adagrad, RMSprop, ...). Resolved at the round's first optimizer step.
+
+Why two estimators. What the paper wants from c_i is the site's mean gradient (Option I is its exact form at x). For
+plain SGD without momentum or weight decay the two estimates are the same number: every step moves
+y by -eta_k (g_k + c - c_i), so (x - y_i) / sum eta_k = sum eta_k g_k / sum eta_k + (c - c_i), and Option II's
+c_i - c + (x - y_i) / sum eta_k is exactly the lr-weighted mean of the g_k (tested to 1e-6 with a schedule). For any
+other update rule the displacement measures the optimizer's steps, not the gradients: a fresh Adam(W) moves each
+weight by about eta per step whatever the gradient's size, so (x - y_i) / sum eta_k is about one unit per weight and
+c_i grows to about sqrt(#weights) (the issue that led here measured ||c|| of 163 to 614 where Option I gave about 2).
+The ``gradients`` estimator keeps c_i in gradient units under any optimizer, at the price of one float32 buffer of
+the trainable parameters and one pass per step; with it the correction goes to ``.grad`` (``"grad"``), so an adaptive
+optimizer sees y's corrected gradient g_k + c - c_i, an estimate of the global gradient, in both of its moments: the
+local steps are those of Adam(W) on the (estimated) global objective, with Adam's per-coordinate scaling of the
+corrected gradient. Under SGD with momentum or coupled weight decay the two estimators differ (the displacement also
+holds the momentum amplification and lambda * y; the raw gradient holds neither), which is why SGD keeps the
+displacement by default: committed jobs and results stay bit-identical. AdamW's decoupled weight decay is not part of
+any gradient, so neither estimator sees it.
+
+What the literature says, as far as we could check. SCAFFOLD's analysis and experiments are for SGD local steps. The
+same first author's Mime (Karimireddy et al., "Mime: Mimicking Centralized Stochastic Algorithms in Federated
+Learning", arXiv:2008.03606) states in its abstract that it adapts centralized optimizers such as momentum and Adam to
+federated learning by combining control variates with server-level optimizer statistics at every client step. Our
+``gradients`` estimator shares its principle (the optimizer acts on a drift-corrected gradient) but not its design:
+the sites run their own fresh Adam(W) and its moments are not shared with the server. That Mime's variant with frozen
+server statistics is preferable to local moments, and how it compares with this design, is **unverified** here (we
+read the abstract only); the measured comparison with FedAvg + AdamW is in benchmarks/results/genomics.md.
+
+Option I:  c_i+ = g_i(x), the full local gradient at the received model x (one extra pass over the data at round
+start, batch by batch through :func:`lightning_modules.algorithms.task_gradient.task_gradient`: buffers left as they
+were, dropout off, the trainer's precision; the module must define ``task_loss(batch)``); ``estimator`` must then be
+``"auto"``.
 
 The client sends delta_c_i = c_i+ - c_i under ``scaffold.ctrl.diff`` and keeps c_i+ in the per-site state store,
 so it survives process restarts (``nvflare simulator -n N`` with one thread starts a process per client-round).
@@ -30,6 +62,7 @@ Controls and the snapshot of x are float32 copies of the trainable parameters on
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
@@ -53,19 +86,50 @@ from lightning_modules.algorithms.hparams import HParams
 from lightning_modules.algorithms.kernels import add_in_own_dtype_
 from lightning_modules.algorithms.task_gradient import task_gradient
 
+LOG = logging.getLogger(__name__)
 Tensors = dict[str, torch.Tensor]
 Option = Literal["I", "II"]
-Correction = Literal["step", "grad"]
+Estimator = Literal["auto", "gradients", "displacement"]
+Correction = Literal["auto", "step", "grad"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class ScaffoldHParams(HParams):
-    """SCAFFOLD's hyperparameters: how c_i+ is computed (``option``) and where c - c_i is applied (``correction``)."""
+    """SCAFFOLD's hyperparameters: how c_i+ is computed (``option``, and Option II's ``estimator``) and where
+    c - c_i is applied (``correction``); ``"auto"`` picks by the optimizer (module docstring)."""
 
     name: ClassVar[str] = "scaffold"
 
     option: Option = "II"
-    correction: Correction = "step"
+    estimator: Estimator = "auto"
+    correction: Correction = "auto"
+
+    def check_together(self) -> None:
+        if self.option == "I" and self.estimator != "auto":
+            self.refuse(
+                "estimator", "'auto' with option='I'", self.estimator, "Option I sends the full gradient at x itself"
+            )
+
+
+def resolve_estimator(estimator: Estimator, optimizer: torch.optim.Optimizer) -> Estimator:
+    """``"auto"``: the displacement (the paper's Option II) for SGD, whose steps it measures exactly; the raw
+    gradients for every other optimizer, whose steps are no multiple of the gradient (module docstring)."""
+    if estimator != "auto":
+        return estimator
+    return "displacement" if isinstance(optimizer, torch.optim.SGD) else "gradients"
+
+
+def resolve_correction(correction: Correction, estimator: Estimator) -> Correction:
+    """``"auto"``: into ``.grad`` with the gradients estimator (an adaptive optimizer's moments see the corrected
+    gradient), after the step with the displacement estimator (as before, so SGD jobs stay bit-identical)."""
+    if correction != "auto":
+        return correction
+    return "grad" if estimator == "gradients" else "step"
+
+
+def gradients_control(weighted_gradients: Mapping[str, torch.Tensor], lr_sum: Mapping[str, float]) -> Tensors:
+    """c_i+ = sum_k eta_k g_k / sum_k eta_k, per parameter: the lr-weighted mean of the round's raw gradients."""
+    return {name: total / lr_sum[name] for name, total in weighted_gradients.items()}
 
 
 def option_ii_control(
@@ -112,7 +176,8 @@ def parse_global_control(value: Any, params: Mapping[str, nn.Parameter], site: s
 
 
 class Scaffold(ClientAlgorithm):
-    """SCAFFOLD client. ``option`` is ``"II"`` (default) or ``"I"``; ``correction`` is ``"step"`` or ``"grad"``."""
+    """SCAFFOLD client. ``option`` is ``"II"`` (default) or ``"I"``; ``estimator`` is ``"auto"``, ``"gradients"``
+    or ``"displacement"``; ``correction`` is ``"auto"``, ``"step"`` or ``"grad"``."""
 
     name: ClassVar[str] = "scaffold"
     required_server_meta: ClassVar[tuple[str, ...]] = (meta_keys.SCAFFOLD_CTRL_GLOBAL,)
@@ -120,12 +185,16 @@ class Scaffold(ClientAlgorithm):
     local_update: ClassVar[str] = "drift"  # not a local gradient: FedNova cannot normalise it
     hparams_class: ClassVar[type[HParams]] = ScaffoldHParams
     option: Option
+    estimator: Estimator
     correction: Correction
 
     def __init__(
-        self, option: Option = ScaffoldHParams.option, correction: Correction = ScaffoldHParams.correction
+        self,
+        option: Option = ScaffoldHParams.option,
+        estimator: Estimator = ScaffoldHParams.estimator,
+        correction: Correction = ScaffoldHParams.correction,
     ) -> None:
-        self.use_hparams(ScaffoldHParams(option=option, correction=correction))
+        self.use_hparams(ScaffoldHParams(option=option, estimator=estimator, correction=correction))
         self._params: dict[str, nn.Parameter] = {}
         self._round = 0
         self._run_id = ""
@@ -136,12 +205,6 @@ class Scaffold(ClientAlgorithm):
 
     # -- round start ---------------------------------------------------------------------------------------------
     def on_round_start(self, module: nn.Module, meta: Mapping[str, Any]) -> None:
-        if self.correction == "grad" and clips_gradients(module):
-            raise ClientAlgorithmError(
-                f"{self.site}: scaffold with correction='grad' and gradient clipping would clip c - c_i together with "
-                "the gradient, and Option II would then return wrong controls; use correction='step' (the default) "
-                "or turn gradient clipping off"
-            )
         settle_state(self, meta)
         self._params = trainable_parameters(module)
         self._round = int(meta.get(meta_keys.ROUND, 0))
@@ -157,17 +220,63 @@ class Scaffold(ClientAlgorithm):
         del c_global
         self._names_by_id = {id(p): name for name, p in self._params.items()}
         self.gradient_at_x = full_local_gradient(module, self._params) if self.option == "I" else None
+        # Set at the round's first step, when the optimizer is known (resolve_estimator, resolve_correction).
+        self.used_estimator: Estimator | None = None
+        self.used_correction: Correction | None = None
+        self.accumulates_gradients = False
+        self.weighted_gradients: Tensors = {}
+
+    def _resolve(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Fix this round's estimator and correction mode from the optimizer; refuse what cannot be right."""
+        self.used_estimator = resolve_estimator(self.estimator, optimizer)
+        self.used_correction = resolve_correction(self.correction, self.used_estimator)
+        self.accumulates_gradients = self.option == "II" and self.used_estimator == "gradients"
+        if self.used_correction == "grad" and not self.accumulates_gradients and clips_gradients(module):
+            raise ClientAlgorithmError(
+                f"{self.site}: scaffold with correction='grad' and gradient clipping would clip c - c_i together with "
+                "the gradient, and Option II's displacement would then return wrong controls; use "
+                "estimator='gradients' (its controls are the unclipped gradients), correction='step', or turn "
+                "gradient clipping off"
+            )
+        if self.estimator == "displacement" and not isinstance(optimizer, torch.optim.SGD):
+            LOG.warning(
+                "%s: scaffold estimator='displacement' with %s: c_i then measures the optimizer's steps, not the "
+                "gradients (about one unit per weight under Adam); estimator='gradients' keeps it a gradient",
+                self.site,
+                type(optimizer).__name__,
+            )
+        if self.accumulates_gradients:
+            self.weighted_gradients = {
+                name: torch.zeros_like(p, dtype=torch.float32) for name, p in self._params.items()
+            }
 
     # -- per step ------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def correct_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        if self.correction != "grad":
+        if self.used_estimator is None:
+            self._resolve(module, optimizer)
+        if self.accumulates_gradients:
+            self._accumulate_raw_gradients(optimizer)  # before c - c_i is added: the raw g_k
+        if self.used_correction != "grad":
             return
         pairs = [(p.grad, self.correction_term[name]) for name, p in self._params.items() if p.grad is not None]
         add_in_own_dtype_([grad for grad, _ in pairs], [term for _, term in pairs], alpha=1.0)
 
+    def _accumulate_raw_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """sum_k eta_k g_k += eta_k g_k in float32, with eta_k the lr the coming step of each param group applies."""
+        for group in optimizer.param_groups:
+            sums, grads = [], []
+            for p in group["params"]:
+                name = self._names_by_id.get(id(p))
+                if name is not None and p.grad is not None:  # no gradient: the step skips it, g_k counts as 0
+                    sums.append(self.weighted_gradients[name])
+                    grads.append(p.grad)
+            add_in_own_dtype_(sums, grads, alpha=float(group["lr"]))
+
     @torch.no_grad()
     def after_step(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        if self.used_estimator is None:  # a driver that never calls correct_gradients
+            self._resolve(module, optimizer)
         self.steps += 1
         for group in optimizer.param_groups:
             lr = float(group["lr"])
@@ -179,7 +288,7 @@ class Scaffold(ClientAlgorithm):
                 self.lr_sum[name] += lr
                 moved.append(p)
                 terms.append(self.correction_term[name])
-            if self.correction == "step":
+            if self.used_correction == "step":
                 # y <- y - lr * (c - c_i): one foreach pass per param group (the least a post-step correction costs).
                 add_in_own_dtype_(moved, terms, alpha=-lr)
 
@@ -192,6 +301,8 @@ class Scaffold(ClientAlgorithm):
             )
         if self.option == "I":
             c_new = self.gradient_at_x
+        elif self.accumulates_gradients:
+            c_new = gradients_control(self.weighted_gradients, self.lr_sum)
         else:
             y = {name: p.detach().to(torch.float32) for name, p in self._params.items()}
             c_new = option_ii_from_correction(self.correction_term, self.x, y, self.lr_sum)
