@@ -7,6 +7,12 @@
 For every cell (one seed of one run): the global test accuracy, the server's ||c|| and every site's ||c_i|| per
 round (log scale), and a table naming, per cell, the first site whose ||c_i|| jumped by more than
 ``controllers.report.CONTROL_RUNAWAY_FACTOR`` in a round, with its sample count and optimizer steps per round.
+
+    python -m benchmarks.scaffold_diagnostics --genomics runs/gen_1kg
+
+``--genomics``: the folders are ``benchmarks.genomics`` outputs; prints, per split, the control norms of its SCAFFOLD
+cells at selected rounds (||c||, the largest site's ||c_i||, the sites' mean ||delta c_i||; mean over the seeds)
+and each cell's first runaway, with the same check as ``python -m controllers.report``.
 """
 
 from __future__ import annotations
@@ -51,6 +57,37 @@ def first_runaway(cell: dict[str, Any]) -> str:
     return f"round {round_num + 1}: {site} ({samples} samples, {steps} steps/round), ||c_i|| {jump}"
 
 
+def genomics_records(cell: dict[str, Any]) -> list[dict[str, Any]]:
+    """A genomics cell's per-round site norms as the round records ``control_runaways`` reads."""
+    return [
+        {"round": r, "site_meta": {site: {LOCAL_NORM: norm} for site, norm in norms.items()}}
+        for r, norms in enumerate(cell.get("control_local_norm") or [])
+    ]
+
+
+def genomics_control_table(folder: Path, algorithm: str = "scaffold") -> list[str]:
+    """Markdown: per split, ||c||, the largest ||c_i|| and the mean ||delta c_i|| at selected rounds (mean over the
+    seeds), then each seed's first runaway."""
+    cells = [json.loads(path.read_text()) for path in sorted((folder / "cells").glob(f"{algorithm}__*.json"))]
+    lines = []
+    for split in sorted({cell["cell"]["split"] for cell in cells}):
+        ours = sorted((c for c in cells if c["cell"]["split"] == split), key=lambda c: c["cell"]["seed"])
+        total = min(len(c["control_global_norm"]) for c in ours)
+        lines += [
+            f"{split} ({len(ours)} seeds):",
+            "",
+            "| round | ‖c‖ | largest ‖c_i‖ | mean ‖Δc_i‖ |",
+            "|---|---|---|---|",
+        ]
+        for r in sorted({0, 1, 2, 4, 9, 19, total - 1} & set(range(total))):
+            largest = [max(c["control_local_norm"][r].values(), default=float("nan")) for c in ours]
+            columns = [[c["control_global_norm"][r] for c in ours], largest, [c["control_diff_norm"][r] for c in ours]]
+            lines.append(f"| {r + 1} | " + " | ".join(f"{sum(v) / len(v):.3g}" for v in columns) + " |")
+        runaways = [f"seed {c['cell']['seed']}: {(control_runaways(genomics_records(c)) or ['none'])[0]}" for c in ours]
+        lines += ["", "First runaway: " + "; ".join(runaways) + ".", ""]
+    return lines
+
+
 def plot(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
     import matplotlib
 
@@ -81,8 +118,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("runs", nargs="+", type=Path, help="benchmarks.compare output folders (SCAFFOLD cells)")
     parser.add_argument("--labels", nargs="+", help="one label per folder (default: folder names)")
-    parser.add_argument("--plot", type=Path, required=True, help="PNG path")
+    parser.add_argument("--plot", type=Path, help="PNG path (required unless --genomics)")
+    parser.add_argument("--genomics", action="store_true", help="the folders are benchmarks.genomics outputs")
     args = parser.parse_args(argv)
+    if args.genomics:
+        for folder in args.runs:
+            print("\n".join([f"### {folder.name}", "", *genomics_control_table(folder)]))
+        return 0
+    if args.plot is None:
+        parser.error("--plot is required for benchmarks.compare folders")
     labels = args.labels or [run.name for run in args.runs]
     if len(labels) != len(args.runs):
         parser.error("give one label per folder")
