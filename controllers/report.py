@@ -223,6 +223,24 @@ def final_site_table(workspace: Path) -> str | None:
     return "\n".join(lines)
 
 
+def privacy_table(records: Sequence[dict[str, Any]]) -> str | None:
+    """DP-SGD jobs (docs/privacy.md): each site's epsilon over every step it has taken so far, per round (``-``: the
+    site did not train that round), at the delta the sites report; ``None`` without DP."""
+    rounds = [r for r in records if r.get("privacy")]
+    if not rounds:
+        return None
+    sites = sorted({site for r in rounds for site in r["privacy"]})
+    deltas = sorted({p.get("delta") for r in rounds for p in r["privacy"].values()}, key=str)
+    width = max(len(site) for site in sites) + 2
+    lines = [f"{'round':>5}" + "".join(f"{site:>{max(width, 10)}}" for site in sites)]
+    for record in rounds:
+        cells = "".join(
+            f"{_fmt((record['privacy'].get(site) or {}).get('epsilon')):>{max(width, 10)}}" for site in sites
+        )
+        lines.append(f"{record['round'] + 1:>5}{cells}")
+    return f"epsilon per site (delta {', '.join(str(d) for d in deltas)}):\n" + "\n".join(lines)
+
+
 def _fmt(value: Any) -> str:
     return f"{value:.4f}" if isinstance(value, int | float) else "-"
 
@@ -318,6 +336,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"both; gain = personal - global, higher is better; mean {mean_gain:+.4f}):\n"
                 f"{format_gains(gains, metric)}"
             )
+        privacy = privacy_table(records)
+        if privacy:
+            print(privacy)
         table = final_site_table(workspace)
         if table:
             print(f"the final global model at every site ({workspace / FINAL_SCORES}):\n{table}")

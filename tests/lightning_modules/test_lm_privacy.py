@@ -318,3 +318,24 @@ def test_the_round_record_carries_privacy_per_site():
     )
     assert site_metrics([update])["privacy"] == {SITE: {"epsilon": 1.5, "steps": 7}}
     assert "privacy" not in site_metrics([ClientUpdate(site=SITE, params={}, num_samples=4, meta={})])
+
+
+def test_the_report_shows_epsilon_per_site_per_round():
+    from controllers.report import privacy_table
+
+    records = [
+        {"stage": "initial"},
+        {
+            "stage": "round",
+            "round": 0,
+            "privacy": {"site-1": {"epsilon": 1.5, "delta": 1e-5}, "site-2": {"epsilon": 2.25, "delta": 1e-5}},
+        },
+        {"stage": "round", "round": 1, "privacy": {"site-1": {"epsilon": 2.0, "delta": 1e-5}}},
+    ]
+    assert privacy_table(records).splitlines() == [
+        "epsilon per site (delta 1e-05):",
+        "round    site-1    site-2",
+        "    1    1.5000    2.2500",
+        "    2    2.0000         -",
+    ]
+    assert privacy_table([{"stage": "round", "round": 0}]) is None
