@@ -1,0 +1,184 @@
+"""What sample-level DP-SGD costs a site: step time with DP-SGD divided by the non-private step, and peak memory.
+
+Each measurement is one process (so its peak resident memory, ``ru_maxrss``, is that of one site training): it
+builds the model, a synthetic training set of ``--samples`` records, and fits ``--epochs`` epochs with the bundle's
+client-algorithm callback (FedAvg), either plain (a shuffled loader) or with DP-SGD (Opacus's Poisson loader,
+per-sample gradients, clipping to C = 1 and noise sigma = 1; the ledger in a temporary state store). The seconds per
+optimizer step are taken over every epoch but the first (warm-up). Private and plain processes alternate, ``--repeats``
+times, and the table shows medians; the ratio is median private / median plain.
+
+Models: ``lenet5`` (the built-in classifier on 28x28 images) and ``cnn_transformer`` (the genomics consortium's model
+with ``attention="linear"``, 127 SNPs, the DP-SGD-ready variant; its non-private row uses the same variant, so the
+ratio is DP-SGD's cost alone).
+
+Run: ``python -m benchmarks.dp_overhead --out benchmarks/results/dp_overhead.md``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+MODELS = ("lenet5", "cnn_transformer")
+
+
+def build(model: str, samples: int) -> tuple[Any, Any]:
+    """The module and a synthetic training set for ``model``."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    if model == "lenet5":
+        from lightning_modules.classifier import FLClassifier
+
+        module = FLClassifier(arch="lenet5", num_classes=10, lr=0.05)
+        x, y = (
+            torch.rand(samples, 1, 28, 28, generator=generator),
+            torch.randint(0, 10, (samples,), generator=generator),
+        )
+    else:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+        from genomics.model import SnpClassifier
+
+        module = SnpClassifier(arch="cnn_transformer", attention="linear", n_snps=127, num_classes=5, lr=1e-3)
+        x, y = (
+            torch.randint(0, 3, (samples, 127), generator=generator),
+            torch.randint(0, 5, (samples,), generator=generator),
+        )
+    return module, torch.utils.data.TensorDataset(x, y)
+
+
+class StepClock:
+    """Seconds per optimizer step after the first epoch."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.epoch = 0
+
+    def callback(self) -> Any:
+        import pytorch_lightning as pl
+
+        clock = self
+
+        class Clock(pl.Callback):
+            def on_train_epoch_start(self, trainer, pl_module):
+                clock.epoch = trainer.current_epoch
+
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                clock.started = time.perf_counter()
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                if clock.epoch > 0:
+                    clock.times.append(time.perf_counter() - clock.started)
+
+        return Clock()
+
+
+def measure_one(model: str, private: bool, samples: int, batch_size: int, epochs: int) -> dict[str, Any]:
+    """One site's fit (this process): seconds per step (median) and peak resident memory (MiB)."""
+    import pytorch_lightning as pl
+    import torch
+
+    from aggregators import meta_keys
+    from lightning_modules.federated import FederatedAlgorithm
+    from lightning_modules.privacy import PrivacyConfig
+    from lightning_modules.privacy.dp_sgd import DPSGD, poisson_loader
+    from lightning_modules.state_store import ClientStateStore
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    module, dataset = build(model, samples)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True)
+    privacy = None
+    with tempfile.TemporaryDirectory() as state:
+        if private:
+            store = ClientStateStore(state, "site-1")
+            privacy = DPSGD(PrivacyConfig(max_grad_norm=1.0, noise_multiplier=1.0), "site-1", store, epochs)
+            loader = poisson_loader(loader, torch.Generator().manual_seed(0))
+        meta = {meta_keys.ROUND: 0, meta_keys.NUM_ROUNDS: 1, meta_keys.RUN_ID: "bench"}
+        callback = FederatedAlgorithm("fedavg", site="site-1", meta_source=lambda: meta, privacy=privacy)
+        clock = StepClock()
+        trainer = pl.Trainer(
+            max_epochs=epochs,
+            accelerator="cpu",
+            callbacks=[callback, clock.callback()],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(module, train_dataloaders=loader)
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    return {"seconds_per_step": statistics.median(clock.times), "steps": len(clock.times), "peak_mib": peak_mib}
+
+
+def run_child(model: str, private: bool, args: argparse.Namespace) -> dict[str, Any]:
+    command = [sys.executable, "-m", "benchmarks.dp_overhead", "--child", model, "1" if private else "0"]
+    command += ["--samples", str(args.samples), "--batch-size", str(args.batch_size), "--epochs", str(args.epochs)]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def table(results: dict[tuple[str, bool], list[dict[str, Any]]], args: argparse.Namespace) -> str:
+    lines = [
+        "| model | ms/step plain | ms/step DP-SGD | DP ÷ plain | peak MiB plain | peak MiB DP-SGD |",
+        "|---|---|---|---|---|---|",
+    ]
+    for model in args.models:
+        plain = [r["seconds_per_step"] for r in results[(model, False)]]
+        private = [r["seconds_per_step"] for r in results[(model, True)]]
+        mem = {p: statistics.median(r["peak_mib"] for r in results[(model, p)]) for p in (False, True)}
+        ratio = statistics.median(private) / statistics.median(plain)
+        lines.append(
+            f"| {model} | {1000 * statistics.median(plain):.2f} | {1000 * statistics.median(private):.2f} | "
+            f"{ratio:.2f} | {mem[False]:.0f} | {mem[True]:.0f} |"
+        )
+    setup = (
+        f"{args.samples} synthetic records, batch {args.batch_size} (DP: expected batch), {args.epochs} epochs (the "
+        f"first dropped), {args.repeats} alternating processes per row, one torch thread; "
+        f"{platform.processor() or platform.machine()}, Python {platform.python_version()}"
+    )
+    return "\n".join(lines) + f"\n\n{setup}\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--samples", type=int, default=512)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--child", nargs=2, metavar=("MODEL", "PRIVATE"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        from controllers.in_process import quiet_lightning
+
+        with quiet_lightning():
+            result = measure_one(args.child[0], args.child[1] == "1", args.samples, args.batch_size, args.epochs)
+        print(json.dumps(result))
+        return 0
+    results: dict[tuple[str, bool], list[dict[str, Any]]] = {}
+    for _ in range(args.repeats):
+        for model in args.models:
+            for private in (False, True):
+                results.setdefault((model, private), []).append(run_child(model, private, args))
+    text = table(results, args)
+    print(text)
+    if args.out:
+        args.out.write_text(
+            f"# DP-SGD step cost and peak memory per site (CPU)\n\n`python -m benchmarks.dp_overhead`\n\n{text}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

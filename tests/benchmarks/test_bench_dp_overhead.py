@@ -1,0 +1,25 @@
+"""Smoke test of benchmarks/dp_overhead.py: one private site's fit measures steps and memory; the table divides."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+pytest.importorskip("opacus")
+
+from benchmarks.dp_overhead import measure_one, table
+
+
+def test_one_private_fit_is_measured():
+    result = measure_one("lenet5", True, samples=64, batch_size=32, epochs=2)
+    assert result["steps"] == 2 and result["seconds_per_step"] > 0 and result["peak_mib"] > 0
+
+
+def test_the_table_shows_the_ratio_of_medians():
+    rows = {
+        ("lenet5", False): [{"seconds_per_step": 0.01, "peak_mib": 100}],
+        ("lenet5", True): [{"seconds_per_step": 0.03, "peak_mib": 120}],
+    }
+    args = argparse.Namespace(models=["lenet5"], samples=64, batch_size=32, epochs=2, repeats=1)
+    assert "| lenet5 | 10.00 | 30.00 | 3.00 | 100 | 120 |" in table(rows, args)
