@@ -1,0 +1,493 @@
+"""Leakage measured: membership-inference attacks on the final global model of a federation.
+
+    python -m benchmarks.privacy --out benchmarks/results/privacy.md                   # the committed page
+    python -m benchmarks.privacy --tasks fmnist --seeds 0 --shadows 2 --rounds 1 ...   # a quick look
+    python -m benchmarks.privacy --set dp_noise_multiplier=1.0 ...                     # any JobSpec setting, as JSON
+
+Two attacks, scored on an *audit set* of records whose membership is known (members: the records some site of the
+target federation trained on; non-members: records of the same distribution no site trained on):
+
+- **loss threshold** (Yeom, Giacomelli, Fredrikson, Jha, CSF 2018): score = -loss of the record under the target
+  model; no shadow model.
+- **LiRA, offline** (Carlini, Chien, Nasr, Song, Terzis, Tramèr, S&P 2022): ``--shadows`` shadow federations are run
+  with the target's protocol on other random draws of the data (other seeds); for each audit record, the shadows
+  that did not train on it give its "out" distribution of the logit-scaled confidence
+  phi = log(p_y / (1 - p_y)), fitted by a Gaussian with a per-record mean and one variance pooled over all
+  records (the paper's choice with few shadows); the score is the standardised (phi_target - mu_out) / sigma_out, a
+  monotone function of the one-sided likelihood ratio. Records with no "out" shadow are left out (counted).
+
+Reported per task and target seed: attack AUC, TPR at 1 % and 0.1 % FPR (the resolution is 1 / non-members), and the
+target's test accuracy; then the mean and standard deviation over seeds. Only the final global model is attacked:
+the federations here are FedAvg, which keeps no personalized model.
+
+Tasks (small on purpose: a 2-core CPU shared by others; the protocol is written into the page):
+
+- ``fmnist``: Fashion-MNIST, LeNet-5, 3 sites Dirichlet(0.5) over a seeded subset of the training images; the
+  audit set is the three targets' members plus as many other training images;
+- ``1kg``: the 1000 Genomes AISNP panel (examples/genomics, the consortium's data module and model, MLP), 3 sites
+  Dirichlet(0.5) over the people outside the fixed 20 % test set; every site keeps half of its share out of training
+  (its validation split), so each person is a member of about 40 % of the federations; the audit set is everyone.
+
+``--set KEY=VALUE`` applies any :class:`jobs.spec.JobSpec` setting (VALUE is JSON) to the targets and the shadows
+alike: a server rule (``server=dp_fedavg`` with ``server_args={...}``) or the sites' DP-SGD settings, so the same
+command measures a private federation. Every federation's scores are kept under ``--work`` and never recomputed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.compare import mean_std
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+FPRS = (0.01, 0.001)
+TARGET_SEEDS = (0, 1, 2)
+SHADOW_SEED0 = 100  # shadow federations use seeds SHADOW_SEED0, SHADOW_SEED0 + 1, ...
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Attack statistics (pure)
+# --------------------------------------------------------------------------------------------------------------------
+def roc_auc(members: np.ndarray, non_members: np.ndarray) -> float:
+    """P(score of a member > score of a non-member), ties counting one half (Mann-Whitney U / (n1 n0))."""
+    scores = np.concatenate([members, non_members])
+    order = np.argsort(scores, kind="mergesort")
+    ranks = np.empty(len(scores))
+    sorted_scores = scores[order]
+    # Average ranks over ties.
+    starts = np.r_[0, np.flatnonzero(np.diff(sorted_scores)) + 1]
+    ends = np.r_[starts[1:], len(scores)]
+    for start, end in zip(starts, ends, strict=True):
+        ranks[order[start:end]] = (start + end + 1) / 2
+    n1, n0 = len(members), len(non_members)
+    return float((ranks[:n1].sum() - n1 * (n1 + 1) / 2) / (n1 * n0))
+
+
+def tpr_at_fpr(members: np.ndarray, non_members: np.ndarray, fpr: float) -> float:
+    """The share of members scored above a threshold that at most ``fpr`` of the non-members exceed."""
+    ranked = np.sort(non_members)[::-1]
+    allowed = math.floor(fpr * len(ranked))
+    threshold = ranked[allowed] if allowed < len(ranked) else -np.inf
+    return float(np.mean(members > threshold))
+
+
+def logit_confidence(logits: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(loss, phi) per record: cross-entropy and log(p_y / (1 - p_y)), both from the logits in float64 with
+    log-sum-exp, so a confident model does not round p_y to 1."""
+    z = np.asarray(logits, dtype=np.float64)
+    true = z[np.arange(len(z)), labels]
+    top = z.max(axis=1, keepdims=True)
+    log_total = top[:, 0] + np.log(np.exp(z - top).sum(axis=1))
+    others = z.copy()
+    others[np.arange(len(z)), labels] = -np.inf
+    top_others = others.max(axis=1, keepdims=True)
+    log_others = top_others[:, 0] + np.log(np.exp(others - top_others).sum(axis=1))
+    return log_total - true, true - log_others
+
+
+def lira_offline_scores(
+    target_phi: np.ndarray, shadow_phi: np.ndarray, shadow_in: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(score, usable) per record: (phi - mu_out) / sigma_out with mu_out the mean over the shadows that did not
+    train on the record (``shadow_in`` False) and sigma_out pooled over every record's out shadows; ``usable`` is
+    False for a record no shadow left out."""
+    out = ~np.asarray(shadow_in, dtype=bool)
+    counts = out.sum(axis=0)
+    usable = counts > 0
+    mu = np.where(usable, (shadow_phi * out).sum(axis=0) / np.maximum(counts, 1), 0.0)
+    residuals = (shadow_phi - mu)[out]
+    dof = max(int(out.sum()) - int(usable.sum()), 1)
+    sigma = max(math.sqrt(float((residuals**2).sum()) / dof), 1e-12)
+    return (target_phi - mu) / sigma, usable
+
+
+def attack_metrics(scores: np.ndarray, is_member: np.ndarray) -> dict[str, float]:
+    """AUC and TPR at each of :data:`FPRS` for one attack's scores."""
+    members, non_members = scores[is_member], scores[~is_member]
+    values = {"auc": roc_auc(members, non_members)}
+    for fpr in FPRS:
+        values[f"tpr@{fpr:g}"] = tpr_at_fpr(members, non_members, fpr)
+    return values
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Tasks: the federation's settings, the audit set and who trained on what
+# --------------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Task:
+    name: str
+    settings: Callable[[int, int], dict[str, Any]]  # (seed, rounds) -> JobSpec values
+    rounds: int
+
+
+def fmnist_settings(seed: int, rounds: int) -> dict[str, Any]:
+    return dict(
+        dataset="fashion_mnist",
+        arch="lenet5",
+        num_sites=3,
+        scheme="dirichlet",
+        alpha=0.5,
+        max_train_samples=1500,
+        max_test_samples=2000,
+        epochs=2,
+        batch_size=32,
+        lr=0.05,
+        num_rounds=rounds,
+        seed=seed,
+    )
+
+
+def genomics_settings(seed: int, rounds: int) -> dict[str, Any]:
+    return dict(
+        model="genomics.model:SnpClassifier",
+        model_args={"arch": "mlp", "n_snps": 127, "num_classes": 5, "lr": 1e-3},
+        data="genomics.data:SnpSites",
+        data_args={
+            "source": "1kg",
+            "split": "dirichlet",
+            "alpha": 0.5,
+            "val_fraction": 0.5,
+            "batch_size": 32,
+            "seed": seed,
+        },
+        ship=str(EXAMPLES / "genomics"),
+        num_sites=3,
+        epochs=2,
+        num_rounds=rounds,
+        seed=seed,
+    )
+
+
+TASKS = {"fmnist": Task("fmnist", fmnist_settings, 10), "1kg": Task("1kg", genomics_settings, 10)}
+#: The protocol of each task in words, for the page.
+PROTOCOLS = {
+    "fmnist": (
+        "Fashion-MNIST, LeNet-5, 3 sites Dirichlet(0.5) over a seeded subset of 1,500 training images, 2 local "
+        "epochs per round, batch 32, SGD lr 0.05; audit set: the three targets' members and as many other training "
+        "images; test accuracy on the first 2,000 test images"
+    ),
+    "1kg": (
+        "1000 Genomes AISNP panel (2,504 people, 127 SNPs, 5 super-populations), the genomics example's MLP, 3 sites "
+        "Dirichlet(0.5) over the 80 % outside the fixed test set, each site training on half of its share (the other "
+        "half is its validation split), 2 local epochs per round, batch 32, AdamW lr 1e-3; audit set: everyone; test "
+        "accuracy on the fixed 20 % test set"
+    ),
+}
+
+
+def record_keys(x: np.ndarray, y: np.ndarray) -> list[bytes]:
+    """One key per record (its features and label): how membership is told, whatever the loaders' indexing."""
+    # One dtype whatever the loader's (int8 genotypes in the panel, int64 in the data module's tensors).
+    flat = np.ascontiguousarray(np.asarray(x, dtype=np.float32).reshape(len(x), -1))
+    return [row.tobytes() + int(label).to_bytes(2, "little") for row, label in zip(flat, np.asarray(y), strict=True)]
+
+
+def training_records(spec: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Every record some site of ``spec`` trains on (the sites' training splits, concatenated)."""
+    if spec.model is None:
+        from controllers.in_process import site_args
+        from data_prep import SiteDataConfig, site_split
+
+        config = SiteDataConfig.from_namespace(site_args(spec))
+        parts = [site_split(config, f"site-{i + 1}") for i in range(spec.num_sites)]
+    else:
+        from lightning_modules.own_model import build_user_data
+
+        parts = []
+        for i in range(spec.num_sites):
+            data = build_user_data(spec.data, spec.data_args, f"site-{i + 1}", spec.num_sites)
+            parts.append(tuple(t.numpy() for t in data.train.tensors))
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+
+def population(spec: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(training pool x, y, test x, y) of the task: the records members and non-members are drawn from, and the
+    held-out test set the target's accuracy is measured on."""
+    if spec.model is None:
+        from data_prep import load_dataset
+
+        data = load_dataset(spec.dataset)
+        return data.train_x, data.train_y, data.test_x[: spec.max_test_samples], data.test_y[: spec.max_test_samples]
+    from data_prep.genomics import held_out_split, source_data
+
+    data = source_data(spec.data_args["source"])
+    x, y = np.asarray(data.genotypes), np.asarray(data.labels)
+    _, test = held_out_split(y, 0.2)
+    return x, y, x[test], y[test]
+
+
+def module_with(spec: Any, params: Mapping[str, np.ndarray]) -> Any:
+    """The job's model holding ``params``, in eval mode."""
+    import torch
+
+    if spec.model is None:
+        from jobs.spec import dataset_num_classes, model_arch_args
+        from lightning_modules.classifier import FLClassifier
+
+        arch_args = model_arch_args(spec) or None
+        module = FLClassifier(arch=spec.arch, num_classes=dataset_num_classes(spec.dataset), arch_args=arch_args)
+    else:
+        from lightning_modules.own_model import build_user_module
+
+        module = build_user_module(spec.model, spec.model_args, seed=spec.seed)
+    module.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in params.items()})
+    return module.eval()
+
+
+def model_logits(module: Any, x: np.ndarray, batch: int = 1024) -> np.ndarray:
+    import torch
+
+    tensor_type = torch.long if np.issubdtype(np.asarray(x).dtype, np.integer) else torch.float32
+    with torch.no_grad():
+        return np.concatenate(
+            [module(torch.tensor(x[i : i + batch], dtype=tensor_type)).float().numpy() for i in range(0, len(x), batch)]
+        )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Running federations
+# --------------------------------------------------------------------------------------------------------------------
+def build_spec(task: Task, seed: int, rounds: int, overrides: Mapping[str, Any]) -> Any:
+    from jobs.spec import spec_from_values
+
+    return spec_from_values(f"privacy_{task.name}_s{seed}", {**task.settings(seed, rounds), **overrides})
+
+
+def federation_scores(spec: Any, audit_x: np.ndarray, audit_y: np.ndarray, test: tuple) -> dict[str, Any]:
+    """Run ``spec``'s federation in process; its final model's loss and phi on the audit set, its test accuracy."""
+    from controllers.in_process import quiet_lightning, run_in_process
+
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="fedalg_privacy_") as state_root, quiet_lightning():
+        run = run_in_process(spec, Path(state_root), evaluate=False, run_id=spec.name)
+    module = module_with(spec, run.params)
+    loss, phi = logit_confidence(model_logits(module, audit_x), audit_y)
+    accuracy = float(np.mean(model_logits(module, test[0]).argmax(axis=1) == test[1]))
+    diagnostics = (run.rounds[-1].get("rule_diagnostics") or {}) if run.rounds else {}
+    return {"loss": loss, "phi": phi, "test_accuracy": accuracy, "wall_s": time.monotonic() - started, **diagnostics}
+
+
+def cached(path: Path, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """A federation's scores from ``path`` (an .npz), computing and writing them first if absent."""
+    if path.exists():
+        with np.load(path, allow_pickle=False) as stored:
+            return {key: stored[key] if stored[key].ndim else stored[key].item() for key in stored.files}
+    values = compute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(path, **values)
+    return values
+
+
+def audit_set(task: Task, rounds: int, overrides: Mapping[str, Any], seeds: Sequence[int]) -> dict[str, Any]:
+    """The records every model is scored on, and the pool's test split (task docstrings in the module's)."""
+    spec = build_spec(task, seeds[0], rounds, overrides)
+    pool_x, pool_y, test_x, test_y = population(spec)
+    if len(pool_y) <= 5000:  # the genotype panel: everyone
+        return {"x": pool_x, "y": pool_y, "test": (test_x, test_y)}
+    members = set()
+    for seed in seeds:
+        members.update(record_keys(*training_records(build_spec(task, seed, rounds, overrides))))
+    keys = record_keys(pool_x, pool_y)
+    chosen = [i for i, key in enumerate(keys) if key in members]
+    others = np.setdiff1d(np.arange(len(keys)), chosen)
+    extra = np.random.default_rng(7).choice(others, size=len(chosen), replace=False)
+    index = np.sort(np.concatenate([chosen, extra]))
+    return {"x": pool_x[index], "y": pool_y[index], "test": (test_x, test_y)}
+
+
+def membership(spec: Any, audit_keys: Sequence[bytes]) -> np.ndarray:
+    trained = set(record_keys(*training_records(spec)))
+    return np.array([key in trained for key in audit_keys])
+
+
+def measure_task(
+    task: Task, seeds: Sequence[int], shadows: int, rounds: int, overrides: Mapping[str, Any], work: Path
+) -> dict[str, Any]:
+    """Both attacks on every target seed, with one pool of shadow federations shared by the targets."""
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    audit = audit_set(task, rounds, overrides, seeds)
+    keys = record_keys(audit["x"], audit["y"])
+    folder = work / task.name / f"r{rounds}"
+    if overrides:  # another protocol: other federations
+        folder = folder.with_name(
+            f"r{rounds}_" + hashlib.sha256(json.dumps(overrides, sort_keys=True).encode()).hexdigest()[:10]
+        )
+
+    def scored(seed: int) -> tuple[Any, dict[str, Any]]:
+        spec = build_spec(task, seed, rounds, overrides)
+        values = cached(
+            folder / f"seed{seed}.npz", lambda: federation_scores(spec, audit["x"], audit["y"], audit["test"])
+        )
+        print(f"[privacy] {task.name} seed {seed}: test accuracy {float(values['test_accuracy']):.4f}", flush=True)
+        return spec, values
+
+    shadow_runs = [scored(SHADOW_SEED0 + j) for j in range(shadows)]
+    shadow_phi = np.stack([values["phi"] for _, values in shadow_runs])
+    shadow_in = np.stack([membership(spec, keys) for spec, _ in shadow_runs])
+    results, walls = [], [float(values["wall_s"]) for _, values in shadow_runs]
+    for seed in seeds:
+        spec, values = scored(seed)
+        walls.append(float(values["wall_s"]))
+        is_member = membership(spec, keys)
+        lira, usable = lira_offline_scores(values["phi"], shadow_phi, shadow_in)
+        results.append(
+            {
+                "seed": seed,
+                "test_accuracy": float(values["test_accuracy"]),
+                "members": int(is_member.sum()),
+                "non_members": int((~is_member).sum()),
+                "loss": attack_metrics(-values["loss"], is_member),
+                "lira": attack_metrics(lira[usable], is_member[usable]),
+                "lira_left_out": int((~usable).sum()),
+                "epsilon": float(values["dp_fedavg.epsilon"]) if "dp_fedavg.epsilon" in values else None,
+            }
+        )
+    return {
+        "task": task.name,
+        "rounds": rounds,
+        "shadows": shadows,
+        "overrides": dict(overrides),
+        "federation_minutes": sum(walls) / 60,
+        "seeds": results,
+    }
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The page
+# --------------------------------------------------------------------------------------------------------------------
+def _pct(values: Sequence[float]) -> str:
+    mean, std = mean_std(values)
+    return f"{100 * mean:.1f} ± {100 * std:.1f}"
+
+
+def task_table(result: Mapping[str, Any]) -> list[str]:
+    header = "| seed | test acc. | members / non-members | attack | AUC | TPR @ 1 % FPR | TPR @ 0.1 % FPR |"
+    lines = [header, "|---|---|---|---|---|---|---|"]
+    for row in result["seeds"]:
+        for attack in ("loss", "lira"):
+            m = row[attack]
+            lines.append(
+                f"| {row['seed']} | {row['test_accuracy']:.3f} | {row['members']} / {row['non_members']} | "
+                f"{ATTACK_NAMES[attack]} | {m['auc']:.3f} | {100 * m['tpr@0.01']:.1f} % | "
+                f"{100 * m['tpr@0.001']:.1f} % |"
+            )
+    for attack in ("loss", "lira"):
+        rows = [row[attack] for row in result["seeds"]]
+        lines.append(
+            f"| mean ± std | {_pct([r['test_accuracy'] for r in result['seeds']])} % | | {ATTACK_NAMES[attack]} | "
+            f"{_pct([r['auc'] for r in rows])} % | {_pct([r['tpr@0.01'] for r in rows])} % | "
+            f"{_pct([r['tpr@0.001'] for r in rows])} % |"
+        )
+    return lines
+
+
+ATTACK_NAMES = {"loss": "loss threshold", "lira": "LiRA offline"}
+
+
+def best_attack_line(result: Mapping[str, Any]) -> str:
+    """The attack with the higher mean TPR at 1 % FPR, against chance (AUC 0.5, TPR = FPR)."""
+    means = {a: mean_std([r[a]["tpr@0.01"] for r in result["seeds"]])[0] for a in ATTACK_NAMES}
+    attack = max(means, key=means.get)
+    aucs = [r[attack]["auc"] for r in result["seeds"]]
+    return (
+        f"Strongest attack: {ATTACK_NAMES[attack]}, AUC {_pct(aucs)} % and TPR at 1 % FPR "
+        f"{100 * means[attack]:.1f} % (chance: 50 % and 1 %)."
+    )
+
+
+def write_page(results: Sequence[Mapping[str, Any]], out: Path, command: str) -> None:
+    minutes = sum(result["federation_minutes"] for result in results)
+    lines = [
+        "# Membership inference against the final global model",
+        "",
+        f"Command: `{command}` (its federations ran {minutes:.1f} min in all on a shared 2-core CPU, one thread each; "
+        "a rerun reads them from `--work`). Method and protocol: "
+        "`benchmarks/privacy.py` (module docstring); the privacy guarantees these numbers are to be read against: "
+        "[docs/privacy.md](../../docs/privacy.md).",
+        "",
+        "An attack that guesses does no better than AUC 0.5 and a TPR equal to the FPR; TPR at 0.1 % FPR rests on a "
+        "handful of non-members (its resolution is 1 / non-members) and is noisy. Seeds: the target federations' "
+        "seeds draw the data subset, the split over the sites and the initial model; the shadows use other seeds.",
+        "",
+    ]
+    for result in results:
+        overrides = result["overrides"] or "none (no DP)"
+        lines += [
+            f"## {result['task']}",
+            "",
+            f"FedAvg, {result['rounds']} rounds, {result['shadows']} shadow federations (seeds {SHADOW_SEED0}.."
+            f"{SHADOW_SEED0 + result['shadows'] - 1}), target seeds "
+            f"{', '.join(str(r['seed']) for r in result['seeds'])}; settings over the task's: {overrides}.",
+            "",
+            PROTOCOLS[result["task"]] + ".",
+            "",
+            *task_table(result),
+            "",
+            best_attack_line(result),
+            "",
+        ]
+        epsilons = [row["epsilon"] for row in result["seeds"] if row["epsilon"] is not None]
+        if epsilons:
+            lines += [f"Client-level epsilon of DP-FedAvg after the last round: {max(epsilons):.3g}.", ""]
+    out.write_text("\n".join(lines) + "\n")
+
+
+def parse_overrides(pairs: Sequence[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs, VALUE read as JSON when it is JSON (else the text)."""
+    overrides = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"error: --set takes KEY=VALUE, got {pair!r}")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    return overrides
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=list(TARGET_SEEDS))
+    parser.add_argument("--shadows", type=int, default=8, help="shadow federations per task (shared by the seeds)")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds of every federation (default: the task's)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--work", type=Path, default=Path("runs/privacy"), help="cached scores of every federation")
+    parser.add_argument("--out", type=Path, default=None, help="write the page here (and its JSON beside it)")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    if args.shadows < 1:
+        raise SystemExit("error: --shadows must be at least 1 (LiRA needs shadow models)")
+    import torch
+
+    torch.set_num_threads(args.threads)
+    overrides = parse_overrides(args.overrides)
+    results = [
+        measure_task(TASKS[name], args.seeds, args.shadows, args.rounds or TASKS[name].rounds, overrides, args.work)
+        for name in args.tasks
+    ]
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        command = "python -m benchmarks.privacy " + " ".join(sys.argv[1:] if argv is None else argv)
+        write_page(results, args.out, command)
+        args.out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+    print(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
