@@ -64,6 +64,17 @@ PRESET_SETTINGS: dict[str, dict[str, Any]] = {
     # the job (custom/genomics/); 1000 Genomes panel, Dirichlet 0.1 over super-populations, AdamW.
     "snp_scaffold": dict(client="scaffold", server="scaffold", **SNP_JOB),
     "snp_fedavg": dict(**SNP_JOB),
+    # A model in the consortium's own architecture (examples/genomics_consortium: per-haploblock embeddings, Conv1d +
+    # BatchNorm1d, transformer encoder, focal loss, AdamW with cosine warm restarts) on the same data module, shipped
+    # beside it; FedAvg, whose clients are correct with AdamW as they are. Not tuned.
+    "snp_consortium": dict(
+        model="genomics_consortium.model:HaploblockClassifier",
+        model_args={"n_snps": 127, "num_classes": 5},
+        data=SNP_JOB["data"],
+        data_args=SNP_JOB["data_args"],
+        ship=f"{EXAMPLES / 'genomics'},{EXAMPLES / 'genomics_consortium'}",
+        num_rounds=10,
+    ),
     # Partial sharing (docs/personalization.md): FedBN keeps every BatchNorm entry at its site (the small BatchNorm
     # CNN), FedRep keeps the classifier head (the model's declared head) and trains it 2 epochs before each body epoch
     # (the paper's 10 was chosen on its datasets; 2 keeps the example short, not tuned).

@@ -143,7 +143,8 @@ class UserCodeSettings:
     ship: str = setting(
         "",
         "comma-separated package folders copied into the job's custom/ so that the server and the sites can import "
-        "your classes without installing them (NVFlare's bring-your-own-code)",
+        "your classes without installing them (NVFlare's bring-your-own-code); each needs an __init__.py, and every "
+        "package of yours that a shipped one imports must be shipped too",
         side=SERVER,
     )
 
@@ -230,7 +231,12 @@ class RoundSettings:
     """The server: its rule, the rounds and which sites take part in each."""
 
     server: str = setting("fedavg", "server aggregation rule", side=SERVER, registry="aggregators.registry:RULES")
-    server_args: dict[str, Any] = setting({}, "server rule hyperparameters, a JSON object", side=SERVER)
+    server_args: dict[str, Any] = setting(
+        {},
+        'server rule hyperparameters, a JSON object (e.g. {"alpha":0.01}: FedDyn\'s alpha is a server argument, sent '
+        "to the sites every round, never in --client-args)",
+        side=SERVER,
+    )
     num_rounds: int = setting(10, "federated rounds", side=SERVER, ge=1)
     clients_per_round: int | float | None = setting(
         None,

@@ -282,7 +282,9 @@ def shipped_folders(spec: JobSpec) -> list[Path]:
     folders = [Path(p.strip()) for p in spec.ship.split(",") if p.strip()]
     for folder in folders:
         if not (folder / "__init__.py").is_file():
-            raise JobBuildError(f"ship: {str(folder)!r} is not a package folder (no __init__.py) from {Path.cwd()}")
+            raise JobBuildError(
+                f"ship: {str(folder)!r} is not a package folder (no __init__.py: add an empty one) from {Path.cwd()}"
+            )
     return folders
 
 

@@ -1,0 +1,143 @@
+"""The consortium's LightningDataModule: each site's genotypes, a validation split, and a held-out test set.
+
+In simulation (no ``data_file``) every site derives its share from one source, with no coordination:
+
+- ``source="1kg"``: the 1000 Genomes people at 127 ancestry-informative SNPs (``data_prep.genomics``), labelled by
+  super-population (5 classes) or, with ``label="population"``, population (``populations`` keeps a subset, e.g.
+  ``["CHB", "GBR", "PUR"]``);
+- ``source="sim"``: a simulated cohort (``data_prep.genomics_sim``; ``n_snps``, ``samples_per_population``),
+  with each person's true ancestry proportions for ``target="proportions"``.
+
+A fixed stratified 20 % of the people is held out as a test set that no site trains on (``test_dataloader``; for
+benchmarks only: a real federation has no such set). The rest is split over the sites with ``split``: ``iid``,
+``dirichlet`` (over populations, concentration ``alpha``) or ``population`` (site = population). Each site keeps
+``val_fraction`` of its share for validation (the site evaluation of the global model).
+
+A real site reads its own genotype CSV (``sample``, one column per SNP, a ``population`` column) with the
+consortium's SNP table (a CSV of ``snp,ref,alt`` rows) and the agreed ``classes`` (population names, in order). The
+job ships the same arguments to every site, so the paths come from the site's environment: ``$FEDALG_SITE_GENOTYPES``
+and ``$FEDALG_SNP_TABLE`` (or the ``data_file`` / ``snp_table`` arguments). ``data_file`` may also be a VCF / VCF.gz /
+BCF, a PLINK 1 ``.bed`` or a PLINK 2 ``.pgen`` (harmonised against a ``snp,chrom,pos,ref,alt`` table on the fly) or
+the ``.npz`` of ``python -m data_prep.genotypes harmonise``, with labels from ``$FEDALG_SITE_LABELS`` / ``labels_file``
+(``data_prep.genotypes.site``); those stay int8 (memory-mapped for an ``.npz``) and are converted a batch at a time.
+
+Batches are ``(states, target)``: int64 genotype states (0/1/2 copies of the alternative allele, 3 = missing) and the
+class index, or the float ancestry proportions for ``target="proportions"``.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from collections.abc import Sequence
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from data_prep import DataPrepError, partition, site_index
+from data_prep.genomics import GenotypeData, SnpTable, held_out_split, read_genotype_csv, source_data
+from data_prep.genotypes.loader import GenotypeRows, genotype_loader
+from data_prep.genotypes.site import LABELS_ENV, is_genotype_input, resolve, site_genotypes
+
+TEST_FRACTION = 0.2
+GENOTYPES_ENV, SNP_TABLE_ENV = "FEDALG_SITE_GENOTYPES", "FEDALG_SNP_TABLE"
+
+
+class SnpSites(pl.LightningDataModule):
+    def __init__(
+        self,
+        site: str = "site-1",
+        num_sites: int = 3,
+        source: str = "1kg",
+        split: str = "dirichlet",
+        alpha: float = 0.1,
+        label: str = "superpopulation",
+        populations: Sequence[str] | None = None,
+        n_snps: int = 1000,
+        samples_per_population: int = 250,
+        target: str = "population",
+        seed: int = 0,
+        val_fraction: float = 0.2,
+        batch_size: int = 128,
+        data_file: str | None = None,
+        snp_table: str | None = None,
+        classes: Sequence[str] | None = None,
+        labels_file: str | None = None,
+    ) -> None:
+        super().__init__()
+        if target not in ("population", "proportions"):
+            raise DataPrepError(f"{site}: target must be 'population' or 'proportions', got {target!r}")
+        self.site, self.target, self.batch_size, self.val_fraction = site, target, batch_size, val_fraction
+        self.seed = seed
+        data_file = resolve(data_file, GENOTYPES_ENV, site, os.environ)
+        snp_table = resolve(snp_table, SNP_TABLE_ENV, site, os.environ)
+        if data_file and is_genotype_input(data_file):
+            self._genotype_file(data_file, snp_table, resolve(labels_file, LABELS_ENV, site, os.environ), classes)
+            return
+        if data_file:
+            own = _site_file(site, data_file, snp_table, classes)
+            self.test = None
+        else:
+            data = source_data(source, label, populations, n_snps, samples_per_population)
+            if target == "proportions" and data.proportions is None:
+                raise DataPrepError(f"{site}: target 'proportions' needs source='sim' (true ancestry is known there)")
+            train, test = held_out_split(data.labels, TEST_FRACTION)
+            parts = partition(data.labels[train], num_sites, split, seed=seed, alpha=alpha)
+            own = _subset(data, train[parts[site_index(site, num_sites)]])
+            self.test = self._tensors(_subset(data, test))
+        order = np.random.default_rng([seed, 1]).permutation(len(own.labels))
+        n_val = round(val_fraction * len(order))
+        self.val = self._tensors(_subset(own, order[:n_val]))
+        self.train = self._tensors(_subset(own, order[n_val:]))
+        self.num_snps, self.classes = own.genotypes.shape[1], own.classes
+
+    def _tensors(self, data: GenotypeData) -> TensorDataset:
+        x = torch.as_tensor(np.asarray(data.genotypes), dtype=torch.long)
+        if self.target == "proportions":
+            return TensorDataset(x, torch.as_tensor(data.proportions, dtype=torch.float32))
+        return TensorDataset(x, torch.as_tensor(np.asarray(data.labels), dtype=torch.long))
+
+    def _genotype_file(
+        self, data_file: str, snp_table: str | None, labels_file: str | None, classes: Sequence[str] | None
+    ) -> None:
+        """A VCF/BCF/PLINK file or harmonised .npz: int8 rows streamed a batch at a time (no int64 matrix)."""
+        if classes is None or self.target != "population":
+            raise DataPrepError(f"{self.site}: a genotype file needs the agreed classes and target 'population'")
+        own = site_genotypes(self.site, data_file, classes, snp_table, labels_file)
+        order = np.random.default_rng([self.seed, 1]).permutation(len(own.labels))
+        n_val = round(self.val_fraction * len(order))
+        val, train = np.sort(order[:n_val]), np.sort(order[n_val:])
+        self.val = GenotypeRows(own.genotypes, own.labels[val], val)
+        self.train = GenotypeRows(own.genotypes, own.labels[train], train)
+        self.test, self.num_snps, self.classes = None, own.genotypes.shape[1], own.classes
+
+    def train_dataloader(self) -> DataLoader:
+        if isinstance(self.train, GenotypeRows):
+            return genotype_loader(self.train, self.batch_size, shuffle=True)
+        return DataLoader(self.train, batch_size=self.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        if isinstance(self.val, GenotypeRows):
+            return genotype_loader(self.val, 512)
+        return DataLoader(self.val, batch_size=512)
+
+    def test_dataloader(self) -> DataLoader:
+        if self.test is None:
+            raise DataPrepError(f"{self.site}: a site reading its own data_file has no shared test set")
+        return DataLoader(self.test, batch_size=512)
+
+
+def _subset(data: GenotypeData, index: np.ndarray) -> GenotypeData:
+    proportions = None if data.proportions is None else data.proportions[index]
+    return GenotypeData(data.genotypes[index], data.labels[index], data.classes, data.snps, proportions, data.name)
+
+
+def _site_file(site: str, data_file: str, snp_table: str | None, classes: Sequence[str] | None) -> GenotypeData:
+    if snp_table is None or classes is None:
+        raise DataPrepError(f"{site}: a data_file needs the consortium's snp_table (snp,ref,alt CSV) and classes")
+    with open(snp_table, newline="") as handle:
+        rows = [row for row in csv.reader(handle) if row and row[0] != "snp"]
+    table = SnpTable(tuple(r[0] for r in rows), tuple((r[1], r[2]) for r in rows))
+    return read_genotype_csv(data_file, table, site=site, classes=classes)
