@@ -11,6 +11,7 @@ import pytest
 
 from benchmarks.privacy import (
     attack_metrics,
+    largest_site_epsilon,
     lira_offline_scores,
     logit_confidence,
     main,
@@ -71,6 +72,16 @@ def test_record_keys_ignore_the_loaders_dtype_and_overrides_read_json():
     }
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         parse_overrides(["oops"])
+
+
+def test_the_largest_sample_level_epsilon_over_sites_and_rounds():
+    rounds = [
+        {"privacy": {"site-1": {"epsilon": 0.5}, "site-2": {"epsilon": 0.7}}},
+        {"privacy": {"site-1": {"epsilon": 0.9}}},
+        {"rule_diagnostics": {}},
+    ]
+    assert largest_site_epsilon(rounds) == 0.9
+    assert largest_site_epsilon([{"stage": "round"}]) is None
 
 
 @pytest.mark.slow
