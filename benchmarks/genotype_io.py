@@ -5,8 +5,9 @@ Measures, on a random cohort (people x SNPs, genotypes 0/1/2 with 1 % missing ca
 1. read + harmonise seconds per format (VCF, VCF.gz, BCF, PLINK 1, PLINK 2) at ``--format-people`` x each SNP count,
    the file written first by the libraries (not timed);
 2. the streaming loader's samples/s over a memory-mapped int8 matrix of ``--people`` x each SNP count (shuffled
-   int8 rows -> int64 batch -> the device; ``open_matrix`` maps a harmonised ``.npz`` the same way), with the
-   process's peak RSS before and after (the pages of the mapped file it touched count in it);
+   int8 rows -> int8 batch -> the device -> int64 there; ``open_matrix`` maps a harmonised ``.npz`` the same way),
+   in all and split into the host's part and the device's, with the process's peak RSS before and after (the pages
+   of the mapped file it touched count in it);
 3. the ``cnn_transformer`` training step's samples/s at each SNP count (forward, loss, backward, AdamW step; the
    GPU settings of docs/genomics.md, ``--precision``), so the two rates can be compared: the loader keeps up when
    its rate is well above the step's.
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 
 from data_prep.genotypes.harmonise import ReferenceTable, harmonise_file
-from data_prep.genotypes.loader import GenotypeRows, genotype_loader, open_matrix
+from data_prep.genotypes.loader import GenotypeRows, as_tokens, genotype_loader, open_matrix
 from data_prep.genotypes.writers import Sites, write_genotype_file
 
 FORMATS = ("vcf", "vcf.gz", "bcf", "bed", "pgen")
@@ -76,7 +77,10 @@ def time_formats(people: int, snps: int, folder: Path) -> list[dict]:
 
 
 def time_loader(people: int, snps: int, folder: Path, batch_size: int, device: torch.device, batches: int) -> dict:
-    """The loader over a memory-mapped int8 matrix written block by block (this process never holds all of it)."""
+    """The loader over a memory-mapped int8 matrix written block by block (this process never holds all of it):
+    int8 batches on the host, moved to ``device`` and widened to int64 there (``as_tokens``, as training does).
+    ``samples_per_s`` is the whole pipeline; ``host_samples_per_s`` the loader alone (gather + int8 batch) and
+    ``widen_samples_per_s`` the move and widening on the device."""
     path = folder / f"site_{snps}.npy"
     matrix = np.lib.format.open_memmap(path, mode="w+", dtype=np.int8, shape=(people, snps))
     fill_random(matrix, seed=1)
@@ -85,20 +89,23 @@ def time_loader(people: int, snps: int, folder: Path, batch_size: int, device: t
     before = peak_rss_mib()
     matrix = open_matrix(path)
     data = GenotypeRows(matrix, np.zeros(people, np.int64))
-    loader = genotype_loader(data, batch_size, shuffle=True, seed=0)
-    seen, start = 0, time.perf_counter()
-    for i, (x, _) in enumerate(loader):
-        x = x.to(device, non_blocking=True)
-        seen += len(x)
-        if i + 1 >= batches:
+    batches_left, seen, host, widen = iter(genotype_loader(data, batch_size, shuffle=True, seed=0)), 0, 0.0, 0.0
+    for _ in range(batches):
+        start = time.perf_counter()
+        batch = next(batches_left, None)
+        host += time.perf_counter() - start
+        if batch is None:
             break
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    rate = seen / seconds
-    return {"what": "loader", "people": people, "snps": snps, "batch_size": batch_size, "samples_per_s": rate,
-            "peak_rss_mib": peak_rss_mib(), "peak_rss_mib_before": before, "matrix_mib": people * snps / 2**20,
-            "memmap": isinstance(matrix, np.memmap)}  # fmt: skip
+        start = time.perf_counter()
+        x, _ = as_tokens((batch[0].to(device, non_blocking=True), batch[1]))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        widen += time.perf_counter() - start
+        seen += len(x)
+    return {"what": "loader", "people": people, "snps": snps, "batch_size": batch_size,
+            "samples_per_s": seen / (host + widen), "host_samples_per_s": seen / host,
+            "widen_samples_per_s": seen / widen, "peak_rss_mib": peak_rss_mib(), "peak_rss_mib_before": before,
+            "matrix_mib": people * snps / 2**20, "memmap": isinstance(matrix, np.memmap)}  # fmt: skip
 
 
 def time_step(snps: int, patch: int, batch_size: int, device: torch.device, precision: str, steps: int) -> dict:

@@ -1,15 +1,20 @@
-"""A streaming loader for large genotype matrices: int8 in memory (or memory-mapped from disk), converted to the
-model's int64 tokens one batch at a time, so a site with 10^4 people x 10^5 SNPs holds 1 GB of int8, never the
-8 GB an int64 copy of the matrix would take.
+"""A streaming loader for large genotype matrices: int8 in memory (or memory-mapped from disk) and int8 through the
+loader, converted to the model's int64 tokens by :func:`as_tokens` once a batch is on the training device. A site
+with 10^4 people x 10^5 SNPs holds 1 GB of int8, never the 8 GB an int64 copy of the matrix would take.
 
 :func:`open_matrix` memory-maps the ``genotypes`` member of an uncompressed ``.npz`` (what ``python -m
 data_prep.genotypes harmonise`` writes) or a ``.npy``: a member stored without compression is the bytes of a ``.npy``
 file inside the zip, at an offset the zip's local header gives. A compressed ``.npz`` is read into memory (int8).
 
 :class:`GenotypeRows` is indexed by a *list* of people and :func:`genotype_loader` hands it one batch of indices
-at a time (a ``BatchSampler`` with ``DataLoader(batch_size=None)``), so gathering rows from the int8 matrix and the
-int64 conversion happen once per batch, not per person. Rows are read in ascending order within a batch (sequential
-on disk) and the batch is then put back in the sampled order.
+at a time (a ``BatchSampler`` with ``DataLoader(batch_size=None)``), so gathering rows happens once per batch, not
+per person. Rows are read in ascending order within a batch (sequential on disk) and the batch is then put back in
+the sampled order.
+
+Why the batches stay int8 (measured, benchmarks/results/genotype_io.md): at 10^5 SNPs a batch of 128 people is
+12.8 MB of int8 gathered from the memory map in a few ms, but its int64 copy is 102 MB, and writing it took 85-230
+ms on the host, which bounded the loader at about 600 samples/s. Moved as int8, the batch crosses to a GPU with 8x
+fewer bytes and is widened there (``as_tokens`` in the data module's ``on_after_batch_transfer``).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,7 +30,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, S
 
 from data_prep.errors import DataPrepError
 
-__all__ = ["GenotypeRows", "genotype_loader", "open_matrix"]
+__all__ = ["GenotypeRows", "as_tokens", "genotype_loader", "open_matrix"]
 
 _LOCAL_HEADER = 30  # bytes of a zip local file header before its file name and extra field
 
@@ -65,7 +71,8 @@ def _npz_member(path: Path, key: str) -> np.ndarray:
 
 
 class GenotypeRows(Dataset):
-    """People of an int8 matrix, a batch at a time: ``dataset[list_of_indices]`` -> ``(int64 states, target)``."""
+    """People of an int8 matrix, a batch at a time: ``dataset[list_of_indices]`` -> ``(int8 states, target)``
+    (:func:`as_tokens` widens the states for the model's embedding, on the device)."""
 
     def __init__(self, genotypes: np.ndarray, targets: np.ndarray | torch.Tensor, rows: np.ndarray | None = None):
         if genotypes.dtype != np.int8 or genotypes.ndim != 2:
@@ -86,7 +93,14 @@ class GenotypeRows(Dataset):
         ascending = np.argsort(rows, kind="stable")  # sequential reads from a memory map, then the asked order
         block = np.empty((len(rows), self.genotypes.shape[1]), np.int8)
         block[ascending] = self.genotypes[rows[ascending]]
-        return torch.from_numpy(block).long(), self.targets[torch.from_numpy(index)]
+        return torch.from_numpy(block), self.targets[torch.from_numpy(index)]
+
+
+def as_tokens(batch: Any) -> Any:
+    """``(states, target)`` with int8 ``states`` widened to int64 (an embedding's index type) where they are now;
+    any other batch unchanged. For a data module's ``on_after_batch_transfer``: after the copy to the device."""
+    narrow = isinstance(batch, tuple | list) and batch and isinstance(batch[0], torch.Tensor)
+    return (batch[0].long(), *batch[1:]) if narrow and batch[0].dtype == torch.int8 else batch
 
 
 def genotype_loader(

@@ -20,6 +20,8 @@ def test_the_benchmark_measures_every_format_the_loader_and_the_step(tmp_path) -
     assert [r["format"] for r in rows if r["what"] == "read+harmonise"] == list(genotype_io.FORMATS)
     loader = next(r for r in rows if r["what"] == "loader")
     assert loader["memmap"] is True and loader["samples_per_s"] > 0
+    # The whole pipeline is the host's part and the device's part in sequence: its rate lies below both.
+    assert loader["samples_per_s"] <= min(loader["host_samples_per_s"], loader["widen_samples_per_s"])
     assert next(r for r in rows if r["what"] == "train_step")["samples_per_s"] > 0
 
 

@@ -14,7 +14,7 @@ import torch
 from data_prep.errors import DataPrepError
 from data_prep.genotypes.cli import write_npz
 from data_prep.genotypes.harmonise import Harmonised
-from data_prep.genotypes.loader import GenotypeRows, genotype_loader, open_matrix
+from data_prep.genotypes.loader import GenotypeRows, as_tokens, genotype_loader, open_matrix
 from data_prep.genotypes.qc import QcThresholds, allele_stats, genotype_counts, hwe_pvalues, qc_filter
 
 M = 3
@@ -100,12 +100,36 @@ def test_an_npz_without_genotypes_is_refused(tmp_path: Path) -> None:
         open_matrix(tmp_path / "x.npz")
 
 
-def test_batches_are_int64_rows_in_the_sampled_order() -> None:
+def test_batches_are_int8_rows_in_the_sampled_order_widened_by_as_tokens() -> None:
     data = GenotypeRows(MATRIX, np.array([10, 11]), rows=np.array([3, 1]))
     x, y = data[[1, 0]]
-    assert x.dtype == torch.int64
+    assert x.dtype == torch.int8  # int8 through the loader; widened on the training device
     np.testing.assert_array_equal(x.numpy(), MATRIX[[1, 3]])
     assert y.tolist() == [11, 10]
+    tokens, target = as_tokens((x, y))
+    assert tokens.dtype == torch.int64 and target is y
+    np.testing.assert_array_equal(tokens.numpy(), MATRIX[[1, 3]])
+
+
+def test_as_tokens_leaves_other_batches_alone() -> None:
+    wide = (torch.tensor([[0, 2]]), torch.tensor([1]))
+    assert as_tokens(wide)[0] is wide[0]
+    assert as_tokens("not a batch") == "not a batch"
+
+
+def test_the_shuffled_order_per_seed_is_pinned() -> None:
+    """The same people in the same batches and order per seed as the int64 loader gave before the batches stayed
+    int8 (recorded from it): converting on the device changed no sample and no order."""
+    genotypes = np.arange(50, dtype=np.int8).reshape(25, 2) % 4
+    data = GenotypeRows(genotypes, np.arange(25), rows=np.arange(25)[::-1].copy())
+    loader = genotype_loader(data, batch_size=4, shuffle=True, seed=7)
+    epochs = [[y.tolist() for _, y in loader] for _ in range(2)]
+    assert epochs == [
+        [[15, 5, 19, 23], [1, 12, 0, 4], [6, 18, 3, 24], [17, 22, 9, 8], [16, 7, 20, 2], [21, 14, 11, 13], [10]],
+        [[12, 23, 1, 4], [0, 8, 17, 22], [11, 10, 6, 13], [5, 16, 24, 9], [21, 3, 7, 14], [18, 20, 19, 2], [15]],
+    ]
+    for x, y in loader:
+        np.testing.assert_array_equal(as_tokens((x, y))[0].numpy(), genotypes[24 - y.numpy()])
 
 
 def test_the_loader_visits_every_person_once_per_epoch_in_a_new_order() -> None:
@@ -146,7 +170,9 @@ def test_the_data_module_streams_a_harmonised_npz_with_its_labels(tmp_path: Path
     assert data.num_snps == 6 and len(data.train) + len(data.val) == 20
     seen = {}
     for loader in (data.train_dataloader(), data.val_dataloader()):
-        for x, y in loader:
+        for batch in loader:
+            assert batch[0].dtype == torch.int8
+            x, y = data.on_after_batch_transfer(batch, 0)  # what Lightning calls once the batch is on the device
             assert x.dtype == torch.int64
             for row, label in zip(x.numpy(), y.tolist(), strict=True):
                 seen[row.tobytes()] = label
@@ -191,3 +217,37 @@ def test_an_npz_for_another_table_is_refused(tmp_path: Path, snp_sites) -> None:
         snp_sites(
             site="site-1", data_file=str(tmp_path / "site.npz"), snp_table=str(tmp_path / "table.csv"), classes=["EUR"]
         )
+
+
+def test_lightning_hands_the_model_int64_states_from_an_int8_loader(tmp_path: Path, snp_sites) -> None:
+    """The data module's on_after_batch_transfer runs inside trainer.fit/validate (datamodule=...), so the model's
+    embedding sees int64 although the loader yields int8."""
+    import pytorch_lightning as pl
+
+    genotypes = np.random.default_rng(1).integers(0, 4, size=(12, 5)).astype(np.int8)
+    path = harmonised_npz(tmp_path, genotypes, ["AFR", "EUR"] * 6)
+    data = snp_sites(site="site-1", data_file=str(path), classes=["AFR", "EUR"], val_fraction=0.25, batch_size=4)
+    seen: list[torch.dtype] = []
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embedding, self.head = torch.nn.Embedding(4, 2), torch.nn.Linear(10, 2)
+
+        def step(self, batch):
+            seen.append(batch[0].dtype)
+            return torch.nn.functional.cross_entropy(self.head(self.embedding(batch[0]).flatten(1)), batch[1])
+
+        def training_step(self, batch, _):
+            return self.step(batch)
+
+        def validation_step(self, batch, _):
+            self.step(batch)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
+    trainer.fit(Tiny(), datamodule=data)
+    assert len(seen) >= 3 and set(seen) == {torch.int64}  # 3 training batches of 9 people (+ validation)
