@@ -1,5 +1,6 @@
 """``python -m data_prep.genotypes harmonise``: a site's VCF/BCF/PLINK file -> the consortium's matrix (``.npz``) and a
-JSON report; ``python -m data_prep.genotypes qc-job``: export the federated QC job (``federated_qc``).
+JSON report; ``python -m data_prep.genotypes qc-job``: export the federated QC job (``federated_qc``);
+``python -m data_prep.genotypes simulate-sites``: a simulated consortium as per-site genotype files (``simulate``).
 
 ``OUT.npz`` holds ``genotypes`` (int8, people x table SNPs, copies of the table's alt allele, 3 = missing or
 unusable), ``samples`` (file order), ``snps`` (table order), ``status`` (each SNP's alignment) and, with ``--labels``,
@@ -24,6 +25,7 @@ import numpy as np
 from data_prep.errors import DataPrepError
 from data_prep.genotypes.harmonise import USABLE, Harmonised, harmonise_file, read_snp_table
 from data_prep.genotypes.qc import genotype_counts, summary
+from data_prep.genotypes.simulate import SITE_FORMATS
 from data_prep.genotypes.site import read_labels
 
 __all__ = ["build_parser", "main", "report", "write_npz"]
@@ -45,6 +47,17 @@ def build_parser() -> argparse.ArgumentParser:
     qc_job.add_argument("--num-sites", type=int, default=3, help="sites the server waits for")
     qc_job.add_argument("--min-call-rate", type=float, default=0.95)
     qc_job.add_argument("--min-maf", type=float, default=0.01)
+    simulate = commands.add_parser("simulate-sites", help="an msprime cohort as per-site genotype files (simulate)")
+    simulate.add_argument("--out", required=True, type=Path, help="the folder to write into")
+    simulate.add_argument("--snps", type=int, default=10_000)
+    simulate.add_argument("--people-per-population", type=int, default=250, help="people of each of 4 populations")
+    simulate.add_argument("--sites", type=int, default=3)
+    simulate.add_argument("--split", default="iid", help="data_prep.partition scheme: iid, dirichlet, population ...")
+    simulate.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration (--split dirichlet)")
+    simulate.add_argument("--format", default="vcf.gz", choices=SITE_FORMATS)
+    simulate.add_argument("--regions", type=int, default=40, help="independent simulated regions")
+    simulate.add_argument("--region-length", type=int, default=250_000, help="bases per region")
+    simulate.add_argument("--seed", type=int, default=0)
     return parser
 
 
@@ -52,6 +65,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "qc-job":
         return _qc_job(args)
+    if args.command == "simulate-sites":
+        return _simulate_sites(args)
     try:
         result = harmonise_file(args.genotypes, read_snp_table(args.snp_table))
         labels = read_labels(args.labels, args.label_column, result.samples) if args.labels else None
@@ -77,6 +92,21 @@ def _qc_job(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {job}: run it with nvflare simulator {job} -w <workspace> -n {args.num_sites}")
+    return 0
+
+
+def _simulate_sites(args: argparse.Namespace) -> int:
+    from data_prep.genotypes.simulate import simulate_sites
+
+    try:
+        written = simulate_sites(
+            args.out, args.snps, args.people_per_population, args.sites, args.split, args.alpha, args.format,
+            args.seed, args.regions, args.region_length,
+        )  # fmt: skip
+    except DataPrepError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {len(written)} files into {args.out}: " + ", ".join(p.name for p in written))
     return 0
 
 
