@@ -81,13 +81,35 @@ def test_a_healthy_scaffold_adamw_run_is_quiet():
     assert report.control_runaways(records(HEALTHY_ADAMW)) == []
 
 
-def test_a_small_control_coming_back_to_the_others_level_is_no_runaway():
-    """A site whose local loss is nearly minimised has a tiny control; its return to the sites' typical norm is a
-    large ratio on a small number. Only a jump over the median of the sites' norms counts."""
-    rows = [[0.05, 2.0, 2.5, 3.0], [0.4, 2.1, 2.4, 3.1]]  # x8 for site-1, still below every other site
-    assert report.control_runaways(records(rows)) == []
-    rows.append([20.0, 2.0, 2.4, 3.0])  # x50 for site-1 and 8 times the median: the runaway starts
-    assert report.control_runaways(records(rows))[0].startswith("round 3: site-1's")
+#: The same benchmark, seeds 1 (rounds 16-21) and 2 (rounds 9-14), 93.2 % and 95.2 % test accuracy: a site whose
+#: local loss is nearly minimised has a tiny control, and its return towards the others' level is a large ratio on
+#: a small number (site-2: 0.186 -> 0.978, x5.3; site-3: 0.615 -> 3.52, x5.7). A jump over the site's own previous
+#: norm alone (the rule before the median was added) named both.
+HEALTHY_RETURNS = (
+    [
+        [1.131, 9.486, 6.583, 6.452, 1.946],
+        [0.468, 2.516, 8.194, 6.48, 2.327],
+        [0.567, 0.186, 7.349, 10.914, 3.591],
+        [1.035, 0.978, 7.493, 13.965, 4.339],
+        [0.597, 1.123, 7.831, 6.51, 4.095],
+        [0.613, 0.85, 7.048, 4.116, 3.874],
+    ],
+    [
+        [6.312, 1.61, 0.752, 3.138, 5.249],
+        [8.578, 1.563, 2.973, 3.144, 4.564],
+        [5.121, 1.973, 0.615, 3.045, 7.563],
+        [10.187, 2.785, 3.522, 3.467, 11.596],
+        [7.877, 3.644, 0.715, 2.757, 5.272],
+        [11.565, 4.7, 0.829, 2.096, 7.119],
+    ],
+)
+
+
+def test_a_small_control_coming_back_towards_the_others_level_is_no_runaway():
+    for rows in HEALTHY_RETURNS:
+        assert report.control_runaways(records(rows)) == []
+    grown = [*HEALTHY_RETURNS[0], [0.613, 60.0, 7.0, 4.1, 3.9]]  # x70 for site-2 and 15 times the median: it is one
+    assert report.control_runaways(records(grown))[0].startswith("round 7: site-2's")
 
 
 def test_the_report_warns_on_stderr_for_a_runaway_and_not_for_the_healthy_run(tmp_path, capsys):
