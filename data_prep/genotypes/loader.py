@@ -87,7 +87,10 @@ class GenotypeRows(Dataset):
     def __len__(self) -> int:
         return len(self.rows)
 
-    def __getitem__(self, index: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, index: int | Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(index, int | np.integer):  # one person: what per-sample loaders (Opacus's Poisson one) ask for
+            states, target = self[[int(index)]]
+            return states[0], target[0]
         index = np.asarray(index, dtype=np.int64)
         rows = self.rows[index]
         ascending = np.argsort(rows, kind="stable")  # sequential reads from a memory map, then the asked order

@@ -111,6 +111,18 @@ def test_batches_are_int8_rows_in_the_sampled_order_widened_by_as_tokens() -> No
     np.testing.assert_array_equal(tokens.numpy(), MATRIX[[1, 3]])
 
 
+def test_one_person_at_a_time_as_per_sample_loaders_ask() -> None:
+    # Opacus's Poisson loader (DP-SGD) fetches person by person and collates; the batch must be the same.
+    data = GenotypeRows(MATRIX, np.array([10, 11]), rows=np.array([3, 1]))
+    x, y = data[np.int64(1)]
+    assert x.dtype == torch.int8 and x.shape == (4,)
+    np.testing.assert_array_equal(x.numpy(), MATRIX[1])
+    assert int(y) == 11
+    batch = torch.utils.data.default_collate([data[1], data[0]])
+    np.testing.assert_array_equal(batch[0].numpy(), data[[1, 0]][0].numpy())
+    assert batch[1].tolist() == [11, 10]
+
+
 def test_as_tokens_leaves_other_batches_alone() -> None:
     wide = (torch.tensor([[0, 2]]), torch.tensor([1]))
     assert as_tokens(wide)[0] is wide[0]
