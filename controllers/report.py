@@ -97,6 +97,36 @@ def site_eval_metric(records: Sequence[dict[str, Any]]) -> str | None:
     return next((n for n in names if "acc" in n.lower()), names[0] if names else None)
 
 
+def last_site_eval(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every site-evaluation metric (global and personal scores) with its summary from the last round that
+    reported it (``per_site``, ``mean``, ``worst``, ``worst_site``, ``spread``), by name."""
+    last: dict[str, dict[str, Any]] = {}
+    for record in records:
+        last.update(record.get("site_eval") or {})
+    return dict(sorted(last.items()))
+
+
+def format_site_summaries(summaries: dict[str, dict[str, Any]]) -> str:
+    """One line per metric: sample-weighted mean over the sites, the worst site and the spread."""
+    width = max(len(name) for name in summaries)
+    return "\n".join(
+        f"  {name:<{width}}  mean {s['mean']:.4f}, worst {s['worst']:.4f} ({s['worst_site']}), spread {s['spread']:.4f}"
+        for name, s in summaries.items()
+    )
+
+
+def format_per_site(summaries: dict[str, dict[str, Any]]) -> str:
+    """One row per site, one column per metric (``-``: the site did not report that metric in its last round)."""
+    sites = sorted({site for s in summaries.values() for site in s["per_site"]})
+    width = max([len("site"), *map(len, sites)])
+    columns = [max(12, len(name)) for name in summaries]
+    lines = ["  ".join([f"{'site':<{width}}", *(f"{n:>{w}}" for n, w in zip(summaries, columns, strict=True))])]
+    for site in sites:
+        cells = (f"{_fmt(s['per_site'].get(site)):>{w}}" for s, w in zip(summaries.values(), columns, strict=True))
+        lines.append("  ".join([f"{site:<{width}}", *cells]))
+    return "\n".join(lines)
+
+
 def personal_metric(records: Sequence[dict[str, Any]], metric: str | None) -> str | None:
     """``personal_<metric>`` when the sites reported their personal model's scores (docs/personalization.md)."""
     name = f"{PERSONAL_PREFIX}{metric}"
@@ -182,10 +212,10 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
     site_column += f"  {personal + ' mean (worst site)':>36}" if personal else ""
     scaffold = any(control_norms(r)[0] is not None for r in records)
     control_column = f"  {'||c||':>9}  {'mean ||dc_i||':>13}" if scaffold else ""
-    lines = [
-        f"{'round':>5}  {'test acc':>8}  {'test loss':>9}  {'mean site train loss':>20}{site_column}{control_column}"
-        "  rejected"
-    ]
+    # A job without a server-side test set (your own model and data) has no test columns: they would be all "-".
+    tested = any(r.get("test_accuracy") is not None or r.get("test_loss") is not None for r in records)
+    test_column = f"  {'test acc':>8}  {'test loss':>9}" if tested else ""
+    lines = [f"{'round':>5}{test_column}  {'mean site train loss':>20}{site_column}{control_column}  rejected"]
     for record in records:
         label = "init" if record["stage"] == "initial" else str(record["round"] + 1)
         losses = [v for v in (record.get("site_train_loss") or {}).values() if v is not None]
@@ -198,10 +228,8 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
         if scaffold:
             global_norm, diff_norm = control_norms(record)
             controls = f"  {_fmt(global_norm):>9}  {_fmt(diff_norm):>13}"
-        lines.append(
-            f"{label:>5}  {_fmt(record.get('test_accuracy')):>8}  {_fmt(record.get('test_loss')):>9}  "
-            f"{mean_loss:>20}{site}{controls}  {rejected}"
-        )
+        test = f"  {_fmt(record.get('test_accuracy')):>8}  {_fmt(record.get('test_loss')):>9}" if tested else ""
+        lines.append(f"{label:>5}{test}  {mean_loss:>20}{site}{controls}  {rejected}")
     return "\n".join(lines)
 
 
@@ -300,6 +328,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("workspaces", nargs="+", type=Path, help="simulator workspaces (the -w folders)")
     parser.add_argument("--labels", nargs="+", help="one label per workspace (default: folder names)")
     parser.add_argument("--plot", type=Path, help="PNG path (default: <first workspace>/round_metrics.png)")
+    parser.add_argument(
+        "--per-site", action="store_true", help="also print every site's score of every site-evaluation metric"
+    )
     args = parser.parse_args(argv)
     labels = args.labels or [ws.name for ws in args.workspaces]
     if len(labels) != len(args.workspaces):
@@ -319,14 +350,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         final = records[-1]
         print(f"\n== {label}: {workspace}\n{format_table(records)}")
-        print(f"final global test accuracy: {_fmt(final.get('test_accuracy'))}")
+        if final.get("test_accuracy") is not None:
+            print(f"final global test accuracy: {_fmt(final.get('test_accuracy'))}")
         metric = site_eval_metric(records)
-        if metric:
-            last = next(r["site_eval"][metric] for r in reversed(records) if metric in (r.get("site_eval") or {}))
-            print(
-                f"site {metric} of the last global model the sites received: mean {last['mean']:.4f}, "
-                f"worst {last['worst']:.4f} ({last['worst_site']}), spread {last['spread']:.4f}"
-            )
+        summaries = last_site_eval(records)
+        if summaries:
+            print(f"site evaluation, last round each metric was reported:\n{format_site_summaries(summaries)}")
+            if args.per_site:
+                print(f"per site:\n{format_per_site(summaries)}")
         personal = personal_metric(records, metric)
         if personal and metric:
             gains = personal_gains(records, metric)

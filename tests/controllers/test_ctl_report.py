@@ -99,3 +99,43 @@ def test_scripts_that_run_the_simulator_get_the_records_only_of_a_finished_job(t
         report.finished_records(aborted, "Traceback: boom")
     with pytest.raises(RuntimeError, match=r"no metrics at .*\nsimulator log"):
         report.finished_records(tmp_path / "never-ran", "simulator log")
+
+
+def summary(per_site, worst_site):
+    values = list(per_site.values())
+    return {
+        "per_site": per_site,
+        "mean": sum(values) / len(values),
+        "worst": per_site[worst_site],
+        "worst_site": worst_site,
+        "spread": max(values) - min(values),
+    }
+
+
+def test_every_site_metric_is_summarised_and_per_site_on_request(tmp_path, capsys):
+    evaluation = {
+        "val_accuracy": summary({"site-1": 0.75, "site-2": 0.25}, "site-2"),
+        "val_loss": summary({"site-1": 0.5, "site-2": 1.5}, "site-2"),
+    }
+    records = [initial(1), round_record(0, site_eval=evaluation)]
+    ws = write_metrics(tmp_path / "ws", records)
+    assert report.main([str(ws), "--plot", str(tmp_path / "p.png"), "--per-site"]) == 0
+    out = capsys.readouterr().out
+    assert "val_accuracy  mean 0.5000, worst 0.2500 (site-2), spread 0.5000" in out
+    assert "val_loss      mean 1.0000, worst 1.5000 (site-2), spread 1.0000" in out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.startswith("site-")}
+    assert rows == {"site-1": ["0.7500", "0.5000"], "site-2": ["0.2500", "1.5000"]}
+
+
+def test_a_job_without_a_server_test_set_has_no_test_columns(tmp_path, capsys):
+    records = [
+        {"stage": "initial", "round": None, "num_rounds": 1},
+        {"stage": "round", "round": 0, "status": "aggregated"},
+    ]
+    ws = write_metrics(tmp_path / "ws", records)
+    assert report.main([str(ws), "--plot", str(tmp_path / "p.png")]) == 0
+    out = capsys.readouterr().out
+    assert "test acc" not in out and "final global test accuracy" not in out
+    ws = write_metrics(tmp_path / "ws2", [initial(1), round_record(0)])
+    report.main([str(ws), "--plot", str(tmp_path / "p2.png")])
+    assert "test acc" in capsys.readouterr().out
