@@ -134,3 +134,18 @@ def test_every_preset_client_command_line_parses_as_nvflare_passes_it(preset):
 def test_client_args_with_whitespace_are_refused_at_build_time(tmp_path):
     with pytest.raises(JobBuildError, match="whitespace"):
         export_job(JobSpec(name="ws", client_args={"note": "two words"}), tmp_path)
+
+
+def test_a_dp_job_asks_every_site_for_the_privacy_extra():
+    # DP-SGD imports Opacus at the sites; the committed DP jobs say so, the others do not.
+    import tomllib
+
+    extra = tomllib.loads((JOBS_DIR.parent / "pyproject.toml").read_text())["project"]["optional-dependencies"][
+        "privacy"
+    ]
+    for name in ("fedavg_dp", "snp_scaffold_dp"):
+        lines = (JOBS_DIR / name / "app/custom/site_requirements.txt").read_text().splitlines()
+        assert all(requirement in lines for requirement in extra), name
+    assert not any(
+        "opacus" in line for line in (JOBS_DIR / "fedavg/app/custom/site_requirements.txt").read_text().splitlines()
+    )
