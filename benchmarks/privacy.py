@@ -194,22 +194,36 @@ def record_keys(x: np.ndarray, y: np.ndarray) -> list[bytes]:
     return [row.tobytes() + int(label).to_bytes(2, "little") for row, label in zip(flat, np.asarray(y), strict=True)]
 
 
-def training_records(spec: Any) -> tuple[np.ndarray, np.ndarray]:
-    """Every record some site of ``spec`` trains on (the sites' training splits, concatenated)."""
+def site_training_records(spec: Any) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Every site's training split ``(x, y)`` of ``spec``, in site order."""
     if spec.model is None:
         from controllers.in_process import site_args
         from data_prep import SiteDataConfig, site_split
 
         config = SiteDataConfig.from_namespace(site_args(spec))
-        parts = [site_split(config, f"site-{i + 1}") for i in range(spec.num_sites)]
-    else:
-        from lightning_modules.own_model import build_user_data
+        return [site_split(config, f"site-{i + 1}") for i in range(spec.num_sites)]
+    from lightning_modules.own_model import build_user_data
 
-        parts = []
-        for i in range(spec.num_sites):
-            data = build_user_data(spec.data, spec.data_args, f"site-{i + 1}", spec.num_sites)
-            parts.append(tuple(t.numpy() for t in data.train.tensors))
+    parts = []
+    for i in range(spec.num_sites):
+        data = build_user_data(spec.data, spec.data_args, f"site-{i + 1}", spec.num_sites)
+        parts.append(tuple(t.numpy() for t in data.train.tensors))
+    return parts
+
+
+def training_records(spec: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Every record some site of ``spec`` trains on (the sites' training splits, concatenated)."""
+    parts = site_training_records(spec)
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+
+def site_weighted_accuracy(correct: np.ndarray, test_y: np.ndarray, site_y: np.ndarray, num_classes: int) -> float:
+    """A site's accuracy estimated on the shared test set: the per-class test accuracy weighted by the class shares
+    of the site's training labels (its label skew). Under DP the sites' own scores stay at the sites, so the
+    benchmark scores the final model this way, outside the federation; a class absent from the test set counts 0."""
+    shares = np.bincount(np.asarray(site_y), minlength=num_classes) / len(site_y)
+    per_class = np.array([np.mean(correct[test_y == c]) if np.any(test_y == c) else 0.0 for c in range(num_classes)])
+    return float(shares @ per_class)
 
 
 def population(spec: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -274,12 +288,22 @@ def federation_scores(spec: Any, audit_x: np.ndarray, audit_y: np.ndarray, test:
         run = run_in_process(spec, Path(state_root), evaluate=False, run_id=spec.name)
     module = module_with(spec, run.params)
     loss, phi = logit_confidence(model_logits(module, audit_x), audit_y)
-    accuracy = float(np.mean(model_logits(module, test[0]).argmax(axis=1) == test[1]))
+    test_logits = model_logits(module, test[0])
+    correct = test_logits.argmax(axis=1) == test[1]
+    sites = [site_weighted_accuracy(correct, test[1], y, test_logits.shape[1]) for _, y in site_training_records(spec)]
+    accuracy = float(np.mean(correct))
     diagnostics = (run.rounds[-1].get("rule_diagnostics") or {}) if run.rounds else {}
     largest = largest_site_epsilon(run.rounds)
     if largest is not None:
         diagnostics["site_epsilon"] = largest
-    return {"loss": loss, "phi": phi, "test_accuracy": accuracy, "wall_s": time.monotonic() - started, **diagnostics}
+    return {
+        "loss": loss,
+        "phi": phi,
+        "test_accuracy": accuracy,
+        "site_accuracy": np.array(sites),
+        "wall_s": time.monotonic() - started,
+        **diagnostics,
+    }
 
 
 def largest_site_epsilon(rounds: Sequence[Mapping[str, Any]]) -> float | None:
@@ -345,23 +369,25 @@ def measure_task(
         return spec, values
 
     shadow_runs = [scored(SHADOW_SEED0 + j) for j in range(shadows)]
-    shadow_phi = np.stack([values["phi"] for _, values in shadow_runs])
-    shadow_in = np.stack([membership(spec, keys) for spec, _ in shadow_runs])
+    if shadow_runs:
+        shadow_phi = np.stack([values["phi"] for _, values in shadow_runs])
+        shadow_in = np.stack([membership(spec, keys) for spec, _ in shadow_runs])
     results, walls = [], [float(values["wall_s"]) for _, values in shadow_runs]
     for seed in seeds:
         spec, values = scored(seed)
         walls.append(float(values["wall_s"]))
         is_member = membership(spec, keys)
-        lira, usable = lira_offline_scores(values["phi"], shadow_phi, shadow_in)
+        lira, usable = lira_offline_scores(values["phi"], shadow_phi, shadow_in) if shadow_runs else (None, None)
         results.append(
             {
                 "seed": seed,
                 "test_accuracy": float(values["test_accuracy"]),
+                "site_accuracy": [float(a) for a in values["site_accuracy"]] if "site_accuracy" in values else None,
                 "members": int(is_member.sum()),
                 "non_members": int((~is_member).sum()),
                 "loss": attack_metrics(-values["loss"], is_member),
-                "lira": attack_metrics(lira[usable], is_member[usable]),
-                "lira_left_out": int((~usable).sum()),
+                "lira": attack_metrics(lira[usable], is_member[usable]) if shadow_runs else None,
+                "lira_left_out": int((~usable).sum()) if shadow_runs else None,
                 "epsilon": float(values["dp_fedavg.epsilon"]) if "dp_fedavg.epsilon" in values else None,
                 "site_epsilon": float(values["site_epsilon"]) if "site_epsilon" in values else None,
             }
@@ -459,7 +485,10 @@ def write_page(results: Sequence[Mapping[str, Any]], out: Path, command: str) ->
                 f"Sample-level epsilon of DP-SGD, the largest site after the last round: {max(site_eps):.3g}.",
                 "",
             ]
-    out.write_text("\n".join(lines) + "\n")
+    text = "\n".join(lines) + "\n"
+    if out.exists() and GRID_BEGIN in (previous := out.read_text()):  # the utility-vs-privacy section stays
+        text = replace_section(text, [GRID_BEGIN + previous.partition(GRID_BEGIN)[2].partition(GRID_END)[0] + GRID_END])
+    out.write_text(text)
 
 
 def parse_overrides(pairs: Sequence[str]) -> dict[str, Any]:
@@ -476,6 +505,199 @@ def parse_overrides(pairs: Sequence[str]) -> dict[str, Any]:
     return overrides
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# Utility vs privacy: methods x epsilon budgets (``--grid``)
+# --------------------------------------------------------------------------------------------------------------------
+#: The federations of the grid: settings over the task's. FedAdam is the server optimizer: server rules see only the
+#: sites' DP outputs, so any of them composes with DP-SGD (docs/privacy.md).
+METHODS: dict[str, dict[str, Any]] = {
+    "fedavg": {},
+    "scaffold": {"client": "scaffold"},
+    "fedadam": {"server": "fedadam"},
+}
+#: Sample-level budgets at every site (None: no DP), all at delta 1e-5 with clip norm 1.
+EPSILONS: tuple[float | None, ...] = (1.0, 3.0, 8.0, None)
+DP_SETTINGS = {"dp_max_grad_norm": 1.0, "dp_delta": 1e-5}
+GRID_BEGIN, GRID_END = "<!-- privacy-grid:begin -->", "<!-- privacy-grid:end -->"
+
+
+def cell_overrides(method: str, epsilon: float | None, base: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings of one grid cell: ``base`` (from --set), the method's, and DP-SGD calibrated to ``epsilon``."""
+    if method not in METHODS:
+        raise SystemExit(f"error: --methods: unknown method {method!r}; choose from {', '.join(METHODS)}")
+    values = {**base, **METHODS[method]}
+    if epsilon is not None:
+        values.update(DP_SETTINGS, dp_target_epsilon=epsilon)
+    return values
+
+
+def run_grid(
+    tasks: Sequence[str],
+    methods: Sequence[str],
+    epsilons: Sequence[float | None],
+    seeds: Sequence[int],
+    shadows: int,
+    attacked: Sequence[str],
+    rounds: int | None,
+    base: Mapping[str, Any],
+    work: Path,
+) -> list[dict[str, Any]]:
+    """Every (task, method, epsilon) cell; LiRA (``shadows`` shadow federations) only for the ``attacked`` methods,
+    the loss attack for all. Each federation is cached under ``work``, so a rerun completes only what is missing."""
+    cells = []
+    for name in tasks:
+        task = TASKS[name]
+        for method in methods:
+            for epsilon in epsilons:
+                n_shadows = shadows if method in attacked else 0
+                overrides = cell_overrides(method, epsilon, base)
+                result = measure_task(task, seeds, n_shadows, rounds or task.rounds, overrides, work)
+                cells.append({**result, "method": method, "target_epsilon": epsilon})
+    return cells
+
+
+def _cell(values: Sequence[float | None], scale: float = 100, digits: int = 1) -> str:
+    """mean ± std of the values, '-' when any is missing."""
+    if not values or any(v is None for v in values):
+        return "-"
+    mean, std = mean_std(values)
+    return f"{scale * mean:.{digits}f} ± {scale * std:.{digits}f}"
+
+
+def grid_rows(cell: Mapping[str, Any]) -> str:
+    """One table row: the cell's means ± stds over its target seeds."""
+    rows = cell["seeds"]
+    sites = [r["site_accuracy"] for r in rows]
+    site_mean = [None if s is None else float(np.mean(s)) for s in sites]
+    site_worst = [None if s is None else float(np.min(s)) for s in sites]
+    reached = [r.get("site_epsilon") for r in rows]
+    eps = "∞" if cell["target_epsilon"] is None else f"{cell['target_epsilon']:g}"
+    reached_text = "-" if any(e is None for e in reached) else f"{max(reached):.2f}"
+
+    def attack(name: str, key: str) -> str:
+        return _cell([None if r[name] is None else r[name][key] for r in rows])
+
+    return (
+        f"| {cell['task']} | {cell['method']} | {eps} | {reached_text} | {_cell([r['test_accuracy'] for r in rows])} | "
+        f"{_cell(site_mean)} | {_cell(site_worst)} | {attack('loss', 'auc')} | {attack('loss', 'tpr@0.01')} | "
+        f"{attack('lira', 'auc')} | {attack('lira', 'tpr@0.01')} |"
+    )
+
+
+def grid_section(cells: Sequence[Mapping[str, Any]], command: str, plot: str | None) -> list[str]:
+    """The page's utility-vs-privacy section (between markers, so the no-DP section above stays)."""
+    minutes = sum(cell["federation_minutes"] for cell in cells)
+    first = cells[0]
+    lines = [
+        GRID_BEGIN,
+        "## Utility vs privacy: DP-SGD at every site",
+        "",
+        f"Command: `{command}` (its federations ran {minutes:.1f} min in all; a rerun reads them from `--work` and "
+        "runs only the missing ones). Reduced protocol against the no-DP section above, to fit a shared 2-core CPU: "
+        f"{first['rounds']} rounds instead of 10, target seeds {', '.join(str(r['seed']) for r in first['seeds'])}, "
+        "LiRA with "
+        f"{max(c['shadows'] for c in cells)} shadow federations (trained with the cell's own settings, budget "
+        "included) and only for the methods that have a LiRA column; the loss attack for every cell. Tasks, "
+        "models and data as above. DP-SGD: "
+        "`--dp-target-epsilon ε` (σ calibrated by each site for all the planned rounds), `--dp-max-grad-norm 1`, "
+        "`--dp-delta 1e-5`, not tuned; 'ε reached' is the largest site's after the last round (from the rounds' "
+        "`privacy` records). SCAFFOLD: Option II (post-processing of the DP outputs); FedAdam: the server "
+        "optimizer with its defaults.",
+        "",
+        "Accuracy is in %: 'global' on the task's test set; 'per site' is each site's accuracy estimated outside the "
+        "federation by the benchmark (under DP the sites withhold their own evaluation scores by design): the final "
+        "global model's per-class test accuracy weighted by the class shares of the site's training labels, then the "
+        "mean and the worst of the 3 sites. Attack AUC and TPR at 1 % FPR in % (chance: 50 and 1). Every cell: mean ± "
+        "std over the target seeds.",
+        "",
+        "| task | method | ε target | ε reached | global acc. | per site: mean | per site: worst | loss AUC | "
+        "loss TPR @ 1 % | LiRA AUC | LiRA TPR @ 1 % |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+        *[grid_rows(cell) for cell in cells],
+        "",
+    ]
+    if plot:
+        lines += [f"![accuracy and attack AUC against epsilon]({plot})", ""]
+    return [*lines, GRID_END]
+
+
+def replace_section(text: str, section: Sequence[str]) -> str:
+    """``text`` with the marked grid section replaced by ``section``, or ``section`` appended when absent."""
+    block = "\n".join(section)
+    if GRID_BEGIN in text and GRID_END in text:
+        head, _, rest = text.partition(GRID_BEGIN)
+        _, _, tail = rest.partition(GRID_END)
+        return head + block + tail
+    return text.rstrip("\n") + "\n\n" + block + "\n"
+
+
+def epsilon_axis(epsilons: Sequence[float | None]) -> list[float]:
+    """Plot positions: the budgets on a log axis, no DP (None) one factor of 2.5 past the largest budget."""
+    finite = [e for e in epsilons if e is not None]
+    top = 2.5 * max(finite) if finite else 1.0
+    return [top if e is None else e for e in epsilons]
+
+
+def plot_grid(cells: Sequence[Mapping[str, Any]], path: Path) -> None:
+    """Two panels: global test accuracy and the strongest attack's AUC, each against epsilon, a line per task and
+    method (attack: the methods that were attacked with LiRA, else the loss attack)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (acc_ax, auc_ax) = plt.subplots(1, 2, figsize=(10, 3.8))
+    groups: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
+    for cell in cells:
+        groups.setdefault((cell["task"], cell["method"]), []).append(cell)
+    for (task, method), group in groups.items():
+        xs = epsilon_axis([c["target_epsilon"] for c in group])
+        acc = [mean_std([r["test_accuracy"] for r in c["seeds"]])[0] for c in group]
+        acc_ax.plot(xs, acc, marker="o", label=f"{task} {method}")
+        attack = "lira" if all(c["seeds"][0]["lira"] is not None for c in group) else "loss"
+        auc = [mean_std([r[attack]["auc"] for r in c["seeds"]])[0] for c in group]
+        auc_ax.plot(xs, auc, marker="o", label=f"{task} {method} ({ATTACK_NAMES[attack]})")
+    ticks = sorted({x for c in cells for x in epsilon_axis([c["target_epsilon"]] + [e for e in EPSILONS if e])})
+    for ax, label in ((acc_ax, "global test accuracy"), (auc_ax, "attack AUC")):
+        ax.set_xscale("log")
+        ax.set_xticks(ticks, ["∞" if t not in EPSILONS else f"{t:g}" for t in ticks])
+        ax.set_xlabel("ε (δ = 1e-5; ∞: no DP)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    auc_ax.axhline(0.5, color="grey", linestyle="--", linewidth=1)
+    acc_ax.legend(fontsize=7)
+    auc_ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_grid(cells: Sequence[Mapping[str, Any]], out: Path, command: str) -> None:
+    """The grid section into the page ``out`` (kept around it), its JSON and plot beside it as ``<stem>_dp.*``."""
+    plot = out.with_name(out.stem + "_dp.png")
+    plot_grid(cells, plot)
+    text = out.read_text() if out.exists() else "# Membership inference against the final global model\n"
+    out.write_text(replace_section(text, grid_section(cells, command, plot.name)))
+    out.with_name(out.stem + "_dp.json").write_text(json.dumps(cells, indent=1) + "\n")
+
+
+def parse_epsilons(values: Sequence[str]) -> list[float | None]:
+    """Budgets from the command line: numbers > 0, or 'inf' for no DP."""
+    epsilons: list[float | None] = []
+    for value in values:
+        if value.lower() in ("inf", "none"):
+            epsilons.append(None)
+            continue
+        try:
+            epsilon = float(value)
+        except ValueError:
+            epsilon = -1.0
+        if not (epsilon > 0 and math.isfinite(epsilon)):
+            raise SystemExit(f"error: --epsilons takes numbers > 0 or 'inf' (no DP), got {value!r}")
+        epsilons.append(epsilon)
+    return epsilons
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
@@ -486,20 +708,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=Path("runs/privacy"), help="cached scores of every federation")
     parser.add_argument("--out", type=Path, default=None, help="write the page here (and its JSON beside it)")
     parser.add_argument("--threads", type=int, default=1)
+    grid = parser.add_argument_group("utility vs privacy (--grid): methods x DP-SGD budgets")
+    grid.add_argument("--grid", action="store_true", help="run every (task, method, epsilon) cell")
+    grid.add_argument("--methods", nargs="+", default=list(METHODS), help=f"of {', '.join(METHODS)}")
+    grid.add_argument("--epsilons", nargs="+", default=["1", "3", "8", "inf"], help="budgets; 'inf': no DP")
+    grid.add_argument("--attacked", nargs="*", default=["fedavg"], help="methods attacked with LiRA too")
     args = parser.parse_args(argv)
-    if args.shadows < 1:
+    if args.shadows < 1 and not (args.grid and not args.attacked):
         raise SystemExit("error: --shadows must be at least 1 (LiRA needs shadow models)")
     import torch
 
     torch.set_num_threads(args.threads)
     overrides = parse_overrides(args.overrides)
+    command = "python -m benchmarks.privacy " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.grid:
+        epsilons = parse_epsilons(args.epsilons)
+        cells = run_grid(
+            args.tasks,
+            args.methods,
+            epsilons,
+            args.seeds,
+            args.shadows,
+            args.attacked,
+            args.rounds,
+            overrides,
+            args.work,
+        )
+        if args.out is not None:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            write_grid(cells, args.out, command)
+        print(json.dumps(cells, indent=1))
+        return 0
     results = [
         measure_task(TASKS[name], args.seeds, args.shadows, args.rounds or TASKS[name].rounds, overrides, args.work)
         for name in args.tasks
     ]
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        command = "python -m benchmarks.privacy " + " ".join(sys.argv[1:] if argv is None else argv)
         write_page(results, args.out, command)
         args.out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
     print(json.dumps(results, indent=1))

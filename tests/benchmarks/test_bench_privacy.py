@@ -10,15 +10,24 @@ import numpy as np
 import pytest
 
 from benchmarks.privacy import (
+    GRID_BEGIN,
+    GRID_END,
     attack_metrics,
+    cell_overrides,
+    epsilon_axis,
+    grid_rows,
     largest_site_epsilon,
     lira_offline_scores,
     logit_confidence,
     main,
+    parse_epsilons,
     parse_overrides,
     record_keys,
+    replace_section,
     roc_auc,
+    site_weighted_accuracy,
     tpr_at_fpr,
+    write_page,
 )
 
 
@@ -84,6 +93,77 @@ def test_the_largest_sample_level_epsilon_over_sites_and_rounds():
     assert largest_site_epsilon([{"stage": "round"}]) is None
 
 
+def test_site_accuracy_weights_the_per_class_test_accuracy_by_the_sites_label_shares():
+    test_y = np.array([0, 0, 1, 1, 1, 2])
+    correct = np.array([True, False, True, True, False, True])  # per class: 1/2, 2/3, 1
+    site_y = np.array([0, 1, 1, 1])  # shares 1/4, 3/4, 0
+    assert site_weighted_accuracy(correct, test_y, site_y, 3) == pytest.approx(0.25 * 0.5 + 0.75 * 2 / 3, abs=1e-12)
+    # A class the test set lacks counts 0; a site holding every class equally gets the class-balanced accuracy.
+    assert site_weighted_accuracy(correct, test_y, np.array([3]), 4) == 0.0
+    balanced = site_weighted_accuracy(correct, test_y, np.array([0, 1, 2]), 3)
+    assert balanced == pytest.approx((0.5 + 2 / 3 + 1) / 3, abs=1e-12)
+
+
+def test_grid_cells_combine_the_base_the_method_and_the_budget():
+    assert cell_overrides("fedavg", None, {"lr": 0.1}) == {"lr": 0.1}
+    assert cell_overrides("scaffold", 3.0, {}) == {
+        "client": "scaffold",
+        "dp_max_grad_norm": 1.0,
+        "dp_delta": 1e-5,
+        "dp_target_epsilon": 3.0,
+    }
+    assert cell_overrides("fedadam", 1.0, {})["server"] == "fedadam"
+    with pytest.raises(SystemExit, match="unknown method 'fedsgd'"):
+        cell_overrides("fedsgd", 1.0, {})
+    assert parse_epsilons(["1", "8", "inf"]) == [1.0, 8.0, None]
+    for bad in ("0", "-1", "x", "nan"):
+        with pytest.raises(SystemExit, match="--epsilons"):
+            parse_epsilons([bad])
+    assert epsilon_axis([1.0, 8.0, None]) == [1.0, 8.0, 20.0]
+
+
+def _row(seed, acc, sites, loss_auc, lira_auc, eps):
+    lira = None if lira_auc is None else {"auc": lira_auc, "tpr@0.01": 0.02}
+    return {
+        "seed": seed,
+        "test_accuracy": acc,
+        "site_accuracy": sites,
+        "loss": {"auc": loss_auc, "tpr@0.01": 0.01},
+        "lira": lira,
+        "site_epsilon": eps,
+    }
+
+
+def test_a_grid_row_is_mean_and_std_over_seeds_with_missing_attacks_as_dashes():
+    cell = {
+        "task": "1kg",
+        "method": "fedavg",
+        "target_epsilon": 8.0,
+        "seeds": [_row(0, 0.8, [0.7, 0.9], 0.5, 0.6, 7.5), _row(1, 0.6, [0.5, 0.3], 0.7, 0.8, 7.9)],
+    }
+    # Sample std (ddof 1) of two values a, b is |a - b| / sqrt(2).
+    assert grid_rows(cell) == (
+        "| 1kg | fedavg | 8 | 7.90 | 70.0 ± 14.1 | 60.0 ± 28.3 | 50.0 ± 28.3 | 60.0 ± 14.1 | 1.0 ± 0.0 | "
+        "70.0 ± 14.1 | 2.0 ± 0.0 |"
+    )
+    cell = {**cell, "target_epsilon": None, "seeds": [_row(0, 0.8, None, 0.5, None, None)]}
+    assert grid_rows(cell).startswith("| 1kg | fedavg | ∞ | - | 80.0 ± 0.0 | - | - | 50.0 ± 0.0 |")
+    assert grid_rows(cell).endswith("| - | - |")
+
+
+def test_the_grid_section_is_appended_once_replaced_after_and_kept_by_the_no_dp_page(tmp_path):
+    page = "# Page\n\nno-DP tables\n"
+    once = replace_section(page, [GRID_BEGIN, "grid v1", GRID_END])
+    assert once == f"# Page\n\nno-DP tables\n\n{GRID_BEGIN}\ngrid v1\n{GRID_END}\n"
+    twice = replace_section(once, [GRID_BEGIN, "grid v2", GRID_END])
+    assert twice == once.replace("grid v1", "grid v2")
+    out = tmp_path / "privacy.md"
+    out.write_text(twice)
+    write_page([], out, "python -m benchmarks.privacy")
+    text = out.read_text()
+    assert text.startswith("# Membership inference") and text.count(GRID_BEGIN) == 1 and "grid v2" in text
+
+
 @pytest.mark.slow
 def test_a_tiny_run_writes_the_page_and_carries_a_server_dp_setting(tmp_path):
     out = tmp_path / "privacy.md"
@@ -95,3 +175,15 @@ def test_a_tiny_run_writes_the_page_and_carries_a_server_dp_setting(tmp_path):
     assert result["overrides"]["server"] == "dp_fedavg" and row["epsilon"] > 0
     assert row["members"] > 0 and row["non_members"] > 0 and 0 <= row["lira"]["auc"] <= 1
     assert "## 1kg" in out.read_text() and "LiRA offline" in out.read_text()
+
+
+@pytest.mark.slow
+def test_a_tiny_grid_writes_its_section_plot_and_json_and_reaches_the_budget(tmp_path):
+    out = tmp_path / "privacy.md"
+    argv = ["--grid", "--tasks", "1kg", "--methods", "fedavg", "--epsilons", "8", "inf", "--seeds", "0"]
+    assert main([*argv, "--shadows", "1", "--rounds", "1", "--work", str(tmp_path / "w"), "--out", str(out)]) == 0
+    private, plain = json.loads((tmp_path / "privacy_dp.json").read_text())
+    assert private["target_epsilon"] == 8.0 and 0 < private["seeds"][0]["site_epsilon"] <= 8.0 + 1e-6
+    assert plain["target_epsilon"] is None and plain["seeds"][0]["site_epsilon"] is None
+    assert len(private["seeds"][0]["site_accuracy"]) == 3 and private["seeds"][0]["lira"] is not None
+    assert GRID_BEGIN in out.read_text() and (tmp_path / "privacy_dp.png").stat().st_size > 0
