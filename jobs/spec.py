@@ -10,10 +10,8 @@ one line naming the setting, the value and what is allowed.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,6 +37,7 @@ from jobs.settings import (
     flag,
     setting_fields,
 )
+from jobs.shipping import importable, shipped_folders  # re-exported: jobs.assembly imports them from here
 
 if TYPE_CHECKING:
     from lightning_modules.algorithms import ClientAlgorithm
@@ -275,29 +274,6 @@ def model_arch_args(spec: JobSpec) -> dict[str, Any]:
     from lightning_modules.algorithms import CLIENT_ALGORITHMS
 
     return {**CLIENT_ALGORITHMS[spec.client].default_arch_args, **spec.arch_args}
-
-
-def shipped_folders(spec: JobSpec) -> list[Path]:
-    """The package folders ``--ship`` copies into the job, checked to exist."""
-    folders = [Path(p.strip()) for p in spec.ship.split(",") if p.strip()]
-    for folder in folders:
-        if not (folder / "__init__.py").is_file():
-            raise JobBuildError(
-                f"ship: {str(folder)!r} is not a package folder (no __init__.py: add an empty one) from {Path.cwd()}"
-            )
-    return folders
-
-
-@contextlib.contextmanager
-def importable(folders: list[Path]) -> Iterator[None]:
-    """The shipped packages importable while the job is checked, as they will be in the job's custom/."""
-    added = [str(folder.resolve().parent) for folder in folders]
-    sys.path[:0] = added
-    try:
-        yield
-    finally:
-        for entry in added:
-            sys.path.remove(entry)
 
 
 def _check_user_code(spec: JobSpec) -> None:

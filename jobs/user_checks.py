@@ -24,6 +24,7 @@ from typing import Any
 import pytorch_lightning as pl
 
 from jobs.settings import JobBuildError, flag
+from jobs.shipping import shipped_folders
 
 _DATA = "your data module decides each site's data: give its settings in --data-args"
 _OPTIMIZER = "your module's configure_optimizers() decides the optimizer: give its settings in --model-args"
@@ -126,7 +127,6 @@ def site_import_problem(spec: Any) -> str | None:
     holding copies of the shipped packages (the job's ``custom/``) and the installed packages, nothing else. In the
     builder's own process the folders that hold the shipped packages are on the path, so a shipped package that
     imports an unshipped sibling would pass there and fail at every site."""
-    from jobs.spec import shipped_folders
 
     folders = shipped_folders(spec)
     shipped = sorted(folder.name for folder in folders)
