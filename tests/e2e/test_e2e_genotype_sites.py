@@ -1,4 +1,4 @@
-"""A simulated consortium on disk feeding a genomics job in ``nvflare simulator`` (issue 27, item 6): the msprime
+"""A simulated consortium on disk feeding a genomics job in ``nvflare simulator``: the msprime
 cohort written as one VCF.gz per site by ``python -m data_prep.genotypes simulate-sites``, a job built with the
 consortium's own model and data module (examples/genomics), every site pointed at its own file, labels and the
 shared SNP table through ``FEDALG_SITE_GENOTYPES`` / ``FEDALG_SITE_LABELS`` / ``FEDALG_SNP_TABLE`` with ``{site}``,

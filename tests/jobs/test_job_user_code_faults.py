@@ -1,4 +1,4 @@
-"""Faults found federating a consortium's published code by import path (issue 26, items 2-5), each refused or
+"""Faults found federating a consortium's published code by import path, each refused or
 fixed: ``--seed`` seeds the user model's construction everywhere it is built; settings that have no effect with
 ``--model`` are refused with the reason; a data module's missing constructor arguments are refused at build time;
 every site-side error names the site; the JSON options are named in their whitespace refusal."""
