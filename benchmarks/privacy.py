@@ -313,11 +313,18 @@ def largest_site_epsilon(rounds: Sequence[Mapping[str, Any]]) -> float | None:
     return max(found) if found else None
 
 
-def cached(path: Path, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """A federation's scores from ``path`` (an .npz), computing and writing them first if absent."""
+class NotCached(LookupError):
+    """A federation a cached-only run would have to compute."""
+
+
+def cached(path: Path, compute: Callable[[], dict[str, Any]] | None) -> dict[str, Any]:
+    """A federation's scores from ``path`` (an .npz), computing and writing them first if absent (``compute`` None:
+    :class:`NotCached` instead)."""
     if path.exists():
         with np.load(path, allow_pickle=False) as stored:
             return {key: stored[key] if stored[key].ndim else stored[key].item() for key in stored.files}
+    if compute is None:
+        raise NotCached(str(path))
     values = compute()
     path.parent.mkdir(parents=True, exist_ok=True)
     np.savez(path, **values)
@@ -347,7 +354,13 @@ def membership(spec: Any, audit_keys: Sequence[bytes]) -> np.ndarray:
 
 
 def measure_task(
-    task: Task, seeds: Sequence[int], shadows: int, rounds: int, overrides: Mapping[str, Any], work: Path
+    task: Task,
+    seeds: Sequence[int],
+    shadows: int,
+    rounds: int,
+    overrides: Mapping[str, Any],
+    work: Path,
+    compute: bool = True,
 ) -> dict[str, Any]:
     """Both attacks on every target seed, with one pool of shadow federations shared by the targets."""
     if str(EXAMPLES) not in sys.path:
@@ -363,7 +376,8 @@ def measure_task(
     def scored(seed: int) -> tuple[Any, dict[str, Any]]:
         spec = build_spec(task, seed, rounds, overrides)
         values = cached(
-            folder / f"seed{seed}.npz", lambda: federation_scores(spec, audit["x"], audit["y"], audit["test"])
+            folder / f"seed{seed}.npz",
+            (lambda: federation_scores(spec, audit["x"], audit["y"], audit["test"])) if compute else None,
         )
         print(f"[privacy] {task.name} seed {seed}: test accuracy {float(values['test_accuracy']):.4f}", flush=True)
         return spec, values
@@ -541,19 +555,26 @@ def run_grid(
     rounds: int | None,
     base: Mapping[str, Any],
     work: Path,
-) -> list[dict[str, Any]]:
-    """Every (task, method, epsilon) cell; LiRA (``shadows`` shadow federations) only for the ``attacked`` methods,
-    the loss attack for all. Each federation is cached under ``work``, so a rerun completes only what is missing."""
-    cells = []
+    compute: bool = True,
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """(cells, missing): every (task, method, epsilon) cell; LiRA (``shadows`` shadow federations) only for the
+    ``attacked`` methods, the loss attack for all. Each federation is cached under ``work``, so a rerun completes
+    only what is missing; with ``compute`` False a cell with any federation not cached is skipped and named in
+    ``missing``."""
+    cells, missing = [], []
     for name in tasks:
         task = TASKS[name]
         for method in methods:
             for epsilon in epsilons:
                 n_shadows = shadows if method in attacked else 0
                 overrides = cell_overrides(method, epsilon, base)
-                result = measure_task(task, seeds, n_shadows, rounds or task.rounds, overrides, work)
+                try:
+                    result = measure_task(task, seeds, n_shadows, rounds or task.rounds, overrides, work, compute)
+                except NotCached:
+                    missing.append(f"{name} {method} ε={'∞' if epsilon is None else f'{epsilon:g}'}")
+                    continue
                 cells.append({**result, "method": method, "target_epsilon": epsilon})
-    return cells
+    return cells, missing
 
 
 def _cell(values: Sequence[float | None], scale: float = 100, digits: int = 1) -> str:
@@ -584,7 +605,9 @@ def grid_rows(cell: Mapping[str, Any]) -> str:
     )
 
 
-def grid_section(cells: Sequence[Mapping[str, Any]], command: str, plot: str | None) -> list[str]:
+def grid_section(
+    cells: Sequence[Mapping[str, Any]], command: str, plot: str | None, missing: Sequence[str] = ()
+) -> list[str]:
     """The page's utility-vs-privacy section (between markers, so the no-DP section above stays)."""
     minutes = sum(cell["federation_minutes"] for cell in cells)
     first = cells[0]
@@ -616,6 +639,9 @@ def grid_section(cells: Sequence[Mapping[str, Any]], command: str, plot: str | N
         *[grid_rows(cell) for cell in cells],
         "",
     ]
+    if missing:
+        complete = command.replace(" --cached-only", "")
+        lines += [f"Not yet run (time): {', '.join(missing)}. `{complete}` runs them and rewrites this section.", ""]
     if plot:
         lines += [f"![accuracy and attack AUC against epsilon]({plot})", ""]
     return [*lines, GRID_END]
@@ -672,12 +698,12 @@ def plot_grid(cells: Sequence[Mapping[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def write_grid(cells: Sequence[Mapping[str, Any]], out: Path, command: str) -> None:
+def write_grid(cells: Sequence[Mapping[str, Any]], out: Path, command: str, missing: Sequence[str] = ()) -> None:
     """The grid section into the page ``out`` (kept around it), its JSON and plot beside it as ``<stem>_dp.*``."""
     plot = out.with_name(out.stem + "_dp.png")
     plot_grid(cells, plot)
     text = out.read_text() if out.exists() else "# Membership inference against the final global model\n"
-    out.write_text(replace_section(text, grid_section(cells, command, plot.name)))
+    out.write_text(replace_section(text, grid_section(cells, command, plot.name, missing)))
     out.with_name(out.stem + "_dp.json").write_text(json.dumps(cells, indent=1) + "\n")
 
 
@@ -713,6 +739,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     grid.add_argument("--methods", nargs="+", default=list(METHODS), help=f"of {', '.join(METHODS)}")
     grid.add_argument("--epsilons", nargs="+", default=["1", "3", "8", "inf"], help="budgets; 'inf': no DP")
     grid.add_argument("--attacked", nargs="*", default=["fedavg"], help="methods attacked with LiRA too")
+    grid.add_argument("--cached-only", action="store_true", help="write the cells already in --work, run nothing")
     args = parser.parse_args(argv)
     if args.shadows < 1 and not (args.grid and not args.attacked):
         raise SystemExit("error: --shadows must be at least 1 (LiRA needs shadow models)")
@@ -723,7 +750,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "python -m benchmarks.privacy " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.grid:
         epsilons = parse_epsilons(args.epsilons)
-        cells = run_grid(
+        cells, missing = run_grid(
             args.tasks,
             args.methods,
             epsilons,
@@ -733,10 +760,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.rounds,
             overrides,
             args.work,
+            compute=not args.cached_only,
         )
         if args.out is not None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            write_grid(cells, args.out, command)
+            write_grid(cells, args.out, command, missing)
         print(json.dumps(cells, indent=1))
         return 0
     results = [

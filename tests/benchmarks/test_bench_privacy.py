@@ -12,10 +12,13 @@ import pytest
 from benchmarks.privacy import (
     GRID_BEGIN,
     GRID_END,
+    NotCached,
     attack_metrics,
+    cached,
     cell_overrides,
     epsilon_axis,
     grid_rows,
+    grid_section,
     largest_site_epsilon,
     lira_offline_scores,
     logit_confidence,
@@ -162,6 +165,21 @@ def test_the_grid_section_is_appended_once_replaced_after_and_kept_by_the_no_dp_
     write_page([], out, "python -m benchmarks.privacy")
     text = out.read_text()
     assert text.startswith("# Membership inference") and text.count(GRID_BEGIN) == 1 and "grid v2" in text
+
+
+def test_a_cached_only_run_reads_the_cache_and_names_the_cells_it_would_have_to_run(tmp_path):
+    with pytest.raises(NotCached):
+        cached(tmp_path / "seed0.npz", None)
+    assert cached(tmp_path / "seed0.npz", lambda: {"test_accuracy": 0.5})["test_accuracy"] == 0.5
+    assert cached(tmp_path / "seed0.npz", None)["test_accuracy"] == 0.5  # now from the file
+    cell = {"task": "1kg", "method": "fedavg", "target_epsilon": 1.0, "rounds": 3, "shadows": 2}
+    cell = {**cell, "federation_minutes": 1.0, "seeds": [_row(0, 0.8, [0.8], 0.5, 0.5, 1.0)]}
+    lines = grid_section(
+        [cell], "python -m benchmarks.privacy --grid --cached-only --out p.md", None, ["1kg scaffold ε=8"]
+    )
+    assert "Not yet run (time): 1kg scaffold ε=8. `python -m benchmarks.privacy --grid --out p.md` runs them" in (
+        "\n".join(lines)
+    )
 
 
 @pytest.mark.slow
