@@ -3,6 +3,7 @@
     python -m benchmarks.privacy --out benchmarks/results/privacy.md                   # the committed page
     python -m benchmarks.privacy --tasks fmnist --seeds 0 --shadows 2 --rounds 1 ...   # a quick look
     python -m benchmarks.privacy --set dp_noise_multiplier=1.0 --set dp_max_grad_norm=1.0   # any JobSpec setting
+    python -m benchmarks.privacy --grid --rounds 3 --shadows 2 --out benchmarks/results/privacy.md  # utility vs privacy
 
 Two attacks, scored on an *audit set* of records whose membership is known (members: the records some site of the
 target federation trained on; non-members: records of the same distribution no site trained on):
@@ -31,6 +32,13 @@ Tasks (small on purpose: a 2-core CPU shared by others; the protocol is written 
 ``--set KEY=VALUE`` applies any :class:`jobs.spec.JobSpec` setting (VALUE is JSON) to the targets and the shadows
 alike: a server rule (``server=dp_fedavg`` with ``server_args={...}``) or the sites' DP-SGD settings, so the same
 command measures a private federation. Every federation's scores are kept under ``--work`` and never recomputed.
+
+``--grid`` measures utility against privacy: every (task, method, ε) cell, methods :data:`METHODS` (FedAvg, SCAFFOLD
+Option II, FedAdam), DP-SGD at every site calibrated to each ``--epsilons`` budget (``inf``: no DP), the loss attack
+everywhere and LiRA for the ``--attacked`` methods; the global test accuracy, each site's accuracy scored here
+(:func:`site_weighted_accuracy`, since DP sites withhold their own scores) and the ε the sites reached. It writes a
+marked section into ``--out`` (the rest of the page stays), ``<stem>_dp.json`` and ``<stem>_dp.png``;
+``--cached-only`` writes what ``--work`` holds and names the missing cells.
 """
 
 from __future__ import annotations
