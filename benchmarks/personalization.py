@@ -214,7 +214,7 @@ def best_method(summaries: Sequence[MethodSummary]) -> MethodSummary:
 
 
 def target_check(summaries: Sequence[MethodSummary], global_method: str = "fedavg") -> tuple[bool, str]:
-    """Issue 25's target in one setting: the best method's personalized mean site accuracy is at least
+    """The personalization target in one setting: the best method's personalized mean site accuracy is at least
     max(local-only, ``global_method``'s global model) within the seed spread, and none of its sites loses against
     local-only. Returns (met, one sentence with the numbers)."""
     by_name = {s.algorithm: s for s in summaries}
@@ -278,6 +278,7 @@ def per_site_table(
     """Per site for the best method: global, personalized, local-only (mean ± sd over seeds), the paired
     difference and its verdict."""
     personal = {seed: s["personal"] for seed, s in scores[best].items()}
+    local = {seed: s for seed, s in local.items() if seed in personal}  # the columns show the seeds paired
     differences = site_differences(personal, local)
     lines = [
         "| site | global | personalized | local-only | personalized − local-only | |",

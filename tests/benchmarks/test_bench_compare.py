@@ -335,3 +335,11 @@ def test_personalization_smoke_grid_scores_every_site_and_writes_the_report(tmp_
     assert "records" not in local  # no federation
     report = (tmp_path / "report.md").read_text()
     assert "### digits, dir0.1" in report and "| local | 2 |" in report and "Target " in report
+
+
+def test_the_per_site_columns_show_only_the_seeds_the_difference_pairs():
+    from benchmarks import personalization as p
+
+    scores = {"m": {0: {"global": {}, "personal": {"a": 0.9}}}}
+    rows = p.per_site_table("m", scores, {0: {"a": 0.8}, 1: {"a": 0.0}})  # local-only ran a seed m has not
+    assert rows[-1] == "| a | – | 90.0 ± 0.0 | 80.0 ± 0.0 | +10.0 ± 0.0 | gain |"
