@@ -114,7 +114,7 @@ GRIDS = {
         (0, 1, 2),
         Protocol(source=source, num_sites=5 if source == "1kg" else 4),
     ),
-    # Does each site gain from joining (issue 25): benchmarks/results/personalization.md.
+    # Does each site gain from joining: benchmarks/results/personalization.md.
     "personalization": lambda source: (
         PERSONALIZATION_GRID,
         ("iid", "dir0.1", "population"),
