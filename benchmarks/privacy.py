@@ -684,16 +684,19 @@ def plot_grid(cells: Sequence[Mapping[str, Any]], path: Path) -> None:
     groups: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
     for cell in cells:
         groups.setdefault((cell["task"], cell["method"]), []).append(cell)
+    colours = {method: f"C{i}" for i, method in enumerate(METHODS)}
     for (task, method), group in groups.items():
         xs = epsilon_axis([c["target_epsilon"] for c in group])
+        style = {"color": colours.get(method), "linestyle": "-" if task == "1kg" else "--", "marker": "o"}
         acc = [mean_std([r["test_accuracy"] for r in c["seeds"]])[0] for c in group]
-        acc_ax.plot(xs, acc, marker="o", label=f"{task} {method}")
+        acc_ax.plot(xs, acc, label=f"{task} {method}", **style)
         attack = "lira" if all(c["seeds"][0]["lira"] is not None for c in group) else "loss"
         auc = [mean_std([r[attack]["auc"] for r in c["seeds"]])[0] for c in group]
-        auc_ax.plot(xs, auc, marker="o", label=f"{task} {method} ({ATTACK_NAMES[attack]})")
+        auc_ax.plot(xs, auc, label=f"{task} {method} ({ATTACK_NAMES[attack]})", **style)
     ticks = sorted({x for c in cells for x in epsilon_axis([c["target_epsilon"]] + [e for e in EPSILONS if e])})
     for ax, label in ((acc_ax, "global test accuracy"), (auc_ax, "attack AUC")):
         ax.set_xscale("log")
+        ax.minorticks_off()
         ax.set_xticks(ticks, ["∞" if t not in EPSILONS else f"{t:g}" for t in ticks])
         ax.set_xlabel("ε (δ = 1e-5; ∞: no DP)")
         ax.set_ylabel(label)
