@@ -167,7 +167,13 @@ def hparams_for(algorithm_cls: type[ClientAlgorithm], settings: Settings) -> dic
     except (TypeError, ValueError):
         return {}
     values = {"mu": settings.mu, "alpha": settings.alpha}
-    return {name: value for name, value in values.items() if name in parameters}
+    # Only where the term is on by default (FedProx's mu, FedDyn's alpha): a zero default is a term the algorithm
+    # leaves off unless told (Ditto's mu belongs to its optional FedProx global part, refused without it).
+    return {
+        name: value
+        for name, value in values.items()
+        if name in parameters and parameters[name].default not in (0, 0.0, inspect.Parameter.empty)
+    }
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -201,7 +207,7 @@ class Variant:
     def start(self, trainer: pl.Trainer, module: FLClassifier, state_root: Path) -> None:
         pass
 
-    def activate(self, module: FLClassifier) -> None:
+    def activate(self, module: FLClassifier, batch: Any) -> None:
         attach_algorithm(module, self.plain)
 
     def before_optimizer_step(self, optimizer: Any) -> None:
@@ -217,7 +223,7 @@ class Variant:
 class LightningDefault(Variant):
     """Reference: no client algorithm attached (no callback hooks, no loss-term call)."""
 
-    def activate(self, module: FLClassifier) -> None:
+    def activate(self, module: FLClassifier, batch: Any) -> None:
         attach_algorithm(module, None)
 
 
@@ -252,8 +258,9 @@ class Ours(Variant):
         self.optimizer = trainer.optimizers[0]
         self.callback.on_train_epoch_start(trainer, module)
 
-    def activate(self, module: FLClassifier) -> None:
+    def activate(self, module: FLClassifier, batch: Any) -> None:
         attach_algorithm(module, self.algorithm)
+        self.algorithm.on_batch(module, batch)  # as the callback's on_train_batch_start does (FedMoS, Ditto keep it)
 
     def before_optimizer_step(self, optimizer: Any) -> None:
         self.callback.on_before_optimizer_step(None, self.module, optimizer)  # type: ignore[arg-type]
@@ -326,7 +333,7 @@ class Interleaver(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
         self.current = self.variants[self.schedule[batch_idx]]
-        self.current.activate(pl_module)
+        self.current.activate(pl_module, batch)
         self._sync()
         self._start = time.perf_counter_ns()
 
