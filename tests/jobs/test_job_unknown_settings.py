@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
     [
         (
             ["--client", "scaffold", "--client-args", '{"zzz":1}'],
-            "error: --client-args: scaffold has no setting 'zzz'; allowed: option, correction",
+            "error: --client-args: scaffold has no setting 'zzz'; allowed: option, estimator, correction",
         ),
         (
             ["--server", "krum", "--server-args", '{"f":5}'],
