@@ -112,7 +112,9 @@ def test_the_recipe_names_min_clients_when_given_num_sites():
 
 
 def test_the_recipe_refuses_unknown_hyperparameters_with_the_builders_line():
-    with pytest.raises(JobBuildError, match=r"^--client-args: scaffold has no setting 'zzz'; allowed: option, corr"):
+    with pytest.raises(
+        JobBuildError, match=r"^--client-args: scaffold has no setting 'zzz'; allowed: option, estimator, corr"
+    ):
         FedAlgRecipe(client="scaffold", server="scaffold", client_args={"zzz": 1})
     with pytest.raises(JobBuildError, match=r"^--server-args: krum has no setting 'f'; allowed: num_byzantine, num_"):
         FedAlgRecipe(server="krum", server_args={"f": 5})
