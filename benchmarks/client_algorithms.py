@@ -137,9 +137,8 @@ class Configured(Ours):
         # a real fit does: FedMoS's and Ditto's extra pass take the batch from there.
         self.batch = [tensor.to(module.device) for tensor in next(iter(trainer.train_dataloader))]
 
-    def activate(self, module: Any) -> None:
-        super().activate(module)
-        self.algorithm.on_batch(module, self.batch)
+    def activate(self, module: Any, batch: Any) -> None:
+        super().activate(module, self.batch)  # the harness's fixed batch is the one every step trains on
 
     def finish(self, module: Any) -> None:
         self.state_bytes = algorithm_state_bytes(self.algorithm, module.state_dict(keep_vars=True).values())
