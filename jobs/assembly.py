@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from jobs.settings import dataset_num_classes
+from jobs.settings import dataset_num_classes, is_private
 from jobs.spec import JobSpec, client_script_args, companion_rules, model_arch_args, shipped_folders
 from jobs.tracking import add_tracking, server_requirements
 
@@ -187,9 +187,12 @@ def site_requirements(spec: JobSpec) -> str:
         *project["dependencies"],
         *server_requirements(spec),
     ]
-    if spec.dp_noise_multiplier is not None or spec.dp_target_epsilon is not None:
+    if is_private(spec):
         # DP-SGD runs at the sites with Opacus, an optional extra of the bundle (docs/privacy.md).
-        lines += ["# DP-SGD (--dp-*): every site needs the bundle's privacy extra.", *optional_dependencies("privacy")]
+        lines += [
+            "# DP-SGD (--dp-*): every site needs the bundle's privacy extra.",
+            *project["optional-dependencies"]["privacy"],
+        ]
     if spec.devices > 1:
         lines.append("# --devices: the sites start the client with torch.distributed.run (part of torch).")
     shipped = [folder.name for folder in shipped_folders(spec)] if spec.model is not None else []
@@ -200,15 +203,6 @@ def site_requirements(spec: JobSpec) -> str:
     if unshipped:
         lines.append(f"# Must be importable on every site (install the package): {', '.join(unshipped)}")
     return "\n".join(lines) + "\n"
-
-
-def optional_dependencies(extra: str) -> list[str]:
-    """The requirements of one of the bundle's optional extras, as pyproject.toml declares them."""
-    import tomllib
-
-    return list(
-        tomllib.loads((JOBS_DIR.parent / "pyproject.toml").read_text())["project"]["optional-dependencies"][extra]
-    )
 
 
 def write_site_requirements(job_folder: Path, spec: JobSpec) -> None:

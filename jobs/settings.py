@@ -325,7 +325,8 @@ class TrackingSettings:
     )
 
 
-def _private(spec: Any) -> bool:
+def is_private(spec: Any) -> bool:
+    """Whether the job runs DP-SGD at its sites (a noise multiplier or a target epsilon is set)."""
     return spec.dp_noise_multiplier is not None or spec.dp_target_epsilon is not None
 
 
@@ -339,21 +340,23 @@ class PrivacySettings:
         "DP-SGD noise multiplier sigma: Gaussian noise of std sigma * C on every step's sum of clipped per-sample "
         "gradients (none: calibrated to --dp-target-epsilon)",
         ge=0,
-        exported_when=_private,
+        exported_when=is_private,
     )
     dp_max_grad_norm: float | None = setting(
         None,
         "DP-SGD clipping norm C of every per-sample gradient (all trainable parameters together)",
         gt=0,
-        exported_when=_private,
+        exported_when=is_private,
     )
-    dp_delta: float = setting(1e-5, "DP-SGD delta of the reported (epsilon, delta)", gt=0, lt=1, exported_when=_private)
+    dp_delta: float = setting(
+        1e-5, "DP-SGD delta of the reported (epsilon, delta)", gt=0, lt=1, exported_when=is_private
+    )
     dp_target_epsilon: float | None = setting(
         None,
         "each site's privacy budget: without --dp-noise-multiplier, sigma is calibrated so that the planned rounds "
         "spend it; a site whose next round would exceed it stops training",
         gt=0,
-        exported_when=_private,
+        exported_when=is_private,
     )
 
 
