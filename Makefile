@@ -73,8 +73,9 @@ COMPARE_OUT ?= runs/compare
 compare: setup
 	$(PY) -m benchmarks.compare --out $(COMPARE_OUT)
 
+# --durations=30: every CI log ends with the 30 slowest tests (CI must stay under 45 min on 2 cores).
 test: setup lint
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=30
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow" --ignore=tests/e2e
