@@ -26,11 +26,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler, default_collate
 
 from data_prep.errors import DataPrepError
 
-__all__ = ["GenotypeRows", "as_tokens", "genotype_loader", "open_matrix"]
+__all__ = ["GenotypeRows", "as_tokens", "collate_rows", "genotype_loader", "open_matrix"]
 
 _LOCAL_HEADER = 30  # bytes of a zip local file header before its file name and extra field
 
@@ -106,6 +106,14 @@ def as_tokens(batch: Any) -> Any:
     return (batch[0].long(), *batch[1:]) if narrow and batch[0].dtype == torch.int8 else batch
 
 
+def collate_rows(batch: Any) -> Any:
+    """The genotype loader's ``collate_fn``: a batch :class:`GenotypeRows` gathered at once (a tuple) passes as it is;
+    a list of people, one ``dataset[i]`` each, is stacked. Opacus's Poisson loader (DP-SGD) keeps the loader's
+    ``collate_fn`` and fetches person by person: with PyTorch's default for ``batch_size=None`` (``default_convert``)
+    its batches would stay lists of people."""
+    return batch if isinstance(batch, tuple) else default_collate(batch)
+
+
 def genotype_loader(
     data: GenotypeRows, batch_size: int, shuffle: bool = False, seed: int | None = None, num_workers: int = 0
 ) -> DataLoader:
@@ -116,4 +124,4 @@ def genotype_loader(
     generator = None if seed is None else torch.Generator().manual_seed(seed)
     order = RandomSampler(data, generator=generator) if shuffle else SequentialSampler(data)
     batches = BatchSampler(order, batch_size, drop_last=False)
-    return DataLoader(data, batch_size=None, sampler=batches, num_workers=num_workers)
+    return DataLoader(data, batch_size=None, sampler=batches, num_workers=num_workers, collate_fn=collate_rows)

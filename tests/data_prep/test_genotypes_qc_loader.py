@@ -123,6 +123,22 @@ def test_one_person_at_a_time_as_per_sample_loaders_ask() -> None:
     assert batch[1].tolist() == [11, 10]
 
 
+def test_the_poisson_loader_over_the_genotype_loader_yields_batches() -> None:
+    # DP-SGD swaps the site's training loader for Opacus's Poisson one, which keeps the loader's collate_fn and
+    # fetches person by person: the batch must still be (int8 states, targets), not a list of people.
+    pytest.importorskip("opacus")
+    from lightning_modules.privacy.dp_sgd import poisson_loader
+
+    genotypes = np.arange(60, dtype=np.int8).reshape(20, 3) % 4
+    data = GenotypeRows(genotypes, np.arange(20))
+    loader = poisson_loader(genotype_loader(data, batch_size=5, shuffle=True), torch.Generator().manual_seed(0))
+    batches = list(loader)
+    assert len(batches) == 4 and sum(len(y) for _, y in batches) > 0
+    for x, y in batches:
+        assert isinstance(x, torch.Tensor) and x.dtype == torch.int8 and x.shape == (len(y), 3)
+        np.testing.assert_array_equal(x.numpy(), genotypes[y.numpy()])
+
+
 def test_as_tokens_leaves_other_batches_alone() -> None:
     wide = (torch.tensor([[0, 2]]), torch.tensor([1]))
     assert as_tokens(wide)[0] is wide[0]
