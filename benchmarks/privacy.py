@@ -38,7 +38,9 @@ Option II, FedAdam), DP-SGD at every site calibrated to each ``--epsilons`` budg
 everywhere and LiRA for the ``--attacked`` methods; the global test accuracy, each site's accuracy scored here
 (:func:`site_weighted_accuracy`, since DP sites withhold their own scores) and the ε the sites reached. It writes a
 marked section into ``--out`` (the rest of the page stays), ``<stem>_dp.json`` and ``<stem>_dp.png``;
-``--cached-only`` writes what ``--work`` holds and names the missing cells.
+``--cached-only`` writes what ``--work`` holds and names the missing cells. ``--more-rounds TASK:METHOD=N`` also runs
+that task's method, every budget, at N rounds (rows with a 'rounds' column): the section compares each task's no-DP
+FedAvg accuracy across the round counts it has (and the no-DP section's) and says which rows are undertrained.
 """
 
 from __future__ import annotations
@@ -219,6 +221,18 @@ def site_training_records(spec: Any) -> list[tuple[np.ndarray, np.ndarray]]:
     return parts
 
 
+def site_validation_records(spec: Any) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Every site's validation split ``(x, y)`` of a user-model ``spec`` (its held-out share: the same distribution
+    as its training split, never trained on), in site order."""
+    from lightning_modules.own_model import build_user_data
+
+    parts = []
+    for i in range(spec.num_sites):
+        data = build_user_data(spec.data, spec.data_args, f"site-{i + 1}", spec.num_sites)
+        parts.append(tuple(t.numpy() for t in data.val.tensors))
+    return parts
+
+
 def training_records(spec: Any) -> tuple[np.ndarray, np.ndarray]:
     """Every record some site of ``spec`` trains on (the sites' training splits, concatenated)."""
     parts = site_training_records(spec)
@@ -287,15 +301,38 @@ def build_spec(task: Task, seed: int, rounds: int, overrides: Mapping[str, Any])
     return spec_from_values(f"privacy_{task.name}_s{seed}", {**task.settings(seed, rounds), **overrides})
 
 
-def federation_scores(spec: Any, audit_x: np.ndarray, audit_y: np.ndarray, test: tuple) -> dict[str, Any]:
-    """Run ``spec``'s federation in process; its final model's loss and phi on the audit set, its test accuracy."""
+def federation_scores(
+    spec: Any, audit_x: np.ndarray, audit_y: np.ndarray, test: tuple, personal: bool = False
+) -> dict[str, Any]:
+    """Run ``spec``'s federation in process; its final model's loss and phi on the audit set, its test accuracy;
+    with ``personal``, also every site's personal model's loss, phi and correctness on the audit set (sites x
+    records; :func:`benchmarks.personalization.personal_params`), and the global model's correctness."""
     from controllers.in_process import quiet_lightning, run_in_process
 
     started = time.monotonic()
+    extra: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="fedalg_privacy_") as state_root, quiet_lightning():
         run = run_in_process(spec, Path(state_root), evaluate=False, run_id=spec.name)
+        if personal:
+            from benchmarks.personalization import personal_params
+
+            rows = []
+            for i in range(spec.num_sites):
+                params = personal_params(spec, Path(state_root), f"site-{i + 1}", run.params)
+                if params is None:
+                    raise SystemExit(f"error: {spec.name} keeps no personal model (local_keys or client ditto)")
+                rows.append(model_logits(module_with(spec, params), audit_x))
+            scored = [logit_confidence(logits, audit_y) for logits in rows]
+            extra = {
+                "personal_loss": np.stack([loss for loss, _ in scored]),
+                "personal_phi": np.stack([phi for _, phi in scored]),
+                "personal_correct": np.stack([logits.argmax(axis=1) == audit_y for logits in rows]),
+            }
     module = module_with(spec, run.params)
-    loss, phi = logit_confidence(model_logits(module, audit_x), audit_y)
+    audit_logits = model_logits(module, audit_x)
+    loss, phi = logit_confidence(audit_logits, audit_y)
+    if personal:
+        extra["correct"] = audit_logits.argmax(axis=1) == audit_y
     test_logits = model_logits(module, test[0])
     correct = test_logits.argmax(axis=1) == test[1]
     sites = [site_weighted_accuracy(correct, test[1], y, test_logits.shape[1]) for _, y in site_training_records(spec)]
@@ -310,6 +347,7 @@ def federation_scores(spec: Any, audit_x: np.ndarray, audit_y: np.ndarray, test:
         "test_accuracy": accuracy,
         "site_accuracy": np.array(sites),
         "wall_s": time.monotonic() - started,
+        **extra,
         **diagnostics,
     }
 
@@ -369,8 +407,10 @@ def measure_task(
     overrides: Mapping[str, Any],
     work: Path,
     compute: bool = True,
+    personal: bool = False,
 ) -> dict[str, Any]:
-    """Both attacks on every target seed, with one pool of shadow federations shared by the targets."""
+    """Both attacks on every target seed, with one pool of shadow federations shared by the targets; with
+    ``personal``, also on every site's personal model (:func:`personal_attacks`)."""
     if str(EXAMPLES) not in sys.path:
         sys.path.insert(0, str(EXAMPLES))
     audit = audit_set(task, rounds, overrides, seeds)
@@ -385,7 +425,7 @@ def measure_task(
         spec = build_spec(task, seed, rounds, overrides)
         values = cached(
             folder / f"seed{seed}.npz",
-            (lambda: federation_scores(spec, audit["x"], audit["y"], audit["test"])) if compute else None,
+            (lambda: federation_scores(spec, audit["x"], audit["y"], audit["test"], personal)) if compute else None,
         )
         print(f"[privacy] {task.name} seed {seed}: test accuracy {float(values['test_accuracy']):.4f}", flush=True)
         return spec, values
@@ -400,8 +440,21 @@ def measure_task(
         walls.append(float(values["wall_s"]))
         is_member = membership(spec, keys)
         lira, usable = lira_offline_scores(values["phi"], shadow_phi, shadow_in) if shadow_runs else (None, None)
+        mine = {}
+        if personal:
+            # Shadow personal models: every site's of every shadow federation; "in" = the federation trained on it.
+            personal_shadows = (
+                (
+                    np.concatenate([v["personal_phi"] for _, v in shadow_runs]),
+                    np.repeat(shadow_in, spec.num_sites, axis=0),
+                )
+                if shadow_runs
+                else None
+            )
+            mine = {"personal": personal_attacks(spec, keys, values, lira, personal_shadows)}
         results.append(
             {
+                **mine,
                 "seed": seed,
                 "test_accuracy": float(values["test_accuracy"]),
                 "site_accuracy": [float(a) for a in values["site_accuracy"]] if "site_accuracy" in values else None,
@@ -422,6 +475,58 @@ def measure_task(
         "federation_minutes": sum(walls) / 60,
         "seeds": results,
     }
+
+
+def site_attack_metrics(
+    scores: np.ndarray, members: Sequence[np.ndarray], non_members: Sequence[np.ndarray]
+) -> dict[str, float]:
+    """:func:`attack_metrics` of each site's scores (``scores[k]``, or ``scores`` for all sites when 1-D) on its own
+    records only: its members against its non-members of the same distribution; the mean over sites."""
+    per_site = []
+    for k, (inside, outside) in enumerate(zip(members, non_members, strict=True)):
+        row = scores[k] if scores.ndim == 2 else scores
+        is_member = np.r_[np.ones(int(inside.sum()), bool), np.zeros(int(outside.sum()), bool)]
+        per_site.append(attack_metrics(np.concatenate([row[inside], row[outside]]), is_member))
+    return {key: float(np.mean([m[key] for m in per_site])) for key in per_site[0]}
+
+
+def personal_attacks(
+    spec: Any,
+    keys: Sequence[bytes],
+    values: Mapping[str, Any],
+    global_lira: np.ndarray | None,
+    shadows: tuple[np.ndarray, np.ndarray] | None,
+) -> dict[str, Any]:
+    """The attacks of a curious insider at site k holding its personal model, against the same records scored by the
+    final global model: members are site k's training records, non-members its validation records (the same draw
+    of the data, never trained on); metrics per site, then the mean over the sites. LiRA's "out" models are the
+    shadow federations' personal models of every site, "out" when that shadow federation did not train on the
+    record. Accuracy: each model on the site's own validation records, the mean over the sites."""
+    index = {key: i for i, key in enumerate(keys)}
+    inside, outside = [], []
+    for train, val in zip(site_training_records(spec), site_validation_records(spec), strict=True):
+        rows = [np.zeros(len(keys), bool), np.zeros(len(keys), bool)]
+        for mask, records in zip(rows, (train, val), strict=True):
+            mask[[index[key] for key in record_keys(*records)]] = True
+        inside.append(rows[0])
+        outside.append(rows[1])
+    result = {
+        "accuracy": float(np.mean([values["personal_correct"][k][m].mean() for k, m in enumerate(outside)])),
+        "global_accuracy": float(np.mean([values["correct"][m].mean() for m in outside])),
+        "loss": site_attack_metrics(-values["personal_loss"], inside, outside),
+        "global_loss": site_attack_metrics(-values["loss"], inside, outside),
+        "lira": None,
+        "global_lira": None,
+    }
+    if shadows is not None and global_lira is not None:
+        scores = np.stack(
+            [lira_offline_scores(phi, *shadows)[0] for phi in values["personal_phi"]]
+        )  # every record has an out shadow model unless all shadows trained on it: such records are dropped below
+        usable = lira_offline_scores(values["personal_phi"][0], *shadows)[1]
+        kept_in, kept_out = [m & usable for m in inside], [m & usable for m in outside]
+        result["lira"] = site_attack_metrics(scores, kept_in, kept_out)
+        result["global_lira"] = site_attack_metrics(global_lira, kept_in, kept_out)
+    return result
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -543,11 +648,27 @@ DP_SETTINGS = {"dp_max_grad_norm": 1.0, "dp_delta": 1e-5}
 GRID_BEGIN, GRID_END = "<!-- privacy-grid:begin -->", "<!-- privacy-grid:end -->"
 
 
-def cell_overrides(method: str, epsilon: float | None, base: Mapping[str, Any]) -> dict[str, Any]:
-    """The settings of one grid cell: ``base`` (from --set), the method's, and DP-SGD calibrated to ``epsilon``."""
-    if method not in METHODS:
+#: Personalized methods whose site models are attacked too (``--personal TASK:METHOD``): settings over the task's,
+#: as the genomics personalization grid has them (benchmarks/genomics.py). The personal model never leaves its site:
+#: the attack models a curious insider at the site holding it.
+PERSONAL_METHODS: dict[str, dict[str, dict[str, Any]]] = {
+    "1kg": {
+        "fedper": {"local_keys": "net.head.*"},  # SnpNet's last layer; trained by DP-SGD with the rest under DP
+        "ditto": {"client": "ditto", "client_args": {"lam": 0.1, "personal_lr": 0.01}},
+    },
+}
+#: Personalized methods refused under DP-SGD (lightning_modules/privacy/dp_sgd.py, REFUSED): no-DP cells only.
+PERSONAL_NO_DP = frozenset({"ditto"})
+
+
+def cell_overrides(
+    method: str, epsilon: float | None, base: Mapping[str, Any], settings: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The settings of one grid cell: ``base`` (from --set), the method's (``settings`` when given, else
+    :data:`METHODS`'), and DP-SGD calibrated to ``epsilon``."""
+    if settings is None and method not in METHODS:
         raise SystemExit(f"error: --methods: unknown method {method!r}; choose from {', '.join(METHODS)}")
-    values = {**base, **METHODS[method]}
+    values = {**base, **(METHODS[method] if settings is None else settings)}
     if epsilon is not None:
         values.update(DP_SETTINGS, dp_target_epsilon=epsilon)
     return values
@@ -564,25 +685,78 @@ def run_grid(
     base: Mapping[str, Any],
     work: Path,
     compute: bool = True,
+    more_rounds: Mapping[tuple[str, str], Sequence[int]] | None = None,
+    personal: Sequence[tuple[str, str]] = (),
 ) -> tuple[list[dict[str, Any]], list[str]]:
-    """(cells, missing): every (task, method, epsilon) cell; LiRA (``shadows`` shadow federations) only for the
-    ``attacked`` methods, the loss attack for all. Each federation is cached under ``work``, so a rerun completes
-    only what is missing; with ``compute`` False a cell with any federation not cached is skipped and named in
-    ``missing``."""
+    """(cells, missing): every (task, method, epsilon) cell at ``rounds`` (default: the task's), and again at each
+    of ``more_rounds[(task, method)]``; LiRA (``shadows`` shadow federations) only for the ``attacked`` methods, the
+    loss attack for all. Each federation is cached under ``work``, so a rerun completes only what is missing; with
+    ``compute`` False a cell with any federation not cached is skipped and named in ``missing``. ``personal``:
+    (task, method) pairs of :data:`PERSONAL_METHODS`, run at ``rounds`` and every budget they compose with, their
+    sites' personal models attacked too (cells marked ``personal``)."""
     cells, missing = [], []
     for name in tasks:
         task = TASKS[name]
         for method in methods:
-            for epsilon in epsilons:
-                n_shadows = shadows if method in attacked else 0
-                overrides = cell_overrides(method, epsilon, base)
-                try:
-                    result = measure_task(task, seeds, n_shadows, rounds or task.rounds, overrides, work, compute)
-                except NotCached:
-                    missing.append(f"{name} {method} ε={'∞' if epsilon is None else f'{epsilon:g}'}")
-                    continue
-                cells.append({**result, "method": method, "target_epsilon": epsilon})
+            base_rounds = rounds or task.rounds
+            extra = [r for r in (more_rounds or {}).get((name, method), ()) if r != base_rounds]
+            for cell_rounds in (base_rounds, *extra):
+                for epsilon in epsilons:
+                    n_shadows = shadows if method in attacked else 0
+                    overrides = cell_overrides(method, epsilon, base)
+                    try:
+                        result = measure_task(task, seeds, n_shadows, cell_rounds, overrides, work, compute)
+                    except NotCached:
+                        label = f"{name} {method} ε={'∞' if epsilon is None else f'{epsilon:g}'}"
+                        missing.append(label if cell_rounds == base_rounds else f"{label} ({cell_rounds} rounds)")
+                        continue
+                    cells.append({**result, "method": method, "target_epsilon": epsilon})
+    for name, method in personal:
+        task, settings = TASKS[name], PERSONAL_METHODS[name][method]
+        for epsilon in epsilons:
+            if epsilon is not None and method in PERSONAL_NO_DP:
+                continue
+            overrides = cell_overrides(method, epsilon, base, settings)
+            try:
+                result = measure_task(
+                    task, seeds, shadows, rounds or task.rounds, overrides, work, compute, personal=True
+                )
+            except NotCached:
+                missing.append(f"{name} {method} ε={'∞' if epsilon is None else f'{epsilon:g}'} (personal)")
+                continue
+            cells.append({**result, "method": method, "target_epsilon": epsilon, "personal": True})
     return cells, missing
+
+
+def parse_personal(values: Sequence[str]) -> list[tuple[str, str]]:
+    """``TASK:METHOD`` items (``--personal``) of :data:`PERSONAL_METHODS`."""
+    pairs = []
+    for value in values:
+        task, _, method = value.partition(":")
+        if method not in PERSONAL_METHODS.get(task, {}):
+            known = [f"{t}:{m}" for t, methods in PERSONAL_METHODS.items() for m in methods]
+            raise SystemExit(f"error: --personal takes TASK:METHOD, one of {', '.join(known)}; got {value!r}")
+        pairs.append((task, method))
+    return pairs
+
+
+def parse_more_rounds(values: Sequence[str], tasks: Sequence[str] = tuple(TASKS)) -> dict[tuple[str, str], list[int]]:
+    """``TASK:METHOD=N[,N...]`` items (``--more-rounds``): the round counts a (task, method) is also run at."""
+    found: dict[tuple[str, str], list[int]] = {}
+    for value in values:
+        key, _, counts = value.partition("=")
+        task, _, method = key.partition(":")
+        try:
+            numbers = [int(c) for c in counts.split(",")]
+        except ValueError:
+            numbers = []
+        if task not in tasks or method not in METHODS or not numbers or min(numbers) < 1:
+            raise SystemExit(
+                f"error: --more-rounds takes TASK:METHOD=N[,N...] (tasks {', '.join(tasks)}; methods "
+                f"{', '.join(METHODS)}; N >= 1), got {value!r}"
+            )
+        found.setdefault((task, method), []).extend(n for n in numbers if n not in found.get((task, method), []))
+    return found
 
 
 def _cell(values: Sequence[float | None], scale: float = 100, digits: int = 1) -> str:
@@ -607,25 +781,142 @@ def grid_rows(cell: Mapping[str, Any]) -> str:
         return _cell([None if r[name] is None else r[name][key] for r in rows])
 
     return (
-        f"| {cell['task']} | {cell['method']} | {eps} | {reached_text} | {_cell([r['test_accuracy'] for r in rows])} | "
+        f"| {cell['task']} | {cell['method']} | {cell['rounds']} | {eps} | {reached_text} | "
+        f"{_cell([r['test_accuracy'] for r in rows])} | "
         f"{_cell(site_mean)} | {_cell(site_worst)} | {attack('loss', 'auc')} | {attack('loss', 'tpr@0.01')} | "
         f"{attack('lira', 'auc')} | {attack('lira', 'tpr@0.01')} |"
     )
 
 
+def personal_row(cell: Mapping[str, Any]) -> str:
+    """One row of the personal-model table: the cell's means ± stds over its target seeds, personal against global."""
+    rows = [r["personal"] for r in cell["seeds"]]
+    reached = [r.get("site_epsilon") for r in cell["seeds"]]
+    eps = "∞" if cell["target_epsilon"] is None else f"{cell['target_epsilon']:g}"
+    reached_text = "-" if any(e is None for e in reached) else f"{max(reached):.2f}"
+
+    def pair(name: str, key: str | None = None) -> str:
+        def get(row: Mapping[str, Any], which: str) -> float | None:
+            value = row[which]
+            return value if key is None or value is None else value[key]
+
+        return f"{_cell([get(r, name) for r in rows])} | {_cell([get(r, 'global_' + name) for r in rows])}"
+
+    return (
+        f"| {cell['task']} | {cell['method']} | {cell['rounds']} | {eps} | {reached_text} | {pair('accuracy')} | "
+        f"{pair('loss', 'auc')} | {pair('lira', 'auc')} | {pair('lira', 'tpr@0.01')} |"
+    )
+
+
+def personal_section(cells: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The personal-model table and how to read it (empty without personal cells)."""
+    if not cells:
+        return []
+    return [
+        "### Attacks on a site's personal model",
+        "",
+        "A site's personal model never leaves the site; the attack models a curious insider at the site holding it "
+        "(or the model leaking from there). For site k: members are the site's training records, non-members its "
+        "validation records (half of its share of the same Dirichlet draw, never trained on); 'personal' scores "
+        "them with site k's personal model, 'global' with the federation's final global model, so the two attack "
+        "the same records. Per site, then the mean over the 3 sites; mean ± std over the target seeds. LiRA's 'out' "
+        "models: the shadow federations' personal models of every site (the shadow federations run the cell's "
+        "settings), 'out' for a record when that shadow federation did not train on it; the global column uses the "
+        "shadows' global models. Accuracy: on the site's own validation records, mean over the sites. FedPer's "
+        "personal model is the global body with the site's own head (`local_keys net.head.*`); under DP-SGD the head "
+        "is trained by DP-SGD with the rest, so the site's ε covers it, while its global model carries the initial "
+        "head (the server never sees the heads). Ditto's personal model v_i (λ 0.1, personal lr 0.01) is trained "
+        "outside DP-SGD, which is why Ditto is refused under DP: no-DP cells only.",
+        "",
+        "| task | method | rounds | ε target | ε reached | acc.: personal | acc.: global | loss AUC: personal | "
+        "loss AUC: global | LiRA AUC: personal | LiRA AUC: global | LiRA TPR @ 1 %: personal | "
+        "LiRA TPR @ 1 %: global |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *[personal_row(cell) for cell in cells],
+        "",
+    ]
+
+
+def no_dp_accuracy(cells: Sequence[Mapping[str, Any]], task: str, method: str = "fedavg") -> dict[int, list[float]]:
+    """rounds -> the target seeds' global test accuracy of ``task``'s no-DP cell of ``method``, for every round count
+    the cells hold."""
+    return {
+        cell["rounds"]: [r["test_accuracy"] for r in cell["seeds"]]
+        for cell in cells
+        if cell["task"] == task and cell["method"] == method and cell["target_epsilon"] is None
+    }
+
+
+def undertraining_note(
+    cells: Sequence[Mapping[str, Any]], reference: Sequence[Mapping[str, Any]] = ()
+) -> tuple[list[str], list[str]]:
+    """(lines, undertrained tasks): per task, FedAvg's no-DP accuracy at each round count the grid ran it at, and at
+    the no-DP section's (``reference``: its results, FedAvg without settings) when that count is not in the grid. A
+    task is undertrained at its fewest rounds when that mean is below the mean at its most rounds by more than the
+    latter's seed spread (smaller gaps are ties)."""
+    lines, undertrained = [], []
+    for task in dict.fromkeys(cell["task"] for cell in cells):
+        points = {rounds: (values, "grid") for rounds, values in no_dp_accuracy(cells, task).items()}
+        for result in reference:
+            if result["task"] == task and not result["overrides"] and result["rounds"] not in points:
+                points[result["rounds"]] = ([r["test_accuracy"] for r in result["seeds"]], "the section above")
+        if len(points) < 2:
+            continue
+        fewest, most = min(points), max(points)
+        (low, _), (high, spread) = mean_std(points[fewest][0]), mean_std(points[most][0])
+        reached = ", ".join(
+            f"{_cell(values)} % at {rounds} rounds ({source})" for rounds, (values, source) in sorted(points.items())
+        )
+        if high - low > spread:
+            undertrained.append(task)
+            verdict = (
+                f"**its {fewest}-round rows are undertrained**: {100 * (high - low):.1f} points below the same "
+                f"federations at {most} rounds, beyond the seed spread"
+            )
+        else:
+            verdict = (
+                f"the gap from {fewest} to {most} rounds ({100 * (high - low):.1f} points) is within the seed spread"
+            )
+        lines.append(f"- {task}: FedAvg without DP reaches {reached}; {verdict}.")
+    if undertrained:
+        lines += [
+            "",
+            "Reading an undertrained row: its models have barely left their initialisation, so its accuracy "
+            "differences between budgets and between methods mostly reflect where training started, not what DP "
+            "costs; and membership leaks as a model fits its training data, so its attack AUCs understate what a "
+            "trained model of the task would leak. Read the trade-off of "
+            f"{', '.join(undertrained)} from its rows at the most rounds; the methods it has at its fewest rounds "
+            "only are not ranked by these rows.",
+        ]
+    return lines, undertrained
+
+
 def grid_section(
-    cells: Sequence[Mapping[str, Any]], command: str, plot: str | None, missing: Sequence[str] = ()
+    cells: Sequence[Mapping[str, Any]],
+    command: str,
+    plot: str | None,
+    missing: Sequence[str] = (),
+    reference: Sequence[Mapping[str, Any]] = (),
 ) -> list[str]:
-    """The page's utility-vs-privacy section (between markers, so the no-DP section above stays)."""
+    """The page's utility-vs-privacy section (between markers, so the no-DP section above stays); ``reference``: the
+    no-DP section's results, for the undertraining note. Personal cells get a table of their own, after the grid's."""
     minutes = sum(cell["federation_minutes"] for cell in cells)
+    personal = [cell for cell in cells if cell.get("personal")]
+    cells = [cell for cell in cells if not cell.get("personal")]
     first = cells[0]
+    counts = sorted({cell["rounds"] for cell in cells})
+    more = sorted({f"{c['task']} {c['method']}" for c in cells if c["rounds"] != counts[0]})
+    rounds_text = f"{counts[0]} rounds instead of 10" + (
+        f" ({', '.join(more)} also at {', '.join(str(r) for r in counts[1:])}: the 'rounds' column)" if more else ""
+    )
+    note, _ = undertraining_note(cells, reference)
     lines = [
         GRID_BEGIN,
         "## Utility vs privacy: DP-SGD at every site",
         "",
         f"Command: `{command}` (its federations ran {minutes:.1f} min in all; a rerun reads them from `--work` and "
         "runs only the missing ones). Reduced protocol against the no-DP section above, to fit a shared 2-core CPU: "
-        f"{first['rounds']} rounds instead of 10, target seeds {', '.join(str(r['seed']) for r in first['seeds'])}, "
+        f"{rounds_text}, target seeds {', '.join(str(r['seed']) for r in first['seeds'])}, "
         "LiRA with "
         f"{max(c['shadows'] for c in cells)} shadow federations (trained with the cell's own settings, budget "
         "included) and only for the methods that have a LiRA column; the loss attack for every cell. Tasks, "
@@ -635,17 +926,22 @@ def grid_section(
         "`privacy` records). SCAFFOLD: Option II (post-processing of the DP outputs); FedAdam: the server "
         "optimizer with its defaults.",
         "",
+    ]
+    if note:
+        lines += ["**Trained enough?** Each task's accuracy without DP against its round count:", "", *note, ""]
+    lines += [
         "Accuracy is in %: 'global' on the task's test set; 'per site' is each site's accuracy estimated outside the "
         "federation by the benchmark (under DP the sites withhold their own evaluation scores by design): the final "
         "global model's per-class test accuracy weighted by the class shares of the site's training labels, then the "
         "mean and the worst of the 3 sites. Attack AUC and TPR at 1 % FPR in % (chance: 50 and 1). Every cell: mean ± "
         "std over the target seeds.",
         "",
-        "| task | method | ε target | ε reached | global acc. | per site: mean | per site: worst | loss AUC | "
+        "| task | method | rounds | ε target | ε reached | global acc. | per site: mean | per site: worst | loss AUC | "
         "loss TPR @ 1 % | LiRA AUC | LiRA TPR @ 1 % |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
         *[grid_rows(cell) for cell in cells],
         "",
+        *personal_section(personal),
     ]
     if missing:
         complete = command.replace(" --cached-only", "")
@@ -681,18 +977,22 @@ def plot_grid(cells: Sequence[Mapping[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (acc_ax, auc_ax) = plt.subplots(1, 2, figsize=(10, 3.8))
-    groups: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
+    groups: dict[tuple[str, str, int], list[Mapping[str, Any]]] = {}
     for cell in cells:
-        groups.setdefault((cell["task"], cell["method"]), []).append(cell)
+        groups.setdefault((cell["task"], cell["method"], cell["rounds"]), []).append(cell)
     colours = {method: f"C{i}" for i, method in enumerate(METHODS)}
-    for (task, method), group in groups.items():
+    fewest = min(cell["rounds"] for cell in cells)
+    for (task, method, rounds), group in groups.items():
         xs = epsilon_axis([c["target_epsilon"] for c in group])
-        style = {"color": colours.get(method), "linestyle": "-" if task == "1kg" else "--", "marker": "o"}
+        style = {"color": colours.get(method), "linestyle": "-" if task == "1kg" else "--"}
+        style["marker"] = "o" if rounds == fewest else "s"
+        style["linewidth"] = 1.5 if rounds == fewest else 2.5
+        name = f"{task} {method} {rounds}r"
         acc = [mean_std([r["test_accuracy"] for r in c["seeds"]])[0] for c in group]
-        acc_ax.plot(xs, acc, label=f"{task} {method}", **style)
+        acc_ax.plot(xs, acc, label=name, **style)
         attack = "lira" if all(c["seeds"][0]["lira"] is not None for c in group) else "loss"
         auc = [mean_std([r[attack]["auc"] for r in c["seeds"]])[0] for c in group]
-        auc_ax.plot(xs, auc, label=f"{task} {method} ({ATTACK_NAMES[attack]})", **style)
+        auc_ax.plot(xs, auc, label=f"{name} ({ATTACK_NAMES[attack]})", **style)
     ticks = sorted({x for c in cells for x in epsilon_axis([c["target_epsilon"]] + [e for e in EPSILONS if e])})
     for ax, label in ((acc_ax, "global test accuracy"), (auc_ax, "attack AUC")):
         ax.set_xscale("log")
@@ -712,9 +1012,11 @@ def plot_grid(cells: Sequence[Mapping[str, Any]], path: Path) -> None:
 def write_grid(cells: Sequence[Mapping[str, Any]], out: Path, command: str, missing: Sequence[str] = ()) -> None:
     """The grid section into the page ``out`` (kept around it), its JSON and plot beside it as ``<stem>_dp.*``."""
     plot = out.with_name(out.stem + "_dp.png")
-    plot_grid(cells, plot)
+    plot_grid([cell for cell in cells if not cell.get("personal")], plot)
     text = out.read_text() if out.exists() else "# Membership inference against the final global model\n"
-    out.write_text(replace_section(text, grid_section(cells, command, plot.name, missing)))
+    no_dp = out.with_suffix(".json")  # the no-DP section's results, when the page has one
+    reference = json.loads(no_dp.read_text()) if no_dp.exists() else []
+    out.write_text(replace_section(text, grid_section(cells, command, plot.name, missing, reference)))
     out.with_name(out.stem + "_dp.json").write_text(json.dumps(cells, indent=1) + "\n")
 
 
@@ -751,6 +1053,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     grid.add_argument("--epsilons", nargs="+", default=["1", "3", "8", "inf"], help="budgets; 'inf': no DP")
     grid.add_argument("--attacked", nargs="*", default=["fedavg"], help="methods attacked with LiRA too")
     grid.add_argument("--cached-only", action="store_true", help="write the cells already in --work, run nothing")
+    grid.add_argument(
+        "--more-rounds",
+        nargs="*",
+        default=[],
+        metavar="TASK:METHOD=N",
+        help="also run that task's method (every budget) at N rounds, e.g. fmnist:fedavg=10",
+    )
+    grid.add_argument(
+        "--personal",
+        nargs="*",
+        default=[],
+        metavar="TASK:METHOD",
+        help="also attack the sites' personal models of these personalized federations (LiRA with --shadows), e.g. "
+        "1kg:fedper 1kg:ditto; every budget the method composes with",
+    )
     args = parser.parse_args(argv)
     if args.shadows < 1 and not (args.grid and not args.attacked):
         raise SystemExit("error: --shadows must be at least 1 (LiRA needs shadow models)")
@@ -772,6 +1089,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             overrides,
             args.work,
             compute=not args.cached_only,
+            more_rounds=parse_more_rounds(args.more_rounds),
+            personal=parse_personal(args.personal),
         )
         if args.out is not None:
             args.out.parent.mkdir(parents=True, exist_ok=True)

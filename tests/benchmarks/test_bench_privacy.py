@@ -24,12 +24,17 @@ from benchmarks.privacy import (
     logit_confidence,
     main,
     parse_epsilons,
+    parse_more_rounds,
     parse_overrides,
+    parse_personal,
+    personal_row,
     record_keys,
     replace_section,
     roc_auc,
+    site_attack_metrics,
     site_weighted_accuracy,
     tpr_at_fpr,
+    undertraining_note,
     write_page,
 )
 
@@ -125,6 +130,81 @@ def test_grid_cells_combine_the_base_the_method_and_the_budget():
     assert epsilon_axis([1.0, 8.0, None]) == [1.0, 8.0, 20.0]
 
 
+def test_more_rounds_name_a_task_and_method_and_their_extra_round_counts():
+    assert parse_more_rounds(["fmnist:fedavg=10", "fmnist:fedavg=10,20", "1kg:scaffold=5"]) == {
+        ("fmnist", "fedavg"): [10, 20],
+        ("1kg", "scaffold"): [5],
+    }
+    assert parse_more_rounds([]) == {}
+    for bad in ("fmnist=10", "fmnist:fedsgd=10", "mnist:fedavg=10", "fmnist:fedavg=0", "fmnist:fedavg=x"):
+        with pytest.raises(SystemExit, match="--more-rounds"):
+            parse_more_rounds([bad])
+
+
+def test_site_attacks_score_each_site_on_its_own_members_and_non_members_then_average():
+    members = [np.array([True, True, False, False, False]), np.array([False, False, True, False, False])]
+    non_members = [np.array([False, False, True, True, False]), np.array([False, False, False, True, True])]
+    # Site 0 scores records 0, 1 (members) against 2, 3: AUC 1. Site 1: record 2 against 3, 4: one win, one tie.
+    scores = np.array([[5.0, 4.0, 1.0, 2.0, 9.0], [0.0, 0.0, 3.0, 1.0, 3.0]])
+    values = site_attack_metrics(scores, members, non_members)
+    assert values["auc"] == pytest.approx((1.0 + 0.75) / 2, abs=1e-12)
+    # A 1-D score (the global model) is the same row for every site.
+    shared = site_attack_metrics(scores[0], members, non_members)
+    assert shared["auc"] == pytest.approx((1.0 + 0.0) / 2, abs=1e-12)  # site 1: record 2 (1.0) under 2.0 and 9.0
+
+
+def test_personal_cells_settings_and_their_row_pair_personal_with_global():
+    assert parse_personal(["1kg:fedper", "1kg:ditto"]) == [("1kg", "fedper"), ("1kg", "ditto")]
+    for bad in ("fmnist:fedper", "1kg:fedavg", "1kg"):
+        with pytest.raises(SystemExit, match="--personal"):
+            parse_personal([bad])
+    assert cell_overrides("fedper", 8.0, {}, {"local_keys": "net.head.*"})["local_keys"] == "net.head.*"
+    attack = {"auc": 0.6, "tpr@0.01": 0.03}
+    mine = {"accuracy": 0.9, "global_accuracy": 0.5, "loss": attack, "global_loss": attack}
+    seeds = [
+        {"site_epsilon": None, "personal": {**mine, "lira": {"auc": 0.7, "tpr@0.01": 0.05}, "global_lira": attack}},
+        {"site_epsilon": None, "personal": {**mine, "lira": {"auc": 0.5, "tpr@0.01": 0.01}, "global_lira": attack}},
+    ]
+    cell = {"task": "1kg", "method": "ditto", "rounds": 3, "target_epsilon": None, "seeds": seeds}
+    cell = {**cell, "shadows": 2, "federation_minutes": 1.0}
+    assert personal_row(cell) == (
+        "| 1kg | ditto | 3 | ∞ | - | 90.0 ± 0.0 | 50.0 ± 0.0 | 60.0 ± 0.0 | 60.0 ± 0.0 | 60.0 ± 14.1 | 60.0 ± 0.0 | "
+        "3.0 ± 2.8 | 3.0 ± 0.0 |"
+    )
+    section = "\n".join(grid_section([{**cell, "personal": True}, _no_dp_cell("1kg", 3, [0.8])], "cmd", None))
+    assert "### Attacks on a site's personal model" in section and section.count("| 1kg | ditto |") == 1
+
+
+def _no_dp_cell(task, rounds, accuracies):
+    seeds = [_row(i, a, None, 0.5, None, None) for i, a in enumerate(accuracies)]
+    cell = {"task": task, "method": "fedavg", "rounds": rounds, "target_epsilon": None, "seeds": seeds}
+    return {**cell, "shadows": 0, "federation_minutes": 1.0}
+
+
+def test_a_task_is_undertrained_when_its_no_dp_accuracy_is_below_more_rounds_beyond_the_seed_spread():
+    # fmnist: 0.25 +- 0.01 at 3 rounds against 0.60 +- 0.10 at 10: 35 points, beyond 10. 1kg: 0.80 at 3 rounds
+    # against the no-DP section's 0.90 +- 0.14 (sample std of 0.8, 1.0): 10 points, within 14.1.
+    cells = [_no_dp_cell("fmnist", 3, [0.24, 0.25, 0.26]), _no_dp_cell("fmnist", 10, [0.5, 0.6, 0.7])]
+    cells.append(_no_dp_cell("1kg", 3, [0.8, 0.8]))
+    reference = [
+        {"task": "1kg", "rounds": 10, "overrides": {}, "seeds": [{"test_accuracy": 0.8}, {"test_accuracy": 1.0}]},
+        {"task": "fmnist", "rounds": 10, "overrides": {}, "seeds": [{"test_accuracy": 0.1}]},  # the grid's count wins
+    ]
+    lines, undertrained = undertraining_note(cells, reference)
+    assert undertrained == ["fmnist"]
+    assert lines[0] == (
+        "- fmnist: FedAvg without DP reaches 25.0 ± 1.0 % at 3 rounds (grid), 60.0 ± 10.0 % at 10 rounds (grid); "
+        "**its 3-round rows are undertrained**: 35.0 points below the same federations at 10 rounds, beyond the "
+        "seed spread."
+    )
+    assert lines[1] == (
+        "- 1kg: FedAvg without DP reaches 80.0 ± 0.0 % at 3 rounds (grid), 90.0 ± 14.1 % at 10 rounds (the section "
+        "above); the gap from 3 to 10 rounds (10.0 points) is within the seed spread."
+    )
+    assert "Read the trade-off of fmnist from its rows at the most rounds" in lines[-1]
+    assert undertraining_note(cells[2:], []) == ([], [])  # one round count: nothing to compare
+
+
 def _row(seed, acc, sites, loss_auc, lira_auc, eps):
     lira = None if lira_auc is None else {"auc": lira_auc, "tpr@0.01": 0.02}
     return {
@@ -141,16 +221,17 @@ def test_a_grid_row_is_mean_and_std_over_seeds_with_missing_attacks_as_dashes():
     cell = {
         "task": "1kg",
         "method": "fedavg",
+        "rounds": 3,
         "target_epsilon": 8.0,
         "seeds": [_row(0, 0.8, [0.7, 0.9], 0.5, 0.6, 7.5), _row(1, 0.6, [0.5, 0.3], 0.7, 0.8, 7.9)],
     }
     # Sample std (ddof 1) of two values a, b is |a - b| / sqrt(2).
     assert grid_rows(cell) == (
-        "| 1kg | fedavg | 8 | 7.90 | 70.0 ± 14.1 | 60.0 ± 28.3 | 50.0 ± 28.3 | 60.0 ± 14.1 | 1.0 ± 0.0 | "
+        "| 1kg | fedavg | 3 | 8 | 7.90 | 70.0 ± 14.1 | 60.0 ± 28.3 | 50.0 ± 28.3 | 60.0 ± 14.1 | 1.0 ± 0.0 | "
         "70.0 ± 14.1 | 2.0 ± 0.0 |"
     )
     cell = {**cell, "target_epsilon": None, "seeds": [_row(0, 0.8, None, 0.5, None, None)]}
-    assert grid_rows(cell).startswith("| 1kg | fedavg | ∞ | - | 80.0 ± 0.0 | - | - | 50.0 ± 0.0 |")
+    assert grid_rows(cell).startswith("| 1kg | fedavg | 3 | ∞ | - | 80.0 ± 0.0 | - | - | 50.0 ± 0.0 |")
     assert grid_rows(cell).endswith("| - | - |")
 
 
