@@ -9,8 +9,13 @@ algorithm state to ``--out``.
 Under DDP, Lightning shuffles the training data with a ``DistributedSampler`` seeded from ``PL_GLOBAL_SEED`` (which
 the site sets per round): rank r takes positions r, r + 2, ... of one seeded permutation. With a per-process batch
 of ``GLOBAL_BATCH / devices``, step k of the two ranks together covers positions 16k .. 16k + 15 of that
-permutation, so the single-process run samples the same permutation in order with the global batch; DDP's averaged
-gradient is then the single-process gradient.
+permutation, so the single-process run samples the same permutation in order with the global batch (a one-replica
+``DistributedSampler``, so that later epochs, FedRep's body phase, reshuffle as DDP's do); DDP's averaged gradient
+is then the single-process gradient.
+
+Besides the models and states, every case returns what each site sent (the entry names), the rounds' records and
+the state files this process wrote, so the test can check that the local entries never travel and that rank 1
+writes nothing.
 """
 
 from __future__ import annotations
@@ -23,15 +28,19 @@ from pathlib import Path
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 GLOBAL_BATCH = 16
-#: client -> (server rule, client args)
+#: The classifier head of :class:`TinyModule`: FedPer's local entries, FedRep's head.
+HEAD = "body.2.*"
+#: case -> (client algorithm, server rule, client args, local keys)
 CASES = {
-    "fedavg": ("fedavg", {}),
-    "scaffold": ("scaffold", {}),
-    "fedprox": ("fedavg", {"mu": 0.1}),
-    "feddyn": ("feddyn", {}),
+    "fedavg": ("fedavg", "fedavg", {}, ""),
+    "scaffold": ("scaffold", "scaffold", {}, ""),
+    "fedprox": ("fedprox", "fedavg", {"mu": 0.1}, ""),
+    "feddyn": ("feddyn", "feddyn", {}, ""),
+    "fedper": ("fedavg", "fedavg", {}, HEAD),
+    "fedrep": ("fedrep", "fedavg", {"head_epochs": 1}, HEAD),
 }
 
 
@@ -62,36 +71,76 @@ class TinyData(pl.LightningDataModule):
         data = TensorDataset(self.x, self.y)
         if self.devices > 1:  # Lightning swaps in its DistributedSampler
             return DataLoader(data, batch_size=GLOBAL_BATCH // self.devices, shuffle=True)
-        # What DistributedSampler draws in epoch 0: randperm seeded with seed + epoch.
-        order = torch.randperm(len(data), generator=torch.Generator().manual_seed(int(os.environ["PL_GLOBAL_SEED"])))
-        return DataLoader(data, batch_size=GLOBAL_BATCH, sampler=order.tolist())
+        # What Lightning's DistributedSampler draws on every rank: randperm seeded with seed + epoch (Lightning calls
+        # set_epoch), here for one replica taking the whole permutation.
+        seed = int(os.environ["PL_GLOBAL_SEED"])
+        sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=seed)
+        return DataLoader(data, batch_size=GLOBAL_BATCH, sampler=sampler)
 
 
-def run(client: str, devices: int, state_root: Path) -> dict:
-    from controllers.in_process import quiet_lightning, run_in_process
+def run(case: str, devices: int, state_root: Path) -> dict:
+    from controllers.in_process import initial_params, quiet_lightning, run_in_process
     from jobs.spec import JobSpec
-    from lightning_modules.state_store import ClientStateStore
+    from lightning_modules import state_store
+    from lightning_modules.personalization.partial_sharing import STORE_NAME
 
-    server, client_args = CASES[client]
+    client, server, client_args, local_keys = CASES[case]
     spec = JobSpec(
-        name=f"ddp_{client}",
+        name=f"ddp_{case}",
         model="ddp_site_rounds:TinyModule",
         data="ddp_site_rounds:TinyData",
         data_args={"devices": devices},
         client=client,
         client_args=client_args,
         server=server,
+        local_keys=local_keys,
         num_sites=2,
         num_rounds=3,
         devices=devices,
     )
-    with quiet_lightning():
-        result = run_in_process(spec, state_root, run_id="ddp")
+    sent: list[tuple[int, str, list[str]]] = []
+    written: list[str] = []
+    write = state_store.atomic_write_bytes
+
+    def recording_write(target: Path, data: bytes) -> None:
+        written.append(str(Path(target).relative_to(state_root)))
+        write(target, data)
+
+    state_store.atomic_write_bytes = recording_write
+    try:
+        with quiet_lightning():
+            result = run_in_process(
+                spec, state_root, run_id="ddp", wrap_transport=lambda inner: RecordingTransport(inner, sent)
+            )
+    finally:
+        state_store.atomic_write_bytes = write
+    store_name = STORE_NAME if local_keys else client  # FedPer's and FedRep's state: the local entries
     states = {}
     for site in ("site-1", "site-2"):
-        stored = ClientStateStore(state_root, site).latest(client) if client != "fedavg" else None
+        stored = state_store.ClientStateStore(state_root, site).latest(store_name) if store_name != "fedavg" else None
         states[site] = stored.state if stored is not None else {}
-    return {"params": result.params, "states": states, "losses": [r.get("site_train_loss") for r in result.records]}
+    return {
+        "params": result.params,
+        "initial": initial_params(spec),
+        "local_keys": spec.local_keys.split(",") if spec.local_keys else [],
+        "states": states,
+        "losses": [r.get("site_train_loss") for r in result.records],
+        "rounds": [(r["status"], list(r["aggregated"])) for r in result.rounds],
+        "sent": sent,
+        "written": written,
+    }
+
+
+class RecordingTransport:
+    """The in-process transport, noting the entry names every site sends each round."""
+
+    def __init__(self, inner, sent: list) -> None:
+        self.inner, self.sent = inner, sent
+
+    def train(self, round_num, targets, params, meta):
+        results = self.inner.train(round_num, targets, params, meta)
+        self.sent += [(round_num, result.site, sorted(result.params)) for result in results]
+        return results
 
 
 def main() -> None:
@@ -103,7 +152,7 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from lightning_modules.distributed import close_site_processes
 
-    results = {client: run(client, args.devices, args.state_dir / client) for client in CASES}
+    results = {case: run(case, args.devices, args.state_dir / case) for case in CASES}
     rank = int(os.environ.get("RANK", "0"))
     torch.save(results, args.out if rank == 0 else args.out.with_suffix(f".rank{rank}.pt"))
     close_site_processes()  # as the client script does: a rank exiting with live gloo threads can abort

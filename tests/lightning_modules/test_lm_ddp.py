@@ -1,7 +1,9 @@
 """A site trained with Lightning DDP (two CPU processes under torchrun, ``devices=2``) gives the single-process
-result: the same global models and the same algorithm state for FedAvg, SCAFFOLD, FedProx and FedDyn over three
-rounds of a two-site federation (``ddp_site_rounds.py`` says why the batches coincide). The ranks agree exactly
-with each other; only float summation order separates them from the single process. Only rank 0 writes state."""
+result: the same global models and the same algorithm state for FedAvg, SCAFFOLD, FedProx and FedDyn, and for the
+personalization methods FedPer (``local_keys`` = the classifier head) and FedRep (head phase then body phase, two
+epochs a round), over three rounds of a two-site federation (``ddp_site_rounds.py`` says why the batches coincide).
+The ranks agree exactly with each other; only float summation order separates them from the single process. Only
+rank 0 writes state (the personal heads included), and no site ever sends a local entry."""
 
 from __future__ import annotations
 
@@ -42,14 +44,23 @@ def assert_close_states(a: dict, b: dict, atol: float) -> None:
             assert value == b[key], key
 
 
-@pytest.mark.slow
-def test_two_ddp_processes_per_site_equal_one_process(tmp_path):
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[dict, dict, dict]:
+    """Every case of the driver, once in one process and once under torchrun: (one process, rank 0, rank 1)."""
+    tmp_path = tmp_path_factory.mktemp("ddp")
     one = torch.load(drive(tmp_path, 1), weights_only=False)
     two_path = drive(tmp_path, 2)
     two = torch.load(two_path, weights_only=False)
-    rank1 = torch.load(two_path.with_suffix(".rank1.pt"), weights_only=False)
-    assert set(one) == {"fedavg", "scaffold", "fedprox", "feddyn"}
+    return one, two, torch.load(two_path.with_suffix(".rank1.pt"), weights_only=False)
+
+
+@pytest.mark.slow
+def test_two_ddp_processes_per_site_equal_one_process(runs):
+    one, two, rank1 = runs
+    assert set(one) == {"fedavg", "scaffold", "fedprox", "feddyn", "fedper", "fedrep"}
     for client, result in one.items():
+        for run in (result, two[client], rank1[client]):  # no site failed a round in any process
+            assert run["rounds"] == [("aggregated", ["site-1", "site-2"])] * 3, client
         for key, value in result["params"].items():
             np.testing.assert_allclose(two[client]["params"][key], value, atol=1e-5, rtol=0, err_msg=client)
             np.testing.assert_array_equal(rank1[client]["params"][key], two[client]["params"][key])
@@ -57,6 +68,33 @@ def test_two_ddp_processes_per_site_equal_one_process(tmp_path):
             assert_close_states(state, two[client]["states"][site], atol=1e-5)
         if client in ("scaffold", "feddyn"):  # state that moved: the comparison means something
             assert any(v.abs().max() > 1e-3 for v in result["states"]["site-1"].values() if torch.is_tensor(v))
+        assert rank1[client]["written"] == [], client  # rank 1 computes the same state and leaves the files alone
+        assert len(two[client]["written"]) == len(result["written"]), client
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["fedper", "fedrep"])
+def test_ddp_personal_heads_stay_at_the_sites_and_equal_one_process(runs, case):
+    """FedPer's and FedRep's head under DDP: trained at each site (not the initial one), equal to the single
+    process's to 1e-5, never sent, left at its initial values in the global model, written by rank 0 only."""
+    one, two, rank1 = (run[case] for run in runs)
+    head = one["local_keys"]
+    assert head == ["body.2.bias", "body.2.weight"] == two["local_keys"]
+    for run in (one, two, rank1):
+        for _round, _site, keys in run["sent"]:
+            assert not set(head) & set(keys) and set(keys) == set(run["initial"]) - set(head)
+        for key in head:  # the server never touches the local entries
+            np.testing.assert_array_equal(run["params"][key], run["initial"][key])
+    assert len(one["sent"]) == len(two["sent"]) == 6
+    for site in ("site-1", "site-2"):
+        personal = one["states"][site]
+        for key in head:
+            assert not np.allclose(personal[key].numpy(), one["initial"][key], atol=1e-3), (site, key)
+            torch.testing.assert_close(two["states"][site][key], personal[key], atol=1e-5, rtol=0)
+            assert personal[key].dtype == torch.float32
+    assert sorted(two["written"]) == sorted(one["written"])
+    assert {Path(p).name for p in two["written"]} == {"local_entries.pending"}
+    assert rank1["written"] == []
 
 
 def test_only_rank_zero_writes_state(tmp_path, monkeypatch):
