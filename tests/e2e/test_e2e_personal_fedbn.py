@@ -1,17 +1,21 @@
-"""FedBN end to end through ``nvflare simulator``: the ``jobs/fedbn`` preset, shortened (2 rounds, 600 samples).
+"""FedBN and FedRep end to end through ``nvflare simulator``: the ``jobs/fedbn`` and ``jobs/fedrep`` presets,
+shortened (2 rounds, 600 samples).
 
-Under the default ``-t 1`` every client round is a new process, so the BatchNorm entries each site keeps must survive
-in its state store; ``-t 3`` keeps one process per site. Both must give the same global models bit for bit, every
-round must aggregate every site, and no result the server received may carry a BatchNorm entry.
+Under the default ``-t 1`` every client round is a new process, so the entries each site keeps (FedBN's BatchNorm
+entries, FedRep's classifier head) must survive in its state store; ``-t 3`` keeps one process per site. Both must
+give the same global models bit for bit, every round must aggregate every site, and no result the server received
+may carry a local entry: the global model keeps the initial values of those entries.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from controllers.checkpoint import load_updates
+from controllers.in_process import initial_params
 from jobs.build import PRESETS, export_job
 
 pytestmark = pytest.mark.slow
@@ -19,11 +23,11 @@ NUM_ROUNDS = 2
 SITES = ("site-1", "site-2", "site-3")
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, fashion_mnist, simulate):
+@pytest.fixture(scope="module", params=["fedbn", "fedrep"])
+def runs(request, tmp_path_factory, fashion_mnist, simulate):
     spec = dataclasses.replace(
-        PRESETS["fedbn"],
-        name="e2e_fedbn",
+        PRESETS[request.param],
+        name=f"e2e_{request.param}",
         num_rounds=NUM_ROUNDS,
         max_train_samples=600,
         max_test_samples=200,
@@ -31,7 +35,7 @@ def runs(tmp_path_factory, fashion_mnist, simulate):
     )
     workspaces = {}
     for threads in (1, 3):
-        root = tmp_path_factory.mktemp(f"t{threads}")
+        root = tmp_path_factory.mktemp(f"{request.param}-t{threads}")
         job_dir = export_job(spec, root / "jobs")
         workspaces[threads] = root / "ws"
         completed = simulate(job_dir, workspaces[threads], num_clients=len(SITES), threads=threads)
@@ -48,10 +52,14 @@ def test_one_process_per_round_equals_one_process_per_site_bit_for_bit(runs, rou
         assert record["global_eval_local_entries"] == "initial"
 
 
-def test_the_server_never_receives_a_batchnorm_entry(runs):
+def test_the_server_never_receives_a_local_entry(runs):
     spec, workspaces = runs
     local = set(spec.local_keys.split(","))
-    assert local and all(".bn" in key for key in local)
+    if spec.client == "fedrep":
+        assert local == {"net.classifier.weight", "net.classifier.bias"}  # the head lenet5 declares
+    else:
+        assert local and all(".bn" in key for key in local)
+    initial = initial_params(spec)
     for workspace in workspaces.values():
         for round_num in range(NUM_ROUNDS):
             capture = load_updates(
@@ -60,5 +68,5 @@ def test_the_server_never_receives_a_batchnorm_entry(runs):
             assert set(capture.site_params) == set(SITES)
             for params in capture.site_params.values():
                 assert not local & set(params)
-            for key in local:  # the global model keeps the initial values (mean 0, variance 1, no batches)
-                assert float(abs(capture.global_params[key]).sum()) in (0.0, float(capture.global_params[key].size))
+            for key in local:  # the global model keeps the initial values (FedBN: mean 0, variance 1, no batches)
+                np.testing.assert_array_equal(capture.global_params[key], initial[key])
