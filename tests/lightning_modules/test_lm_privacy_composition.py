@@ -72,8 +72,16 @@ def test_the_genomics_model_trains_under_dp_sgd(tmp_path):
         client="scaffold",
         server="scaffold",
         num_rounds=2,
+        num_sites=2,  # each site-round calibrates sigma (seconds of accounting): 2 sites, not 3
         model="genomics.model:SnpClassifier",
-        model_args={"arch": "cnn_transformer", "attention": "linear", "n_snps": 127, "num_classes": 5, "lr": 1e-3},
+        model_args={
+            "arch": "cnn_transformer",
+            "attention": "linear",
+            "layers": 1,  # every layer type DP-SGD must handle (embedding, conv, linear attention), once
+            "n_snps": 127,
+            "num_classes": 5,
+            "lr": 1e-3,
+        },
         data="genomics.data:SnpSites",
         data_args={"source": "1kg", "split": "dirichlet", "alpha": 0.1, "batch_size": 128},
         ship=str(EXAMPLES / "genomics"),
