@@ -18,8 +18,11 @@ target federation trained on; non-members: records of the same distribution no s
   monotone function of the one-sided likelihood ratio. Records with no "out" shadow are left out (counted).
 
 Reported per task and target seed: attack AUC, TPR at 1 % and 0.1 % FPR (the resolution is 1 / non-members), and the
-target's test accuracy; then the mean and standard deviation over seeds. Only the final global model is attacked:
-the federations here are FedAvg, which keeps no personalized model.
+target's test accuracy; then the mean and standard deviation over seeds. Without ``--personal`` only the final global
+model is attacked (FedAvg, SCAFFOLD and FedAdam keep no personalized model); ``--grid --personal TASK:METHOD``
+(:data:`PERSONAL_METHODS`: FedPer, Ditto) also attacks each site's personal model, the threat being a curious
+insider at the site: members are the site's training records, non-members its validation records
+(:func:`personal_attacks`).
 
 Tasks (small on purpose: a 2-core CPU shared by others; the protocol is written into the page):
 

@@ -280,8 +280,13 @@ def test_a_tiny_run_writes_the_page_and_carries_a_server_dp_setting(tmp_path):
 def test_a_tiny_grid_writes_its_section_plot_and_json_and_reaches_the_budget(tmp_path):
     out = tmp_path / "privacy.md"
     argv = ["--grid", "--tasks", "1kg", "--methods", "fedavg", "--epsilons", "8", "inf", "--seeds", "0"]
+    argv += ["--personal", "1kg:ditto"]  # no DP cell: Ditto is refused under DP-SGD
     assert main([*argv, "--shadows", "1", "--rounds", "1", "--work", str(tmp_path / "w"), "--out", str(out)]) == 0
-    private, plain = json.loads((tmp_path / "privacy_dp.json").read_text())
+    private, plain, ditto = json.loads((tmp_path / "privacy_dp.json").read_text())
+    mine = ditto["seeds"][0]["personal"]
+    assert ditto["personal"] and ditto["target_epsilon"] is None and 0 <= mine["accuracy"] <= 1
+    assert 0 <= mine["loss"]["auc"] <= 1 and 0 <= mine["lira"]["auc"] <= 1 and 0 <= mine["global_lira"]["auc"] <= 1
+    assert "### Attacks on a site's personal model" in out.read_text()
     assert private["target_epsilon"] == 8.0 and 0 < private["seeds"][0]["site_epsilon"] <= 8.0 + 1e-6
     assert plain["target_epsilon"] is None and plain["seeds"][0]["site_epsilon"] is None
     assert len(private["seeds"][0]["site_accuracy"]) == 3 and private["seeds"][0]["lira"] is not None
