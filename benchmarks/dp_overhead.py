@@ -11,7 +11,9 @@ Models: ``lenet5`` (the built-in classifier on 28x28 images) and ``cnn_transform
 with ``attention="linear"``, 127 SNPs, the DP-SGD-ready variant; its non-private row uses the same variant, so the
 ratio is DP-SGD's cost alone).
 
-Run: ``python -m benchmarks.dp_overhead --out benchmarks/results/dp_overhead.md``
+Run: ``python -m benchmarks.dp_overhead --out benchmarks/results/dp_overhead.md``; on a CUDA GPU add ``--device gpu``
+(and ``--precision bf16-mixed`` for the consortium's precision): steps are then timed with the device synchronized,
+and the table adds the GPU's peak allocated memory.
 """
 
 from __future__ import annotations
@@ -57,11 +59,19 @@ def build(model: str, samples: int) -> tuple[Any, Any]:
 
 
 class StepClock:
-    """Seconds per optimizer step after the first epoch."""
+    """Seconds per optimizer step after the first epoch (``synchronize``: wait for the GPU at both ends)."""
 
-    def __init__(self) -> None:
+    def __init__(self, synchronize: bool = False) -> None:
         self.times: list[float] = []
         self.epoch = 0
+        self.synchronize = synchronize
+
+    def now(self) -> float:
+        if self.synchronize:
+            import torch
+
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
     def callback(self) -> Any:
         import pytorch_lightning as pl
@@ -73,17 +83,26 @@ class StepClock:
                 clock.epoch = trainer.current_epoch
 
             def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-                clock.started = time.perf_counter()
+                clock.started = clock.now()
 
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
                 if clock.epoch > 0:
-                    clock.times.append(time.perf_counter() - clock.started)
+                    clock.times.append(clock.now() - clock.started)
 
         return Clock()
 
 
-def measure_one(model: str, private: bool, samples: int, batch_size: int, epochs: int) -> dict[str, Any]:
-    """One site's fit (this process): seconds per step (median) and peak resident memory (MiB)."""
+def measure_one(
+    model: str,
+    private: bool,
+    samples: int,
+    batch_size: int,
+    epochs: int,
+    device: str = "cpu",
+    precision: str = "32-true",
+) -> dict[str, Any]:
+    """One site's fit (this process): seconds per step (median), peak resident memory (MiB) and, on a GPU, its peak
+    allocated memory (MiB)."""
     import pytorch_lightning as pl
     import torch
 
@@ -105,10 +124,12 @@ def measure_one(model: str, private: bool, samples: int, batch_size: int, epochs
             loader = poisson_loader(loader, torch.Generator().manual_seed(0))
         meta = {meta_keys.ROUND: 0, meta_keys.NUM_ROUNDS: 1, meta_keys.RUN_ID: "bench"}
         callback = FederatedAlgorithm("fedavg", site="site-1", meta_source=lambda: meta, privacy=privacy)
-        clock = StepClock()
+        clock = StepClock(synchronize=device == "gpu")
         trainer = pl.Trainer(
             max_epochs=epochs,
-            accelerator="cpu",
+            accelerator=device,
+            devices=1,
+            precision=precision,
             callbacks=[callback, clock.callback()],
             logger=False,
             enable_checkpointing=False,
@@ -117,20 +138,28 @@ def measure_one(model: str, private: bool, samples: int, batch_size: int, epochs
         )
         trainer.fit(module, train_dataloaders=loader)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-    return {"seconds_per_step": statistics.median(clock.times), "steps": len(clock.times), "peak_mib": peak_mib}
+    gpu_mib = torch.cuda.max_memory_allocated() / 2**20 if device == "gpu" else None
+    return {
+        "seconds_per_step": statistics.median(clock.times),
+        "steps": len(clock.times),
+        "peak_mib": peak_mib,
+        "gpu_peak_mib": gpu_mib,
+    }
 
 
 def run_child(model: str, private: bool, args: argparse.Namespace) -> dict[str, Any]:
     command = [sys.executable, "-m", "benchmarks.dp_overhead", "--child", model, "1" if private else "0"]
     command += ["--samples", str(args.samples), "--batch-size", str(args.batch_size), "--epochs", str(args.epochs)]
+    command += ["--device", args.device, "--precision", args.precision]
     done = subprocess.run(command, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def table(results: dict[tuple[str, bool], list[dict[str, Any]]], args: argparse.Namespace) -> str:
     lines = [
-        "| model | ms/step plain | ms/step DP-SGD | DP ÷ plain | peak MiB plain | peak MiB DP-SGD |",
-        "|---|---|---|---|---|---|",
+        "| model | ms/step plain | ms/step DP-SGD | DP ÷ plain | peak MiB plain | peak MiB DP-SGD |"
+        + (" GPU peak MiB plain | GPU peak MiB DP-SGD |" if args.device == "gpu" else ""),
+        "|---|---|---|---|---|---|" + ("---|---|" if args.device == "gpu" else ""),
     ]
     for model in args.models:
         plain = [r["seconds_per_step"] for r in results[(model, False)]]
@@ -139,14 +168,29 @@ def table(results: dict[tuple[str, bool], list[dict[str, Any]]], args: argparse.
         ratio = statistics.median(private) / statistics.median(plain)
         lines.append(
             f"| {model} | {1000 * statistics.median(plain):.2f} | {1000 * statistics.median(private):.2f} | "
-            f"{ratio:.2f} | {mem[False]:.0f} | {mem[True]:.0f} |"
+            f"{ratio:.2f} | {mem[False]:.0f} | {mem[True]:.0f} |" + _gpu_cells(results, model, args.device)
         )
     setup = (
         f"{args.samples} synthetic records, batch {args.batch_size} (DP: expected batch), {args.epochs} epochs (the "
-        f"first dropped), {args.repeats} alternating processes per row, one torch thread; "
-        f"{platform.processor() or platform.machine()}, Python {platform.python_version()}"
+        f"first dropped), {args.repeats} alternating processes per row, one torch thread, {args.precision}; "
+        f"{device_label(args.device)}, Python {platform.python_version()}"
     )
     return "\n".join(lines) + f"\n\n{setup}\n"
+
+
+def _gpu_cells(results: dict[tuple[str, bool], list[dict[str, Any]]], model: str, device: str) -> str:
+    if device != "gpu":
+        return ""
+    peaks = [statistics.median(r["gpu_peak_mib"] for r in results[(model, p)]) for p in (False, True)]
+    return "".join(f" {peak:.0f} |" for peak in peaks)
+
+
+def device_label(device: str) -> str:
+    if device == "gpu":
+        import torch
+
+        return torch.cuda.get_device_name(0)
+    return platform.processor() or platform.machine()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu", help="gpu: a CUDA GPU (default: cpu)")
+    parser.add_argument("--precision", choices=("32-true", "bf16-mixed"), default="32-true")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "PRIVATE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -163,7 +209,15 @@ def main(argv: list[str] | None = None) -> int:
         from controllers.in_process import quiet_lightning
 
         with quiet_lightning():
-            result = measure_one(args.child[0], args.child[1] == "1", args.samples, args.batch_size, args.epochs)
+            result = measure_one(
+                args.child[0],
+                args.child[1] == "1",
+                args.samples,
+                args.batch_size,
+                args.epochs,
+                args.device,
+                args.precision,
+            )
         print(json.dumps(result))
         return 0
     results: dict[tuple[str, bool], list[dict[str, Any]]] = {}
@@ -175,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.out:
         args.out.write_text(
-            f"# DP-SGD step cost and peak memory per site (CPU)\n\n`python -m benchmarks.dp_overhead`\n\n{text}"
+            f"# DP-SGD step cost and peak memory per site ({device_label(args.device)})\n\n"
+            f"`python -m benchmarks.dp_overhead {' '.join(argv if argv is not None else sys.argv[1:])}`\n\n{text}"
         )
     return 0
 

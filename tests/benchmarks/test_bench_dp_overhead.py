@@ -21,5 +21,7 @@ def test_the_table_shows_the_ratio_of_medians():
         ("lenet5", False): [{"seconds_per_step": 0.01, "peak_mib": 100}],
         ("lenet5", True): [{"seconds_per_step": 0.03, "peak_mib": 120}],
     }
-    args = argparse.Namespace(models=["lenet5"], samples=64, batch_size=32, epochs=2, repeats=1)
+    args = argparse.Namespace(
+        models=["lenet5"], samples=64, batch_size=32, epochs=2, repeats=1, device="cpu", precision="32-true"
+    )
     assert "| lenet5 | 10.00 | 30.00 | 3.00 | 100 | 120 |" in table(rows, args)

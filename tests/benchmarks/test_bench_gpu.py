@@ -26,3 +26,26 @@ def test_a_run_in_which_no_round_aggregated_is_named_and_the_command_exits_1(mon
     reason = "no round updated the global model (last failure: rule 'fedavg': no valid result)"
     for run in ("fedavg 32-true", "fedavg bf16-mixed", "scaffold 32-true", "scaffold bf16-mixed"):
         assert f"error: run did not complete: lenet5_fmnist {run}: {reason}" in err
+
+
+def test_integer_buffers_pass_the_fp32_state_check_and_half_precision_does_not():
+    assert gpu.fp32_or_integer("torch.float32") and gpu.fp32_or_integer("torch.int64")
+    assert not gpu.fp32_or_integer("torch.bfloat16") and not gpu.fp32_or_integer("torch.float16")
+
+
+def test_personalization_settings_follow_the_harnesses_and_fedbn_needs_the_built_in_data():
+    built_in, genomics = {"num_rounds": 1}, {"num_rounds": 1, "model": "genomics.model:SnpClassifier"}
+    assert gpu.algorithm_settings(built_in, "fedbn") == {
+        "arch": "bn_cnn",
+        "local_keys": "batchnorm",
+        "site_val_fraction": gpu.SITE_VAL_FRACTION,
+    }
+    assert gpu.algorithm_settings(genomics, "fedbn") is None
+    assert gpu.algorithm_settings(genomics, "ditto")["client_args"]["personal_lr"] == 0.01
+    assert gpu.algorithm_settings(built_in, "scaffold") == {"client": "scaffold", "server": "scaffold"}
+
+
+def test_a_personal_accuracy_prints_beside_the_global_one():
+    row = {"case": "c", "algorithm": "ditto", "precision": "bf16-mixed", "samples_per_s": 1.0, "state_dtypes": []}
+    line = gpu.format_row({**row, "final_accuracy": 0.5, "personal_accuracy": 0.75})
+    assert line.endswith("accuracy 0.5000  personal 0.7500  state -")
