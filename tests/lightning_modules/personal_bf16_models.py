@@ -1,7 +1,7 @@
 """User model and data for ``test_lm_personal_bf16.py``: the built-in BatchNorm CNN of ``jobs/fedbn``
 (:class:`lightning_modules.models.BatchNormCNN`, whose ``classifier`` is its declared head) trained with AdamW, on a
 few random 28 x 28 images per site. The module notes its state at the start and end of every epoch and the dtype of
-its logits, so the test can see each FedRep phase and that autocast computed in bf16."""
+its logits and where they were computed, so the test can see each FedRep phase and that autocast computed in bf16."""
 
 from __future__ import annotations
 
@@ -23,11 +23,13 @@ class AdamWBatchNormCNN(pl.LightningModule):
         #: (round-local epoch, "start" | "end", state_dict copy), appended every epoch of every fit
         self.snapshots: list[tuple[int, str, dict[str, torch.Tensor]]] = []
         self.logit_dtypes: set[torch.dtype] = set()
+        self.device_types: set[str] = set()
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         logits = self.net(x)
         self.logit_dtypes.add(logits.dtype)
+        self.device_types.add(logits.device.type)
         return F.cross_entropy(logits, y)
 
     def configure_optimizers(self):

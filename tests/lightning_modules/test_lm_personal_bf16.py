@@ -90,6 +90,7 @@ def test_personal_sites_train_two_rounds_under_bf16_mixed_with_adamw(tmp_path, m
     for name, site in sites.items():
         module = site.module
         assert module.logit_dtypes == {torch.bfloat16}  # autocast ran
+        assert module.device_types == {"cuda" if torch.cuda.is_available() else "cpu"}  # accelerator "auto"
         state = module.state_dict()
         assert all(v.dtype == torch.float32 for v in state.values() if v.is_floating_point())
         assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
