@@ -41,15 +41,19 @@ CASES = {
     "feddyn": ("feddyn", "feddyn", {}, ""),
     "fedper": ("fedavg", "fedavg", {}, HEAD),
     "fedrep": ("fedrep", "fedavg", {"head_epochs": 1}, HEAD),
+    "fedbn": ("fedavg", "fedavg", {}, "batchnorm"),  # TinyModule(batchnorm=True)
 }
 
 
 class TinyModule(pl.LightningModule):
-    def __init__(self) -> None:
+    """Linear, ReLU, Linear (the head, ``body.2``); with ``batchnorm`` a BatchNorm1d after the first Linear."""
+
+    def __init__(self, batchnorm: bool = False) -> None:
         super().__init__()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            self.body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+            norm = [torch.nn.BatchNorm1d(16)] if batchnorm else []
+            self.body = torch.nn.Sequential(torch.nn.Linear(8, 16), *norm, torch.nn.ReLU(), torch.nn.Linear(16, 3))
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -88,6 +92,7 @@ def run(case: str, devices: int, state_root: Path) -> dict:
     spec = JobSpec(
         name=f"ddp_{case}",
         model="ddp_site_rounds:TinyModule",
+        model_args={"batchnorm": True} if local_keys == "batchnorm" else {},
         data="ddp_site_rounds:TinyData",
         data_args={"devices": devices},
         client=client,
@@ -148,11 +153,12 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--state-dir", type=Path, required=True, help="shared by the ranks, as a site workspace is")
+    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated cases to run (default: all)")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from lightning_modules.distributed import close_site_processes
 
-    results = {case: run(case, args.devices, args.state_dir / case) for case in CASES}
+    results = {case: run(case, args.devices, args.state_dir / case) for case in args.cases.split(",")}
     rank = int(os.environ.get("RANK", "0"))
     torch.save(results, args.out if rank == 0 else args.out.with_suffix(f".rank{rank}.pt"))
     close_site_processes()  # as the client script does: a rank exiting with live gloo threads can abort
