@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
 from data_prep import DataPrepError, load_dataset
+
+# The repository's own ``benchmarks`` package must win over the top-level ``benchmarks`` package that opacus (the
+# privacy extra) installs into site-packages: ``python -m pytest`` puts the working directory first, the ``pytest``
+# script does not.
+REPO = str(Path(__file__).resolve().parents[1])
+if sys.path[:1] != [REPO]:
+    sys.path.insert(0, REPO)
+    sys.modules.pop("benchmarks", None)
 
 
 @pytest.fixture(scope="session")
