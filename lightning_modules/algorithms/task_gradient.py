@@ -50,12 +50,13 @@ def task_gradient(
     is detached.
     """
     leaves = _differentiated(module, params, names)
-    with torch.enable_grad(), extra_pass(module):
+    buffers = dict(module.named_buffers())  # one walk of the module for the copies, the saving and the restoring
+    with torch.enable_grad(), extra_pass(module, buffers):
         if params is None:
             loss, _ = module.task_loss(batch)
         else:
-            buffers = {name: buffer.clone() for name, buffer in module.named_buffers()}
-            loss, _ = module.task_loss(batch, params={**buffers, **leaves})
+            copies = {name: buffer.clone() for name, buffer in buffers.items()}
+            loss, _ = module.task_loss(batch, params={**copies, **leaves})
         grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
     return loss.detach(), {
         name: torch.zeros_like(leaf, dtype=torch.float32) if grad is None else grad.to(torch.float32)
@@ -82,10 +83,12 @@ def _named(tensors: Mapping[str, torch.Tensor], name: str, what: str) -> torch.T
 
 
 @contextlib.contextmanager
-def extra_pass(module: nn.Module) -> Iterator[None]:
+def extra_pass(module: nn.Module, buffers: Mapping[str, torch.Tensor] | None = None) -> Iterator[None]:
     """The context of an extra pass (module docstring): every buffer restored afterwards, dropout off during it,
-    inside the trainer's precision context."""
-    saved = {name: buffer.detach().clone() for name, buffer in module.named_buffers()}
+    inside the trainer's precision context. ``buffers``: the module's ``named_buffers()`` when the caller has them
+    already (one walk of the module fewer)."""
+    current = dict(module.named_buffers()) if buffers is None else buffers
+    saved = {name: buffer.detach().clone() for name, buffer in current.items()}
     dropouts = [m for m in module.modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.training]
     for dropout in dropouts:
         dropout.eval()
@@ -93,9 +96,10 @@ def extra_pass(module: nn.Module) -> Iterator[None]:
         with precision_context(module):
             yield
     finally:
-        with torch.no_grad():
-            for name, buffer in module.named_buffers():
-                buffer.copy_(saved[name])
+        if saved:  # restored by name from a fresh walk: a buffer the pass re-assigned is restored too
+            with torch.no_grad():
+                for name, buffer in module.named_buffers():
+                    buffer.copy_(saved[name])
         for dropout in dropouts:
             dropout.train()
 
