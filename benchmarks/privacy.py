@@ -882,14 +882,28 @@ def undertraining_note(
             )
         lines.append(f"- {task}: FedAvg without DP reaches {reached}; {verdict}.")
     if undertrained:
+        advice = []
+        for task in undertrained:
+            most = max(no_dp_accuracy(cells, task))
+            rounds_of: dict[str, set[int]] = {}
+            for cell in cells:
+                if cell["task"] == task:
+                    rounds_of.setdefault(cell["method"], set()).add(cell["rounds"])
+            short = [method for method, counts in rounds_of.items() if max(counts) < most]
+            advice.append(
+                f"read {task}'s trade-off from its {most}-round rows"
+                + (
+                    f"; its {' and '.join(short)} rows stop short of that and do not rank those methods"
+                    if short
+                    else ""
+                )
+            )
         lines += [
             "",
             "Reading an undertrained row: its models have barely left their initialisation, so its accuracy "
             "differences between budgets and between methods mostly reflect where training started, not what DP "
             "costs; and membership leaks as a model fits its training data, so its attack AUCs understate what a "
-            "trained model of the task would leak. Read the trade-off of "
-            f"{', '.join(undertrained)} from its rows at the most rounds; the methods it has at its fewest rounds "
-            "only are not ranked by these rows.",
+            f"trained model of the task would leak. So {'; '.join(advice)}.",
         ]
     return lines, undertrained
 

@@ -201,7 +201,12 @@ def test_a_task_is_undertrained_when_its_no_dp_accuracy_is_below_more_rounds_bey
         "- 1kg: FedAvg without DP reaches 80.0 ± 0.0 % at 3 rounds (grid), 90.0 ± 14.1 % at 10 rounds (the section "
         "above); the gap from 3 to 10 rounds (10.0 points) is within the seed spread."
     )
-    assert "Read the trade-off of fmnist from its rows at the most rounds" in lines[-1]
+    assert lines[-1].endswith("So read fmnist's trade-off from its 10-round rows.")
+    cells.append({**_no_dp_cell("fmnist", 3, [0.3]), "method": "scaffold"})
+    assert undertraining_note(cells, reference)[0][-1].endswith(
+        "So read fmnist's trade-off from its 10-round rows; its scaffold rows stop short of that and do not rank "
+        "those methods."
+    )
     assert undertraining_note(cells[2:], []) == ([], [])  # one round count: nothing to compare
 
 
