@@ -74,8 +74,10 @@ compare: setup
 	$(PY) -m benchmarks.compare --out $(COMPARE_OUT)
 
 # --durations=30: every CI log ends with the 30 slowest tests (CI must stay under 45 min on 2 cores).
+# OMP_WAIT_POLICY=PASSIVE: torch's idle OpenMP threads sleep instead of spinning; with more busy threads than cores
+# (the simulator's sites, a shared runner) a spinning LeNet-5 step took 20-50x longer here (no result changes).
 test: setup lint
-	$(PY) -m pytest --durations=30
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest --durations=30
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow" --ignore=tests/e2e
