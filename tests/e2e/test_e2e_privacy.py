@@ -1,4 +1,4 @@
-"""The fedavg_dp job through ``nvflare simulator -n 3 -t 1``: every client round is a new process, and each site's
+"""The fedavg_dp job through ``nvflare simulator -n 2 -t 1``: every client round is a new process, and each site's
 epsilon keeps counting across them (the ledger in the site's state store), as the accountant computes it from the
 cumulative steps; nothing DP does not protect reaches the server."""
 
@@ -17,14 +17,20 @@ from jobs.presets import PRESETS
 from lightning_modules.privacy.accountant import Segment, epsilon
 
 pytestmark = pytest.mark.slow
-NUM_ROUNDS = 3
-SITES = ("site-1", "site-2", "site-3")
+# 2 sites x 2 rounds: every client round a process that calibrates sigma; round 2 shows the count carried over
+NUM_ROUNDS = 2
+SITES = ("site-1", "site-2")
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory, fashion_mnist, simulate) -> Path:
     spec = dataclasses.replace(
-        PRESETS["fedavg_dp"], name="e2e_fedavg_dp", num_rounds=NUM_ROUNDS, max_train_samples=900, max_test_samples=200
+        PRESETS["fedavg_dp"],
+        name="e2e_fedavg_dp",
+        num_sites=len(SITES),
+        num_rounds=NUM_ROUNDS,
+        max_train_samples=600,
+        max_test_samples=200,
     )
     root = tmp_path_factory.mktemp("privacy")
     completed = simulate(export_job(spec, root / "jobs"), root / "ws", num_clients=len(SITES), threads=1)
