@@ -1,5 +1,5 @@
-"""Per-step cost and client memory of FedMoS, MOON and Ditto relative to plain SGD on LeNet-5, and the seconds local
-fine-tuning adds to a round.
+"""Per-step cost and client memory of FedMoS, MOON and Ditto relative to plain SGD on LeNet-5, and the seconds and
+memory local fine-tuning adds to a round.
 
 Reuses the machinery of :mod:`benchmarks.step_overhead` (read its docstring for the method): every variant takes one
 optimizer step per cycle inside the same ``pl.Trainer.fit`` of :class:`lightning_modules.FLClassifier`, in a freshly
@@ -21,8 +21,13 @@ Variants:
   ``--finetune-rounds`` rounds (``--finetune-rounds 0`` skips it).
 
 Client memory per site: the bytes of the tensors the algorithm keeps during a round (its state: FedMoS x, d and the
-previous iterate; MOON's frozen global model and negatives), counted by walking the algorithm object (shared storages
-counted once), and the size of the site's state file after the round (MOON's history; FedMoS writes none).
+previous iterate; MOON's frozen global model and negatives; Ditto's v_i and received model), counted by walking the
+algorithm object (shared storages counted once), and the size of the site's state file after the round (MOON's
+history, Ditto's v_i; FedMoS writes none). Fine-tuning: the tensors of the fine-tuned copy after its epoch (its
+parameters and buffers, gradients and optimizer state, walked the same way), which the site holds while it
+fine-tunes on top of its own module, and (``--finetune-rss``, on by default, Linux) the peak RSS during the rounds of
+one child process without and one with fine-tuning (``VmHWM`` reset through ``/proc/self/clear_refs`` once the site is
+set up, so the imports' peak does not hide the rounds').
 
 Run: ``python -m benchmarks.client_algorithms`` (``--steps`` / ``--rounds`` trade time for precision);
 ``--quick`` for a smoke test.
@@ -43,6 +48,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from aggregators import meta_keys
 from benchmarks.step_overhead import (
@@ -217,10 +223,26 @@ def history_slope(rows: Sequence[Row]) -> str:
     )
 
 
-def finetune_added_seconds(samples: int, rounds: int, epochs: int = 1) -> tuple[float, float]:
-    """(median seconds of a built-in site's round without fine-tuning, median seconds it adds with ``epochs``)."""
-    import tempfile
+@dataclass
+class FinetuneCost:
+    """Fine-tuning's cost per round: seconds (medians), the tensors a site holds while it fine-tunes, peak RSS."""
 
+    base_s: float
+    added_s: float
+    model_bytes: int  # the site's own module: parameters and buffers
+    copy_bytes: int  # the fine-tuned copy's parameters and buffers
+    grad_bytes: int  # the copy's gradients
+    optimizer_bytes: int  # the copy's optimizer state
+    peak_rss: dict[int, tuple[int, int]]  # finetune_epochs -> (RSS before, peak RSS during) the rounds, bytes
+
+    @property
+    def held_bytes(self) -> int:
+        return self.copy_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+def finetune_site(epochs: int, samples: int, state_root: Path) -> Any:
+    """A built-in site (LeNet-5, ``samples`` random Fashion-MNIST-shaped samples, 10 % held out) with
+    ``finetune_epochs`` = ``epochs``."""
     import numpy as np
 
     from controllers.in_process import site_args
@@ -229,26 +251,133 @@ def finetune_added_seconds(samples: int, rounds: int, epochs: int = 1) -> tuple[
 
     rng = np.random.default_rng(0)
     x, y = rng.random((samples, 1, 28, 28), dtype=np.float32), rng.integers(0, 10, samples).astype(np.int64)
+    args = site_args(JobSpec(name="ft", site_val_fraction=0.1, finetune_epochs=epochs))
+    return build_site_round(args, SITE, 0, x, y, 10, ClientStateStore(state_root, SITE))
+
+
+def run_site_round(site: Any, round_num: int, params: Mapping[str, Any]) -> None:
+    site.train(round_num, params, {meta_keys.ROUND: round_num, meta_keys.RUN_ID: RUN_ID})
+
+
+def record_finetuned(site: Any) -> list[tuple[int, int, int]]:
+    """Wraps ``site.finetune`` so that every round appends what the site holds beyond its own module while it
+    fine-tunes: (the copy's parameters and buffers, its gradients, its optimizer's state), in bytes, tensors walked
+    with each storage counted once. Gradients and optimizer state are walked right after every optimizer step of
+    the fine-tuning (a global step post-hook, removed afterwards) and their largest total is kept: the training's
+    peak, since Lightning drops the gradients when the fit ends."""
+    held: list[tuple[int, int, int]] = []
+    finetune = site.finetune
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        during: list[tuple[int, int]] = [(0, 0)]
+
+        def after_step(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+            seen: set[int] = set()
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
+            during.append((tensor_bytes(grads, seen), tensor_bytes(dict(optimizer.state), seen)))
+
+        hook = register_optimizer_step_post_hook(after_step)
+        try:
+            tuned = finetune(*args, **kwargs)
+        finally:
+            hook.remove()
+        held.append((tensor_bytes(tuned), *max(during, key=sum)))
+        return tuned
+
+    site.finetune = recording
+    return held
+
+
+def finetune_cost(samples: int, rounds: int, epochs: int = 1, rss: bool = True) -> FinetuneCost:
+    """Median seconds of a built-in site's round without fine-tuning and the seconds ``epochs`` add (interleaved in
+    one process), the tensors the fine-tuning copy holds, and (``rss``) the peak RSS of one process per setting."""
+    import tempfile
+
     seconds: dict[int, list[float]] = {0: [], epochs: []}
     with tempfile.TemporaryDirectory() as tmp:
-        sites = {}
-        for k in seconds:
-            args = site_args(JobSpec(name="ft", site_val_fraction=0.1, finetune_epochs=k))
-            sites[k] = build_site_round(args, SITE, 0, x, y, 10, ClientStateStore(Path(tmp) / str(k), SITE))
+        sites = {k: finetune_site(k, samples, Path(tmp) / str(k)) for k in seconds}
+        held = record_finetuned(sites[epochs])
         params = {key: v.numpy().copy() for key, v in sites[0].module.state_dict().items()}
         for round_num in range(rounds):
             for k, site in sites.items():  # interleaved: the shared machine's load hits both alike
                 started = time.perf_counter()
-                site.train(round_num, params, {meta_keys.ROUND: round_num, meta_keys.RUN_ID: RUN_ID})
+                run_site_round(site, round_num, params)
                 seconds[k].append(time.perf_counter() - started)
+        model_bytes = tensor_bytes(sites[0].module)
     base = statistics.median(seconds[0])
-    return base, statistics.median(seconds[epochs]) - base
+    peak = {k: child_round_rss(k, samples, rounds) for k in seconds} if rss else {}
+    return FinetuneCost(base, statistics.median(seconds[epochs]) - base, model_bytes, *held[-1], peak_rss=peak)
+
+
+RSS_LINE = "finetune-rss"  # the child's last line: RSS_LINE, resident bytes before the rounds, peak during them
+
+
+def run_finetune_child(epochs: int, samples: int, rounds: int) -> str:
+    """The rounds of one fine-tuning setting alone, in this process: the site is built (imports, data), the peak
+    RSS is reset (Linux: ``/proc/self/clear_refs``), the rounds run, and the returned line holds the resident bytes
+    before the rounds and the peak during them (``VmHWM``), for :func:`child_round_rss`."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        site = finetune_site(epochs, samples, Path(tmp))
+        params = {key: v.numpy().copy() for key, v in site.module.state_dict().items()}
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+        before = proc_status_bytes("VmRSS")
+        for round_num in range(rounds):
+            run_site_round(site, round_num, params)
+        return f"{RSS_LINE} {before} {proc_status_bytes('VmHWM')}"
+
+
+def proc_status_bytes(field: str) -> int:
+    """A memory field of /proc/self/status (``VmRSS``, ``VmHWM``) in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024  # kB
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def child_round_rss(epochs: int, samples: int, rounds: int) -> tuple[int, int]:
+    """(resident bytes before the rounds, peak resident bytes during them) of :func:`run_finetune_child` run in a
+    child process from the repository root; raises if the child fails."""
+    import subprocess
+
+    command = [sys.executable, "-m", "benchmarks.client_algorithms", "--finetune-child", str(epochs)]
+    command += ["--finetune-samples", str(samples), "--finetune-rounds", str(rounds)]
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(command, cwd=root, capture_output=True, text=True, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(RSS_LINE)]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}): {done.stderr[-2000:]}")
+    _, before, peak = lines[-1].split()
+    return int(before), int(peak)
+
+
+def finetune_report(cost: FinetuneCost, samples: int, rounds: int) -> str:
+    mb = 1e6
+    lines = [
+        f"Local fine-tuning (1 epoch, LeNet-5, {samples} samples, 10 % held out): a round takes {cost.base_s:.2f} s "
+        f"without and {cost.added_s:+.2f} s more with it (median over {rounds} rounds). While it fine-tunes, a site "
+        f"holds {cost.held_bytes / mb:.3f} MB of tensors beyond its own module ({cost.model_bytes / mb:.3f} MB): the "
+        f"copy's parameters and buffers {cost.copy_bytes / mb:.3f} MB, its gradients {cost.grad_bytes / mb:.3f} MB, "
+        f"its optimizer's state {cost.optimizer_bytes / mb:.3f} MB ({cost.held_bytes / cost.model_bytes:.1f}x the "
+        "model; freed before the round's training)."
+    ]
+    if cost.peak_rss:
+        (before_0, peak_0), (before_k, peak_k) = cost.peak_rss[0], cost.peak_rss[max(cost.peak_rss)]
+        lines.append(
+            f"Peak RSS during those {rounds} rounds, one child process per setting with the peak reset after the "
+            f"site's set-up: {peak_0 / mb:.1f} MB without fine-tuning ({(peak_0 - before_0) / mb:+.1f} MB over the "
+            f"set-up's {before_0 / mb:.1f} MB), {peak_k / mb:.1f} MB with it ({(peak_k - before_k) / mb:+.1f} MB over "
+            f"{before_k / mb:.1f} MB)."
+        )
+    return " ".join(lines) + "\n"
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.client_algorithms",
-        description="Per-step time (÷ plain SGD) and client memory of FedMoS and MOON on LeNet-5; prints a table.",
+        description="Per-step time (÷ plain SGD) and client memory of FedMoS, MOON and Ditto on LeNet-5, and the "
+        "time and memory of local fine-tuning; prints a report.",
     )
     parser.add_argument("--steps", type=int, default=200, help="kept steps per variant and model (default 200)")
     parser.add_argument("--rounds", type=int, default=4, help="fits per model, variants interleaved (default 4)")
@@ -258,11 +387,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=None, help="also write the report to this file")
     parser.add_argument("--finetune-rounds", type=int, default=3, help="rounds timed for fine-tuning (0: skip)")
     parser.add_argument("--finetune-samples", type=int, default=2000, help="a fine-tuning site's samples")
+    parser.add_argument(
+        "--finetune-rss",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also measure the peak RSS of the fine-tuning rounds in one child process per setting (default on; "
+        "--quick turns it off)",
+    )
+    parser.add_argument("--finetune-child", type=int, default=None, help=argparse.SUPPRESS)  # child_round_rss's child
     parser.add_argument("--quick", action="store_true", help="smoke-test sizes: 2 fits x 3 kept steps, 1 warm-up")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.rounds, args.warmup = 6, 2, 1
-        args.finetune_rounds, args.finetune_samples = min(args.finetune_rounds, 1), 200
+        args.finetune_rounds, args.finetune_samples, args.finetune_rss = min(args.finetune_rounds, 1), 200, False
     if min(args.steps, args.rounds, args.batch_size) < 1 or args.warmup < 0:
         parser.error("--steps, --rounds and --batch-size must be >= 1, --warmup >= 0")
     return args
@@ -270,6 +407,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.finetune_child is not None:
+        with _quiet_lightning():
+            print(run_finetune_child(args.finetune_child, args.finetune_samples, args.finetune_rounds))
+        return 0
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     torch.set_num_threads(args.threads or usable)
     settings = Settings(steps=args.steps, rounds=args.rounds, warmup=args.warmup, batch_size=args.batch_size)
@@ -304,11 +445,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.finetune_rounds > 0:
         progress(f"fine-tuning: {args.finetune_rounds} rounds with and without, {args.finetune_samples} samples")
         with _quiet_lightning():
-            base, added = finetune_added_seconds(args.finetune_samples, args.finetune_rounds)
-        report += (
-            f"Local fine-tuning (1 epoch, LeNet-5, {args.finetune_samples} samples, 10 % held out): a round takes "
-            f"{base:.2f} s without and {added:+.2f} s more with it (median over {args.finetune_rounds} rounds).\n"
-        )
+            cost = finetune_cost(args.finetune_samples, args.finetune_rounds, rss=args.finetune_rss)
+        report += finetune_report(cost, args.finetune_samples, args.finetune_rounds)
     print(report)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -37,3 +37,14 @@ def test_quick_mode_reports_every_variant_with_finite_ratios_and_memory(tmp_path
     files = [float(by_name[(head, f"moon h={h}")][6]) for h in (1, 2, 4)]
     assert 0 < files[0] < files[1] < files[2]
     assert "MOON cost per history model" in report
+    # Fine-tuning: the copy's parameters and their gradients (plain SGD keeps no state): twice LeNet-5's weights.
+    assert "(2.0x the model; freed before the round's training)" in report
+    assert "Peak RSS" not in report  # --quick measures no child processes
+
+
+def test_the_rss_child_runs_the_fine_tuning_rounds_and_reports_its_rounds_peak(capsys):
+    args = ["--finetune-child", "1", "--finetune-samples", "60", "--finetune-rounds", "1"]
+    assert client_algorithms.main(args) == 0
+    name, before, peak = capsys.readouterr().out.splitlines()[-1].split()
+    assert name == client_algorithms.RSS_LINE
+    assert 100e6 < int(before) <= int(peak)  # this process has torch loaded; the peak is reset to the RSS before
