@@ -522,10 +522,9 @@ def personal_attacks(
         "global_lira": None,
     }
     if shadows is not None and global_lira is not None:
-        scores = np.stack(
-            [lira_offline_scores(phi, *shadows)[0] for phi in values["personal_phi"]]
-        )  # every record has an out shadow model unless all shadows trained on it: such records are dropped below
-        usable = lira_offline_scores(values["personal_phi"][0], *shadows)[1]
+        fitted = [lira_offline_scores(phi, *shadows) for phi in values["personal_phi"]]
+        scores = np.stack([score for score, _ in fitted])
+        usable = fitted[0][1]  # records some shadow left out: the shadows' membership alone decides, for every site
         kept_in, kept_out = [m & usable for m in inside], [m & usable for m in outside]
         result["lira"] = site_attack_metrics(scores, kept_in, kept_out)
         result["global_lira"] = site_attack_metrics(global_lira, kept_in, kept_out)
