@@ -348,4 +348,5 @@ def run_user_script(args: Any, client_script: str) -> None:
 
 
 def _scalars(meta: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: round(v, 4) if isinstance(v, float) else v for k, v in meta.items() if isinstance(v, int | float)}
+    """The numbers of a site's round for its log line, to 4 significant digits (not decimals: delta 1e-5 is not 0)."""
+    return {k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in meta.items() if isinstance(v, int | float)}

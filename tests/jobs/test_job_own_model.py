@@ -348,3 +348,10 @@ def test_site_val_fraction_is_refused_with_a_user_model():
             data="custom_model.data:DigitsSites",
             site_val_fraction=0.2,
         )
+
+
+def test_a_site_log_line_keeps_four_significant_digits_so_delta_is_not_printed_as_zero():
+    from lightning_modules.own_model import _scalars
+
+    line = _scalars({"privacy.delta": 1e-5, "train.loss": 0.123456, "num_samples": 3, "site": "site-1"})
+    assert line == {"privacy.delta": 1e-5, "train.loss": 0.1235, "num_samples": 3}
