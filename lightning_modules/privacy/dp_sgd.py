@@ -72,7 +72,7 @@ def algorithm_problem(algorithm: ClientAlgorithm) -> str | None:
     return f"client '{algorithm.name}' cannot run under DP-SGD: {why}; use one of {sorted(COMPOSES)}"
 
 
-def _owner_problem(name: str, module: nn.Module, is_root: bool) -> str | None:
+def _owner_problem(module: nn.Module, is_root: bool) -> str | None:
     """Opacus computes per-sample gradients of a module it has no rule for with functorch, over that module's whole
     forward; dropout inside it fails ("vmap: called random operation"), and a LightningModule's own forward may not
     run in ``training_step`` at all."""
@@ -81,7 +81,7 @@ def _owner_problem(name: str, module: nn.Module, is_root: bool) -> str | None:
     own = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
     if not own or type(module) in GradSampleModule.GRAD_SAMPLERS:
         return None
-    where = f"parameters {own} of {name or 'the module itself'} ({type(module).__name__})"
+    where = f"parameters {own} of {{where}} ({type(module).__name__})"
     if is_root:
         return f"{where}: move them into a small nn.Module (one that holds only them) so that Opacus can hook it"
     if any(isinstance(child, nn.Dropout) for child in module.modules()):
@@ -93,24 +93,38 @@ def _owner_problem(name: str, module: nn.Module, is_root: bool) -> str | None:
 
 
 def model_problem(module: nn.Module) -> str | None:
-    """Why Opacus cannot give per-sample gradients of ``module``, with what to change, or ``None``."""
+    """Why Opacus cannot give per-sample gradients of ``module``, with what to change, or ``None``. Every problem
+    found is named, once per kind with the modules that have it, so that one build tells all there is to change."""
     try:
         from opacus.validators import ModuleValidator
     except ImportError:
         return f"DP-SGD needs Opacus, which is not installed: pip install '{PRIVACY_EXTRA}'"
+    problems: dict[str, list[str]] = {}  # each kind of problem, with the modules that have it
     for name, child in module.named_modules():
-        if isinstance(child, nn.modules.batchnorm._BatchNorm):
-            return f"{name} is a {type(child).__name__}, which mixes the samples of a batch: use GroupNorm or LayerNorm"
-        if isinstance(child, nn.MultiheadAttention):
-            return (
-                f"{name} is an nn.MultiheadAttention, which Opacus has no per-sample gradient for: build the attention "
-                "from nn.Linear layers (or opacus.layers.DPMultiheadAttention)"
-            )
-        problem = _owner_problem(name, child, child is module)
+        problem = _module_problem(child, child is module)
         if problem:
-            return problem
-    errors = ModuleValidator.validate(module, strict=False)
-    return f"Opacus refuses the model: {str(errors[0]).split('. ')[0]}" if errors else None
+            problems.setdefault(problem, []).append(name or "the module itself")
+    if not problems:
+        errors = ModuleValidator.validate(module, strict=False)
+        return f"Opacus refuses the model: {str(errors[0]).split('. ')[0]}" if errors else None
+    return "; ".join(problem.format(where=_where(names)) for problem, names in problems.items())
+
+
+def _where(names: list[str]) -> str:
+    shown = ", ".join(names[:3])
+    return shown if len(names) <= 3 else f"{shown} and {len(names) - 3} more"
+
+
+def _module_problem(child: nn.Module, is_root: bool) -> str | None:
+    """The kind of problem ``child`` has, as a message with ``{where}`` for the modules that have it."""
+    if isinstance(child, nn.modules.batchnorm._BatchNorm):
+        return f"{type(child).__name__} mixes the samples of a batch ({{where}}): use GroupNorm or LayerNorm"
+    if isinstance(child, nn.MultiheadAttention):
+        return (
+            "nn.MultiheadAttention has no per-sample gradient in Opacus ({where}): build the attention from "
+            "nn.Linear layers (or opacus.layers.DPMultiheadAttention)"
+        )
+    return _owner_problem(child, is_root)
 
 
 def dp_problem(algorithm: ClientAlgorithm, module: nn.Module | None, precision: str, devices: int) -> str | None:

@@ -46,7 +46,7 @@ SNP = {
             [*DP, "--client", "scaffold", "--server", "scaffold", "--client-args", '{"option":"I"}'],
             "client 'scaffold' with option I sends a control computed from a full gradient",
         ),
-        ([*DP, "--arch", "bn_cnn"], "net.bn1 is a BatchNorm2d, which mixes the samples of a batch: use GroupNorm"),
+        ([*DP, "--arch", "bn_cnn"], "BatchNorm2d mixes the samples of a batch (net.bn1, net.bn2): use GroupNorm"),
         ([*DP, "--site-val-fraction", "0.1", "--finetune-epochs", "1"], "finetune_epochs 1 under DP-SGD"),
     ],
 )
@@ -63,6 +63,19 @@ def test_a_model_opacus_cannot_handle_is_refused_with_what_to_change():
     with pytest.raises(JobBuildError, match=r"parameters \['position'\] of net.encoder .* leaf nn.Module"):
         JobSpec(name="snp", **SNP, model_args={"arch": "cnn_transformer", "n_snps": 127, "num_classes": 5})
     JobSpec(name="snp", **SNP, model_args={"arch": "cnn_transformer", "attention": "linear", "num_classes": 5})
+
+
+def test_every_kind_of_problem_is_named_once_with_the_modules_that_have_it():
+    from torch import nn
+
+    from lightning_modules.privacy.dp_sgd import model_problem
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.BatchNorm1d(4), nn.MultiheadAttention(4, 1))
+    message = model_problem(model)
+    assert message.count("mixes the samples of a batch") == 1 and message.count("nn.MultiheadAttention") == 1
+    assert message.startswith("BatchNorm1d mixes the samples of a batch (1, 2): use GroupNorm or LayerNorm; ")
+    assert "; nn.MultiheadAttention has no per-sample gradient in Opacus (3): build" in message
+    assert model_problem(nn.Sequential(nn.Linear(4, 4), nn.GroupNorm(2, 4))) is None
 
 
 def test_ddp_sites_are_refused():
