@@ -22,6 +22,7 @@ state file cannot execute code. Files are written atomically: temp file in the s
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import io
 import json
@@ -152,6 +153,7 @@ class ClientStateStore:
             "payload_sha256": hashlib.sha256(payload).hexdigest(),
         }
         if is_writer():
+            remove_stale_temporaries(target)
             atomic_write_bytes(target, _encode_file(header, payload))
         return target
 
@@ -340,6 +342,16 @@ def _encode_file(header: dict[str, Any], payload: bytes) -> bytes:
     header_bytes = json.dumps(header, sort_keys=True).encode("utf-8")
     head = _PREFIX.pack(MAGIC, len(header_bytes)) + header_bytes
     return head + hashlib.sha256(head).digest() + payload
+
+
+def remove_stale_temporaries(target: Path) -> list[Path]:
+    """Remove the temporary files an earlier write of ``target`` left when its process was killed between creating
+    and renaming them (:func:`atomic_write_bytes`); return them. Readers never read these files, so they are only
+    litter; a site's store has one writer, so no live write of ``target`` is racing this one."""
+    stale = sorted(target.parent.glob(f".{glob.escape(target.name)}.*.tmp")) if target.parent.is_dir() else []
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
 
 
 def atomic_write_bytes(target: Path, data: bytes) -> None:

@@ -246,29 +246,34 @@ def test_a_site_killed_mid_job_leaves_rounds_of_the_others_and_scaffold_state_co
         assert time.monotonic() < deadline, "no round recorded"
         time.sleep(0.5)
     _crash(deployment, "site-3", job_id)
-    meta = session.wait_for_job(job_id, timeout=JOB_TIMEOUT_S, poll_interval=1.0)
-    result = loopback.download_result(session, job_id)
+    try:
+        meta = session.wait_for_job(job_id, timeout=JOB_TIMEOUT_S, poll_interval=1.0)
+        result = loopback.download_result(session, job_id)
 
-    logs = "\n".join(p.read_text()[-4000:] for p in result.rglob("log.txt"))
-    assert meta["status"] == "FINISHED:COMPLETED", logs
-    records = [json.loads(line) for line in (result / "metrics" / "round_metrics.jsonl").read_text().splitlines()]
-    rounds = [r for r in records if r["stage"] == "round"]
-    assert [r["status"] for r in rounds] == ["aggregated"] * 4
-    assert all("site-3" not in r["aggregated"] and len(r["aggregated"]) == 2 for r in rounds[2:]), rounds
-    resume = load_resume_point(result / "app_server", "scaffold")
-    last = resume.last_aggregated_sites
-    # site-3 may or may not have been among the first min_responses = 2 results of round 1 (the server goes on as
-    # soon as two are in): either way it was never aggregated after the crash.
-    assert last["site-1"] == last["site-2"] == 3 and last.get("site-3", -1) < 3, last
-    run_id = records[0]["run_id"]
-    controls = _site_states(deployment, run_id, last, "scaffold")
-    for key, value in resume.state["control"].items():
-        np.testing.assert_allclose(value, np.mean([c[key] for c in controls], axis=0), atol=1e-6, err_msg=key)
-    leftovers = list((deployment.sites["site-3"] / "client_state" / run_id).rglob("*.tmp*"))
-    assert not leftovers, leftovers
-    # The machine comes back: the site restarts from its kit and registers again.
-    loopback.restart(deployment, "site-3", loopback.participant_env())
-    loopback.wait_for_sites(session, deployment)
+        logs = "\n".join(p.read_text()[-4000:] for p in result.rglob("log.txt"))
+        assert meta["status"] == "FINISHED:COMPLETED", logs
+        records = [json.loads(line) for line in (result / "metrics" / "round_metrics.jsonl").read_text().splitlines()]
+        rounds = [r for r in records if r["stage"] == "round"]
+        assert [r["status"] for r in rounds] == ["aggregated"] * 4
+        assert all("site-3" not in r["aggregated"] and len(r["aggregated"]) == 2 for r in rounds[2:]), rounds
+        resume = load_resume_point(result / "app_server", "scaffold")
+        last = resume.last_aggregated_sites
+        # site-3 may or may not have been among the first min_responses = 2 results of round 1 (the server goes on as
+        # soon as two are in): either way it was never aggregated after the crash.
+        assert last["site-1"] == last["site-2"] == 3 and last.get("site-3", -1) < 3, last
+        run_id = records[0]["run_id"]
+        controls = _site_states(deployment, run_id, last, "scaffold")
+        for key, value in resume.state["control"].items():
+            np.testing.assert_allclose(value, np.mean([c[key] for c in controls], axis=0), atol=1e-6, err_msg=key)
+        leftovers = list((deployment.sites["site-3"] / "client_state" / run_id).rglob("*.tmp*"))
+        # A SIGKILL between the atomic write's mkstemp and its rename leaves that write's temporary behind: never
+        # read (the state files above loaded intact), removed by the site's next save (test_state_store.py).
+        assert all(p.name.startswith(".") and p.name.endswith(".tmp") for p in leftovers), leftovers
+    finally:
+        # The machine comes back (also when an assertion above failed, so that the next tests find 3 sites): the
+        # site restarts from its kit and registers again.
+        loopback.restart(deployment, "site-3", loopback.participant_env())
+        loopback.wait_for_sites(session, deployment)
 
 
 def test_the_server_crashed_mid_job_restarts_and_the_resumed_job_continues_bit_identically(

@@ -399,3 +399,18 @@ def test_pending_state_is_committed_only_when_the_server_confirms_it(
     assert float(store.load("scaffold").state["c"]) == value
     assert not store.pending_path("scaffold").exists()
     assert store.settle("scaffold", round_num, last_aggregated) is None  # nothing left to settle
+
+
+def test_a_write_killed_before_its_rename_leaves_litter_that_readers_skip_and_the_next_save_removes(
+    store: ClientStateStore,
+) -> None:
+    store.save("scaffold", {"c": torch.ones(2)}, round_num=1, pending=True)
+    pending = store.pending_path("scaffold")
+    # What a SIGKILL between mkstemp and os.replace leaves (the test of a site killed mid-job met it).
+    litter = [pending.parent / f".{pending.name}.k1ll3d.tmp", pending.parent / f".{store.path('x').name}.zz.tmp"]
+    for path in litter:
+        path.write_bytes(b"half a file")
+    assert store.settle("scaffold", 2, {"site-1": 1}) == "committed"
+    assert torch.equal(store.load("scaffold").state["c"], torch.ones(2))
+    store.save("scaffold", {"c": torch.zeros(2)}, round_num=2, pending=True)
+    assert not litter[0].exists() and litter[1].exists()  # only the temporaries of the file being written
