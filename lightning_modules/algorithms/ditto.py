@@ -175,7 +175,6 @@ class Ditto(ClientAlgorithm):
         self._params: dict[str, nn.Parameter] = {}
         self.received: Tensors = {}
         self.personal: Tensors | None = None
-        self._personal_lrs: dict[str, float] | None = None  # personal_lr for every entry, when given
         self._batch: Any = None
         self._steps = 0
         self._round = 0
@@ -204,7 +203,6 @@ class Ditto(ClientAlgorithm):
         # w^t: the received global model, fp32, never a view of the live weights.
         self.received = {name: p.detach().to(torch.float32).clone() for name, p in self._params.items()}
         self.personal = self._load_personal()
-        self._personal_lrs = None if self.personal_lr is None else dict.fromkeys(self.personal, self.personal_lr)
         self._batch, self._steps = None, 0
 
     def _load_personal(self) -> Tensors:
@@ -250,7 +248,10 @@ class Ditto(ClientAlgorithm):
         self.global_part.after_step(module, optimizer)
         if self.personal is None or self._batch is None:
             raise ClientAlgorithmError(f"{self.site}: ditto took an optimizer step before its round started")
-        lrs = self._personal_lrs if self._personal_lrs is not None else step_sizes(optimizer, self._params)
+        if self.personal_lr is not None:
+            lrs = dict.fromkeys(self.personal, self.personal_lr)
+        else:
+            lrs = step_sizes(optimizer, self._params)
         _, grads = task_gradient(module, self._batch, params=self.personal)
         ditto_step_(self.personal, grads, self.received, lrs, self.lam)
         self._steps += 1
