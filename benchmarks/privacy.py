@@ -19,9 +19,9 @@ target federation trained on; non-members: records of the same distribution no s
 
 Reported per task and target seed: attack AUC, TPR at 1 % and 0.1 % FPR (the resolution is 1 / non-members), and the
 target's test accuracy; then the mean and standard deviation over seeds. Without ``--personal`` only the final global
-model is attacked (FedAvg, SCAFFOLD and FedAdam keep no personalized model); ``--grid --personal TASK:METHOD``
-(:data:`PERSONAL_METHODS`: FedPer, Ditto) also attacks each site's personal model, the threat being a curious
-insider at the site: members are the site's training records, non-members its validation records
+model is attacked (FedAvg, SCAFFOLD and FedAdam keep no personalized model); ``--grid --personal TASK:METHOD[=ROUNDS]``
+(:data:`PERSONAL_METHODS`: FedPer, FedRep, Ditto, fine-tuning) also attacks each site's personal model, the threat
+being a curious insider at the site: members are the site's training records, non-members its validation records
 (:func:`personal_attacks`).
 
 Tasks (small on purpose: a 2-core CPU shared by others; the protocol is written into the page):
@@ -207,33 +207,43 @@ def record_keys(x: np.ndarray, y: np.ndarray) -> list[bytes]:
     return [row.tobytes() + int(label).to_bytes(2, "little") for row, label in zip(flat, np.asarray(y), strict=True)]
 
 
-def site_training_records(spec: Any) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Every site's training split ``(x, y)`` of ``spec``, in site order."""
+def site_records(spec: Any, part: str) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Every site's ``part`` (``train`` or ``val``) of ``spec`` as ``(x, y)``, in site order: a user data module's
+    splits, or a built-in site's shard split as the site splits it (``site_val_fraction``; no validation part
+    without it)."""
     if spec.model is None:
         from controllers.in_process import site_args
         from data_prep import SiteDataConfig, site_split
+        from data_prep.site_config import seed_index
+        from lightning_modules.site import validation_indices
 
-        config = SiteDataConfig.from_namespace(site_args(spec))
-        return [site_split(config, f"site-{i + 1}") for i in range(spec.num_sites)]
+        args = site_args(spec)
+        config, parts = SiteDataConfig.from_namespace(args), []
+        for i in range(spec.num_sites):
+            x, y = site_split(config, f"site-{i + 1}")
+            index = seed_index(f"site-{i + 1}", spec.num_sites)
+            train, val = validation_indices(len(y), spec.site_val_fraction, spec.seed, index)
+            chosen = train if part == "train" else val
+            parts.append((x[chosen], y[chosen]))
+        return parts
     from lightning_modules.own_model import build_user_data
 
     parts = []
     for i in range(spec.num_sites):
         data = build_user_data(spec.data, spec.data_args, f"site-{i + 1}", spec.num_sites)
-        parts.append(tuple(t.numpy() for t in data.train.tensors))
+        parts.append(tuple(t.numpy() for t in getattr(data, part).tensors))
     return parts
+
+
+def site_training_records(spec: Any) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Every site's training split ``(x, y)`` of ``spec``, in site order."""
+    return site_records(spec, "train")
 
 
 def site_validation_records(spec: Any) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Every site's validation split ``(x, y)`` of a user-model ``spec`` (its held-out share: the same distribution
-    as its training split, never trained on), in site order."""
-    from lightning_modules.own_model import build_user_data
-
-    parts = []
-    for i in range(spec.num_sites):
-        data = build_user_data(spec.data, spec.data_args, f"site-{i + 1}", spec.num_sites)
-        parts.append(tuple(t.numpy() for t in data.val.tensors))
-    return parts
+    """Every site's validation split ``(x, y)`` of ``spec`` (its held-out share: the same distribution as its
+    training split, never trained on), in site order."""
+    return site_records(spec, "val")
 
 
 def training_records(spec: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -317,14 +327,7 @@ def federation_scores(
     with tempfile.TemporaryDirectory(prefix="fedalg_privacy_") as state_root, quiet_lightning():
         run = run_in_process(spec, Path(state_root), evaluate=False, run_id=spec.name)
         if personal:
-            from benchmarks.personalization import personal_params
-
-            rows = []
-            for i in range(spec.num_sites):
-                params = personal_params(spec, Path(state_root), f"site-{i + 1}", run.params)
-                if params is None:
-                    raise SystemExit(f"error: {spec.name} keeps no personal model (local_keys or client ditto)")
-                rows.append(model_logits(module_with(spec, params), audit_x))
+            rows = [model_logits(module, audit_x) for module in personal_modules(spec, Path(state_root), run.params)]
             scored = [logit_confidence(logits, audit_y) for logits in rows]
             extra = {
                 "personal_loss": np.stack([loss for loss, _ in scored]),
@@ -353,6 +356,25 @@ def federation_scores(
         **extra,
         **diagnostics,
     }
+
+
+def personal_modules(spec: Any, state_root: Path, final: Mapping[str, np.ndarray]) -> list[Any]:
+    """Every site's personal model after ``spec``'s federation (its client state under ``state_root``), in eval
+    mode: fine-tuning's copy of the final global model trained ``finetune_epochs`` at the site (seeded as the sites
+    seed it), or the final global model with the site's own entries over it (partial sharing, FedRep, Ditto)."""
+    from benchmarks.personalization import finetuned, personal_params
+
+    if spec.finetune_epochs:
+        from controllers.in_process import site_rounds
+
+        return [finetuned(site, final, spec.num_rounds).eval() for site in site_rounds(spec, state_root).values()]
+    modules = []
+    for i in range(spec.num_sites):
+        params = personal_params(spec, state_root, f"site-{i + 1}", final)
+        if params is None:
+            raise SystemExit(f"error: {spec.name} keeps no personal model (local_keys, finetune_epochs or ditto)")
+        modules.append(module_with(spec, params))
+    return modules
 
 
 def largest_site_epsilon(rounds: Sequence[Mapping[str, Any]]) -> float | None:
@@ -388,7 +410,11 @@ def audit_set(task: Task, rounds: int, overrides: Mapping[str, Any], seeds: Sequ
         return {"x": pool_x, "y": pool_y, "test": (test_x, test_y)}
     members = set()
     for seed in seeds:
-        members.update(record_keys(*training_records(build_spec(task, seed, rounds, overrides))))
+        spec = build_spec(task, seed, rounds, overrides)
+        members.update(record_keys(*training_records(spec)))
+        if spec.site_val_fraction:  # the sites' own non-members, which the personal-model attacks score
+            for part in site_validation_records(spec):
+                members.update(record_keys(*part))
     keys = record_keys(pool_x, pool_y)
     chosen = [i for i, key in enumerate(keys) if key in members]
     others = np.setdiff1d(np.arange(len(keys)), chosen)
@@ -651,16 +677,28 @@ GRID_BEGIN, GRID_END = "<!-- privacy-grid:begin -->", "<!-- privacy-grid:end -->
 
 
 #: Personalized methods whose site models are attacked too (``--personal TASK:METHOD``): settings over the task's,
-#: as the genomics personalization grid has them (benchmarks/genomics.py). The personal model never leaves its site:
-#: the attack models a curious insider at the site holding it.
+#: as the personalization grids have them (benchmarks/genomics.py, benchmarks/compare.py). The personal model never
+#: leaves its site: the attack models a curious insider at the site holding it. The built-in sites hold out 40 % of
+#: their shard (``site_val_fraction``), as the 1kg data module holds out half: the personal attacks' non-members.
+_FMNIST_HELD_OUT = {"site_val_fraction": 0.4}  # the setting allows [0, 0.5)
 PERSONAL_METHODS: dict[str, dict[str, dict[str, Any]]] = {
+    "fmnist": {
+        "fedper": {"local_keys": "net.classifier.*", **_FMNIST_HELD_OUT},  # LeNet-5's classifier layers
+        "fedrep": {"client": "fedrep", "client_args": {"head_epochs": 1}, "local_keys": "net.classifier.*"}
+        | _FMNIST_HELD_OUT,
+        "ditto": {"client": "ditto", "client_args": {"lam": 0.1}, **_FMNIST_HELD_OUT},  # personal lr: the job's
+        "finetune": {"finetune_epochs": 1, **_FMNIST_HELD_OUT},
+    },
     "1kg": {
         "fedper": {"local_keys": "net.head.*"},  # SnpNet's last layer; trained by DP-SGD with the rest under DP
+        "fedrep": {"client": "fedrep", "client_args": {"head_epochs": 1}, "local_keys": "net.head.*"},
         "ditto": {"client": "ditto", "client_args": {"lam": 0.1, "personal_lr": 0.01}},
+        "finetune": {"finetune_epochs": 1},
     },
 }
-#: Personalized methods refused under DP-SGD (lightning_modules/privacy/dp_sgd.py, REFUSED): no-DP cells only.
-PERSONAL_NO_DP = frozenset({"ditto"})
+#: Personalized methods refused under DP-SGD (lightning_modules/privacy/dp_sgd.py, REFUSED, and the job checks for
+#: fine-tuning): no-DP cells only.
+PERSONAL_NO_DP = frozenset({"ditto", "fedrep", "finetune"})
 
 
 def cell_overrides(
@@ -688,14 +726,14 @@ def run_grid(
     work: Path,
     compute: bool = True,
     more_rounds: Mapping[tuple[str, str], Sequence[int]] | None = None,
-    personal: Sequence[tuple[str, str]] = (),
+    personal: Sequence[tuple[str, str, int | None]] = (),
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """(cells, missing): every (task, method, epsilon) cell at ``rounds`` (default: the task's), and again at each
     of ``more_rounds[(task, method)]``; LiRA (``shadows`` shadow federations) only for the ``attacked`` methods, the
     loss attack for all. Each federation is cached under ``work``, so a rerun completes only what is missing; with
     ``compute`` False a cell with any federation not cached is skipped and named in ``missing``. ``personal``:
-    (task, method) pairs of :data:`PERSONAL_METHODS`, run at ``rounds`` and every budget they compose with, their
-    sites' personal models attacked too (cells marked ``personal``)."""
+    (task, method, rounds or None) of :data:`PERSONAL_METHODS`, run at their rounds (else ``rounds``) and every
+    budget they compose with, their sites' personal models attacked too (cells marked ``personal``)."""
     cells, missing = [], []
     for name in tasks:
         task = TASKS[name]
@@ -713,33 +751,39 @@ def run_grid(
                         missing.append(label if cell_rounds == base_rounds else f"{label} ({cell_rounds} rounds)")
                         continue
                     cells.append({**result, "method": method, "target_epsilon": epsilon})
-    for name, method in personal:
+    for name, method, personal_rounds in personal:
         task, settings = TASKS[name], PERSONAL_METHODS[name][method]
+        cell_rounds = personal_rounds or rounds or task.rounds
         for epsilon in epsilons:
             if epsilon is not None and method in PERSONAL_NO_DP:
                 continue
             overrides = cell_overrides(method, epsilon, base, settings)
             try:
-                result = measure_task(
-                    task, seeds, shadows, rounds or task.rounds, overrides, work, compute, personal=True
-                )
+                result = measure_task(task, seeds, shadows, cell_rounds, overrides, work, compute, personal=True)
             except NotCached:
-                missing.append(f"{name} {method} ε={'∞' if epsilon is None else f'{epsilon:g}'} (personal)")
+                eps = "∞" if epsilon is None else f"{epsilon:g}"
+                missing.append(f"{name} {method} ε={eps} ({cell_rounds} rounds, personal)")
                 continue
             cells.append({**result, "method": method, "target_epsilon": epsilon, "personal": True})
     return cells, missing
 
 
-def parse_personal(values: Sequence[str]) -> list[tuple[str, str]]:
-    """``TASK:METHOD`` items (``--personal``) of :data:`PERSONAL_METHODS`."""
-    pairs = []
+def parse_personal(values: Sequence[str]) -> list[tuple[str, str, int | None]]:
+    """``TASK:METHOD[=ROUNDS]`` items (``--personal``) of :data:`PERSONAL_METHODS`: (task, method, rounds or None
+    for the grid's ``--rounds``)."""
+    found = []
     for value in values:
-        task, _, method = value.partition(":")
-        if method not in PERSONAL_METHODS.get(task, {}):
+        key, has_rounds, count = value.partition("=")
+        task, _, method = key.partition(":")
+        rounds = int(count) if count.isdigit() else None
+        if method not in PERSONAL_METHODS.get(task, {}) or (has_rounds and not rounds):
             known = [f"{t}:{m}" for t, methods in PERSONAL_METHODS.items() for m in methods]
-            raise SystemExit(f"error: --personal takes TASK:METHOD, one of {', '.join(known)}; got {value!r}")
-        pairs.append((task, method))
-    return pairs
+            raise SystemExit(
+                f"error: --personal takes TASK:METHOD[=ROUNDS] (ROUNDS >= 1), TASK:METHOD one of {', '.join(known)}; "
+                f"got {value!r}"
+            )
+        found.append((task, method, rounds))
+    return found
 
 
 def parse_more_rounds(values: Sequence[str], tasks: Sequence[str] = tuple(TASKS)) -> dict[tuple[str, str], list[int]]:
@@ -819,16 +863,20 @@ def personal_section(cells: Sequence[Mapping[str, Any]]) -> list[str]:
         "",
         "A site's personal model never leaves the site; the attack models a curious insider at the site holding it "
         "(or the model leaking from there). For site k: members are the site's training records, non-members its "
-        "validation records (half of its share of the same Dirichlet draw, never trained on); 'personal' scores "
+        "validation records (of its share of the same Dirichlet draw, never trained on); 'personal' scores "
         "them with site k's personal model, 'global' with the federation's final global model, so the two attack "
         "the same records. Per site, then the mean over the 3 sites; mean ± std over the target seeds. LiRA's 'out' "
         "models: the shadow federations' personal models of every site (the shadow federations run the cell's "
         "settings), 'out' for a record when that shadow federation did not train on it; the global column uses the "
-        "shadows' global models. Accuracy: on the site's own validation records, mean over the sites. FedPer's "
-        "personal model is the global body with the site's own head (`local_keys net.head.*`); under DP-SGD the head "
-        "is trained by DP-SGD with the rest, so the site's ε covers it, while its global model carries the initial "
-        "head (the server never sees the heads). Ditto's personal model v_i (λ 0.1, personal lr 0.01) is trained "
-        "outside DP-SGD, which is why Ditto is refused under DP: no-DP cells only.",
+        "shadows' global models. Accuracy: on the site's own validation records, mean over the sites. On "
+        "Fashion-MNIST every site holds out 40 % of its shard for this (`site_val_fraction 0.4`), so its sites "
+        "train on 60 % of the images of the rows above. The personal models: FedPer's and FedRep's are the global body "
+        "with the site's own head (`local_keys`: LeNet-5's `net.classifier.*`, the genomics MLP's `net.head.*`; "
+        "FedRep with 1 head epoch before the body's); fine-tuning's is the final global model trained 1 more epoch "
+        "at the site; Ditto's is v_i (λ 0.1; personal lr 0.01 on 1kg, the job's lr on Fashion-MNIST). The global "
+        "column of FedPer and FedRep carries the initial head (the server never sees the heads). Under DP-SGD "
+        "FedPer's head is trained by DP-SGD with the rest, so the site's ε covers it; FedRep, fine-tuning and Ditto "
+        "train on the data outside what is accounted and are refused under DP: no-DP cells only.",
         "",
         "| task | method | rounds | ε target | ε reached | acc.: personal | acc.: global | loss AUC: personal | "
         "loss AUC: global | LiRA AUC: personal | LiRA AUC: global | LiRA TPR @ 1 %: personal | "
@@ -1080,9 +1128,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--personal",
         nargs="*",
         default=[],
-        metavar="TASK:METHOD",
-        help="also attack the sites' personal models of these personalized federations (LiRA with --shadows), e.g. "
-        "1kg:fedper 1kg:ditto; every budget the method composes with",
+        metavar="TASK:METHOD[=N]",
+        help="also attack the sites' personal models of these personalized federations (LiRA with --shadows), at N "
+        "rounds (default: --rounds), e.g. 1kg:fedper fmnist:fedrep=10; every budget the method composes with "
+        "(FedRep, Ditto and fine-tuning: no DP)",
     )
     args = parser.parse_args(argv)
     if args.shadows < 1 and not (args.grid and not args.attacked):

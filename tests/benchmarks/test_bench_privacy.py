@@ -154,8 +154,8 @@ def test_site_attacks_score_each_site_on_its_own_members_and_non_members_then_av
 
 
 def test_personal_cells_settings_and_their_row_pair_personal_with_global():
-    assert parse_personal(["1kg:fedper", "1kg:ditto"]) == [("1kg", "fedper"), ("1kg", "ditto")]
-    for bad in ("fmnist:fedper", "1kg:fedavg", "1kg"):
+    assert parse_personal(["1kg:fedper", "fmnist:finetune=10"]) == [("1kg", "fedper", None), ("fmnist", "finetune", 10)]
+    for bad in ("fmnist:fedavg", "1kg:fedavg", "1kg", "1kg:fedrep=0", "1kg:fedrep=x", "1kg:fedrep="):
         with pytest.raises(SystemExit, match="--personal"):
             parse_personal([bad])
     assert cell_overrides("fedper", 8.0, {}, {"local_keys": "net.head.*"})["local_keys"] == "net.head.*"
@@ -296,3 +296,22 @@ def test_a_tiny_grid_writes_its_section_plot_and_json_and_reaches_the_budget(tmp
     assert plain["target_epsilon"] is None and plain["seeds"][0]["site_epsilon"] is None
     assert len(private["seeds"][0]["site_accuracy"]) == 3 and private["seeds"][0]["lira"] is not None
     assert GRID_BEGIN in out.read_text() and (tmp_path / "privacy_dp.png").stat().st_size > 0
+
+
+def test_built_in_site_records_are_what_each_site_trains_and_validates_on(tmp_path):
+    from benchmarks.privacy import site_training_records, site_validation_records
+    from controllers.in_process import site_rounds
+    from jobs.spec import spec_from_values
+
+    spec = spec_from_values(
+        "split", {"dataset": "digits", "arch": "mlp", "num_sites": 3, "site_val_fraction": 0.4, "seed": 4}
+    )
+    sites = list(site_rounds(spec, tmp_path).values())
+    train, val = site_training_records(spec), site_validation_records(spec)
+    for site, (train_x, train_y), (val_x, val_y) in zip(sites, train, val, strict=True):
+        held_x, held_y = (t.numpy() for t in site.validation.tensors)
+        np.testing.assert_array_equal(val_y, held_y)
+        np.testing.assert_allclose(val_x.reshape(held_x.shape), held_x, atol=1e-6)
+        assert abs(len(val_y) - 0.4 * (len(val_y) + len(train_y))) <= 1
+        # Disjoint: a site's members are never its own non-members.
+        assert not set(record_keys(train_x, train_y)) & set(record_keys(val_x, val_y))
