@@ -884,7 +884,41 @@ def personal_section(cells: Sequence[Mapping[str, Any]]) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *[personal_row(cell) for cell in cells],
         "",
+        *personal_leak_note(cells),
     ]
+
+
+def paired_verdict(personal: Sequence[float], shared: Sequence[float]) -> str:
+    """``more``, ``less`` or ``tie``: the personal model's attack AUC against the global model's on the same records,
+    paired by target seed; d = personal - global per seed, beyond the seed spread when |mean(d)| > std(d) (a single
+    seed has no spread: any difference counts)."""
+    mean, std = mean_std([p - g for p, g in zip(personal, shared, strict=True)])
+    if mean > std:
+        return "more"
+    return "less" if mean < -std else "tie"
+
+
+def personal_leak_note(cells: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Per attack, the personal-model cells whose AUC is above (below) the global model's beyond the seed spread
+    (:func:`paired_verdict`); every other cell is a tie."""
+    lines = []
+    for attack in ("loss", "lira"):
+        found: dict[str, list[str]] = {"more": [], "less": []}
+        for cell in cells:
+            rows = [r["personal"] for r in cell["seeds"]]
+            if any(r[attack] is None or r[f"global_{attack}"] is None for r in rows):
+                continue
+            verdict = paired_verdict([r[attack]["auc"] for r in rows], [r[f"global_{attack}"]["auc"] for r in rows])
+            if verdict in found:
+                eps = "∞" if cell["target_epsilon"] is None else f"{cell['target_epsilon']:g}"
+                found[verdict].append(f"{cell['task']} {cell['method']} ε={eps}")
+        text = "; ".join(f"{verdict}: {', '.join(names)}" for verdict, names in found.items() if names)
+        lines.append(
+            f"- {ATTACK_NAMES[attack]}, personal AUC against global AUC beyond the seed spread (paired by seed): "
+            + (text or "none")
+            + "; every other cell a tie."
+        )
+    return [*lines, ""]
 
 
 def no_dp_accuracy(cells: Sequence[Mapping[str, Any]], task: str, method: str = "fedavg") -> dict[int, list[float]]:

@@ -23,10 +23,12 @@ from benchmarks.privacy import (
     lira_offline_scores,
     logit_confidence,
     main,
+    paired_verdict,
     parse_epsilons,
     parse_more_rounds,
     parse_overrides,
     parse_personal,
+    personal_leak_note,
     personal_row,
     record_keys,
     replace_section,
@@ -173,6 +175,24 @@ def test_personal_cells_settings_and_their_row_pair_personal_with_global():
     )
     section = "\n".join(grid_section([{**cell, "personal": True}, _no_dp_cell("1kg", 3, [0.8])], "cmd", None))
     assert "### Attacks on a site's personal model" in section and section.count("| 1kg | ditto |") == 1
+    # LiRA d = +0.1, -0.1: mean 0 -> tie; loss d = 0, 0 -> tie.
+    assert personal_leak_note([cell])[:2] == [
+        "- loss threshold, personal AUC against global AUC beyond the seed spread (paired by seed): none; every other "
+        "cell a tie.",
+        "- LiRA offline, personal AUC against global AUC beyond the seed spread (paired by seed): none; every other "
+        "cell a tie.",
+    ]
+
+
+def test_personal_leakage_is_more_or_less_only_beyond_the_paired_seed_spread():
+    # d = 0.03, 0.01, 0.04: mean 0.0267 > std 0.0153 -> more; the mirror -> less.
+    assert paired_verdict([0.53, 0.52, 0.54], [0.50, 0.51, 0.50]) == "more"
+    assert paired_verdict([0.50, 0.51, 0.50], [0.53, 0.52, 0.54]) == "less"
+    # d = 0.03, -0.02, 0.01: mean 0.0067 < std 0.0252 -> tie, though the means differ.
+    assert paired_verdict([0.53, 0.50, 0.52], [0.50, 0.52, 0.51]) == "tie"
+    # Pairing matters: unpaired, the spreads (0.12) swamp it; paired, d = 0.02 every seed.
+    assert paired_verdict([0.42, 0.52, 0.66], [0.40, 0.50, 0.64]) == "more"
+    assert paired_verdict([0.6], [0.5]) == "more"  # one seed: no spread
 
 
 def _no_dp_cell(task, rounds, accuracies):
