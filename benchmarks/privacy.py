@@ -684,8 +684,12 @@ _FMNIST_HELD_OUT = {"site_val_fraction": 0.4}  # the setting allows [0, 0.5)
 PERSONAL_METHODS: dict[str, dict[str, dict[str, Any]]] = {
     "fmnist": {
         "fedper": {"local_keys": "net.classifier.*", **_FMNIST_HELD_OUT},  # LeNet-5's classifier layers
-        "fedrep": {"client": "fedrep", "client_args": {"head_epochs": 1}, "local_keys": "net.classifier.*"}
-        | _FMNIST_HELD_OUT,
+        "fedrep": {
+            "client": "fedrep",
+            "client_args": {"head_epochs": 1},
+            "local_keys": "net.classifier.*",
+            **_FMNIST_HELD_OUT,
+        },
         "ditto": {"client": "ditto", "client_args": {"lam": 0.1}, **_FMNIST_HELD_OUT},  # personal lr: the job's
         "finetune": {"finetune_epochs": 1, **_FMNIST_HELD_OUT},
     },
