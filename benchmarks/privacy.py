@@ -207,43 +207,39 @@ def record_keys(x: np.ndarray, y: np.ndarray) -> list[bytes]:
     return [row.tobytes() + int(label).to_bytes(2, "little") for row, label in zip(flat, np.asarray(y), strict=True)]
 
 
-def site_records(spec: Any, part: str) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Every site's ``part`` (``train`` or ``val``) of ``spec`` as ``(x, y)``, in site order: a user data module's
-    splits, or a built-in site's shard split as the site splits it (``site_val_fraction``; no validation part
-    without it)."""
+Records = tuple[np.ndarray, np.ndarray]  # (x, y)
+
+
+def site_splits(spec: Any) -> list[tuple[Records, Records]]:
+    """Every site's (training split, validation split) of ``spec``, in site order: a user data module's splits, or a
+    built-in site's shard split as the site splits it (``site_val_fraction``; an empty validation split without
+    it). The validation split is the site's held-out share: the same distribution as its training split, never
+    trained on."""
     if spec.model is None:
         from controllers.in_process import site_args
         from data_prep import SiteDataConfig, site_split
         from data_prep.site_config import seed_index
         from lightning_modules.site import validation_indices
 
-        args = site_args(spec)
-        config, parts = SiteDataConfig.from_namespace(args), []
+        config, splits = SiteDataConfig.from_namespace(site_args(spec)), []
         for i in range(spec.num_sites):
             x, y = site_split(config, f"site-{i + 1}")
             index = seed_index(f"site-{i + 1}", spec.num_sites)
             train, val = validation_indices(len(y), spec.site_val_fraction, spec.seed, index)
-            chosen = train if part == "train" else val
-            parts.append((x[chosen], y[chosen]))
-        return parts
+            splits.append(((x[train], y[train]), (x[val], y[val])))
+        return splits
     from lightning_modules.own_model import build_user_data
 
-    parts = []
+    splits = []
     for i in range(spec.num_sites):
         data = build_user_data(spec.data, spec.data_args, f"site-{i + 1}", spec.num_sites)
-        parts.append(tuple(t.numpy() for t in getattr(data, part).tensors))
-    return parts
+        splits.append(tuple(tuple(t.numpy() for t in part.tensors) for part in (data.train, data.val)))
+    return splits
 
 
-def site_training_records(spec: Any) -> list[tuple[np.ndarray, np.ndarray]]:
+def site_training_records(spec: Any) -> list[Records]:
     """Every site's training split ``(x, y)`` of ``spec``, in site order."""
-    return site_records(spec, "train")
-
-
-def site_validation_records(spec: Any) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Every site's validation split ``(x, y)`` of ``spec`` (its held-out share: the same distribution as its
-    training split, never trained on), in site order."""
-    return site_records(spec, "val")
+    return [train for train, _ in site_splits(spec)]
 
 
 def training_records(spec: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -410,11 +406,11 @@ def audit_set(task: Task, rounds: int, overrides: Mapping[str, Any], seeds: Sequ
         return {"x": pool_x, "y": pool_y, "test": (test_x, test_y)}
     members = set()
     for seed in seeds:
-        spec = build_spec(task, seed, rounds, overrides)
-        members.update(record_keys(*training_records(spec)))
-        if spec.site_val_fraction:  # the sites' own non-members, which the personal-model attacks score
-            for part in site_validation_records(spec):
-                members.update(record_keys(*part))
+        # The sites' training records, and their held-out ones (the personal-model attacks' non-members).
+        for split in site_splits(build_spec(task, seed, rounds, overrides)):
+            for x, y in split:
+                if len(y):
+                    members.update(record_keys(x, y))
     keys = record_keys(pool_x, pool_y)
     chosen = [i for i, key in enumerate(keys) if key in members]
     others = np.setdiff1d(np.arange(len(keys)), chosen)
@@ -533,7 +529,7 @@ def personal_attacks(
     record. Accuracy: each model on the site's own validation records, the mean over the sites."""
     index = {key: i for i, key in enumerate(keys)}
     inside, outside = [], []
-    for train, val in zip(site_training_records(spec), site_validation_records(spec), strict=True):
+    for train, val in site_splits(spec):
         rows = [np.zeros(len(keys), bool), np.zeros(len(keys), bool)]
         for mask, records in zip(rows, (train, val), strict=True):
             mask[[index[key] for key in record_keys(*records)]] = True

@@ -319,7 +319,7 @@ def test_a_tiny_grid_writes_its_section_plot_and_json_and_reaches_the_budget(tmp
 
 
 def test_built_in_site_records_are_what_each_site_trains_and_validates_on(tmp_path):
-    from benchmarks.privacy import site_training_records, site_validation_records
+    from benchmarks.privacy import site_splits
     from controllers.in_process import site_rounds
     from jobs.spec import spec_from_values
 
@@ -327,8 +327,8 @@ def test_built_in_site_records_are_what_each_site_trains_and_validates_on(tmp_pa
         "split", {"dataset": "digits", "arch": "mlp", "num_sites": 3, "site_val_fraction": 0.4, "seed": 4}
     )
     sites = list(site_rounds(spec, tmp_path).values())
-    train, val = site_training_records(spec), site_validation_records(spec)
-    for site, (train_x, train_y), (val_x, val_y) in zip(sites, train, val, strict=True):
+    for site, ((train_x, train_y), (val_x, val_y)) in zip(sites, site_splits(spec), strict=True):
+        np.testing.assert_array_equal(train_y, site.dataset.tensors[1].numpy())
         held_x, held_y = (t.numpy() for t in site.validation.tensors)
         np.testing.assert_array_equal(val_y, held_y)
         np.testing.assert_allclose(val_x.reshape(held_x.shape), held_x, atol=1e-6)
