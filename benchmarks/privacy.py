@@ -891,11 +891,12 @@ def personal_section(cells: Sequence[Mapping[str, Any]]) -> list[str]:
 def paired_verdict(personal: Sequence[float], shared: Sequence[float]) -> str:
     """``more``, ``less`` or ``tie``: the personal model's attack AUC against the global model's on the same records,
     paired by target seed; d = personal - global per seed, beyond the seed spread when |mean(d)| > std(d) (a single
-    seed has no spread: any difference counts)."""
+    seed has no spread: any difference counts); the personalization report's rule
+    (:func:`benchmarks.personalization.verdict`)."""
+    from benchmarks.personalization import verdict
+
     mean, std = mean_std([p - g for p, g in zip(personal, shared, strict=True)])
-    if mean > std:
-        return "more"
-    return "less" if mean < -std else "tie"
+    return {"gain": "more", "lose": "less"}.get(verdict(mean, std), "tie")
 
 
 def personal_leak_note(cells: Sequence[Mapping[str, Any]]) -> list[str]:
