@@ -121,7 +121,7 @@ def measure_one(
         if private:
             store = ClientStateStore(state, "site-1")
             privacy = DPSGD(PrivacyConfig(max_grad_norm=1.0, noise_multiplier=1.0), "site-1", store, epochs)
-            loader = poisson_loader(loader, torch.Generator().manual_seed(0))
+            loader = poisson_loader(loader)
         meta = {meta_keys.ROUND: 0, meta_keys.NUM_ROUNDS: 1, meta_keys.RUN_ID: "bench"}
         callback = FederatedAlgorithm("fedavg", site="site-1", meta_source=lambda: meta, privacy=privacy)
         clock = StepClock(synchronize=device == "gpu")

@@ -230,13 +230,13 @@ class UserSite:
         return self.callback.last_meta
 
     def training_data(self) -> pl.LightningDataModule:
-        """The data module the round trains on: under DP-SGD its training loader samples by Poisson sampling
-        (Opacus's DPDataLoader, drawing from torch's generator, seeded per round), the rest unchanged."""
+        """The data module the round trains on: under DP-SGD its training loader samples by Poisson sampling from
+        a secret generator (:func:`lightning_modules.privacy.dp_sgd.poisson_loader`), the rest unchanged."""
         if self.callback.privacy is None:
             return self.data
-        from opacus.lightning import DPLightningDataModule
+        from lightning_modules.privacy.dp_sgd import poisson_data_module
 
-        return DPLightningDataModule(self.data)
+        return poisson_data_module(self.data)
 
     def finetune(self, round_num: int) -> pl.LightningModule:
         """Local fine-tuning (lightning_modules/finetune.py): a copy of the received model (loaded for the

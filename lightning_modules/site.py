@@ -6,7 +6,8 @@ with ``flare.patch`` (NVFlare's FLCallback loads the global weights and sends th
 gets the result back as numpy arrays + meta. Both go through the same steps, so both give the same bits:
 
 1. seed torch and the shuffling from (job seed, site, round) (:func:`round_seed`), so reruns, one-process and
-   process-per-round simulations and the in-process runner shuffle identically;
+   process-per-round simulations and the in-process runner shuffle identically (under DP-SGD the Poisson sample and
+   the noise are the exception: they come from a secret generator, lightning_modules/privacy/secret.py);
 2. the labels of the round (flipped for a label-flipping malicious site), a seeded ``DataLoader``;
 3. the round's local epochs (:func:`local_epochs`: constant, or FedNova's seeded heterogeneous draw);
 4. a fresh Trainer (:func:`make_trainer`) with the client algorithm's callback
@@ -202,10 +203,10 @@ class SiteRound:
         loader = torch.utils.data.DataLoader(
             round_data, batch_size=self.training.batch_size, shuffle=True, generator=generator
         )
-        if self.round_callback.privacy is not None:  # DP-SGD samples every batch by Poisson sampling
+        if self.round_callback.privacy is not None:  # DP-SGD samples every batch by Poisson sampling, in secret
             from lightning_modules.privacy.dp_sgd import poisson_loader
 
-            loader = poisson_loader(loader, generator)
+            loader = poisson_loader(loader)
         epochs = local_epochs(self.training, self.site_index, round_num)
         trainer = make_trainer(self.training, self.round_callback, epochs, [self.attack_callback])
         connect(trainer)

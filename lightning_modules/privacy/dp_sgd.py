@@ -5,9 +5,11 @@ Opacus has no supported Lightning integration, so the wiring is ours; the DP mat
 - **per-sample gradients**: Opacus's ``GradSampleModule`` hooks on the LightningModule's own layers (the module
   Lightning trains is not replaced; the hooks fill ``p.grad_sample`` during Lightning's backward);
 - **Poisson sampling**: the site's training loader is Opacus's ``DPDataLoader`` (the built-in site and the user
-  model's site build it; the callback refuses a round whose loader is not one);
+  model's site build it with :func:`poisson_loader`; the callback refuses a round whose loader is not one, or whose
+  sampler does not draw from a secret generator);
 - **clip and noise**: Opacus's ``DPOptimizer`` steps (clip every per-sample gradient to C over all trainable
-  parameters together, add N(0, sigma^2 C^2), divide by the expected batch size) run in Lightning's
+  parameters together, add N(0, sigma^2 C^2) drawn from a secret generator, divide by the expected batch size
+  floor(n q), as Opacus's ``make_private`` sets it) run in Lightning's
   ``on_before_optimizer_step``, **before** the client algorithm's correction (SCAFFOLD's c - c_i, FedProx's and
   FedDyn's terms are post-processing of the noisy gradient) and before the module's own optimizer steps, whatever
   optimizer the module configured (SGD, AdamW: post-processing too);
@@ -15,7 +17,9 @@ Opacus has no supported Lightning integration, so the wiring is ours; the DP mat
   starts one per client round), so the site keeps its own ledger of (q, sigma, steps) in its state store
   (:mod:`lightning_modules.privacy.ledger`) and epsilon is computed from the whole ledger every round.
 
-What the site may not use under DP is refused at build time (:func:`dp_problem`) and again when the fit starts.
+Every random draw of the mechanism (the Poisson sample, the noise) comes from a generator seeded from the operating
+system's entropy, never from the job's seed (:mod:`lightning_modules.privacy.secret` says why). What the site may
+not use under DP is refused at build time (:func:`dp_problem`) and again when the fit starts.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from lightning_modules.privacy.accountant import AccountantUnavailable, noise_fo
 from lightning_modules.privacy.config import PRIVACY_EXTRA, PrivacyConfig
 from lightning_modules.privacy.ledger import Ledger, privacy_meta, read_ledger, segments_text, write_ledger
 from lightning_modules.privacy.release import release
+from lightning_modules.privacy.secret import SECURE_NOISE, is_secret, secret_generator
 from lightning_modules.state_store import ClientStateStore
 
 #: Client algorithms whose extra terms are post-processing of the DP-SGD output or inside the per-sample loss
@@ -142,12 +147,27 @@ def dp_problem(algorithm: ClientAlgorithm, module: nn.Module | None, precision: 
     return problem
 
 
-def poisson_loader(loader: torch.utils.data.DataLoader, generator: torch.Generator | None) -> Any:
+def poisson_loader(loader: torch.utils.data.DataLoader) -> Any:
     """Opacus's Poisson-sampling loader over ``loader``'s dataset: every record joins each batch independently with
-    probability q = 1 / len(loader), for len(loader) batches an epoch."""
+    probability q = 1 / len(loader), for len(loader) batches an epoch, drawn from a secret generator
+    (:mod:`lightning_modules.privacy.secret`): never from ``loader``'s own generator or torch's global one, which
+    the job's seed determines."""
     from opacus.data_loader import DPDataLoader
 
-    return DPDataLoader.from_data_loader(loader, generator=generator)
+    return DPDataLoader.from_data_loader(loader, generator=secret_generator())
+
+
+def poisson_data_module(datamodule: pl.LightningDataModule) -> pl.LightningDataModule:
+    """``datamodule`` with its training loader under :func:`poisson_loader` (validation and test unchanged).
+    Opacus's own ``DPLightningDataModule`` is not used: it ignores the generator it is given and samples from the
+    user's loader's generator or torch's global one, both of which the job's seed determines."""
+    from opacus.lightning import DPLightningDataModule
+
+    class PoissonDataModule(DPLightningDataModule):
+        def train_dataloader(self) -> Any:
+            return poisson_loader(self.datamodule.train_dataloader())
+
+    return PoissonDataModule(datamodule)
 
 
 def planned_epochs(training: Any) -> int:
@@ -163,6 +183,23 @@ def _poisson_sampler(trainer: pl.Trainer) -> Any:
     loader = trainer.train_dataloader
     sampler = getattr(loader, "batch_sampler", None)
     return sampler if isinstance(sampler, UniformWithReplacementSampler) else None
+
+
+def _sampler_problem(sampler: Any) -> str | None:
+    """Why the round's training loader cannot be DP-SGD's, or ``None``."""
+    if sampler is None:
+        return (
+            "DP-SGD needs Poisson sampling: train on lightning_modules.privacy.dp_sgd.poisson_loader(your_loader) "
+            "(Opacus's DPDataLoader)"
+        )
+    if not is_secret(sampler.generator):
+        source = "torch's global generator" if sampler.generator is None else "a generator it was given"
+        return (
+            f"the Poisson sampler draws from {source}, which the job's seed can reproduce: anyone who knows the job "
+            "could replay the sample; build the loader with lightning_modules.privacy.dp_sgd.poisson_loader("
+            "your_loader), which draws from a secret generator"
+        )
+    return None
 
 
 class DPSGD:
@@ -196,22 +233,23 @@ class DPSGD:
         from opacus.optimizers import DPOptimizer
 
         sampler = _poisson_sampler(trainer)
-        if sampler is None:
-            raise ClientAlgorithmError(
-                f"{self.site}: DP-SGD needs Poisson sampling: train on "
-                "lightning_modules.privacy.dp_sgd.poisson_loader(your_loader) (Opacus's DPDataLoader)"
-            )
+        problem = _sampler_problem(sampler)
+        if problem:
+            raise ClientAlgorithmError(f"{self.site}: {problem}")
         ledger = read_ledger(self.state_store, self.site, meta, self.config.delta)
         self._rate, round_steps = float(sampler.sample_rate), len(sampler) * int(trainer.max_epochs or 1)
         self._sigma = self._noise_multiplier(meta, len(sampler))
         self._check_budget(ledger, round_steps)
         self._ledger, self._steps = ledger, 0
         self._hooks = GradSampleModule(module, batch_first=True, loss_reduction="mean")
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
         self._optimizer = DPOptimizer(
             trainer.optimizers[0],
             noise_multiplier=self._sigma,
             max_grad_norm=self.config.max_grad_norm,
             expected_batch_size=int(sampler.num_samples * self._rate),  # as Opacus's make_private sets it
+            generator=secret_generator(device),  # not torch's global generator: the job's seed sets that one
+            secure_mode=SECURE_NOISE,
         )
 
     def _noise_multiplier(self, meta: Mapping[str, Any], steps_per_epoch: int) -> float:

@@ -122,7 +122,7 @@ def fit(
     """One round as a site runs it: the algorithm callback (with DP-SGD), a Poisson loader when private."""
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False)
     if privacy is not None:
-        loader = poisson_loader(loader, torch.Generator().manual_seed(0))
+        loader = poisson_loader(loader)
     store = privacy.state_store if privacy is not None else None
     callback = FederatedAlgorithm("fedavg", site=SITE, state_store=store, meta_source=lambda: meta, privacy=privacy)
     trainer = pl.Trainer(
