@@ -83,11 +83,20 @@ class FLClassifier(pl.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         _, y = batch
+        if len(y) == 0:
+            return self.empty_batch_loss(batch)
         loss, logits = self.task_loss(batch)
         self.train_loss.update(loss.detach())
         self.train_acc.update(logits.detach(), y)
         self.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=False)
         return loss + algorithm_loss(self, batch, logits)
+
+    def empty_batch_loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Under DP-SGD's Poisson sampling a batch can be empty. Its step must still be taken (the released noise
+        of every step is what the accountant counts; skipping it would show the batch was empty), so the loss is
+        a zero that the backward runs through (no sample contributes) and the metrics are left alone (a mean over
+        nothing is not a number)."""
+        return self.net(batch[0]).sum() * 0.0
 
     def fl_round_metrics(self) -> dict[str, float]:
         """Sent as ``train.<name>`` meta at the end of the round (:class:`FederatedAlgorithm` asks for it): the

@@ -339,3 +339,21 @@ def test_the_report_shows_epsilon_per_site_per_round():
         "    2    2.0000         -",
     ]
     assert privacy_table([{"stage": "round", "round": 0}]) is None
+
+
+def test_an_empty_poisson_batch_takes_a_noise_only_step_in_the_built_in_classifier(tmp_path):
+    # Poisson sampling at q = 1/4 over 4 records leaves a batch empty with probability 0.32: the built-in classifier
+    # must return a zero loss the backward runs through (the DP step still adds its noise) and leave its metrics.
+    from lightning_modules.classifier import FLClassifier
+
+    module = FLClassifier(arch="mlp", init_seed=0)
+    empty = (torch.zeros(0, 64), torch.zeros(0, dtype=torch.int64))
+    loss = module.training_step(empty, 0)
+    assert float(loss) == 0.0 and loss.requires_grad
+    loss.backward()
+    assert all(p.grad is not None and not p.grad.abs().sum() for p in module.parameters())
+    assert math.isnan(module.fl_round_metrics()["loss"])  # nothing was measured
+    # A whole private round over many empty batches (12 steps at q = 1/4) finishes with finite weights.
+    x, y = torch.rand(4, 64), torch.randint(0, 10, (4,))
+    fit(module, torch.utils.data.TensorDataset(x, y), dpsgd(tmp_path, sigma=1.0, clip=1.0), round_meta(0), 1, 3)
+    assert all(torch.isfinite(p).all() for p in module.parameters())
