@@ -14,11 +14,21 @@ Per round, over the m sites expected to report (the sites the rule sampled), wit
     Delta    = (sum_i hat_i + N(0, (z_Delta S)^2 I)) / m
     x       <- the server optimizer's step on Delta      (FedAvg: x + eta Delta; FedAdam/Yogi/Adagrad/AvgM on it)
 
-Adaptive clipping (``adaptive=True``): b_i = 1[||Delta_i|| <= S], b = (sum_i b_i + N(0, sigma_b^2)) / m,
-S <- S exp(-eta_C (b - gamma)); the update then takes z_Delta = (z^-2 - (2 sigma_b)^-2)^(-1/2), so that the pair
-of releases has the overall noise multiplier z (with fixed clipping z_Delta = z). The sampled Gaussian mechanism
-with rate q = m / N (N sites in the population) and multiplier z, composed over the rounds in Rényi DP and
-converted to (epsilon, delta), is reported every round under ``rule_diagnostics`` (:data:`EPSILON` ...).
+Adaptive clipping (``adaptive=True``, Andrew et al. 2021, Algorithm 1 and Theorem 1):
+
+    b_i      = 1[||Delta_i|| <= S]
+    b        = (sum_i (b_i - 1/2) + N(0, sigma_b^2)) / m + 1/2     (the centred count)
+    S       <- S exp(-eta_C (b - gamma))
+
+Centring is what makes the count's sensitivity 1/2: adding or removing one site moves sum_i (b_i - 1/2) by
+exactly 1/2 whatever b_i is, where sum_i b_i would move by 1 (or 0). The count is then a Gaussian mechanism of
+multiplier 2 sigma_b, and the update takes z_Delta = (z^-2 - (2 sigma_b)^-2)^(-1/2), so that the pair of releases
+has the overall noise multiplier z (1 / z^2 = 1 / z_Delta^2 + 1 / (2 sigma_b)^2; with fixed clipping
+z_Delta = z). An uncentred count (sensitivity 1) with the same split would make the pair's multiplier
+(z_Delta^-2 + sigma_b^-2)^(-1/2) < z, and the reported epsilon too small (19.8 reported against 27.6 at the
+defaults over 10 rounds of 3 sites; tests/aggregators/test_agg_dp_fedavg_accounting.py). The sampled Gaussian
+mechanism with rate q = m / N (N sites in the population) and multiplier z, composed over the rounds in Rényi DP
+and converted to (epsilon, delta), is reported every round under ``rule_diagnostics`` (:data:`EPSILON` ...).
 
 What the rule guarantees and what it assumes:
 
@@ -32,10 +42,12 @@ What the rule guarantees and what it assumes:
   it outside the clipped, noised sum would release it unprotected: integer counters, and float buffers (BatchNorm
   statistics), for which the job builder refuses the job (keep them at the sites with ``--local-keys batchnorm``, or
   use GroupNorm/LayerNorm);
-- the noise generator is seeded by (``seed``, round): unset, ``seed`` is drawn from the operating system's entropy
-  once per run and kept in the rule's state (the server's checkpoint), so a resumed job continues the same noise
-  and nobody else can regenerate it; set, runs repeat bit for bit, and whoever knows the seed can subtract the noise
-  (benchmarks and tests only).
+- the noise is secret: its generator is seeded by (a seed, round), the seed drawn from the operating system's
+  entropy once per run (:func:`secret_seed`) and kept in the rule's state (the server's checkpoint), so a resumed
+  job continues the same noise and nobody else can regenerate it. A fixed ``seed`` (runs repeat bit for bit, and
+  whoever knows it can subtract the noise) is refused with noise (``noise_multiplier`` > 0), so also when the job
+  is built: it only seeds the site sample of noiseless comparisons. Tests that need repeatable noise replace
+  :func:`secret_seed` in-process.
 """
 
 from __future__ import annotations
@@ -150,13 +162,28 @@ def clip_factors(norms: np.ndarray, clip_norm: float | None) -> np.ndarray:
     return np.minimum(1.0, clip_norm / np.maximum(norms, np.finfo(np.float64).tiny))
 
 
-def next_clip_norm(
-    clip_norm: float, unclipped: int, count_noise: float, expected: float, quantile: float, lr: float
-) -> float:
-    """S exp(-eta_C (b - gamma)), b = (number of updates with norm <= S + noise) / m: the geometric step of the clip
-    norm towards the ``quantile`` of the update norms."""
-    share = (unclipped + count_noise) / expected
+def centred_count(unclipped: np.ndarray) -> float:
+    """sum_i (b_i - 1/2) over the reporting sites' indicators b_i = 1[||Delta_i|| <= S]: each site adds +-1/2, so
+    adding or removing one site moves it by exactly 1/2 (the sensitivity the split of z assumes)."""
+    return float(np.sum(np.asarray(unclipped, dtype=np.float64) - 0.5))
+
+
+def noisy_unclipped_share(centred: float, count_noise: float, expected: float) -> float:
+    """b = (sum_i (b_i - 1/2) + noise) / m + 1/2: the released estimate of the share of unclipped updates (the
+    1/2 added back is a public constant, so it costs no privacy)."""
+    return (centred + count_noise) / expected + 0.5
+
+
+def next_clip_norm(clip_norm: float, share: float, quantile: float, lr: float) -> float:
+    """S exp(-eta_C (b - gamma)): the geometric step of the clip norm towards the ``quantile`` of the update norms,
+    from the noisy share ``b``."""
     return float(clip_norm * math.exp(-lr * (share - quantile)))
+
+
+def secret_seed() -> int:
+    """A seed for the noise and the site sample from the operating system's entropy, drawn once per run (tests
+    that need repeatable noise replace this function)."""
+    return secrets.randbits(63)
 
 
 @dataclass(frozen=True)
@@ -176,7 +203,9 @@ class DPFedAvg(RuleHParams, AggregationRule):
         delta: the delta of the reported (epsilon, delta).
         server_optimizer: the rule that steps on the noisy mean (FedAvg or a FedOpt variant).
         optimizer_args: its hyperparameters (e.g. ``{"server_lr": 1.0}``).
-        seed: seeds the noise and the sampling with the round; unset: a secret seed per run, kept in the state.
+        seed: seeds the site sample with the round, only without noise (z = 0; refused otherwise, since whoever
+            knows it could subtract the noise); unset: a secret seed per run (:func:`secret_seed`), kept in the
+            state.
     """
 
     noise_multiplier: float = hparam(1.0, low=0, note="z, noise std / clip norm; 0: no privacy")
@@ -189,7 +218,7 @@ class DPFedAvg(RuleHParams, AggregationRule):
     delta: float = hparam(1e-5, low=0, high=1, low_open=True, high_open=True, note="of the reported epsilon")
     server_optimizer: ServerOptimizer = field(default="fedavg", metadata={"note": NOT_A_SUM})
     optimizer_args: dict[str, Any] = field(default_factory=dict, metadata=CHECKED_TOGETHER)
-    seed: int | None = hparam(None, low=0, note="unset: a secret seed per run; set: reproducible, not private")
+    seed: int | None = hparam(None, low=0, note="unset: a secret seed per run; set: only with noise_multiplier 0")
     optimizer: AggregationRule = field(init=False, repr=False, compare=False)
 
     name: ClassVar[str] = "dp_fedavg"
@@ -209,6 +238,14 @@ class DPFedAvg(RuleHParams, AggregationRule):
                 sigma_b,
                 "the clip count alone would spend the whole privacy budget",
             )
+        if self.seed is not None and z > 0:
+            self.refuse(
+                "seed",
+                "unset when noise_multiplier > 0",
+                self.seed,
+                "the noise must be secret: whoever knows a fixed seed can regenerate the noise and subtract it; "
+                "unset, each run draws a secret one",
+            )
         if not isinstance(self.optimizer_args, Mapping):
             self.refuse("optimizer_args", "a JSON object", self.optimizer_args)
         if "weighting" in self.optimizer_args:
@@ -226,7 +263,7 @@ class DPFedAvg(RuleHParams, AggregationRule):
 
     # -- state ------------------------------------------------------------------------------------------------------
     def init_state(self, global_params: Mapping[str, np.ndarray]) -> dict[str, Any]:
-        seed = self.seed if self.seed is not None else secrets.randbits(63)
+        seed = self.seed if self.seed is not None else secret_seed()
         return {
             "seed": seed,
             "clip_norm": self.clip_norm,
@@ -297,10 +334,11 @@ class DPFedAvg(RuleHParams, AggregationRule):
         new_clip = clip
         if self.adaptive and clip is not None:
             # Only the noisy count leaves the server (through S): the exact one stays out of the records.
-            unclipped = int(np.sum(norms <= clip))
+            centred = centred_count(norms <= clip)
             count_rng = np.random.default_rng([int(state["seed"]), context.round_num, _COUNT_NOISE])
             count_noise = float(count_rng.normal(0.0, count_stddev)) if count_stddev > 0 else 0.0
-            new_clip = next_clip_norm(clip, unclipped, count_noise, expected, self.target_quantile, self.clip_lr)
+            share = noisy_unclipped_share(centred, count_noise, expected)
+            new_clip = next_clip_norm(clip, share, self.target_quantile, self.clip_lr)
         rate = min(1.0, expected / max(len(context.population), 1))
         rdp = np.asarray(state["rdp"]) + (
             sampled_gaussian_rdp(rate, self.noise_multiplier) if self.noise_multiplier else 0

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from aggregators import RULES, ClientUpdate, RoundContext, build_rule, meta_keys
+from aggregators import RULES, ClientUpdate, RoundContext, build_rule, dp_fedavg, meta_keys
 from aggregators.compose import compose
 from controllers.checkpoint import load_rule_state, save_rule_state
 
@@ -45,12 +45,18 @@ META_FOR_KEY: dict[str, Callable[[dict[str, np.ndarray]], object]] = {
 #: Arguments a rule cannot be built without.
 ARGS = {
     "attack_adaptive": {"allow_random_attention": True},  # the shipped network fits LeNet-5 only
-    "dp_fedavg": {"seed": 0},  # unset, every run draws its own secret noise: two runs could not be compared
 }
 #: Settings other than the defaults under which a round that no client moved must leave the model where it is.
 UNMOVED_VARIANTS = {"fednova": {"server_momentum": 0.9}, "fedavg": {"server_lr": 0.7}, "scaffold": {"server_lr": 0.7}}
 #: FedAtt and DP-FedAvg add Gaussian noise on purpose; without it, it too must leave an unmoved model where it is.
 QUIET = {"fedatt": {"noise": 0.0}, "dp_fedavg": {"noise_multiplier": 0.0}}
+
+
+@pytest.fixture(autouse=True)
+def repeatable_dp_noise(monkeypatch):
+    """DP-FedAvg draws a secret seed per run (a fixed one is refused with noise), so two runs could not be
+    compared: the secret seed is fixed in-process instead."""
+    monkeypatch.setattr(dp_fedavg, "secret_seed", lambda: 0)
 
 
 def rule_names() -> list[str]:

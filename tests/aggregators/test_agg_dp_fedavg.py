@@ -8,14 +8,18 @@ import math
 import numpy as np
 import pytest
 
-from aggregators import RULES, AggregationError, ClientUpdate, RoundContext, build_rule, meta_keys
+from aggregators import RULES, AggregationError, ClientUpdate, RoundContext, build_rule, dp_fedavg, meta_keys
 from aggregators.dp_fedavg import (
+    _COUNT_NOISE,
     CLIP_NORM,
     EPSILON,
     ORDERS,
     SAMPLING_RATE,
     SERVER_OPTIMIZERS,
+    centred_count,
     dp_fedavg_epsilon,
+    next_clip_norm,
+    noisy_unclipped_share,
     rdp_epsilon,
     sampled_gaussian_rdp,
     update_noise_multiplier,
@@ -34,8 +38,18 @@ def context(round_num: int = 0, sites: int = 3) -> RoundContext:
     return RoundContext(round_num=round_num, num_rounds=10, population=tuple(f"site-{i + 1}" for i in range(sites)))
 
 
+#: The operating system's seed source, kept before the fixture below replaces it.
+SECRET_SEED = dp_fedavg.secret_seed
+
+
+@pytest.fixture(autouse=True)
+def repeatable_noise(monkeypatch):
+    """A fixed seed may not be set with noise (it is refused): the tests fix the secret one in-process instead."""
+    monkeypatch.setattr(dp_fedavg, "secret_seed", lambda: 0)
+
+
 def dp(**settings):
-    return build_rule("dp_fedavg", **{"seed": 0, **settings})
+    return build_rule("dp_fedavg", **settings)
 
 
 def run(rule, updates, round_num=0, state=None, params=X, sites=3):
@@ -100,10 +114,11 @@ def test_the_noise_on_the_mean_has_std_z_s_over_m():
     assert moved.std() == pytest.approx(1.3 * 0.5 / 4, rel=0.01)
 
 
-def test_the_noise_repeats_with_the_seed_and_is_secret_without_one():
+def test_the_noise_repeats_with_the_seed_and_is_secret_without_one(monkeypatch):
     updates = [site_update(f"site-{i + 1}", {"w": [0.1 * i, 0, 0], "b": [0]}) for i in range(3)]
     first, again = run(dp(), updates).params, run(dp(), updates).params
     assert all(np.array_equal(first[k], again[k]) for k in KEYS)
+    monkeypatch.setattr(dp_fedavg, "secret_seed", SECRET_SEED)
     secret = build_rule("dp_fedavg")
     state_a, state_b = secret.init_state(X), secret.init_state(X)
     assert state_a["seed"] != state_b["seed"]  # drawn from the OS per run, then kept in the (checkpointed) state
@@ -125,6 +140,41 @@ def test_the_adaptive_clip_norm_moves_geometrically_towards_the_target_quantile(
     assert rule.diagnostics(result.state)[CLIP_NORM] == pytest.approx(math.exp(0.2 / 6), abs=1e-12)
     # The round itself used the old S = 1: (0.5, 1, 1) / 3 on the three axes.
     np.testing.assert_allclose(result.params["w"], X["w"] + np.array([0.5, 1, 1]) / 3, atol=1e-6, rtol=0)
+
+
+def test_the_count_is_centred_so_one_site_moves_it_by_exactly_one_half():
+    """Andrew et al. 2021: the released count is sum_i (b_i - 1/2) + noise, so that the sensitivity is 1/2 (the
+    split of z assumes it); the plain sum_i b_i would move by 1 when a site with b = 1 is added."""
+    rng = np.random.default_rng(7)
+    for size in (0, 1, 3, 10):
+        below = rng.random(size) < 0.5
+        for new in (False, True):
+            grown = np.append(below, new)
+            assert abs(centred_count(grown) - centred_count(below)) == 0.5  # exactly, add or remove, b = 0 or 1
+            assert abs(int(grown.sum()) - int(below.sum())) == int(new)  # the uncentred count: 1 or 0
+    # By hand: norms 0.5, 2, 3 against S = 1 give b = (1, 0, 0), so sum_i (b_i - 1/2) = 1 - 3/2 = -1/2; with m = 4
+    # and a noise draw of 0.7: b = (-0.5 + 0.7) / 4 + 1/2 = 0.55, S' = exp(-0.2 (0.55 - 0.5)) = exp(-0.01).
+    assert centred_count(np.array([0.5, 2.0, 3.0]) <= 1.0) == -0.5
+    assert noisy_unclipped_share(-0.5, 0.7, 4.0) == pytest.approx(0.55, abs=1e-15)
+    assert next_clip_norm(1.0, 0.55, 0.5, 0.2) == pytest.approx(math.exp(-0.01), abs=1e-15)
+
+
+def test_the_round_moves_s_by_the_centred_noisy_count():
+    """3 of m = 4 sites report, norms 0.5, 2, 3 against S = 1. Without noise the centred share is
+    (1 - 3/2) / 4 + 1/2 = 3/8 (the uncentred one would be 1/4); with sigma_b = 2 the count noise is the rule's
+    count stream of (seed, round) drawn here again, and S' = exp(-0.2 ((-1/2 + noise) / 4 + 1/2 - 1/2))."""
+    updates = [
+        site_update("site-1", {"w": [0.5, 0, 0], "b": [0]}),
+        site_update("site-2", {"w": [0, 2, 0], "b": [0]}),
+        site_update("site-3", {"w": [0, 0, 3], "b": [0]}),
+    ]
+    quiet = dp(noise_multiplier=0.0, clip_norm=1.0, clip_count_stddev=0.0, expected_sites=4, clip_lr=0.2)
+    assert run(quiet, updates, sites=4).state["clip_norm"] == pytest.approx(math.exp(-0.2 * (3 / 8 - 0.5)), abs=1e-15)
+    noisy = dp(noise_multiplier=1.0, clip_norm=1.0, clip_count_stddev=2.0, expected_sites=4, clip_lr=0.2)
+    for round_num in (0, 5):
+        noise = np.random.default_rng([0, round_num, _COUNT_NOISE]).normal(0.0, 2.0)  # the fixture's seed is 0
+        expected = math.exp(-0.2 * ((-0.5 + noise) / 4 + 0.5 - 0.5))
+        assert run(noisy, updates, round_num, sites=4).state["clip_norm"] == pytest.approx(expected, abs=1e-14)
 
 
 def test_the_update_noise_multiplier_leaves_the_pair_at_z():
@@ -218,6 +268,7 @@ def test_the_server_optimizers_are_registered_rules_and_every_other_rule_is_refu
         ({"clip_norm": None, "noise_multiplier": 0.0}, r"'clip_norm' must be a number > 0 .*adaptive clipping"),
         ({"noise_multiplier": 1.0, "clip_count_stddev": 0.5}, r"'clip_count_stddev' must be a number > .* = 0.5"),
         ({"optimizer_args": {"weighting": "samples"}}, r"'optimizer_args' must be settings other than 'weighting'"),
+        ({"seed": 0}, r"^dp_fedavg: hyperparameter 'seed' must be unset when noise_multiplier > 0 \(the noise must"),
         ({"optimizer_args": {"beta9": 1}}, r"'optimizer_args' must be settings of fedavg"),
         ({"server_optimizer": "fedadam", "optimizer_args": {"tau": 0.0}}, r"^fedadam: hyperparameter 'tau'"),
     ],
@@ -233,6 +284,7 @@ def test_bad_settings_are_refused_in_one_line(settings, message):
         ({"client": "scaffold"}, r"dp_fedavg with client 'scaffold': its server state \(scaffold_control\)"),
         ({"arch": "bn_cnn"}, r"float buffers \['net.bn1.running_mean'.*--local-keys batchnorm"),
         ({"server_args": {"server_optimizer": "median"}}, r"--server-args: dp_fedavg: .*'server_optimizer'"),
+        ({"server_args": {"seed": 3}}, r"^--server-args: dp_fedavg: hyperparameter 'seed' must be unset when noise"),
     ],
 )
 def test_the_job_builder_refuses_what_dp_fedavg_cannot_protect(values, message):
@@ -240,6 +292,15 @@ def test_the_job_builder_refuses_what_dp_fedavg_cannot_protect(values, message):
     from jobs.settings import JobBuildError
     from jobs.spec import spec_from_values
 
-    with pytest.raises(JobBuildError, match=message):
+    with pytest.raises(JobBuildError, match=message) as refused:
         spec_from_values("dp", {"server": "dp_fedavg", **values})
+    assert "\n" not in str(refused.value)  # one line
     assert spec_from_values("dp", {"server": "dp_fedavg", "arch": "bn_cnn", "local_keys": "batchnorm"}).local_keys
+
+
+def test_a_fixed_seed_is_kept_only_without_noise():
+    """Without noise there is nothing to subtract: the seed then repeats the site sample of a comparison run."""
+    rule = build_rule("dp_fedavg", noise_multiplier=0.0, seed=5)
+    assert rule.init_state(X)["seed"] == 5
+    with pytest.raises(AggregationError, match=r"'seed' must be unset when noise_multiplier > 0 .*, got 5$"):
+        build_rule("dp_fedavg", noise_multiplier=1e-3, seed=5)

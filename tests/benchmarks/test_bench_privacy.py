@@ -84,9 +84,9 @@ def test_lira_offline_standardises_against_the_out_shadows_with_a_pooled_varianc
 def test_record_keys_ignore_the_loaders_dtype_and_overrides_read_json():
     assert record_keys(np.array([[1, 2]], np.int8), [3]) == record_keys(np.array([[1, 2]], np.int64), [3])
     assert record_keys(np.array([[1, 2]]), [3]) != record_keys(np.array([[1, 2]]), [4])
-    assert parse_overrides(["server=dp_fedavg", 'server_args={"seed": 1}', "lr=0.1"]) == {
+    assert parse_overrides(["server=dp_fedavg", 'server_args={"clip_norm": 1}', "lr=0.1"]) == {
         "server": "dp_fedavg",
-        "server_args": {"seed": 1},
+        "server_args": {"clip_norm": 1},
         "lr": 0.1,
     }
     with pytest.raises(SystemExit, match="KEY=VALUE"):
@@ -292,7 +292,7 @@ def test_a_cached_only_run_reads_the_cache_and_names_the_cells_it_would_have_to_
 def test_a_tiny_run_writes_the_page_and_carries_a_server_dp_setting(tmp_path):
     out = tmp_path / "privacy.md"
     argv = ["--tasks", "1kg", "--seeds", "0", "--shadows", "1", "--rounds", "1", "--work", str(tmp_path / "w")]
-    dp = ["--set", "server=dp_fedavg", "--set", 'server_args={"noise_multiplier": 1.0, "clip_norm": 1.0, "seed": 0}']
+    dp = ["--set", "server=dp_fedavg", "--set", 'server_args={"noise_multiplier": 1.0, "clip_norm": 1.0}']
     assert main([*argv, *dp, "--out", str(out)]) == 0
     result = json.loads(out.with_suffix(".json").read_text())[0]
     row = result["seeds"][0]

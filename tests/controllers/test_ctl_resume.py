@@ -16,7 +16,7 @@ import pytest
 import torch
 from nvflare.app_common.abstract.fl_model import FLModel
 
-from aggregators import RULES, meta_keys
+from aggregators import RULES, dp_fedavg, meta_keys
 from controllers.checkpoint import GLOBAL_MODEL_FILE, load_resume_point, save_rule_state
 from controllers.fedalg_controller import STATE_FILE, FedAlgController, resumed_population
 
@@ -140,7 +140,6 @@ def _assert_identical(a, b, where="state"):
 NEEDS = {
     "attack_adaptive": {"rule_args": {"allow_random_attention": True}},  # the shipped network fits LeNet-5 only
     "krum": {"clients_per_round": None, "rule_args": {"num_byzantine": 0}},  # n - f - 2 >= 1 with three sites
-    "dp_fedavg": {"rule_args": {"seed": 0}},  # unset, each run draws its own secret noise and site sample
 }
 #: Settings other than the defaults whose state must survive a resume as well.
 VARIANTS = {
@@ -158,8 +157,11 @@ def test_the_adaptations_name_registered_rules():
 
 
 @pytest.mark.parametrize("case", list(RULES_UNDER_TEST))
-def test_stop_and_resume_equals_an_uninterrupted_run(tmp_path, case):
+def test_stop_and_resume_equals_an_uninterrupted_run(tmp_path, case, monkeypatch):
     settings = RULES_UNDER_TEST[case]
+    # DP-FedAvg's noise and site sample come from a secret seed per run (a fixed one is refused with noise): the
+    # two runs get the same one here, and the resumed run another, which it must ignore for the checkpointed one.
+    monkeypatch.setattr(dp_fedavg, "secret_seed", lambda: 0)
     straight = FakeEngineController(tmp_path / "straight" / "app", num_rounds=ROUNDS, **settings)
     straight.run()
     # Every round aggregated: a rule these fake clients cannot serve would otherwise pass on an unchanged model.
@@ -167,6 +169,7 @@ def test_stop_and_resume_equals_an_uninterrupted_run(tmp_path, case):
     first = FakeEngineController(tmp_path / "first" / "app", stop_after=STOP_AFTER, num_rounds=ROUNDS, **settings)
     first.run()
     assert first.rounds_run == STOP_AFTER
+    monkeypatch.setattr(dp_fedavg, "secret_seed", lambda: 1)
     resumed = FakeEngineController(
         tmp_path / "resumed" / "app", num_rounds=ROUNDS, resume_from=str(tmp_path / "first" / "app"), **settings
     )
