@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from jobs.secure_aggregation import add_sum_site_filters, add_sum_workflow
 from jobs.settings import dataset_num_classes, is_private
 from jobs.spec import JobSpec, client_script_args, companion_rules, model_arch_args, shipped_folders
 from jobs.tracking import add_tracking, server_requirements
@@ -53,12 +54,29 @@ def build_job(spec: JobSpec) -> Any:
     from nvflare.job_config.api import FedJob
     from nvflare.job_config.script_runner import ScriptRunner
 
-    from controllers.fedalg_controller import FedAlgController
-
     # NVFlare aborts a job once fewer than min_clients sites are alive: a job whose rounds go on with min_responses
     # results keeps running while that many sites are.
     job = FedJob(name=spec.name, min_clients=spec.min_responses or spec.num_sites)
     job.set_app_packages(list(APP_PACKAGES))
+    if spec.secure_aggregation != "none":  # NVFlare's ScatterAndGather summing the results (jobs/secure_aggregation.py)
+        add_sum_workflow(job, spec, builtin_model_config(spec))
+    else:
+        _add_controller(job, spec)
+    job.to_server(ServerSettings({"task_request_interval": task_request_interval(spec.num_sites)}))
+    job.to_clients(ScriptRunner(script=CLIENT_SCRIPT, script_args=client_script_args(spec), **launcher(spec)))
+    # ScriptRunner copies the script it names (jobs/client.py: NVFlare needs the path "client.py" in the config);
+    # the thin launcher of the same name replaces that copy, as NVFlare copies file sources after scripts.
+    job.to_clients(ShippedPackage(SITE_SCRIPT))
+    if spec.secure_aggregation != "none":
+        add_sum_site_filters(job, spec)
+    add_tracking(job, spec)
+    return job
+
+
+def _add_controller(job: Any, spec: JobSpec) -> None:
+    """The bundle's own server: the initial model (and the test-set evaluator), and the controller with its rule."""
+    from controllers.fedalg_controller import FedAlgController
+
     if spec.model is not None:
         _add_user_model(job, spec)
     else:
@@ -80,13 +98,6 @@ def build_job(spec: JobSpec) -> Any:
         **({"local_keys": spec.local_keys.split(",")} if spec.local_keys else {}),  # resolved by JobSpec
     )
     job.to_server(controller)
-    job.to_server(ServerSettings({"task_request_interval": task_request_interval(spec.num_sites)}))
-    job.to_clients(ScriptRunner(script=CLIENT_SCRIPT, script_args=client_script_args(spec), **launcher(spec)))
-    # ScriptRunner copies the script it names (jobs/client.py: NVFlare needs the path "client.py" in the config);
-    # the thin launcher of the same name replaces that copy, as NVFlare copies file sources after scripts.
-    job.to_clients(ShippedPackage(SITE_SCRIPT))
-    add_tracking(job, spec)
-    return job
 
 
 def task_request_interval(num_sites: int) -> float:
@@ -112,10 +123,7 @@ def _add_builtin_model(job: Any, spec: JobSpec) -> None:
 
     num_classes = dataset_num_classes(spec.dataset)
     arch_args = model_arch_args(spec)
-    model_args: dict[str, Any] = {"arch": spec.arch, "num_classes": num_classes, "init_seed": spec.seed}
-    if arch_args:  # the server's model and evaluator must build what the clients build (MOON's projection head)
-        model_args["arch_args"] = arch_args
-    job.to_server(PTModel({"path": "lightning_modules.classifier.FLClassifier", "args": model_args}))
+    job.to_server(PTModel(builtin_model_config(spec)))
     evaluator = TestSetEvaluator(
         arch=spec.arch,
         num_classes=num_classes,
@@ -124,6 +132,15 @@ def _add_builtin_model(job: Any, spec: JobSpec) -> None:
         max_test_samples=spec.max_test_samples,
     )
     job.to_server(evaluator, id="evaluator")
+
+
+def builtin_model_config(spec: JobSpec) -> dict[str, Any]:
+    """The persistor's model entry for the built-in classifier, seeded with the job's --seed as every site builds it."""
+    model_args: dict[str, Any] = {"arch": spec.arch, "num_classes": dataset_num_classes(spec.dataset)}
+    model_args["init_seed"] = spec.seed
+    if model_arch_args(spec):  # the server's model and evaluator must build what the clients build (MOON's head)
+        model_args["arch_args"] = model_arch_args(spec)
+    return {"path": "lightning_modules.classifier.FLClassifier", "args": model_args}
 
 
 def _add_user_model(job: Any, spec: JobSpec) -> None:

@@ -358,6 +358,29 @@ class PrivacySettings:
         gt=0,
         exported_when=is_private,
     )
+    dp_release_site_scores: bool = setting(
+        False,
+        "UNACCOUNTED RELEASE under DP-SGD: send each site's validation scores (eval.*, and the final model's scores "
+        "of --final-site-eval) to the server; they are computed on the site's data outside DP-SGD and no epsilon "
+        "covers them (default: they stay at the site, in its log)",
+        exported_when=is_private,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SecureAggregationSettings:
+    """Secure aggregation with NVFlare's homomorphic-encryption components (docs/deployment.md, "Secure aggregation
+    (HE)"): the sites encrypt their weighted results with the provisioned TenSEAL CKKS context, the server only adds
+    ciphertexts, the sites decrypt the sum. Sum-type work only; the checks are in jobs/secure_aggregation.py."""
+
+    secure_aggregation: Literal["none", "he", "plain"] = setting(
+        "none",
+        "none: the bundle's controller and rules on plaintext updates; he: NVFlare's ScatterAndGather with its HE "
+        "encryptor, accumulating aggregator and decryptor (FedAvg only, provisioned kits with HEBuilder, not the "
+        "simulator); plain: the same NVFlare workflow without encryption (the baseline HE's cost is measured "
+        "against; runs in the simulator)",
+        side=SERVER,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -380,6 +403,7 @@ JOB_GROUPS: tuple[type, ...] = (
     AttackSettings,
     TrackingSettings,
     PrivacySettings,
+    SecureAggregationSettings,
 )
 #: Options the builder renders in its own way at the end of the client command line (resolved sites, JSON).
 ATTACK_FIELDS = frozenset(f.name for f in dataclasses.fields(AttackSettings))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from jobs.secure_aggregation import secure_aggregation_problem
 from jobs.settings import (
     ATTACK_FIELDS,
     CLIENT,
@@ -29,6 +30,7 @@ from jobs.settings import (
     PrecisionSettings,
     PrivacySettings,
     RoundSettings,
+    SecureAggregationSettings,
     TrackingSettings,
     UserCodeSettings,
     check_settings,
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
 # Base classes are listed last-to-first: a dataclass orders inherited fields from the end of its MRO.
 @dataclass(frozen=True, kw_only=True)
 class JobSpec(
+    SecureAggregationSettings,
     PrivacySettings,
     TrackingSettings,
     AttackSettings,
@@ -82,6 +85,9 @@ def validate_spec(spec: JobSpec) -> None:
         raise JobBuildError(f"name must be a folder name (no '/'), got {spec.name!r}")
     check_settings(spec)
     _check_composition_of(spec)
+    problem = secure_aggregation_problem(spec)  # before the checks of what the sum workflow never runs
+    if problem:
+        raise JobBuildError(problem)
     if spec.pattern == "uniform_random" and spec.max_local_epochs < 2:
         raise JobBuildError(f"max_local_epochs must be at least 2 for uniform_random, got {spec.max_local_epochs}")
     _check_sampling(spec)

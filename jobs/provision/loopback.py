@@ -34,6 +34,8 @@ from typing import Any
 
 import yaml
 
+from jobs.secure_aggregation import is_he_job
+
 PROVISION_DIR = Path(__file__).resolve().parent
 PROJECT_TEMPLATE = PROVISION_DIR / "project.yml"
 ALLOW_LIST_FILE = PROVISION_DIR / "class_allow_list.json"
@@ -63,9 +65,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def write_project(path: Path, port: int, site_names: Sequence[str]) -> Path:
-    """The project template with the server's port and the site list replaced."""
+#: NVFlare's builder that writes the TenSEAL CKKS contexts into the kits (server: no secret key; sites: with it).
+HE_BUILDER = "nvflare.lighter.impl.he.HEBuilder"
+
+
+def write_project(path: Path, port: int, site_names: Sequence[str], he: bool = False) -> Path:
+    """The project template with the server's port and the site list replaced; ``he`` adds NVFlare's HEBuilder
+    before the signature builder, so the contexts are signed with the rest of each startup kit."""
     project = yaml.safe_load(PROJECT_TEMPLATE.read_text())
+    if he:
+        builders = project["builders"]
+        signing = next(i for i, b in enumerate(builders) if b["path"].endswith("SignatureBuilder"))
+        builders.insert(signing, {"path": HE_BUILDER})
     others = [p for p in project["participants"] if p["type"] != "client"]
     for participant in others:
         if participant["type"] == "server":
@@ -76,12 +87,13 @@ def write_project(path: Path, port: int, site_names: Sequence[str]) -> Path:
     return path
 
 
-def provision(workspace: Path, num_sites: int = 3, env: dict[str, str] | None = None) -> Deployment:
-    """Run ``nvflare provision`` into ``workspace/provision`` and return the kit locations."""
+def provision(workspace: Path, num_sites: int = 3, env: dict[str, str] | None = None, he: bool = False) -> Deployment:
+    """Run ``nvflare provision`` into ``workspace/provision`` and return the kit locations; ``he``: with the
+    homomorphic-encryption contexts (``startup/server_context.tenseal``, ``startup/client_context.tenseal``)."""
     workspace.mkdir(parents=True, exist_ok=True)
     port = free_port()
     sites = [f"site-{i}" for i in range(1, num_sites + 1)]
-    project = write_project(workspace / "project.yml", port, sites)
+    project = write_project(workspace / "project.yml", port, sites, he=he)
     nvflare = Path(sys.executable).with_name("nvflare")
     command = [str(nvflare), "provision", "-p", str(project), "-w", str(workspace / "provision")]
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=workspace, timeout=120)
@@ -331,6 +343,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-train-samples", type=int, default=3000, help="training samples split across sites")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for the job (default: 1800)")
     parser.add_argument("--keep", action="store_true", help="leave the deployment running after the job")
+    parser.add_argument(
+        "--he",
+        action="store_true",
+        help="provision with NVFlare's HEBuilder (TenSEAL contexts in every kit); on by itself for a job that uses "
+        "NVFlare's HE components (--secure-aggregation he)",
+    )
     return parser
 
 
@@ -341,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     workspace = args.workspace.resolve()
     env = participant_env()
-    deployment = provision(workspace, args.sites, env)
+    deployment = provision(workspace, args.sites, env, he=args.he or is_he_job(args.job))
     data = {"dataset": "fashion_mnist", "scheme": "dirichlet", "num_sites": args.sites}
     data["max_train_samples"] = args.max_train_samples
     for participant in [deployment.server, *deployment.sites.values()]:

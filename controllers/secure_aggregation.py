@@ -1,0 +1,130 @@
+"""The two NVFlare components the sum-type workflow adds around NVFlare's own ones (jobs/secure_aggregation.py).
+
+- :class:`SampleCountWeight` (site, task-result filter before NVFlare's ``HEModelEncryptor``): NVFlare weights each
+  result by its ``NUM_STEPS_CURRENT_ROUND`` meta (the encryptor multiplies the update by it before encrypting, the
+  aggregator divides the sum by the total); this filter sets it to the site's ``train.num_samples``, the bundle's
+  FedAvg weight (docs/design.md, decision 6), so the HE job averages as the bundle's FedAvg does.
+- :class:`RoundRecorder` (server): one JSON line per round in ``metrics/round_metrics.jsonl`` (the file the bundle's
+  controller writes and ``python -m jobs.provision.loopback`` checks): wall seconds, the sites whose result was
+  accepted, the bytes of every result as it travels (NVFlare's own serialisation, ciphertexts included), the bytes of
+  the global model sent down, and how many received ciphertexts carried a context with a secret key (0: the server
+  can add them but never decrypt).
+
+Nothing here encrypts, decrypts or adds: NVFlare's ``nvflare.app_opt.he`` components do, with TenSEAL.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from nvflare.apis.dxo import DXO, DataKind, MetaKey, from_shareable
+from nvflare.apis.dxo_filter import DXOFilter
+from nvflare.apis.event_type import EventType
+from nvflare.apis.fl_component import FLComponent
+from nvflare.apis.fl_constant import ReservedKey
+from nvflare.apis.fl_context import FLContext
+from nvflare.apis.shareable import Shareable
+from nvflare.app_common.app_constant import AppConstants
+from nvflare.app_common.app_event_type import AppEventType
+
+from aggregators import meta_keys
+
+#: Where the records go in the server's run folder (the same file as the bundle's controller writes).
+METRICS_FILE = Path("metrics") / "round_metrics.jsonl"
+
+
+class SampleCountWeight(DXOFilter):
+    """Set the result's NVFlare weight (``NUM_STEPS_CURRENT_ROUND``) to the site's ``train.num_samples``."""
+
+    def __init__(self) -> None:
+        super().__init__(supported_data_kinds=[DataKind.WEIGHTS], data_kinds_to_filter=[DataKind.WEIGHTS])
+
+    def process_dxo(self, dxo: DXO, shareable: Shareable, fl_ctx: FLContext) -> DXO:
+        samples = dxo.get_meta_prop(meta_keys.NUM_SAMPLES)
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+            raise ValueError(f"result without a positive integer {meta_keys.NUM_SAMPLES} (got {samples!r})")
+        dxo.set_meta_prop(MetaKey.NUM_STEPS_CURRENT_ROUND, samples)
+        return dxo
+
+
+def wire_bytes(value: Any) -> int:
+    """Bytes of ``value`` serialised as NVFlare sends it (fobs; TenSEAL vectors through NVFlare's HE decomposer)."""
+    from nvflare.fuel.utils import fobs
+
+    return len(fobs.dumps(value))
+
+
+def private_ciphertexts(data: Any) -> int:
+    """How many TenSEAL vectors in ``data`` (a result's parameters) came with a context holding a secret key."""
+    if not isinstance(data, dict):
+        return 0
+    return sum(1 for v in data.values() if hasattr(v, "context") and v.context().is_private())
+
+
+class RoundRecorder(FLComponent):
+    """Round records of NVFlare's ScatterAndGather (module docstring); ``secure_aggregation`` is the job's setting."""
+
+    def __init__(self, num_rounds: int, secure_aggregation: str) -> None:
+        super().__init__()
+        self.num_rounds = num_rounds
+        self.secure_aggregation = secure_aggregation
+        self._path: Path | None = None
+        self._round: dict[str, Any] = {}
+        self._started = 0.0
+
+    def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
+        if event_type == EventType.START_RUN:
+            run_dir = fl_ctx.get_engine().get_workspace().get_run_dir(fl_ctx.get_job_id())
+            self._path = Path(run_dir) / METRICS_FILE
+            self._append(
+                {
+                    "stage": "start",
+                    "num_rounds": self.num_rounds,
+                    "secure_aggregation": self.secure_aggregation,
+                    "run_id": fl_ctx.get_job_id(),
+                }
+            )
+        elif event_type == AppEventType.ROUND_STARTED:
+            self._started = time.monotonic()
+            self._round = {"round": fl_ctx.get_prop(AppConstants.CURRENT_ROUND), "accepted": [], "rejected": []}
+            self._round.update(result_bytes={}, private_ciphertexts=0, measure_s=0.0)
+            model = fl_ctx.get_prop(AppConstants.GLOBAL_MODEL)
+            self._round["global_bytes"] = self._measured(lambda: wire_bytes(dict(model)) if model else None)
+        elif event_type == AppEventType.BEFORE_CONTRIBUTION_ACCEPT and self._round:
+            result = fl_ctx.get_prop(AppConstants.TRAINING_RESULT)
+            site = result.get_peer_prop(ReservedKey.IDENTITY_NAME, "?")
+            self._round["result_bytes"][site] = self._measured(lambda: wire_bytes(result))
+            self._round["private_ciphertexts"] += private_ciphertexts(from_shareable(result).data)
+        elif event_type == AppEventType.AFTER_CONTRIBUTION_ACCEPT and self._round:
+            result = fl_ctx.get_prop(AppConstants.TRAINING_RESULT)
+            site = result.get_peer_prop(ReservedKey.IDENTITY_NAME, "?") if result is not None else "?"
+            accepted = fl_ctx.get_prop(AppConstants.AGGREGATION_ACCEPTED)
+            self._round["accepted" if accepted else "rejected"].append(site)
+        elif event_type == AppEventType.ROUND_DONE and self._round:
+            record = self._round
+            record["elapsed_s"] = round(time.monotonic() - self._started, 4)
+            record["measure_s"] = round(record["measure_s"], 4)
+            record["status"] = "aggregated" if record["accepted"] else "failed"
+            record["aggregated"] = sorted(record.pop("accepted"))
+            self._append({"stage": "round", **record})
+            self._round = {}
+
+    def _measured(self, measure: Any) -> int | None:
+        """Run ``measure``, adding its seconds to the round's ``measure_s`` (kept apart from the round's own cost)."""
+        started = time.monotonic()
+        try:
+            return measure()
+        except Exception:  # a size we cannot take is left out of the record, never a failed round
+            return None
+        finally:
+            self._round["measure_s"] += time.monotonic() - started
+
+    def _append(self, record: dict[str, Any]) -> None:
+        if self._path is None:
+            return
+        self._path.parent.mkdir(parents=True, exist_ok=True)
+        with self._path.open("a") as handle:
+            handle.write(json.dumps(record, sort_keys=True) + "\n")

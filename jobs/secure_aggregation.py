@@ -1,0 +1,266 @@
+"""Secure aggregation through NVFlare's homomorphic-encryption components (``--secure-aggregation he``).
+
+What runs (docs/deployment.md, "Secure aggregation (HE)"): NVFlare's ``ScatterAndGather`` sends the global model to
+every site; each site trains it with the bundle's Lightning client (any client algorithm this module admits), its
+result filters set the FedAvg weight (:class:`controllers.secure_aggregation.SampleCountWeight`) and NVFlare's
+``HEModelEncryptor`` multiplies the weights by it and encrypts them with the site's TenSEAL CKKS context; the server's
+``HEInTimeAccumulateWeightedAggregator`` adds the ciphertexts and scales the sum by 1 / (total weight), its
+``HEModelShareableGenerator`` keeps the encrypted global model, ``HEModelSerializeFilter`` lets the persistor save it;
+each site's ``HEModelDecryptor`` decrypts the next round's model. The server's context (``server_context.tenseal``)
+holds no secret key; the sites' (``client_context.tenseal``) do. Both come from provisioning with NVFlare's
+``HEBuilder`` (``python -m jobs.provision.loopback --he``), so such a job does not run in the simulator. This is the
+wiring of NVFlare's ``FedAvgRecipeWithHE`` (tested), with the bundle's client, weights and round records.
+
+``--secure-aggregation plain`` builds the same workflow with NVFlare's plaintext accumulating aggregator and no
+filters but the weight: the baseline HE's cost is measured against, and a way to try a job in the simulator.
+
+Only sums can be formed this way. :func:`secure_aggregation_problem` refuses at build time, one line each, every
+setting that needs the individual updates at the server or a workflow other than a weighted sum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+#: Server rules the sum workflow computes: FedAvg (server_lr 1) is the weighted mean NVFlare's aggregator forms.
+SUM_RULES = ("fedavg",)
+#: Why every other rule cannot run on sums of ciphertexts (tests/jobs/test_job_secure_aggregation.py checks that each
+#: rule of aggregators.registry.RULES is either admitted or has its reason here).
+RULE_REFUSALS: dict[str, str] = {
+    "median": "takes the coordinate-wise median of the individual updates",
+    "trimmed_mean": "sorts the individual updates per coordinate to drop the extremes",
+    "krum": "scores every individual update by its distances to the others",
+    "attack_adaptive": "scores every individual update with its attention network",
+    "fedatt": "weights every site by the distance of its own model to the global one, layer by layer",
+    "fedadp": "weights every site by the angle between its own update and the mean update",
+    "fednova": "normalises every site's update by its own tau_i and a_i at the server (a sum only if every site "
+    "pre-scaled its own update, which is not implemented)",
+    "dp_fedavg": "clips every individual update at the server before it noises the sum",
+    "scaffold": "keeps the control c from every site's delta c_i, which travels beside the model; NVFlare's HE "
+    "aggregator sums the model only",
+    "feddyn": "keeps h from every round's updates and sends alpha to the sites; NVFlare's HE workflow keeps no server "
+    "state",
+    "fedmos": "selects sites by data share and applies server momentum to the plaintext average",
+    "fedadam": "squares and divides the averaged update per coordinate, which sums of ciphertexts cannot (FedOpt "
+    "on the sum, decrypted at the sites, is not implemented)",
+    "fedadagrad": "squares and divides the averaged update per coordinate, which sums of ciphertexts cannot (FedOpt "
+    "on the sum, decrypted at the sites, is not implemented)",
+    "fedyogi": "squares and divides the averaged update per coordinate, which sums of ciphertexts cannot (FedOpt "
+    "on the sum, decrypted at the sites, is not implemented)",
+    "fedavgm": "applies server momentum to the averaged update; NVFlare's HE workflow has no server optimizer (not "
+    "implemented)",
+}
+#: Client algorithms that need nothing from the server but the global model, and keep no state between rounds.
+SUM_CLIENTS = ("fedavg", "fedprox")
+CLIENT_REFUSALS: dict[str, str] = {
+    "scaffold": "needs the server's control c each round (SCAFFOLD's server state)",
+    "feddyn": "needs the server's alpha and h each round (FedDyn's server state)",
+    "fedmos": "needs the bundle's FedMoS server (momentum, selection by data share)",
+    "moon": "keeps per-site state that the bundle's controller confirms every round (server.run_id, "
+    "server.last_aggregated), which NVFlare's ScatterAndGather does not send",
+    "ditto": "keeps per-site state that the bundle's controller confirms every round (server.run_id, "
+    "server.last_aggregated), which NVFlare's ScatterAndGather does not send",
+    "fedrep": "keeps its head at the site (partial sharing), which the sum workflow does not handle",
+}
+#: What NVFlare's HE components are called in the job's config (tests and the loopback driver look for them).
+HE_COMPONENTS = (
+    "nvflare.app_opt.he.model_encryptor.HEModelEncryptor",
+    "nvflare.app_opt.he.model_decryptor.HEModelDecryptor",
+    "nvflare.app_opt.he.intime_accumulate_model_aggregator.HEInTimeAccumulateWeightedAggregator",
+    "nvflare.app_opt.he.model_shareable_generator.HEModelShareableGenerator",
+    "nvflare.app_opt.he.model_serialize_filter.HEModelSerializeFilter",
+)
+SERVER_CONTEXT, CLIENT_CONTEXT = "server_context.tenseal", "client_context.tenseal"
+
+
+def secure_aggregation_problem(spec: Any) -> str | None:
+    """One line naming the setting that the job's ``secure_aggregation`` cannot carry and why, or ``None``."""
+    mode = spec.secure_aggregation
+    if mode == "none":
+        return None
+    who = f"secure_aggregation '{mode}'"
+    if spec.server not in SUM_RULES:
+        reason = RULE_REFUSALS.get(spec.server, "is not a weighted sum of the updates")
+        return f"{who} with server '{spec.server}': the rule {reason}; allowed: {', '.join(SUM_RULES)}"
+    if spec.server_args:
+        return (
+            f"{who}: server_args {spec.server_args}: NVFlare's accumulating aggregator forms the plain weighted mean "
+            "(server_lr 1) and takes no rule arguments; leave server_args empty"
+        )
+    if spec.client not in SUM_CLIENTS:
+        reason = CLIENT_REFUSALS.get(spec.client, "is not checked with the sum workflow")
+        return f"{who} with client '{spec.client}': the algorithm {reason}; allowed: {', '.join(SUM_CLIENTS)}"
+    refusals = (
+        (spec.model is not None or spec.script is not None, "--model / --script", "built-in models only for now"),
+        (bool(spec.local_keys), "local_keys", "partial sharing is not wired into the sum workflow"),
+        (
+            spec.dp_noise_multiplier is not None or spec.dp_target_epsilon is not None,
+            "DP-SGD (--dp-*)",
+            "its per-site epsilon ledger follows the round meta of the bundle's controller, which ScatterAndGather "
+            "does not send",
+        ),
+        (
+            spec.attack != "none" or spec.malicious_fraction > 0 or bool(spec.malicious_sites),
+            "attack settings",
+            "simulated attacks test the robust rules, which need the individual updates",
+        ),
+        (spec.clients_per_round is not None, "clients_per_round", "ScatterAndGather trains every site every round"),
+        (spec.min_accepted != 1, "min_accepted", "ScatterAndGather aggregates whatever results it accepted"),
+        (spec.save_client_updates, "save_client_updates", "the individual updates never reach the server in clear"),
+        (spec.resume_from is not None, "resume_from", "the bundle's controller checkpoints; ScatterAndGather does not"),
+        (spec.final_site_eval, "final_site_eval", "runs in the bundle's controller"),
+        (
+            spec.max_test_samples is not None,
+            "max_test_samples",
+            "the server never holds the global model in clear, so it evaluates nothing (the sites can: "
+            "--site-val-fraction)",
+        ),
+    )
+    for refused, setting_name, reason in refusals:
+        if refused:
+            return f"{who}: {setting_name}: {reason}"
+    return None
+
+
+def add_sum_workflow(job: Any, spec: Any, model_config: Mapping[str, Any]) -> None:
+    """The server side: persistor, shareable generator, aggregator, round records and ``ScatterAndGather``; HE
+    components for ``he``, NVFlare's plaintext ones for ``plain``."""
+    from nvflare.apis.dxo import DataKind
+    from nvflare.app_common.workflows.scatter_and_gather import ScatterAndGather
+    from nvflare.app_opt.pt.file_model_persistor import PTFileModelPersistor
+    from nvflare.app_opt.pt.job_config.model import PTModel
+
+    from controllers.secure_aggregation import RoundRecorder
+
+    encrypted = spec.secure_aggregation == "he"
+    if encrypted:
+        from nvflare.app_opt.he.intime_accumulate_model_aggregator import HEInTimeAccumulateWeightedAggregator
+        from nvflare.app_opt.he.model_serialize_filter import HEModelSerializeFilter
+        from nvflare.app_opt.he.model_shareable_generator import HEModelShareableGenerator
+
+        persistor = PTFileModelPersistor(model=dict(model_config), filter_id="model_serialize_filter")
+        job.to_server(PTModel(dict(model_config), persistor=persistor))
+        job.to_server(HEModelSerializeFilter(tenseal_context_file=SERVER_CONTEXT), id="model_serialize_filter")
+        job.to_server(HEModelShareableGenerator(tenseal_context_file=SERVER_CONTEXT), id="shareable_generator")
+        # The sites multiply by their weight before encrypting (weigh_by_local_iter there); the server only adds.
+        aggregator = HEInTimeAccumulateWeightedAggregator(
+            expected_data_kind=DataKind.WEIGHTS, weigh_by_local_iter=False
+        )
+    else:
+        from nvflare.app_common.aggregators.intime_accumulate_model_aggregator import (
+            InTimeAccumulateWeightedAggregator,
+        )
+        from nvflare.app_common.shareablegenerators.full_model_shareable_generator import (
+            FullModelShareableGenerator,
+        )
+
+        job.to_server(PTModel(dict(model_config)))
+        job.to_server(FullModelShareableGenerator(), id="shareable_generator")
+        aggregator = InTimeAccumulateWeightedAggregator(expected_data_kind=DataKind.WEIGHTS)
+    job.to_server(aggregator, id="aggregator")
+    job.to_server(RoundRecorder(num_rounds=spec.num_rounds, secure_aggregation=spec.secure_aggregation), id="rounds")
+    controller = ScatterAndGather(
+        min_clients=spec.min_responses or spec.num_sites,
+        num_rounds=spec.num_rounds,
+        wait_time_after_min_received=0,
+        aggregator_id="aggregator",
+        persistor_id="persistor",
+        shareable_generator_id="shareable_generator",
+        train_timeout=spec.train_timeout,
+    )
+    job.to_server(controller)
+
+
+def add_sum_site_filters(job: Any, spec: Any) -> None:
+    """The sites' filters, in the order they run: decrypt the received model (``he``); set the result's weight,
+    then weigh and encrypt it (``he``)."""
+    from nvflare.job_config.defs import FilterType
+
+    from controllers.secure_aggregation import SampleCountWeight
+
+    encrypted = spec.secure_aggregation == "he"
+    if encrypted:
+        from nvflare.app_opt.he.model_decryptor import HEModelDecryptor
+
+        decryptor = HEModelDecryptor(tenseal_context_file=CLIENT_CONTEXT)
+        job.to_clients(decryptor, tasks=["train", "validate"], filter_type=FilterType.TASK_DATA)
+    job.to_clients(SampleCountWeight(), tasks=["train"], filter_type=FilterType.TASK_RESULT)
+    if encrypted:
+        from nvflare.app_opt.he.model_encryptor import HEModelEncryptor
+
+        encryptor = HEModelEncryptor(tenseal_context_file=CLIENT_CONTEXT, weigh_by_local_iter=True)
+        job.to_clients(encryptor, tasks=["train"], filter_type=FilterType.TASK_RESULT)
+
+
+def is_he_job(job_dir: Path) -> bool:
+    """Whether an exported job folder uses NVFlare's HE components (it then needs kits provisioned with HEBuilder)."""
+    configs = Path(job_dir).glob("app*/config/config_fed_*.json")
+    return any(name in path.read_text() for path in configs for name in HE_COMPONENTS)
+
+
+def decrypt_global_model(model_file: Path, context_file: Path, shapes: Mapping[str, Sequence[int]]) -> dict[str, Any]:
+    """The server's saved global model (``app_server/FL_global_model.pt`` of an HE job), decrypted with a site's
+    TenSEAL context (``<site kit>/startup/client_context.tenseal``, which holds the secret key), as float32 arrays of
+    ``shapes``. Entries that were never encrypted (the initial model of a job that stopped before its first round)
+    are returned as they are."""
+    import numpy as np
+    import tenseal as ts
+    import torch
+
+    context = ts.context_from(Path(context_file).read_bytes())
+    if not context.is_private():
+        raise ValueError(f"{context_file} holds no secret key: decrypt with a site's client context, not the server's")
+    saved = torch.load(model_file, map_location="cpu", weights_only=False)
+    weights = saved.get("model", saved) if isinstance(saved, dict) else saved
+    model = {}
+    for name, shape in shapes.items():
+        value = weights[name]
+        if isinstance(value, bytes):
+            value = ts.ckks_vector_from(context, value).decrypt()
+        elif hasattr(value, "numpy"):
+            value = value.numpy()
+        model[name] = np.asarray(value, dtype=np.float32).reshape(shape)
+    return model
+
+
+def job_model_shapes(job_dir: Path) -> dict[str, tuple[int, ...]]:
+    """The state_dict shapes of an exported job's model, built from its persistor's entry (no weights loaded)."""
+    import json
+
+    from nvflare.fuel.utils.class_utils import instantiate_class
+
+    config = json.loads((Path(job_dir) / "app" / "config" / "config_fed_server.json").read_text())
+    persistor = next(c for c in config["components"] if c["id"] == "persistor")
+    entry = persistor["args"]["model"]
+    model = instantiate_class(entry["path"], entry.get("args", {}))
+    return {name: tuple(value.shape) for name, value in model.state_dict().items()}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m jobs.secure_aggregation decrypt``: a site decrypts an HE job's final global model."""
+    import torch
+
+    parser = argparse.ArgumentParser(prog="python -m jobs.secure_aggregation", description=main.__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    decrypt = commands.add_parser("decrypt", help="decrypt the server's saved global model at a site")
+    decrypt.add_argument("model", type=Path, help="the downloaded app_server/FL_global_model.pt")
+    decrypt.add_argument("--context", type=Path, required=True, help="<site kit>/startup/client_context.tenseal")
+    decrypt.add_argument("--job", type=Path, required=True, help="the job folder (its model gives the shapes)")
+    decrypt.add_argument("--out", type=Path, required=True, help="where to write the plaintext state_dict (.pt)")
+    args = parser.parse_args(argv)
+    try:
+        model = decrypt_global_model(args.model, args.context, job_model_shapes(args.job))
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    torch.save({name: torch.from_numpy(value) for name, value in model.items()}, args.out)
+    print(f"decrypted {len(model)} entries into {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
