@@ -1,5 +1,6 @@
 """``python -m data_prep.genotypes harmonise``: a site's VCF/BCF/PLINK file -> the consortium's matrix (``.npz``) and a
-JSON report; ``python -m data_prep.genotypes qc-job``: export the federated QC job (``federated_qc``);
+JSON report; ``python -m data_prep.genotypes qc-job``: export the federated QC job (``federated_qc``; its
+``--min-site-people`` is the smallest site allowed to send its counts);
 ``python -m data_prep.genotypes simulate-sites``: a simulated consortium as per-site genotype files (``simulate``).
 
 ``OUT.npz`` holds ``genotypes`` (int8, people x table SNPs, copies of the table's alt allele, 3 = missing or
@@ -24,7 +25,7 @@ import numpy as np
 
 from data_prep.errors import DataPrepError
 from data_prep.genotypes.harmonise import USABLE, Harmonised, harmonise_file, read_snp_table
-from data_prep.genotypes.qc import genotype_counts, summary
+from data_prep.genotypes.qc import MIN_SITE_PEOPLE, genotype_counts, summary
 from data_prep.genotypes.simulate import SITE_FORMATS
 from data_prep.genotypes.site import read_labels
 
@@ -47,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     qc_job.add_argument("--num-sites", type=int, default=3, help="sites the server waits for")
     qc_job.add_argument("--min-call-rate", type=float, default=0.95)
     qc_job.add_argument("--min-maf", type=float, default=0.01)
+    qc_job.add_argument(
+        "--min-site-people",
+        type=int,
+        default=MIN_SITE_PEOPLE,
+        help="smallest site allowed to send its counts (a site below refuses; so does the server); docs/genomics.md",
+    )
     simulate = commands.add_parser("simulate-sites", help="an msprime cohort as per-site genotype files (simulate)")
     simulate.add_argument("--out", required=True, type=Path, help="the folder to write into")
     simulate.add_argument("--snps", type=int, default=10_000)
@@ -87,7 +94,8 @@ def _qc_job(args: argparse.Namespace) -> int:
     from data_prep.genotypes.qc import QcThresholds
 
     try:
-        job = export_qc_job(args.output_dir, QcThresholds(args.min_call_rate, args.min_maf), args.num_sites, args.name)
+        thresholds = QcThresholds(args.min_call_rate, args.min_maf)
+        job = export_qc_job(args.output_dir, thresholds, args.num_sites, args.name, args.min_site_people)
     except DataPrepError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,8 +1,8 @@
 """Quality control of harmonised genotypes, per site and federated, from per-SNP genotype counts only.
 
 A site's contribution is ``genotype_counts(matrix)``: for each SNP the number of people with 0, 1 and 2 copies of the
-table's alt allele and with a missing call, an (S, 4) integer array. It is an aggregate (no person-level data), the
-counts of all sites add up to the counts of the pooled cohort, and every statistic below is a function of them:
+table's alt allele and with a missing call, an (S, 4) integer array. The counts of all sites add up to the counts of
+the pooled cohort, and every statistic below is a function of that sum:
 
 - call rate = called / (called + missing), with called = n0 + n1 + n2;
 - alt allele frequency p = (n1 + 2 n2) / (2 called); minor allele frequency = min(p, 1 - p);
@@ -13,6 +13,11 @@ counts of all sites add up to the counts of the pooled cohort, and every statist
 
 The federated filter keeps a SNP when its global call rate and global MAF reach the thresholds; every site then uses
 the same kept SNPs (the filtered SNP table), so the filter is identical everywhere by construction.
+
+One site's counts are not "aggregates only": they are summary statistics, and over thousands of SNPs they tell
+whether a given person is in the site (Homer et al., PLoS Genetics 2008; ``benchmarks/homer.py`` measures it). A site
+of one person releases that person's genotypes outright. ``check_site_size`` refuses a site below the consortium's
+minimum (``MIN_SITE_PEOPLE`` by default); that rules out the trivial case, it does not make the counts private.
 """
 
 from __future__ import annotations
@@ -25,7 +30,22 @@ import numpy as np
 from data_prep.errors import DataPrepError
 from data_prep.genotypes.formats import MISSING
 
-__all__ = ["QcThresholds", "allele_stats", "genotype_counts", "hwe_pvalues", "qc_filter", "summary"]
+__all__ = [
+    "MIN_SITE_PEOPLE",
+    "QcThresholds",
+    "allele_stats",
+    "check_min_site_people",
+    "check_site_size",
+    "genotype_counts",
+    "hwe_pvalues",
+    "implied_people",
+    "qc_filter",
+    "summary",
+]
+
+#: The default smallest site whose counts may leave it. Why 50 and what it does not protect: docs/genomics.md
+#: ("What the counts reveal") and benchmarks/results/homer.md.
+MIN_SITE_PEOPLE = 50
 
 
 @dataclass(frozen=True)
@@ -54,6 +74,43 @@ def genotype_counts(genotypes: np.ndarray, chunk: int = 4096) -> np.ndarray:
     if outside.any():
         raise DataPrepError(f"QC: genotype states must be 0, 1, 2 or {MISSING} (SNP {int(np.argmax(outside))})")
     return counts
+
+
+def implied_people(counts: np.ndarray) -> int:
+    """The people behind (S, 4) counts: each SNP's row counts every person once (0, 1, 2 copies or missing), so all
+    rows add up to the same number; rows that disagree are not genotype counts and are refused."""
+    counts = np.asarray(counts)
+    if counts.ndim != 2 or counts.shape[1] != 4:
+        raise DataPrepError(f"QC: genotype counts must be SNPs x 4, got shape {counts.shape}")
+    rows = counts.sum(axis=1)
+    if len(rows) == 0:
+        return 0
+    if (rows != rows[0]).any():
+        odd = int(np.argmax(rows != rows[0]))
+        raise DataPrepError(
+            f"QC: the counts' rows add up to different numbers of people ({int(rows[0])} at SNP 0, {int(rows[odd])} "
+            f"at SNP {odd}); each row must count every person once"
+        )
+    return int(rows[0])
+
+
+def check_min_site_people(value: object) -> int:
+    """The consortium's ``min_site_people`` setting, refused unless it is a whole number >= 1."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise DataPrepError(f"QC: min_site_people must be a whole number of people >= 1, got {value!r}")
+    return int(value)
+
+
+def check_site_size(site: str, people: int, min_site_people: int, outcome: str) -> None:
+    """Refuse a site whose counts come from fewer than ``min_site_people`` people, in one line: the site, its count,
+    the setting and ``outcome`` (what the refusal means where it happens). The smaller the site, the more its counts
+    say about each member; a one-person site's counts are that person's genotypes."""
+    if people < check_min_site_people(min_site_people):
+        raise DataPrepError(
+            f"federated QC: {site} has {people} {'person' if people == 1 else 'people'}, below the job's "
+            f"min_site_people = {min_site_people} (--min-site-people; allowed: {min_site_people} people or more); "
+            f"{outcome}"
+        )
 
 
 def allele_stats(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

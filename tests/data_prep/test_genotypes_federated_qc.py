@@ -78,7 +78,9 @@ def test_the_qc_job_in_the_simulator(tmp_path: Path) -> None:
         write_genotype_file(tmp_path / f"{name}.vcf", matrix, [f"{name}-{i}" for i in range(10)], sites)
     table = tmp_path / "table.csv"
     table.write_text("snp,chrom,pos,ref,alt\n" + "".join(f"{s},1,{10 * (j + 1)},A,G\n" for j, s in enumerate(SNPS)))
-    assert main(["qc-job", "--output-dir", str(tmp_path / "jobs"), "--num-sites", "2", "--min-maf", "0.03"]) == 0
+    # Sites of 10 people: below the default minimum site size (tests/data_prep/test_qc_privacy.py), so it is lowered.
+    options = ["--num-sites", "2", "--min-maf", "0.03", "--min-site-people", "10"]
+    assert main(["qc-job", "--output-dir", str(tmp_path / "jobs"), *options]) == 0
     env = os.environ | {"FEDALG_SITE_GENOTYPES": str(tmp_path / "{site}.vcf"), "FEDALG_SNP_TABLE": str(table)}
     nvflare = Path(sys.executable).with_name("nvflare")
     workspace = tmp_path / "ws"
