@@ -83,6 +83,8 @@ PRIVACY_SAMPLE_RATE = "privacy.sample_rate"
 PRIVACY_STEPS = "privacy.steps"
 PRIVACY_MAX_GRAD_NORM = "privacy.max_grad_norm"
 PRIVACY_WITHHELD = "privacy.withheld"
+#: Items a DP site sends although no epsilon covers them, because the job says so (``--dp-release-site-scores``).
+PRIVACY_UNACCOUNTED = "privacy.unaccounted"
 
 # NVFlare's own reserved keys: never sent by this bundle (a test pins it).
 NVFLARE_RESERVED = ("scaffold_c_global", "scaffold_c_diff", "fedprox_mu")

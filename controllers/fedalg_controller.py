@@ -249,14 +249,19 @@ class FedAlgController(ModelController):
             task_name="validate", targets=targets, data=outgoing, timeout=self.train_timeout
         )
         scores = {result_site(r): numeric_metrics(getattr(r, "metrics", None)) for r in results}
+        withheld = {result_site(r): list(withheld_scores(r)) for r in results if withheld_scores(r)}
         missing = sorted(set(population) - set(scores))
         if missing:
             self.warning(f"final model: no scores from {missing}")
         path = Path(self.get_run_dir()) / FINAL_SCORES_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"round": self.num_rounds, "sites": scores}, indent=1, sort_keys=True))
+        record = {"round": self.num_rounds, "sites": scores, **({"withheld": withheld} if withheld else {})}
+        path.write_text(json.dumps(record, indent=1, sort_keys=True))
         for site, metrics in sorted(scores.items()):
-            self.info(f"final model at {site}: " + (", ".join(f"{k}={v:.4f}" for k, v in metrics.items()) or "-"))
+            shown = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()) or "-"
+            if site in withheld:
+                shown = f"withheld at the site under DP-SGD ({', '.join(withheld[site]) or 'no validation split'})"
+            self.info(f"final model at {site}: {shown}")
 
     def _run_round(
         self,
@@ -335,6 +340,12 @@ def check_local_keys(local_keys: Any) -> list[str] | None:
     if not isinstance(local_keys, list | tuple) or not all(isinstance(k, str) and k for k in local_keys):
         raise JobBuildError(f"local_keys must be a list of state_dict names, got {local_keys!r}")
     return list(local_keys)
+
+
+def withheld_scores(result: Any) -> Sequence[str]:
+    """The names of the scores a DP site kept to itself (``privacy.withheld`` of its final-evaluation reply)."""
+    withheld = (getattr(result, "meta", None) or {}).get(meta_keys.PRIVACY_WITHHELD)
+    return withheld if isinstance(withheld, list) else ()
 
 
 def numeric_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:

@@ -84,10 +84,10 @@ def validate_spec(spec: JobSpec) -> None:
     if not isinstance(spec.name, str) or not spec.name or "/" in spec.name or spec.name in (".", ".."):
         raise JobBuildError(f"name must be a folder name (no '/'), got {spec.name!r}")
     check_settings(spec)
-    _check_composition_of(spec)
-    problem = secure_aggregation_problem(spec)  # before the checks of what the sum workflow never runs
+    problem = secure_aggregation_problem(spec)  # first: the sum workflow never runs what the later checks check
     if problem:
         raise JobBuildError(problem)
+    _check_composition_of(spec)
     if spec.pattern == "uniform_random" and spec.max_local_epochs < 2:
         raise JobBuildError(f"max_local_epochs must be at least 2 for uniform_random, got {spec.max_local_epochs}")
     _check_sampling(spec)
@@ -468,6 +468,9 @@ def client_script_args(spec: JobSpec) -> str:
             continue
         if name == "script":  # the sites run the copy in the job's custom/: its file name is all they need
             value = Path(value).name
+        if isinstance(value, bool):  # a store_true flag: present when on
+            parts += [flag(name)] if value else []
+            continue
         parts.append(f"{flag(name)} {value}")
     parts += job_attack_args(spec)
     if model_arch_args(spec):

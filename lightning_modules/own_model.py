@@ -30,6 +30,7 @@ from typing import Any
 import pytorch_lightning as pl
 from pytorch_lightning.utilities.model_helpers import is_overridden
 
+from aggregators import meta_keys
 from lightning_modules.algorithms.base import ClientAlgorithmError
 from lightning_modules.options import json_arg
 
@@ -287,6 +288,13 @@ class UserSite:
         self.callback.forget_site_eval()  # not a round's evaluation
         return {k: float(v) for k, v in (results[0] if results else {}).items()}
 
+    @property
+    def withholds_scores(self) -> bool:
+        """Under DP-SGD the site's validation scores are computed on its data outside DP-SGD: they stay at the site
+        unless the job releases them, unaccounted (``--dp-release-site-scores``)."""
+        privacy = self.callback.privacy
+        return privacy is not None and not privacy.config.release_site_scores
+
     def score(self, params: Mapping[str, Any]) -> dict[str, float]:
         """The validation metrics of ``params`` on this site's validation split (a site x model table)."""
         from lightning_modules.site import LocalExchange
@@ -316,7 +324,11 @@ def run_site(args: Any) -> None:
         kind, round_num = share_from_rank_zero(next_task(flare) if rank == 0 else None)
         if kind == "stop":
             break
-        if kind == "evaluate":  # the final model, scored on this site's validation split (final_site_eval)
+        if kind == "evaluate" and site.withholds_scores:  # DP-SGD: the scores stay here, in the site's log
+            scores = site.score(flare.receive().params) if site.evaluate else {}
+            flare_api.send(flare.FLModel(metrics={}, meta={meta_keys.PRIVACY_WITHHELD: sorted(scores)}))
+            outcome = f"final model (withheld from the server under DP-SGD): {json.dumps(_scalars(scores))}"
+        elif kind == "evaluate":  # the final model, scored on this site's validation split (final_site_eval)
             scores = site.score_received(connect)
             if scores is None and rank == 0:
                 flare_api.send(flare.FLModel(metrics={}))

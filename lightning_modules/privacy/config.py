@@ -21,6 +21,7 @@ class PrivacyConfig:
     noise_multiplier: float | None = None
     delta: float = 1e-5
     target_epsilon: float | None = None
+    release_site_scores: bool = False  # eval.* and the final scores leave the site, unaccounted (the job says so)
 
     def __post_init__(self) -> None:
         problem = privacy_config_problem(self.max_grad_norm, self.noise_multiplier, self.delta, self.target_epsilon)
@@ -39,6 +40,7 @@ class PrivacyConfig:
             noise_multiplier=sigma,
             delta=getattr(args, "dp_delta", 1e-5),
             target_epsilon=target,
+            release_site_scores=bool(getattr(args, "dp_release_site_scores", False)),
         )
 
 

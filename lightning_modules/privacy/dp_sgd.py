@@ -38,7 +38,7 @@ from lightning_modules.algorithms.errors import ClientAlgorithmError
 from lightning_modules.privacy.accountant import AccountantUnavailable, noise_for_budget
 from lightning_modules.privacy.config import PRIVACY_EXTRA, PrivacyConfig
 from lightning_modules.privacy.ledger import Ledger, privacy_meta, read_ledger, segments_text, write_ledger
-from lightning_modules.privacy.release import release
+from lightning_modules.privacy.release import SITE_SCORES, release, unaccounted_keys
 from lightning_modules.privacy.secret import SECURE_NOISE, is_secret, secret_generator
 from lightning_modules.state_store import ClientStateStore
 
@@ -297,9 +297,12 @@ class DPSGD:
         ledger = self._ledger.spend(self._rate, self._sigma, self._steps)
         write_ledger(self.state_store, ledger, int(round_num or 0))
         self._ledger = None
-        kept, withheld = release(meta)
+        kept, withheld = release(meta, [SITE_SCORES] if self.config.release_site_scores else [])
+        unaccounted = unaccounted_keys(kept)
         kept.update(privacy_meta(ledger, self.config.max_grad_norm))
         kept[meta_keys.PRIVACY_WITHHELD] = withheld
+        if unaccounted:
+            kept[meta_keys.PRIVACY_UNACCOUNTED] = unaccounted
         return kept
 
     def close(self) -> None:

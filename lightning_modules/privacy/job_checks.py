@@ -9,7 +9,7 @@ from typing import Any
 
 from lightning_modules.privacy.config import PRIVACY_EXTRA, privacy_config_problem
 
-DP_FIELDS = ("dp_noise_multiplier", "dp_max_grad_norm", "dp_target_epsilon")
+DP_FIELDS = ("dp_noise_multiplier", "dp_max_grad_norm", "dp_target_epsilon", "dp_release_site_scores")
 
 
 def is_private(spec: Any) -> bool:
@@ -20,7 +20,7 @@ def privacy_problem(spec: Any, algorithm: Any, build_model: Callable[[], Any]) -
     """Why the job's DP settings cannot run (``None`` when DP is off and no DP setting is given, or all is well).
     ``algorithm`` is the job's client algorithm; ``build_model()`` builds the job's model (called last)."""
     if not is_private(spec):
-        given = [name for name in DP_FIELDS if getattr(spec, name) is not None]
+        given = [name for name in DP_FIELDS if getattr(spec, name, None) not in (None, False)]
         return f"{given[0]} is set but DP-SGD is off: give dp_noise_multiplier or dp_target_epsilon" if given else None
     problem = privacy_config_problem(
         spec.dp_max_grad_norm, spec.dp_noise_multiplier, spec.dp_delta, spec.dp_target_epsilon

@@ -14,7 +14,7 @@ the bundle's client algorithms send appears in it, and docs/privacy.md shows the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any, Literal
@@ -58,7 +58,12 @@ RELEASED: tuple[Item, ...] = (
     Item("attack.*", "simulated attacks (experiments): whether and how this site attacked", "public"),
     Item(meta_keys.TRAIN_LOSS, "mean training loss: computed on the data outside DP", "withheld"),
     Item("train.*", "the module's own round metrics (training accuracy, ...): computed on the data", "withheld"),
-    Item("eval.*", "scores of the global or personal model on the site's validation data", "withheld"),
+    Item(
+        "eval.*",
+        "scores of the global or personal model on the site's validation data (sent, unaccounted, only with "
+        "--dp-release-site-scores)",
+        "withheld",
+    ),
     Item("*", "anything else (a user's algorithm's meta): unknown, so withheld", "withheld"),
 )
 
@@ -68,7 +73,21 @@ def status_of(key: str) -> Item:
     return next(item for item in RELEASED if fnmatchcase(key, item.pattern))
 
 
-def release(meta: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """The meta a DP site sends (everything whose status is not ``withheld``) and the sorted withheld keys."""
-    kept = {key: value for key, value in meta.items() if status_of(key).status != "withheld"}
+#: What ``--dp-release-site-scores`` lets leave a DP site although no epsilon covers it.
+SITE_SCORES = "eval.*"
+
+
+def release(meta: Mapping[str, Any], unaccounted: Sequence[str] = ()) -> tuple[dict[str, Any], list[str]]:
+    """The meta a DP site sends (everything whose status is not ``withheld``, and the withheld keys matching a
+    pattern of ``unaccounted``, which the job chose to release) and the sorted withheld keys."""
+
+    def sent(key: str) -> bool:
+        return status_of(key).status != "withheld" or any(fnmatchcase(key, p) for p in unaccounted)
+
+    kept = {key: value for key, value in meta.items() if sent(key)}
     return kept, sorted(set(meta) - set(kept))
+
+
+def unaccounted_keys(meta: Mapping[str, Any]) -> list[str]:
+    """The keys of ``meta`` that leave the site with no epsilon covering them (status ``withheld``)."""
+    return sorted(key for key in meta if status_of(key).status == "withheld")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -19,7 +20,7 @@ from lightning_modules.privacy import PrivacyConfig
 from lightning_modules.privacy.accountant import Segment, epsilon, noise_for_budget
 from lightning_modules.privacy.dp_sgd import DPSGD, PrivacyBudgetExhausted, poisson_loader
 from lightning_modules.privacy.ledger import LEDGER_NAME, LedgerError
-from lightning_modules.privacy.release import RELEASED, release, status_of
+from lightning_modules.privacy.release import RELEASED, SITE_SCORES, release, status_of, unaccounted_keys
 from lightning_modules.state_store import ClientStateStore
 
 SITE, RUN = "site-1", "run-a"
@@ -357,3 +358,57 @@ def test_an_empty_poisson_batch_takes_a_noise_only_step_in_the_built_in_classifi
     x, y = torch.rand(4, 64), torch.randint(0, 10, (4,))
     fit(module, torch.utils.data.TensorDataset(x, y), dpsgd(tmp_path, sigma=1.0, clip=1.0), round_meta(0), 1, 3)
     assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def test_site_scores_leave_a_dp_site_only_when_the_job_releases_them_unaccounted():
+    meta = {meta_keys.NUM_SAMPLES: 10, "eval.val_accuracy": 0.8, meta_keys.TRAIN_LOSS: 0.3}
+    kept, withheld = release(meta, [SITE_SCORES])
+    assert set(kept) == {meta_keys.NUM_SAMPLES, "eval.val_accuracy"} and withheld == [meta_keys.TRAIN_LOSS]
+    assert unaccounted_keys(kept) == ["eval.val_accuracy"]
+
+
+@pytest.mark.parametrize("released", [False, True])
+def test_a_dp_site_keeps_its_validation_scores_unless_the_job_names_the_unaccounted_release(tmp_path, released):
+    from controllers.in_process import site_args
+    from jobs.spec import JobSpec
+    from lightning_modules.classifier import FLClassifier
+    from lightning_modules.site import build_site_round
+
+    spec = JobSpec(
+        name="scores",
+        dataset="digits",
+        arch="mlp",
+        site_val_fraction=0.25,
+        dp_noise_multiplier=1.0,
+        dp_max_grad_norm=1.0,
+        dp_release_site_scores=released,
+    )
+    args = site_args(spec)
+    args.accelerator = "cpu"
+    x, y = np.random.default_rng(0).random((40, 64), dtype=np.float32), np.arange(40) % 10
+    site = build_site_round(args, SITE, 0, x, y, 10, ClientStateStore(tmp_path, SITE))
+    start = {k: v.numpy().copy() for k, v in FLClassifier(arch="mlp", init_seed=0).state_dict().items()}
+    _, meta = site.train(0, start, round_meta(0))
+    scores = sorted(key for key in meta if key.startswith("eval."))
+    if released:
+        assert scores and meta[meta_keys.PRIVACY_UNACCOUNTED] == scores
+    else:
+        assert scores == [] and meta_keys.PRIVACY_UNACCOUNTED not in meta
+        assert {"eval.val_accuracy", "eval.val_loss"} <= set(meta[meta_keys.PRIVACY_WITHHELD])
+
+
+def test_releasing_site_scores_without_dp_is_refused_at_build_time():
+    from jobs.settings import JobBuildError
+    from jobs.spec import JobSpec
+
+    with pytest.raises(JobBuildError, match="dp_release_site_scores is set but DP-SGD is off"):
+        JobSpec(name="scores", dataset="digits", arch="mlp", dp_release_site_scores=True)
+
+
+def test_the_server_records_which_final_scores_a_dp_site_withheld():
+    from types import SimpleNamespace
+
+    from controllers.fedalg_controller import withheld_scores
+
+    assert withheld_scores(SimpleNamespace(meta={meta_keys.PRIVACY_WITHHELD: ["val_accuracy"]})) == ["val_accuracy"]
+    assert withheld_scores(SimpleNamespace(meta=None)) == () == withheld_scores(SimpleNamespace())
