@@ -210,6 +210,12 @@ def site_requirements(spec: JobSpec) -> str:
             "# DP-SGD (--dp-*): every site needs the bundle's privacy extra.",
             *project["optional-dependencies"]["privacy"],
         ]
+    if spec.secure_aggregation == "he":
+        # NVFlare's HE components import TenSEAL, an optional extra of the bundle (docs/deployment.md).
+        lines += [
+            "# Secure aggregation (--secure-aggregation he): the server and every site need the bundle's he extra.",
+            *project["optional-dependencies"]["he"],
+        ]
     if spec.devices > 1:
         lines.append("# --devices: the sites start the client with torch.distributed.run (part of torch).")
     shipped = [folder.name for folder in shipped_folders(spec)] if spec.model is not None else []

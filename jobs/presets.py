@@ -91,6 +91,9 @@ PRESET_SETTINGS: dict[str, dict[str, Any]] = {
         dp_target_epsilon=8.0,
         dp_max_grad_norm=1.0,
     ),
+    # Secure aggregation (docs/deployment.md, "Secure aggregation (HE)"): FedAvg through NVFlare's HE components, for
+    # kits provisioned with HEBuilder (make poc POC_JOB=jobs/fedavg_he); not for the simulator.
+    "fedavg_he": dict(secure_aggregation="he"),
     # Attack-adaptive aggregation (docs/robustness.md): the shipped LeNet-5 attention checkpoint, 10 sites.
     "attack_adaptive": dict(
         server="attack_adaptive",
@@ -119,8 +122,13 @@ class Presets(Mapping[str, JobSpec]):
         return len(self._settings)
 
     def with_builtin_model(self) -> list[str]:
-        """The presets of the bundle's own model and datasets (the ones a comparison grid can re-run)."""
-        return [name for name, settings in self._settings.items() if "model" not in settings]
+        """The presets of the bundle's own model and datasets (the ones a comparison grid can re-run in the simulator:
+        not the HE job, which needs provisioned kits)."""
+        return [
+            name
+            for name, settings in self._settings.items()
+            if "model" not in settings and settings.get("secure_aggregation", "none") != "he"
+        ]
 
 
 PRESETS = Presets(PRESET_SETTINGS)

@@ -88,8 +88,8 @@ def secure_aggregation_problem(spec: Any) -> str | None:
         return f"{who} with server '{spec.server}': the rule {reason}; allowed: {', '.join(SUM_RULES)}"
     if spec.server_args:
         return (
-            f"{who}: server_args {spec.server_args}: NVFlare's accumulating aggregator forms the plain weighted mean "
-            "(server_lr 1) and takes no rule arguments; leave server_args empty"
+            f"{who}: server_args: NVFlare's accumulating aggregator forms the plain weighted mean (server_lr 1) and "
+            f"takes no rule arguments, got {spec.server_args}"
         )
     if spec.client not in SUM_CLIENTS:
         reason = CLIENT_REFUSALS.get(spec.client, "is not checked with the sum workflow")

@@ -1,0 +1,197 @@
+"""``--secure-aggregation he``: what is refused at build time (one line, naming the setting and why), what the
+exported job wires (NVFlare's HE components, as NVFlare's own FedAvgRecipeWithHE does), the loopback project with
+HEBuilder, and a site's decryption of the saved global model. The run itself: tests/e2e/test_e2e_secure_aggregation.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from aggregators.registry import RULES
+from jobs.build import JOBS_DIR, JobBuildError, JobSpec, export_job, main
+from jobs.secure_aggregation import (
+    CLIENT_REFUSALS,
+    HE_COMPONENTS,
+    RULE_REFUSALS,
+    SUM_CLIENTS,
+    SUM_RULES,
+    is_he_job,
+)
+from lightning_modules.algorithms import CLIENT_ALGORITHMS
+
+
+def _paths(config: object) -> list[str]:
+    """Every component class path named anywhere in a config, in order."""
+    if isinstance(config, dict):
+        own = [config["path"]] if isinstance(config.get("path"), str) else []
+        return own + [p for value in config.values() for p in _paths(value)]
+    if isinstance(config, list):
+        return [p for value in config for p in _paths(value)]
+    return []
+
+
+def _configs(job_dir: Path) -> tuple[dict, dict]:
+    config = job_dir / "app" / "config"
+    return tuple(json.loads((config / f"config_fed_{side}.json").read_text()) for side in ("server", "client"))
+
+
+def test_every_rule_is_admitted_or_refused_with_its_reason():
+    assert set(RULE_REFUSALS) == set(RULES) - set(SUM_RULES)
+    assert set(CLIENT_REFUSALS) == set(CLIENT_ALGORITHMS) - set(SUM_CLIENTS)
+
+
+@pytest.mark.parametrize("rule", sorted(RULE_REFUSALS))
+def test_a_rule_that_needs_individual_updates_is_refused(rule):
+    with pytest.raises(JobBuildError) as refused:
+        JobSpec(name="he", server=rule, secure_aggregation="he")
+    message = str(refused.value)
+    assert message.startswith(f"secure_aggregation 'he' with server '{rule}': the rule {RULE_REFUSALS[rule]}")
+    assert message.endswith("allowed: fedavg") and "\n" not in message
+
+
+@pytest.mark.parametrize("client", sorted(CLIENT_REFUSALS))
+def test_a_client_algorithm_that_needs_the_bundles_controller_is_refused(client):
+    with pytest.raises(JobBuildError, match=rf"^secure_aggregation 'he' with client '{client}': the algorithm "):
+        JobSpec(name="he", client=client, secure_aggregation="he")
+
+
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [
+        ({"server_args": {"server_lr": 0.5}}, "server_args"),
+        ({"dp_target_epsilon": 8.0, "dp_max_grad_norm": 1.0}, r"DP-SGD \(--dp-\*\)"),
+        ({"attack": "sign_flip", "malicious_sites": "site-1"}, "attack settings"),
+        ({"clients_per_round": 2}, "clients_per_round"),
+        ({"min_accepted": 2}, "min_accepted"),
+        ({"save_client_updates": True}, "save_client_updates"),
+        ({"max_test_samples": 100}, "max_test_samples"),
+        ({"local_keys": "net.fc3.*"}, "local_keys"),
+    ],
+)
+def test_settings_the_sum_workflow_cannot_carry_are_refused_by_name(settings, named):
+    for mode in ("he", "plain"):
+        with pytest.raises(JobBuildError, match=rf"^secure_aggregation '{mode}': {named}: "):
+            JobSpec(name="he", secure_aggregation=mode, **settings)
+
+
+def test_the_builder_refuses_in_one_line(capsys):
+    assert main(["--secure-aggregation", "he", "--server", "median", "--output-dir", "/nonexistent"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: secure_aggregation 'he' with server 'median': the rule takes the coordinate-wise")
+    assert "\n" not in err
+    assert main(["--secure-aggregation", "rsa", "--output-dir", "/nonexistent"]) == 2
+    assert "unknown secure_aggregation 'rsa'; choose one of ['none', 'he', 'plain']" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("client", SUM_CLIENTS)
+def test_the_he_job_wires_nvflares_he_components_around_the_bundles_client(client, tmp_path):
+    client_args = {"mu": 0.01} if client == "fedprox" else {}
+    spec = JobSpec(name=f"he_{client}", client=client, client_args=client_args, secure_aggregation="he")
+    job = export_job(spec, tmp_path)
+    server, site = _configs(job)
+    named = _paths(server) + _paths(site)
+    assert set(HE_COMPONENTS) <= set(named)
+    assert server["workflows"][0]["path"] == "nvflare.app_common.workflows.scatter_and_gather.ScatterAndGather"
+    assert "controllers.fedalg_controller.FedAlgController" not in named
+    assert "controllers.evaluator.TestSetEvaluator" not in named  # the server never holds the model in clear
+    # The weight is set before the encryptor multiplies by it.
+    result_filters = _paths(site["task_result_filters"])
+    assert result_filters == [
+        "controllers.secure_aggregation.SampleCountWeight",
+        "nvflare.app_opt.he.model_encryptor.HEModelEncryptor",
+    ]
+    executor = site["executors"][0]["executor"]["args"]
+    assert executor["task_script_path"] == "client.py" and f"--client {client}" in executor["task_script_args"]
+    assert "tenseal" in (job / "app" / "custom" / "site_requirements.txt").read_text()
+    assert is_he_job(job)
+
+
+def test_the_plain_twin_is_the_same_workflow_without_encryption(tmp_path):
+    job = export_job(JobSpec(name="plain", secure_aggregation="plain"), tmp_path)
+    server, site = _configs(job)
+    named = _paths(server) + _paths(site)
+    assert not any(path.startswith("nvflare.app_opt.he.") for path in named)
+    assert "nvflare.app_common.aggregators.intime_accumulate_model_aggregator.InTimeAccumulateWeightedAggregator" in (
+        named
+    )
+    assert _paths(site["task_result_filters"]) == ["controllers.secure_aggregation.SampleCountWeight"]
+    assert not is_he_job(job) and not is_he_job(JOBS_DIR / "fedavg")
+
+
+def test_the_he_job_uses_the_same_nvflare_components_as_nvflares_he_recipe(tmp_path):
+    """NVFlare's FedAvgRecipeWithHE, built with the same model: every HE component and the workflow it wires, ours
+    wires too (our additions: the weight filter and the round records)."""
+    from nvflare.app_opt.pt.recipes.fedavg_he import FedAvgRecipeWithHE
+
+    from jobs.assembly import builtin_model_config, inside_directory
+
+    spec = JobSpec(name="ours", secure_aggregation="he")
+    with inside_directory(JOBS_DIR):
+        recipe = FedAvgRecipeWithHE(
+            name="nvflare_he", model=builtin_model_config(spec), min_clients=3, train_script="client.py"
+        )
+        recipe.export(str(tmp_path / "recipe"))
+    theirs = _configs(tmp_path / "recipe" / "nvflare_he")
+    ours = _configs(export_job(spec, tmp_path / "ours"))
+    for their_config, our_config in zip(theirs, ours, strict=True):
+        wanted = {p for p in _paths(their_config) if p.startswith(("nvflare.app_opt.he.", "nvflare.app_common.work"))}
+        assert wanted <= set(_paths(our_config))
+
+
+def test_the_committed_he_job_is_an_he_job_and_no_simulation_grid_runs_it():
+    from jobs.presets import PRESETS
+
+    assert PRESETS["fedavg_he"].secure_aggregation == "he" and is_he_job(JOBS_DIR / "fedavg_he")
+    assert "fedavg_he" not in PRESETS.with_builtin_model()
+
+
+def test_the_loopback_project_gets_hebuilder_before_the_signatures(tmp_path):
+    import yaml
+
+    from jobs.provision.loopback import HE_BUILDER, write_project
+
+    builders = [
+        b["path"]
+        for b in yaml.safe_load(write_project(tmp_path / "he.yml", 8002, ["a"], he=True).read_text())["builders"]
+    ]
+    assert builders.index(HE_BUILDER) == builders.index("nvflare.lighter.impl.signature.SignatureBuilder") - 1
+    plain = yaml.safe_load(write_project(tmp_path / "plain.yml", 8002, ["a"]).read_text())["builders"]
+    assert HE_BUILDER not in [b["path"] for b in plain]
+
+
+def test_the_weight_filter_sets_nvflares_weight_to_the_sample_count():
+    from nvflare.apis.dxo import DXO, DataKind, MetaKey
+
+    from aggregators import meta_keys
+    from controllers.secure_aggregation import SampleCountWeight
+
+    dxo = DXO(DataKind.WEIGHTS, data={"w": np.ones(2)}, meta={meta_keys.NUM_SAMPLES: 273})
+    assert SampleCountWeight().process_dxo(dxo, None, None).get_meta_prop(MetaKey.NUM_STEPS_CURRENT_ROUND) == 273
+    with pytest.raises(ValueError, match=r"train\.num_samples"):
+        SampleCountWeight().process_dxo(DXO(DataKind.WEIGHTS, data={"w": np.ones(2)}), None, None)
+
+
+def test_a_site_decrypts_the_saved_model_and_the_servers_context_cannot(tmp_path):
+    """The saved global model as NVFlare's HE serialize filter leaves it (serialised CKKS vectors): decrypted with a
+    site's context (secret key), refused with the server's (public part only). TenSEAL is used, not re-implemented."""
+    ts = pytest.importorskip("tenseal")
+    import torch
+
+    from jobs.secure_aggregation import decrypt_global_model
+
+    context = ts.context(ts.SCHEME_TYPE.CKKS, poly_modulus_degree=8192, coeff_mod_bit_sizes=[60, 40, 40])
+    context.global_scale = 2**40
+    weights = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
+    saved = {"model": {"w": ts.ckks_vector(context, weights.ravel().tolist()).serialize(), "b": torch.ones(2)}}
+    torch.save(saved, tmp_path / "FL_global_model.pt")
+    (tmp_path / "site.tenseal").write_bytes(context.serialize(save_secret_key=True))
+    (tmp_path / "server.tenseal").write_bytes(context.serialize(save_secret_key=False))
+    model = decrypt_global_model(tmp_path / "FL_global_model.pt", tmp_path / "site.tenseal", {"w": (3, 4), "b": (2,)})
+    np.testing.assert_allclose(model["w"], weights, atol=1e-5)
+    np.testing.assert_array_equal(model["b"], np.ones(2, np.float32))
+    with pytest.raises(ValueError, match="holds no secret key"):
+        decrypt_global_model(tmp_path / "FL_global_model.pt", tmp_path / "server.tenseal", {"w": (3, 4)})
