@@ -32,6 +32,9 @@ RUN_ID = "server.run_id"  # identifies one run of a job: client state from anoth
 # {site: last round whose aggregate included that site's result}: a site commits the state it wrote in its previous
 # round only if that round is its entry, and discards it otherwise (transactional client state).
 LAST_AGGREGATED = "server.last_aggregated"
+# {site: last round in which the server received a result from that site, aggregated or not}: a DP site that has
+# released anything keeps counting its privacy spend even when its ledger file is lost (it stops instead).
+LAST_RELEASED = "server.last_released"
 
 # SCAFFOLD (Karimireddy et al. 2020): global control c down, control change delta c_i up; fp32, trainable params only.
 SCAFFOLD_CTRL_GLOBAL = "scaffold.ctrl.global"
@@ -83,6 +86,10 @@ PRIVACY_SAMPLE_RATE = "privacy.sample_rate"
 PRIVACY_STEPS = "privacy.steps"
 PRIVACY_MAX_GRAD_NORM = "privacy.max_grad_norm"
 PRIVACY_WITHHELD = "privacy.withheld"
+#: A DP site's budget (dp_target_epsilon) and the epsilon its next round would reach: the server stops sending it
+#: rounds it cannot afford, before it trains (controllers/budget.py).
+PRIVACY_TARGET_EPSILON = "privacy.target_epsilon"
+PRIVACY_NEXT_EPSILON = "privacy.next_round_epsilon"
 #: Items a DP site sends although no epsilon covers them, because the job says so (``--dp-release-site-scores``).
 PRIVACY_UNACCOUNTED = "privacy.unaccounted"
 

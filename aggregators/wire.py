@@ -77,6 +77,9 @@ class RoundInfo:
     rule: str
     run_id: str
     last_aggregated: dict[str, int] | None = None
+    #: site -> the last round whose result from that site reached the server, aggregated or rejected (a DP site
+    #: that finds no ledger although it is named here stops: its release has been counted nowhere else).
+    last_released: dict[str, int] | None = None
 
     def to_meta(self) -> dict[str, Any]:
         meta: dict[str, Any] = {
@@ -87,6 +90,8 @@ class RoundInfo:
         }
         if self.last_aggregated is not None:
             meta[meta_keys.LAST_AGGREGATED] = dict(self.last_aggregated)
+        if self.last_released is not None:
+            meta[meta_keys.LAST_RELEASED] = dict(self.last_released)
         return meta
 
     @classmethod
@@ -102,10 +107,11 @@ class RoundInfo:
         for key in (meta_keys.AGGREGATION_RULE, meta_keys.RUN_ID):
             if not isinstance(meta.get(key), str):
                 problems[key] = f"must be text, got {meta.get(key)!r}"
-        confirmed = meta.get(meta_keys.LAST_AGGREGATED)
-        problem = None if confirmed is None else _rounds_by_site(confirmed)
-        if problem:
-            problems[meta_keys.LAST_AGGREGATED] = problem
+        confirmed, released = meta.get(meta_keys.LAST_AGGREGATED), meta.get(meta_keys.LAST_RELEASED)
+        for key, value in ((meta_keys.LAST_AGGREGATED, confirmed), (meta_keys.LAST_RELEASED, released)):
+            problem = None if value is None else _rounds_by_site(value)
+            if problem:
+                problems[key] = problem
         if problems:
             return Parsed(None, problems)
         return Parsed(
@@ -115,6 +121,7 @@ class RoundInfo:
                 meta[meta_keys.AGGREGATION_RULE],
                 meta[meta_keys.RUN_ID],
                 None if confirmed is None else {site: int(r) for site, r in confirmed.items()},
+                None if released is None else {site: int(r) for site, r in released.items()},
             )
         )
 

@@ -42,6 +42,7 @@ from aggregators import AggregationRule, ClientUpdate, RoundContext, meta_keys
 from aggregators.deltas import agreed_param_keys, leaked_local_keys, param_keys_problems, shared_entries
 from aggregators.validation import meta_problems, num_samples_problems, param_problems
 from aggregators.wire import RoundInfo
+from controllers.budget import end_of_budget_message, required_sites, spent_budget
 from controllers.checkpoint import params_digest
 from controllers.rejection import Rejection
 from controllers.sampling import clients_per_round_count, clients_per_round_problem, select_round_sites
@@ -227,6 +228,7 @@ class RoundEngine:
         rule_label: str | None = None,
         observers: Sequence[RoundObserver] = (),
         local_keys: Sequence[str] = (),
+        min_responses: int | None = None,
     ) -> None:
         if isinstance(min_accepted, bool) or not isinstance(min_accepted, int | np.integer) or min_accepted < 1:
             raise ValueError(
@@ -253,6 +255,12 @@ class RoundEngine:
         #: the client state of their previous round (transactional client state). A resumed job restores it from
         #: its checkpoint; ``None`` (a checkpoint without it): no confirmations are sent and sites commit as before.
         self.last_aggregated: dict[str, int] | None = {}
+        #: site -> the last round whose result from it reached the server (aggregated or rejected), broadcast so that
+        #: a DP site that lost its ledger after releasing something stops rather than restart its count.
+        self.last_released: dict[str, int] = {}
+        #: DP sites that cannot afford another round (controllers/budget.py), with why: they get no more rounds.
+        self.out_of_budget: dict[str, str] = {}
+        self.needed_sites = required_sites(self.min_accepted, min_responses)
 
     # -- the whole federation -------------------------------------------------------------------------------------
 
@@ -294,6 +302,11 @@ class RoundEngine:
             if should_stop():
                 host.log(logging.WARNING, f"abort requested; stopping before round {round_num + 1}")
                 break
+            remaining = len(set(population) - set(self.out_of_budget))
+            if self.out_of_budget and remaining < self.needed_sites:
+                message = end_of_budget_message(round_num, self.out_of_budget, remaining, self.needed_sites)
+                host.log(logging.ERROR, message)
+                break
             outcome = self.run_round(round_num, population, params, state, transport, host, run_id=run_id)
             params, state = outcome.params, outcome.state
         return params, state
@@ -325,6 +338,8 @@ class RoundEngine:
             record["sites"] = targets
             host.log(logging.INFO, f"round {round_num + 1}/{self.num_rounds}: training on {targets}")
             results = transport.train(round_num, targets, params, self.broadcast_meta(round_num, state, run_id))
+            self.last_released.update({result.site: round_num for result in results})
+            self.note_spent_budgets(results, round_num, host)
             updates, rejections = self.validate(results, params, state, round_num)
             shared = self.shared(params)
             for rejection in rejections:
@@ -397,7 +412,8 @@ class RoundEngine:
         plus the rule's own broadcast (e.g. SCAFFOLD's global control), which may not overwrite it."""
         rule_meta = self._call("broadcast_meta", lambda: dict(self.rule.broadcast_meta(state)))
         confirmed = None if self.last_aggregated is None else dict(self.last_aggregated)
-        info = RoundInfo(round_num, self.num_rounds, self.rule_label, run_id, last_aggregated=confirmed).to_meta()
+        released = dict(self.last_released)
+        info = RoundInfo(round_num, self.num_rounds, self.rule_label, run_id, confirmed, released).to_meta()
         clash = sorted(set(rule_meta) & set(info))
         if clash:
             raise RuleFailure(f"rule '{self.rule.name}' broadcasts the engine's round keys {clash}")
@@ -459,9 +475,20 @@ class RoundEngine:
         except Exception as exc:  # a rule's check that crashes rejects the site, never the job
             return [f"rule '{self.rule.name}' raised while checking the update: {type(exc).__name__}: {exc}"]
 
+    def note_spent_budgets(self, results: Sequence[SiteResult], round_num: int, host: Host) -> None:
+        """Record (and say once) every site whose result says it cannot afford another round."""
+        for result in results:
+            why = spent_budget(result.meta or {})
+            if why and result.site not in self.out_of_budget:
+                self.out_of_budget[result.site] = why
+                if round_num + 1 < self.num_rounds:
+                    host.log(logging.WARNING, f"{result.site} takes no more rounds: {why}")
+
     def _select(
         self, population: tuple[str, ...], state: dict[str, Any], round_num: int
     ) -> tuple[list[str], dict[str, Any]]:
+        # Sites out of privacy budget are not sampled; the rule's population (its rates, SCAFFOLD's N) is unchanged.
+        population = tuple(site for site in population if site not in self.out_of_budget)
         count = clients_per_round_count(self.clients_per_round, len(population))
         # The one site selection (controllers/sampling.py): the rule's own, else the seeded sampling.
         return self._call(

@@ -189,6 +189,7 @@ class FedAlgController(ModelController):
             num_rounds=self.num_rounds,
             clients_per_round=self.clients_per_round,
             min_accepted=self.min_accepted,
+            min_responses=self.min_responses,
             seed=self.seed,
             rule_label=self.rule,
             local_keys=self.local_keys or (),
@@ -216,6 +217,7 @@ class FedAlgController(ModelController):
             global_params, state, self._run_id = resume.global_params, resume.state, resume.run_id or self._run_id
             self._last_aggregated_round = resume.last_aggregated_round
             engine.last_aggregated = resume.last_aggregated_sites
+            engine.last_released = dict(resume.last_aggregated_sites or {})  # at least these sites have released
             population = self._population = resumed_population(self._reachable, resume.population)
             self.info(f"resuming from {self.resume_from} at round {first_round + 1}/{self.num_rounds}")
             absent = sorted(set(population) - set(self._reachable))

@@ -138,6 +138,7 @@ def run_in_process(
         num_rounds=spec.num_rounds,
         clients_per_round=spec.clients_per_round,
         min_accepted=getattr(spec, "min_accepted", 1),
+        min_responses=getattr(spec, "min_responses", None),
         seed=spec.seed,
         rule_label=spec.server,
         observers=observers,

@@ -218,6 +218,7 @@ class DPSGD:
         self._rate = math.nan
         self._sigma = math.nan
         self._steps = 0
+        self._steps_per_epoch = 0
 
     # -- set-up -------------------------------------------------------------------------------------------------
     def check_setup(self, trainer: pl.Trainer, module: nn.Module, algorithm: ClientAlgorithm) -> None:
@@ -240,7 +241,7 @@ class DPSGD:
         self._rate, round_steps = float(sampler.sample_rate), len(sampler) * int(trainer.max_epochs or 1)
         self._sigma = self._noise_multiplier(meta, len(sampler))
         self._check_budget(ledger, round_steps)
-        self._ledger, self._steps = ledger, 0
+        self._ledger, self._steps, self._steps_per_epoch = ledger, 0, len(sampler)
         self._hooks = GradSampleModule(module, batch_first=True, loss_reduction="mean")
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
         self._optimizer = DPOptimizer(
@@ -300,10 +301,22 @@ class DPSGD:
         kept, withheld = release(meta, [SITE_SCORES] if self.config.release_site_scores else [])
         unaccounted = unaccounted_keys(kept)
         kept.update(privacy_meta(ledger, self.config.max_grad_norm))
+        kept.update(self.budget_meta(ledger))
         kept[meta_keys.PRIVACY_WITHHELD] = withheld
         if unaccounted:
             kept[meta_keys.PRIVACY_UNACCOUNTED] = unaccounted
         return kept
+
+    def budget_meta(self, ledger: Ledger) -> dict[str, float]:
+        """The budget and the epsilon the next round (the most epochs it may take) would reach, so that the server
+        sends no round this site cannot afford (controllers/budget.py); nothing without a budget."""
+        if self.config.target_epsilon is None:
+            return {}
+        after = ledger.spend(self._rate, self._sigma, self.planned_epochs * self._steps_per_epoch)
+        return {
+            meta_keys.PRIVACY_TARGET_EPSILON: float(self.config.target_epsilon),
+            meta_keys.PRIVACY_NEXT_EPSILON: after.epsilon(),
+        }
 
     def close(self) -> None:
         """Remove Opacus's hooks and attributes from the module (the next round, or a validation, runs without)."""

@@ -6,9 +6,9 @@ result leaves the site, and it is **not** transactional like the algorithms' sta
 a result the server rejects has still left the site, so its steps stay spent.
 
 Losing the ledger is a privacy incident: starting the count at zero again would report an epsilon smaller than
-the one the site has spent. So a site that has trained before (the server's ``server.last_aggregated`` names it, or
-the round is not the job's first) and finds no ledger, or a corrupt one, stops with :class:`LedgerError` naming the
-site and the file; it never trains on.
+the one the site has spent. So a site that has released anything before (the server's ``server.last_released`` or
+``server.last_aggregated`` names it: a result of this site reached the server, aggregated or rejected) and finds no
+ledger, or a corrupt one, stops with :class:`LedgerError` naming the site and the file; it never trains on.
 """
 
 from __future__ import annotations
@@ -97,9 +97,12 @@ def _segment(index: int, row: Any) -> Segment:
 
 
 def trained_before(site: str, meta: Mapping[str, Any]) -> bool:
-    """Whether the server's meta says this site has had a result aggregated in this run (so it has a ledger)."""
-    confirmed = meta.get(meta_keys.LAST_AGGREGATED)
-    return isinstance(confirmed, Mapping) and site in confirmed
+    """Whether the server's meta says a result of this site reached it in this run, aggregated or not (so the site
+    has released something and must have a ledger)."""
+    return any(
+        isinstance(named, Mapping) and site in named
+        for named in (meta.get(meta_keys.LAST_AGGREGATED), meta.get(meta_keys.LAST_RELEASED))
+    )
 
 
 def read_ledger(store: ClientStateStore | None, site: str, meta: Mapping[str, Any], delta: float) -> Ledger:
@@ -122,7 +125,7 @@ def read_ledger(store: ClientStateStore | None, site: str, meta: Mapping[str, An
     if ledger is None or ledger.run_id != run_id:
         if trained_before(site, meta):
             raise LedgerError(
-                f"{site}: privacy ledger {where} is missing although the server aggregated this site's results "
+                f"{site}: privacy ledger {where} is missing although the server received this site's results "
                 f"(run {run_id}); this site stops: restarting the count at zero would under-report the privacy it "
                 "has spent. Restore the ledger from a backup"
             )

@@ -34,8 +34,8 @@ def test_every_broadcast_parses_as_the_round_info_the_engine_built(monkeypatch):
     parsed = [RoundInfo.from_meta(meta) for meta in received]
     assert all(p.ok for p in parsed), [p.problems for p in parsed]
     assert [p.value for p in parsed] == [
-        RoundInfo(0, 2, "scaffold-job", "r9", last_aggregated={}),
-        RoundInfo(1, 2, "scaffold-job", "r9", last_aggregated={"site-1": 0}),
+        RoundInfo(0, 2, "scaffold-job", "r9", last_aggregated={}, last_released={}),
+        RoundInfo(1, 2, "scaffold-job", "r9", last_aggregated={"site-1": 0}, last_released={"site-1": 0}),
     ]
     assert [b.round for b in built] == [0, 1]  # the engine built them with the wire contract's class
     assert meta_keys.SCAFFOLD_CTRL_GLOBAL in received[0]  # the rule's own broadcast travels beside it
@@ -46,4 +46,4 @@ def test_without_confirmations_the_broadcast_has_no_last_aggregated_map():
     engine.last_aggregated = None  # a job resumed from a checkpoint that predates the map
     meta = engine.broadcast_meta(1, {}, "r")
     assert meta_keys.LAST_AGGREGATED not in meta
-    assert RoundInfo.from_meta(meta).value == RoundInfo(1, 3, "fedavg", "r")
+    assert RoundInfo.from_meta(meta).value == RoundInfo(1, 3, "fedavg", "r", last_released={})

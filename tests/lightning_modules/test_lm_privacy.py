@@ -228,7 +228,7 @@ def test_a_missing_or_corrupt_ledger_stops_the_site_and_never_restarts_at_zero(t
     ):
         fit(Linear(), dataset, dpsgd(tmp_path, sigma=1.0, clip=1.0), round_meta(1, aggregated=True), 8)
     ledger_file.unlink()
-    with pytest.raises(LedgerError, match=r"site-1: privacy ledger .* is missing although the server aggregated"):
+    with pytest.raises(LedgerError, match=r"site-1: privacy ledger .* is missing although the server received"):
         fit(Linear(), dataset, dpsgd(tmp_path, sigma=1.0, clip=1.0), round_meta(1, aggregated=True), 8)
     assert not ledger_file.exists()  # nothing was written: the count was not restarted
 
@@ -259,6 +259,11 @@ def test_a_target_epsilon_calibrates_sigma_for_the_planned_rounds(tmp_path):
         )
     assert meta[meta_keys.PRIVACY_STEPS] == 15
     assert target * 0.99 < meta[meta_keys.PRIVACY_EPSILON] <= target
+    # The site tells the server its budget and what a fourth round (5 more steps) would reach: over the budget.
+    sigma = meta[meta_keys.PRIVACY_NOISE_MULTIPLIER]
+    assert meta[meta_keys.PRIVACY_TARGET_EPSILON] == target
+    assert meta[meta_keys.PRIVACY_NEXT_EPSILON] == pytest.approx(epsilon([Segment(0.2, sigma, 20)], 1e-5), rel=1e-12)
+    assert meta[meta_keys.PRIVACY_NEXT_EPSILON] > target
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
@@ -286,7 +291,8 @@ def test_every_meta_key_the_bundle_sends_has_a_status():
 
     sent = {value for name, value in vars(meta_keys).items() if name.isupper() and isinstance(value, str)}
     sent -= {meta_keys.ROUND, meta_keys.NUM_ROUNDS, meta_keys.AGGREGATION_RULE, meta_keys.RUN_ID}
-    sent -= {meta_keys.LAST_AGGREGATED, meta_keys.SCAFFOLD_CTRL_GLOBAL, meta_keys.FEDDYN_ALPHA}  # server -> client
+    sent -= {meta_keys.LAST_AGGREGATED, meta_keys.LAST_RELEASED, meta_keys.SCAFFOLD_CTRL_GLOBAL}  # server -> client
+    sent -= {meta_keys.FEDDYN_ALPHA}
     sent |= {key for cls in CLIENT_ALGORITHMS.values() for key in cls.sent_meta}
     unknown = sorted(key for key in sent if status_of(key).pattern == "*")
     assert unknown == [], f"add these keys to lightning_modules/privacy/release.py RELEASED: {unknown}"
