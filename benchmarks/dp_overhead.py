@@ -11,6 +11,12 @@ Models: ``lenet5`` (the built-in classifier on 28x28 images) and ``cnn_transform
 with ``attention="linear"``, 127 SNPs, the DP-SGD-ready variant; its non-private row uses the same variant, so the
 ratio is DP-SGD's cost alone).
 
+``--noise`` measures the noise alone, in one process: the milliseconds per step of drawing one step's Gaussian noise
+for every trainable parameter of each model, three ways, interleaved: from torch's global generator (what DP-SGD
+drew from before its noise was made secret), from a generator seeded with the operating system's entropy
+(lightning_modules/privacy/secret.py), and that generator with Opacus's floating-point-robust sampling (what a site
+draws now); ratios against the first.
+
 Run: ``python -m benchmarks.dp_overhead --out benchmarks/results/dp_overhead.md``; on a CUDA GPU add ``--device gpu``
 (and ``--precision bf16-mixed`` for the consortium's precision): steps are then timed with the device synchronized,
 and the table adds the GPU's peak allocated memory.
@@ -147,6 +153,50 @@ def measure_one(
     }
 
 
+NOISE_WAYS = ("global generator", "secret generator", "secret + robust sampling")
+
+
+def noise_seconds(model: str, repeats: int, device: str = "cpu") -> dict[str, float]:
+    """Median seconds to draw one step's noise for ``model``'s trainable parameters, per way of :data:`NOISE_WAYS`
+    (interleaved, after one warm-up round)."""
+    import torch
+    from opacus.optimizers.optimizer import _generate_noise
+
+    from lightning_modules.privacy.secret import secret_generator
+
+    torch.set_num_threads(1)
+    target = "cuda" if device == "gpu" else "cpu"
+    params = [p.to(target) for p in build(model, 1)[0].parameters() if p.requires_grad]
+    secret = secret_generator(params[0].device)
+    ways = {
+        NOISE_WAYS[0]: lambda: [_generate_noise(1.0, p, None, False) for p in params],
+        NOISE_WAYS[1]: lambda: [_generate_noise(1.0, p, secret, False) for p in params],
+        NOISE_WAYS[2]: lambda: [_generate_noise(1.0, p, secret, True) for p in params],
+    }
+    times: dict[str, list[float]] = {way: [] for way in ways}
+    for round_index in range(repeats + 1):
+        for way, draw in ways.items():
+            start = time.perf_counter()
+            draw()
+            if target == "cuda":
+                torch.cuda.synchronize()
+            if round_index:  # the first round warms up
+                times[way].append(time.perf_counter() - start)
+    return {way: statistics.median(values) for way, values in times.items()}
+
+
+def noise_table(models: list[str], repeats: int, device: str) -> str:
+    lines = ["| model | " + " | ".join(f"ms/step, {way}" for way in NOISE_WAYS) + " | ratios to the first |"]
+    lines.append("|---|" + "---|" * (len(NOISE_WAYS) + 1))
+    for model in models:
+        seconds = noise_seconds(model, repeats, device)
+        base = seconds[NOISE_WAYS[0]]
+        cells = " | ".join(f"{1000 * seconds[way]:.3f}" for way in NOISE_WAYS)
+        ratios = " / ".join(f"{seconds[way] / base:.2f}" for way in NOISE_WAYS[1:])
+        lines.append(f"| {model} | {cells} | {ratios} |")
+    return "\n".join(lines) + f"\n\n{repeats} interleaved draws per cell, one torch thread; {device_label(device)}\n"
+
+
 def run_child(model: str, private: bool, args: argparse.Namespace) -> dict[str, Any]:
     command = [sys.executable, "-m", "benchmarks.dp_overhead", "--child", model, "1" if private else "0"]
     command += ["--samples", str(args.samples), "--batch-size", str(args.batch_size), "--epochs", str(args.epochs)]
@@ -203,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu", help="gpu: a CUDA GPU (default: cpu)")
     parser.add_argument("--precision", choices=("32-true", "bf16-mixed"), default="32-true")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--noise", action="store_true", help="measure the noise draws alone (module docstring)")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "PRIVATE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -219,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
                 args.precision,
             )
         print(json.dumps(result))
+        return 0
+    if args.noise:
+        print(noise_table(args.models, max(args.repeats, 50), args.device))
         return 0
     results: dict[tuple[str, bool], list[dict[str, Any]]] = {}
     for _ in range(args.repeats):

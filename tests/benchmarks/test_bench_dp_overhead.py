@@ -25,3 +25,12 @@ def test_the_table_shows_the_ratio_of_medians():
         models=["lenet5"], samples=64, batch_size=32, epochs=2, repeats=1, device="cpu", precision="32-true"
     )
     assert "| lenet5 | 10.00 | 30.00 | 3.00 | 100 | 120 |" in table(rows, args)
+
+
+def test_the_noise_table_times_every_way_of_drawing_against_the_global_generator():
+    from benchmarks.dp_overhead import NOISE_WAYS, noise_seconds, noise_table
+
+    seconds = noise_seconds("lenet5", repeats=2)
+    assert set(seconds) == set(NOISE_WAYS) and all(value > 0 for value in seconds.values())
+    text = noise_table(["lenet5"], repeats=2, device="cpu")
+    assert text.startswith("| model | ms/step, global generator |") and "| lenet5 |" in text
