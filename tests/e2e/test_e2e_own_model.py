@@ -154,3 +154,20 @@ def test_sites_training_with_two_ddp_processes_each_run_under_the_simulator(tmp_
         # The committed c_i and the last round's pending one (confirmed by a next round that never comes).
         files = sorted(p.name for p in (tmp_path / "ws" / site).rglob("scaffold.*"))
         assert files == ["scaffold.pending", "scaffold.state"], files
+
+
+@pytest.mark.slow
+def test_under_dp_sgd_the_final_site_scores_stay_at_the_sites(tmp_path):
+    """--final-site-eval with DP-SGD: every site scores the final model in its own log and sends the server only
+    the names of what it withheld; nothing of a site's validation data reaches the server's records."""
+    options = ["--client", "fedavg", "--server", "fedavg", *OWN_MODEL, "--data", "custom_model.data:DigitsSites"]
+    options += ["--final-site-eval", "--dp-noise-multiplier", "1.0", "--dp-max-grad-norm", "1.0"]
+    rounds = build_and_simulate(tmp_path, "own_dp", options)
+    assert "site_eval" not in rounds[-1] or not rounds[-1]["site_eval"]  # eval.* withheld every round
+    final = json.loads((tmp_path / "ws" / report.FINAL_SCORES).read_text())
+    assert final["sites"] == {site: {} for site in ("site-1", "site-2", "site-3")}
+    assert {site: "val_accuracy" in names for site, names in final["withheld"].items()} == {
+        "site-1": True,
+        "site-2": True,
+        "site-3": True,
+    }
