@@ -1,6 +1,7 @@
 """``python -m data_prep.genotypes harmonise``: a site's VCF/BCF/PLINK file -> the consortium's matrix (``.npz``) and a
 JSON report; ``python -m data_prep.genotypes qc-job``: export the federated QC job (``federated_qc``; its
-``--min-site-people`` is the smallest site allowed to send its counts);
+``--min-site-people`` is the smallest site allowed to send its counts, ``--secure-aggregation he`` keeps every site's
+counts and their sum from the server);
 ``python -m data_prep.genotypes simulate-sites``: a simulated consortium as per-site genotype files (``simulate``).
 
 ``OUT.npz`` holds ``genotypes`` (int8, people x table SNPs, copies of the table's alt allele, 3 = missing or
@@ -54,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=MIN_SITE_PEOPLE,
         help="smallest site allowed to send its counts (a site below refuses; so does the server); docs/genomics.md",
     )
+    qc_job.add_argument(
+        "--secure-aggregation",
+        choices=("none", "he"),
+        default="none",
+        help="he: the sites encrypt their counts (TenSEAL CKKS contexts from NVFlare's HEBuilder), the server only "
+        "adds ciphertexts, every site decrypts the sum and filters; needs a provisioned deployment; docs/genomics.md",
+    )
     simulate = commands.add_parser("simulate-sites", help="an msprime cohort as per-site genotype files (simulate)")
     simulate.add_argument("--out", required=True, type=Path, help="the folder to write into")
     simulate.add_argument("--snps", type=int, default=10_000)
@@ -95,11 +103,16 @@ def _qc_job(args: argparse.Namespace) -> int:
 
     try:
         thresholds = QcThresholds(args.min_call_rate, args.min_maf)
-        job = export_qc_job(args.output_dir, thresholds, args.num_sites, args.name, args.min_site_people)
+        job = export_qc_job(
+            args.output_dir, thresholds, args.num_sites, args.name, args.min_site_people, args.secure_aggregation
+        )
     except DataPrepError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {job}: run it with nvflare simulator {job} -w <workspace> -n {args.num_sites}")
+    if args.secure_aggregation == "he":  # the simulator has no startup kits, hence no TenSEAL contexts
+        print(f"wrote {job}: submit it to a deployment provisioned with NVFlare's HEBuilder (docs/genomics.md)")
+    else:
+        print(f"wrote {job}: run it with nvflare simulator {job} -w <workspace> -n {args.num_sites}")
     return 0
 
 

@@ -14,9 +14,18 @@
 What leaves a site: per-SNP genotype counts are summary statistics, not anonymous aggregates. Whoever sees one
 site's counts (the server, and anyone with access to its memory or logs) can test whether a given person is in that
 site (a Homer-style membership test; ``benchmarks/homer.py``), and a one-person site's counts are that person's
-genotypes. The QC itself needs only the sum over sites. With the plain NVFlare job exported here the server does see
-each site's counts; keeping them from it needs secure aggregation of the sum (e.g. homomorphic encryption), which
-would replace :func:`combine_counts`, the one place per-site counts are read; everything after it takes the sum.
+genotypes. The QC itself needs only the sum over sites. With the default job (``secure_aggregation="none"``) the
+server does see each site's counts.
+
+With ``secure_aggregation="he"`` (``qc-job --secure-aggregation he``; a deployment provisioned with NVFlare's
+``HEBuilder``) each site encrypts its counts with its TenSEAL CKKS context, the server only adds the ciphertexts
+(``secure_qc.add_encrypted_counts``; its context has no secret key) and sends the encrypted sum back, and every site
+decrypts it, rounds it, and runs :func:`global_qc` itself with the thresholds from its own script arguments: the same
+ciphertext, the same key and a deterministic filter give every site the same keep-mask. ``qc_report.json`` is then
+written at each site, beside its filtered table; the server's names the sites and the settings only. The server can
+no longer count a site's people, so the site's own ``min_site_people`` refusal is the only size check. Every site
+holds the secret key and sees the sum, so the job needs :data:`HE_MIN_SITES` sites (with two, the sum less a site's
+own counts is the other site's counts).
 
 The site's data comes from the same settings as training: ``$FEDALG_SITE_GENOTYPES`` (a genotype file or harmonised
 ``.npz``, ``{site}`` replaced by the site's name) and ``$FEDALG_SNP_TABLE``.
@@ -31,6 +40,7 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from nvflare.app_common.abstract.fl_model import FLModel
@@ -48,13 +58,20 @@ from data_prep.genotypes.qc import (
     summary,
 )
 
+if TYPE_CHECKING:  # TenSEAL is the optional 'he' extra: imported only where a job uses it
+    import tenseal as ts
+
 __all__ = [
     "CLEAR_COUNTS_WARNING",
+    "HE_COUNTS_NOTE",
+    "HE_MIN_SITES",
     "QC_TABLE",
+    "SECURE_AGGREGATION",
     "GenotypeQcController",
     "combine_counts",
     "export_qc_job",
     "global_qc",
+    "he_server_report",
     "qc_report",
     "site_main",
 ]
@@ -67,6 +84,43 @@ CLEAR_COUNTS_WARNING = (
     "federated QC: each site's per-SNP genotype counts are visible to the server unless the deployment uses secure "
     "aggregation; they reveal whether a given person is in a site (Homer-style test), and only their sum is used"
 )
+HE_COUNTS_NOTE = (
+    "federated QC with secure_aggregation 'he': the server adds the sites' encrypted counts and sees neither a site's "
+    "counts nor their sum (its TenSEAL context holds no secret key); it cannot count a site's people either, so each "
+    "site's own min_site_people refusal is the only size check"
+)
+#: ``--secure-aggregation`` values: ``none`` (the server sums counts in the clear) or ``he`` (module docstring).
+SECURE_AGGREGATION = ("none", "he")
+#: Fewest sites an HE QC job runs with: every site decrypts the sum, and the sum of two sites less one's own counts
+#: is the other site's counts exactly.
+HE_MIN_SITES = 3
+ENCRYPTED_COUNTS, ENCRYPTED_SUM = "counts_he", "sum_he"
+
+
+def check_secure_aggregation(value: object) -> str:
+    """The job's ``secure_aggregation`` setting, refused unless it is one of :data:`SECURE_AGGREGATION`."""
+    if value not in SECURE_AGGREGATION:
+        raise DataPrepError(f"QC: secure_aggregation must be one of {', '.join(SECURE_AGGREGATION)}, got {value!r}")
+    return str(value)
+
+
+def check_he_sites(sites: int, what: str) -> None:
+    """Refuse an HE QC over fewer than :data:`HE_MIN_SITES` sites (``what``: where the number comes from)."""
+    if sites < HE_MIN_SITES:
+        raise DataPrepError(
+            f"federated QC: secure_aggregation 'he' with {sites} site{'s' if sites != 1 else ''} ({what}): every site "
+            "decrypts the sum, and the sum less its own counts is the other sites' pooled counts, one site's counts "
+            f"when there are two; allowed: {HE_MIN_SITES} sites or more"
+        )
+
+
+def to_wire(blob: bytes) -> np.ndarray:
+    """Serialised ciphertexts as a uint8 array: the job exchanges numpy parameters (FrameworkType.NUMPY)."""
+    return np.frombuffer(blob, dtype=np.uint8)
+
+
+def from_wire(array: object) -> bytes:
+    return np.asarray(array, dtype=np.uint8).tobytes()
 
 
 def combine_counts(
@@ -119,14 +173,11 @@ def qc_report(
     sites: Sequence[str],
     min_site_people: int | None = None,
 ):
-    """What the server writes: thresholds, sites, kept SNPs and the global summaries (before the filter), all from
-    the summed ``counts``; no per-site figure."""
-    settings: dict[str, object] = {"min_call_rate": thresholds.min_call_rate, "min_maf": thresholds.min_maf}
-    if min_site_people is not None:
-        settings["min_site_people"] = min_site_people
+    """What the server writes (under HE: each site): thresholds, sites, kept SNPs and the global summaries (before
+    the filter), all from the summed ``counts``; no per-site figure."""
     return {
         "sites": sorted(sites),
-        "thresholds": settings,
+        "thresholds": _settings(thresholds, min_site_people),
         "people": int(counts[0].sum()) if len(counts) else 0,
         "table_snps": len(snps),
         "kept_snps": int(keep.sum()),
@@ -135,28 +186,67 @@ def qc_report(
     }
 
 
+def he_server_report(
+    snps: Sequence[str], thresholds: QcThresholds, sites: Sequence[str], min_site_people: int | None = None
+) -> dict[str, object]:
+    """What the server can report under HE: which sites took part and the job's settings; no figure of the data."""
+    return {
+        "secure_aggregation": "he",
+        "sites": sorted(sites),
+        "thresholds": _settings(thresholds, min_site_people),
+        "table_snps": len(snps),
+    }
+
+
+def _settings(thresholds: QcThresholds, min_site_people: int | None) -> dict[str, object]:
+    settings: dict[str, object] = {"min_call_rate": thresholds.min_call_rate, "min_maf": thresholds.min_maf}
+    if min_site_people is not None:
+        settings["min_site_people"] = min_site_people
+    return settings
+
+
+def encrypted_counts(result: FLModel) -> bytes:
+    """A site's serialised ciphertext from its result; a site that sent clear counts to an HE job is named."""
+    site = result.meta.get("client_name", "?")
+    if ENCRYPTED_COUNTS not in (result.params or {}):
+        raise DataPrepError(
+            f"federated QC: {site} sent no encrypted counts, but the job uses secure_aggregation 'he' (its script "
+            "must run with --secure-aggregation he)"
+        )
+    return from_wire(result.params[ENCRYPTED_COUNTS])
+
+
 # ---- NVFlare glue ----------------------------------------------------------------------------------------------------
 
 
 class GenotypeQcController(ModelController):
     """Two broadcasts: collect the sites' counts, send back the global keep-mask (module docstring)."""
 
-    def __init__(self, min_call_rate: float = 0.95, min_maf: float = 0.01, min_site_people: int = MIN_SITE_PEOPLE):
+    def __init__(
+        self,
+        min_call_rate: float = 0.95,
+        min_maf: float = 0.01,
+        min_site_people: int = MIN_SITE_PEOPLE,
+        secure_aggregation: str = "none",
+    ):
         # Strict: a site that fails or refuses (too few people) ends the job; a QC over the other sites only would not
         # be the consortium's filter.
         super().__init__(persistor_id="", ignore_result_error=False)
         self.thresholds = QcThresholds(min_call_rate, min_maf)  # refused here, at export time, if out of range
         self.min_call_rate, self.min_maf = min_call_rate, min_maf
         self.min_site_people = check_min_site_people(min_site_people)
+        self.secure_aggregation = check_secure_aggregation(secure_aggregation)
 
     def run(self) -> None:
+        if self.secure_aggregation == "he":
+            self._run_encrypted()
+            return
         self.warning(CLEAR_COUNTS_WARNING)
         results = self.send_model_and_wait(COUNTS, FLModel(params={"none": np.zeros(1)}, meta={"step": COUNTS}))
         if self.abort_signal.triggered:  # a site failed or refused (its reason is logged): no sum over the others
             return
         sites = {r.meta["client_name"]: (r.meta["snps"], r.params["counts"]) for r in results}
-        # Secure aggregation plugs in here: an HE sum of the sites' encrypted counts, decrypted as the total only,
-        # replaces combine_counts; the size check then rests on each site's own refusal (site_main).
+        # The one place the server reads a site's counts; under HE (_run_encrypted) it adds ciphertexts instead.
         snps, total = combine_counts(sites, self.min_site_people)
         keep, report = global_qc(snps, total, self.thresholds, list(sites), self.min_site_people)
         path = Path(self.get_run_dir()) / REPORT_FILE
@@ -165,21 +255,36 @@ class GenotypeQcController(ModelController):
         message = FLModel(params={"keep": keep.astype(np.int8)}, meta={"step": FILTER, "snps": list(snps)})
         self.send_model_and_wait(FILTER, message)
 
+    def _run_encrypted(self) -> None:
+        """The HE variant: add the sites' ciphertexts, send the encrypted sum back; the sites filter."""
+        from data_prep.genotypes.secure_qc import add_encrypted_counts, load_server_context
+
+        self.info(HE_COUNTS_NOTE)
+        context = load_server_context(self.fl_ctx)  # before asking the sites: a misprovisioned server stops first
+        request = FLModel(params={"none": np.zeros(1)}, meta={"step": COUNTS, "secure_aggregation": "he"})
+        results = self.send_model_and_wait(COUNTS, request)
+        if self.abort_signal.triggered:  # a site failed or refused (its reason is logged)
+            return
+        sites = {r.meta["client_name"]: (r.meta["snps"], encrypted_counts(r)) for r in results}
+        check_he_sites(len(sites), "sites that answered")  # defence in depth behind the export's check
+        snps, summed = add_encrypted_counts(context, sites)
+        report = he_server_report(snps, self.thresholds, list(sites), self.min_site_people)
+        path = Path(self.get_run_dir()) / REPORT_FILE
+        path.write_text(json.dumps(report, indent=2) + "\n")
+        self.info(f"federated QC: added the encrypted counts of {len(sites)} sites ({len(snps)} SNPs); {path}")
+        meta = {"step": FILTER, "snps": list(snps), "sites": sorted(sites), "secure_aggregation": "he"}
+        self.send_model_and_wait(FILTER, FLModel(params={ENCRYPTED_SUM: to_wire(summed)}, meta=meta))
+
 
 def site_main(argv: Sequence[str] | None = None) -> None:
-    """The site's side (run by the job's client script): counts, then the filtered table."""
+    """The site's side (run by the job's client script): counts (encrypted under HE), then the filtered table."""
     import nvflare.client as flare
 
     from data_prep.genotypes.harmonise import read_snp_table
     from data_prep.genotypes.site import GENOTYPES_ENV, SNP_TABLE_ENV, load_harmonised, resolve
     from data_prep.site_config import site_workspace
 
-    parser = argparse.ArgumentParser(description="federated QC, site side")
-    parser.add_argument("--out", default=None, help=f"filtered table to write (default <site workspace>/{QC_TABLE})")
-    parser.add_argument(
-        "--min-site-people", type=int, default=MIN_SITE_PEOPLE, help="refuse to send counts of fewer people"
-    )
-    args = parser.parse_args(argv)
+    args = _site_parser().parse_args(argv)
     flare.init()
     site = flare.get_site_name()
     data_file = resolve(None, GENOTYPES_ENV, site, os.environ)
@@ -187,29 +292,102 @@ def site_main(argv: Sequence[str] | None = None) -> None:
     if not data_file or not table_path:
         raise DataPrepError(f"{site}: federated QC needs {GENOTYPES_ENV} and {SNP_TABLE_ENV} set at the site")
     genotypes, _, snps, _ = load_harmonised(data_file, table_path)
-    # Before the first message: a site too small for the consortium's minimum answers nothing at all.
+    # Before the first message: a site too small for the consortium's minimum answers nothing at all. Under HE this is
+    # the only size check: the server cannot count people in ciphertexts.
     check_site_size(site, len(genotypes), args.min_site_people, "refused at the site, nothing sent or written")
+    thresholds = QcThresholds(args.min_call_rate, args.min_maf)  # applied here under HE only
+    context = _site_context(site, len(genotypes)) if args.secure_aggregation == "he" else None
+    counts = genotype_counts(genotypes)
+    out = Path(args.out) if args.out else site_workspace() / QC_TABLE
     while flare.is_running():
         received = flare.receive()
         if received is None:
             break
         if received.meta.get("step") == COUNTS:
-            counts = genotype_counts(genotypes)
-            flare.send(FLModel(params={"counts": counts}, meta={"snps": list(snps)}))
-            print(
-                f"{site}: sent genotype counts of {len(snps)} SNPs ({len(genotypes)} people) to the server, which sees "
-                "them unless the deployment uses secure aggregation",
-                flush=True,
-            )
+            flare.send(_counts_message(counts, snps, context))
+            how = "which sees them unless the deployment uses secure aggregation"
+            if context is not None:
+                how = "encrypted with its CKKS context; the server adds ciphertexts it cannot decrypt"
+            print(f"{site}: sent genotype counts of {len(snps)} SNPs ({len(genotypes)} people) to the server, {how}")
+            continue
+        if tuple(received.meta["snps"]) != tuple(snps):
+            raise DataPrepError(f"{site}: the QC filter is for other SNPs than this site's table")
+        if context is None:
+            keep, report = np.asarray(received.params["keep"], dtype=bool), None
         else:
-            keep = np.asarray(received.params["keep"], dtype=bool)
-            if tuple(received.meta["snps"]) != tuple(snps):
-                raise DataPrepError(f"{site}: the QC filter is for other SNPs than this site's table")
-            out = Path(args.out) if args.out else site_workspace() / QC_TABLE
-            out.parent.mkdir(parents=True, exist_ok=True)
-            read_snp_table(table_path).write(out, keep)
-            flare.send(FLModel(params={"none": np.zeros(1)}, meta={"kept": int(keep.sum())}))
-            print(f"{site}: kept {int(keep.sum())} of {len(snps)} SNPs; filtered table {out}", flush=True)
+            keep, report = site_qc(site, context, received, counts, thresholds, args.min_site_people)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        read_snp_table(table_path).write(out, keep)
+        if report is not None:
+            (out.parent / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
+        # Under HE even the kept count stays at the site: it is a figure of the sum the server must not learn.
+        flare.send(FLModel(params={"none": np.zeros(1)}, meta={} if report else {"kept": int(keep.sum())}))
+        where = f"; report {out.parent / REPORT_FILE}" if report is not None else ""
+        print(f"{site}: kept {int(keep.sum())} of {len(snps)} SNPs; filtered table {out}{where}", flush=True)
+
+
+def _site_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="federated QC, site side")
+    parser.add_argument("--out", default=None, help=f"filtered table to write (default <site workspace>/{QC_TABLE})")
+    parser.add_argument(
+        "--min-site-people", type=int, default=MIN_SITE_PEOPLE, help="refuse to send counts of fewer people"
+    )
+    parser.add_argument(
+        "--secure-aggregation",
+        choices=SECURE_AGGREGATION,
+        default="none",
+        help="he: encrypt the counts with startup/client_context.tenseal and filter the decrypted sum here",
+    )
+    # Under HE the site applies the thresholds itself; they come from the signed job config, not from the server.
+    parser.add_argument("--min-call-rate", type=float, default=QcThresholds.min_call_rate)
+    parser.add_argument("--min-maf", type=float, default=QcThresholds.min_maf)
+    return parser
+
+
+def _site_context(site: str, people: int) -> ts.Context:
+    """The site's CKKS context from its startup kit; refused in one line (missing TenSEAL, file, key, range)."""
+    try:
+        from data_prep.genotypes.secure_qc import check_he_people, load_client_context
+    except ImportError as missing:
+        raise DataPrepError(
+            f"federated QC: {site}: secure_aggregation 'he' needs TenSEAL at the site (pip install "
+            f"'nvflare-noniid[he]'): {missing}"
+        ) from None
+    from nvflare.fuel.sec.security_content_service import SecurityContentService
+
+    from data_prep.site_config import site_workspace
+
+    check_he_people(site, people)
+    # NVFlare points its content service at the kit's startup/ in a provisioned job process; else find the kit.
+    startup = Path(SecurityContentService.content_folder or site_workspace() / "startup")
+    return load_client_context(site, startup)
+
+
+def _counts_message(counts: np.ndarray, snps: Sequence[str], context: ts.Context | None) -> FLModel:
+    if context is None:
+        return FLModel(params={"counts": counts}, meta={"snps": list(snps)})
+    from data_prep.genotypes.secure_qc import encrypt_counts
+
+    return FLModel(params={ENCRYPTED_COUNTS: to_wire(encrypt_counts(context, counts))}, meta={"snps": list(snps)})
+
+
+def site_qc(
+    site: str,
+    context: ts.Context,
+    received: FLModel,
+    own: np.ndarray,
+    thresholds: QcThresholds,
+    min_site_people: int,
+) -> tuple[np.ndarray, dict[str, object]]:
+    """Under HE, at a site: decrypt the server's sum, check it, and filter it exactly as the server would in the
+    clear (:func:`global_qc`); the report records the sites, the mode and the largest CKKS rounding error."""
+    from data_prep.genotypes.secure_qc import check_sum_covers_site, decrypt_counts
+
+    snps = tuple(received.meta["snps"])
+    total, rounding = decrypt_counts(site, context, from_wire(received.params[ENCRYPTED_SUM]), len(snps))
+    check_sum_covers_site(site, total, own)
+    keep, report = global_qc(snps, total, thresholds, list(received.meta.get("sites", [])), min_site_people)
+    return keep, {"secure_aggregation": "he", "he_rounding_error": rounding, **report}
 
 
 def export_qc_job(
@@ -218,11 +396,16 @@ def export_qc_job(
     num_sites: int = 3,
     name: str = "genotype_qc",
     min_site_people: int = MIN_SITE_PEOPLE,
+    secure_aggregation: str = "none",
 ) -> Path:
     """Export the QC job folder ``output_dir/name`` (NVFlare's job API; the bundle is installed at the sites).
     ``min_site_people`` goes to both sides: the server's workflow and every site's script arguments, so a site's
-    admin sees the minimum in the job it is asked to run."""
+    admin sees the minimum in the job it is asked to run. Under ``secure_aggregation="he"`` the thresholds go to the
+    sites' arguments too, since there the sites filter."""
     min_site_people = check_min_site_people(min_site_people)
+    secure_aggregation = check_secure_aggregation(secure_aggregation)
+    if secure_aggregation == "he":
+        check_he_sites(num_sites, "--num-sites")
     from nvflare.job_config.api import FedJob
     from nvflare.job_config.script_runner import FrameworkType, ScriptRunner
 
@@ -231,10 +414,15 @@ def export_qc_job(
     output_dir = Path(output_dir).resolve()
     job = FedJob(name=name, min_clients=num_sites)
     job.set_app_packages(list(APP_PACKAGES))
-    job.to_server(GenotypeQcController(thresholds.min_call_rate, thresholds.min_maf, min_site_people))
+    controller = GenotypeQcController(thresholds.min_call_rate, thresholds.min_maf, min_site_people, secure_aggregation)
+    job.to_server(controller)
     # NVFlare writes the script path as given into the job config: relative, so it resolves inside custom/.
     with inside_directory(Path(__file__).parent):
         script_args = f"--min-site-people {min_site_people}"
+        if secure_aggregation == "he":
+            script_args += (
+                f" --secure-aggregation he --min-call-rate {thresholds.min_call_rate} --min-maf {thresholds.min_maf}"
+            )
         job.to_clients(ScriptRunner(script=SITE_SCRIPT, script_args=script_args, framework=FrameworkType.NUMPY))
         job.export_job(str(output_dir))
     return output_dir / name
