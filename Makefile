@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_JOBS ?= scaffold
 
-.PHONY: docs setup demo demo-compare poc bench bench-agg bench-algorithms bench-genomics bench-latency bench-niid pretrain-attention bench-robust compare test test-fast lint format jobs check-jobs clean
+.PHONY: docs setup demo demo-compare poc bench bench-he bench-agg bench-algorithms bench-genomics bench-latency bench-niid pretrain-attention bench-robust compare test test-fast lint format jobs check-jobs clean
 
 setup: $(VENV)/.setup-done
 
@@ -20,6 +20,7 @@ demo-compare: setup
 	VENV=$(VENV) bash scripts/demo.sh scaffold fedavg
 
 # A real deployment on this machine (docs/deployment.md): provision, start server + 3 sites, submit, wait, stop.
+# POC_JOB=jobs/fedavg_he: secure aggregation; the kits are then provisioned with NVFlare's HEBuilder by themselves.
 POC_JOB ?= jobs/scaffold
 POC_WS ?= /tmp/fedalg-loopback
 poc: setup
@@ -28,6 +29,11 @@ poc: setup
 
 bench: setup
 	$(PY) -m benchmarks.step_overhead
+
+# What homomorphic encryption costs per round (docs/deployment.md, "Secure aggregation (HE)"): the same FedAvg job
+# with and without NVFlare's HE components, alternating on one loopback deployment provisioned with HEBuilder.
+bench-he: setup
+	$(PY) -m benchmarks.secure_aggregation --rounds 5 --repeats 3 --max-train-samples 3000 --out benchmarks/results/secure_aggregation.md
 
 # The genomics results (docs/genomics.md): federated algorithms vs local-only and pooled training, 3 seeds each.
 bench-genomics: setup

@@ -9,8 +9,10 @@ NVFlare's HE encryptor/decryptor filters, accumulating aggregator and shareable 
 (:class:`controllers.secure_aggregation.RoundRecorder`): seconds per round (the server's ROUND_STARTED -> ROUND_DONE,
 less the seconds the recorder spent measuring sizes), bytes of each site's result and of the global model sent down,
 as NVFlare serialises them. Round 1 (index 0) is reported apart: it includes every site's client start-up, and its
-global model goes down unencrypted in both jobs. Afterwards a site decrypts the HE job's final global model with its
-own context and it is compared with the plain job's (same seeds, same data: they differ by CKKS's approximation only).
+global model goes down unencrypted in both jobs. Afterwards site-1 decrypts every HE run's final global model with its
+own context; they are compared with the plain runs' (same seeds, same data), beside the spread between plain runs
+(NVFlare adds the results in the order they arrive, so floating-point rounding differs from run to run, and later
+rounds train from slightly different models).
 """
 
 from __future__ import annotations
@@ -60,7 +62,13 @@ def summarise(runs: Mapping[str, Sequence[Sequence[Mapping[str, Any]]]]) -> dict
     return summary
 
 
-def markdown(summary: Mapping[str, Mapping[str, float]], settings: Mapping[str, Any], max_diff: float) -> str:
+def _max_difference(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> float:
+    return max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
+
+
+def markdown(
+    summary: Mapping[str, Mapping[str, float]], settings: Mapping[str, Any], differences: Mapping[str, float]
+) -> str:
     rows = [
         "| | plain | he | he / plain |",
         "|---|---|---|---|",
@@ -79,8 +87,10 @@ def markdown(summary: Mapping[str, Mapping[str, float]], settings: Mapping[str, 
         "",
         *rows,
         "",
-        f"Largest difference between the HE job's final global model (decrypted by site-1) and the plain job's: "
-        f"{max_diff:.2e}. Received ciphertexts whose context held a secret key: {he['private_ciphertexts']}.",
+        "Largest difference per parameter between final global models: an HE job's (decrypted by site-1) and a "
+        f"plain job's {differences['he_vs_plain']:.2e}; two plain jobs' (the results are summed in arrival order) "
+        f"{differences['plain_vs_plain']:.2e}. Received ciphertexts whose context held a secret key: "
+        f"{he['private_ciphertexts']}.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -113,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for site, site_dir in deployment.sites.items():
             loopback.configure_site_data(site_dir, site, {**data, "max_train_samples": args.max_train_samples})
         runs: dict[str, list[list[dict[str, Any]]]] = {m: [] for m in MODES}
-        results: dict[str, Path] = {}
+        results: dict[str, list[Path]] = {m: [] for m in MODES}
         try:
             loopback.start(deployment, env)
             with loopback.admin_session(deployment) as session:
@@ -128,17 +138,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                             print(f"error: {mode} run {repeat + 1}: {'; '.join(problems)}", file=sys.stderr)
                             return 1
                         runs[mode].append(round_records(result))
-                        results[mode] = result
+                        results[mode].append(result)
                         took = time.monotonic() - started
                         print(f"{mode} run {repeat + 1}: {took:.1f} s from submission", flush=True)
         finally:
             loopback.stop(deployment)
         shapes = job_model_shapes(jobs["he"])
         context = deployment.sites["site-1"] / "startup" / CLIENT_CONTEXT
-        decrypted = decrypt_global_model(results["he"] / "app_server" / "FL_global_model.pt", context, shapes)
-        plain = decrypt_global_model(results["plain"] / "app_server" / "FL_global_model.pt", context, shapes)
-        max_diff = max(float(np.max(np.abs(decrypted[k] - plain[k]))) for k in shapes)
-    text = markdown(summarise(runs), settings, max_diff)
+        models = {
+            mode: [decrypt_global_model(r / "app_server" / "FL_global_model.pt", context, shapes) for r in found]
+            for mode, found in results.items()
+        }
+        differences = {
+            "he_vs_plain": max(_max_difference(he, plain) for he in models["he"] for plain in models["plain"]),
+            "plain_vs_plain": max(
+                (_max_difference(a, b) for i, a in enumerate(models["plain"]) for b in models["plain"][i + 1 :]),
+                default=float("nan"),
+            ),
+        }
+    text = markdown(summarise(runs), settings, differences)
     print(text)
     if args.out:
         args.out.write_text(text)

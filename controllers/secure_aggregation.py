@@ -6,9 +6,9 @@
   FedAvg weight (docs/design.md, decision 6), so the HE job averages as the bundle's FedAvg does.
 - :class:`RoundRecorder` (server): one JSON line per round in ``metrics/round_metrics.jsonl`` (the file the bundle's
   controller writes and ``python -m jobs.provision.loopback`` checks): wall seconds, the sites whose result was
-  accepted, the bytes of every result as it travels (NVFlare's own serialisation, ciphertexts included), the bytes of
-  the global model sent down, and how many received ciphertexts carried a context with a secret key (0: the server
-  can add them but never decrypt).
+  accepted, the bytes of every result as it travels (NVFlare's own serialisation; a TenSEAL vector goes with its
+  public context through NVFlare's HE decomposer), the bytes of the global model's weights sent down, and how many
+  received ciphertexts carried a context with a secret key (0: the server can add them but never decrypt).
 
 Nothing here encrypts, decrypts or adds: NVFlare's ``nvflare.app_opt.he`` components do, with TenSEAL.
 """
@@ -57,6 +57,15 @@ def wire_bytes(value: Any) -> int:
     return len(fobs.dumps(value))
 
 
+def sent_weights(model: Any) -> dict[str, Any]:
+    """The global model's weights as the shareable generator sends them: NVFlare's HE generator serialises every
+    TenSEAL vector to its bytes alone (no context) before the model goes down; plain arrays go as they are."""
+    from nvflare.app_common.abstract.model import ModelLearnableKey
+
+    weights = model.get(ModelLearnableKey.WEIGHTS, {})
+    return {k: v.serialize() if hasattr(v, "context") else v for k, v in weights.items()}
+
+
 def private_ciphertexts(data: Any) -> int:
     """How many TenSEAL vectors in ``data`` (a result's parameters) came with a context holding a secret key."""
     if not isinstance(data, dict):
@@ -92,7 +101,7 @@ class RoundRecorder(FLComponent):
             self._round = {"round": fl_ctx.get_prop(AppConstants.CURRENT_ROUND), "accepted": [], "rejected": []}
             self._round.update(result_bytes={}, private_ciphertexts=0, measure_s=0.0)
             model = fl_ctx.get_prop(AppConstants.GLOBAL_MODEL)
-            self._round["global_bytes"] = self._measured(lambda: wire_bytes(dict(model)) if model else None)
+            self._round["global_bytes"] = self._measured(lambda: wire_bytes(sent_weights(model)) if model else None)
         elif event_type == AppEventType.BEFORE_CONTRIBUTION_ACCEPT and self._round:
             result = fl_ctx.get_prop(AppConstants.TRAINING_RESULT)
             site = result.get_peer_prop(ReservedKey.IDENTITY_NAME, "?")
