@@ -310,7 +310,9 @@ def _deployment_processes(deployment: Deployment) -> list[Any]:
         with contextlib.suppress(psutil.Error, TypeError):
             if process.info["uids"].real == os.getuid() and any(marker in arg for arg in process.info["cmdline"]):
                 found.setdefault(process.pid, process)
-    found.pop(os.getpid(), None)
+    # Never this process or what started it (make, a shell), whose command lines may name the workspace too.
+    for process in [psutil.Process(), *psutil.Process().parents()]:
+        found.pop(process.pid, None)
     return list(found.values())
 
 

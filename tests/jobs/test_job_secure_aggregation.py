@@ -195,3 +195,21 @@ def test_a_site_decrypts_the_saved_model_and_the_servers_context_cannot(tmp_path
     np.testing.assert_array_equal(model["b"], np.ones(2, np.float32))
     with pytest.raises(ValueError, match="holds no secret key"):
         decrypt_global_model(tmp_path / "FL_global_model.pt", tmp_path / "server.tenseal", {"w": (3, 4)})
+
+
+def test_stopping_a_deployment_never_signals_the_command_that_started_it(tmp_path):
+    """``make poc POC_WS=<folder>``: make's own command line names the workspace, as the deployment's job processes'
+    do; the driver must not count make (or any other ancestor) among the processes it stops."""
+    import subprocess
+    import sys
+
+    workspace = tmp_path / "fedalg-loopback-ws"
+    code = (
+        "import sys; from pathlib import Path; from jobs.provision.loopback import Deployment, _deployment_processes; "
+        "d = Deployment(Path(sys.argv[1]), Path('s'), {}, Path('a'), 0); "
+        "print([p.pid for p in _deployment_processes(d)])"
+    )
+    shell = f'"{sys.executable}" -c "{code}" "$0"'
+    done = subprocess.run(["bash", "-c", shell, str(workspace)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
