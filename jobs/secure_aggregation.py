@@ -14,7 +14,8 @@ wiring of NVFlare's ``FedAvgRecipeWithHE`` (tested), with the bundle's client, w
 ``--secure-aggregation plain`` builds the same workflow with NVFlare's plaintext accumulating aggregator and no
 filters but the weight: the baseline HE's cost is measured against, and a way to try a job in the simulator.
 
-Only sums can be formed this way. :func:`secure_aggregation_problem` refuses at build time, one line each, every
+Only sums can be formed this way; FedOpt's server optimizers step at the sites, on the decrypted mean
+(controllers/he_fedopt.py). :func:`secure_aggregation_problem` refuses at build time, one line each, every
 setting that needs the individual updates at the server or a workflow other than a weighted sum.
 """
 
@@ -28,6 +29,8 @@ from typing import Any
 
 #: Server rules the sum workflow computes: FedAvg (server_lr 1) is the weighted mean NVFlare's aggregator forms.
 SUM_RULES = ("fedavg",)
+#: FedOpt's server optimizers: every site takes the step on the decrypted mean (controllers/he_fedopt.py).
+SITE_STEP_RULES = ("fedadam", "fedyogi", "fedadagrad", "fedavgm")
 #: Why every other rule cannot run on sums of ciphertexts (tests/jobs/test_job_secure_aggregation.py checks that each
 #: rule of aggregators.registry.RULES is either admitted or has its reason here).
 RULE_REFUSALS: dict[str, str] = {
@@ -45,14 +48,6 @@ RULE_REFUSALS: dict[str, str] = {
     "feddyn": "keeps h from every round's updates and sends alpha to the sites; NVFlare's HE workflow keeps no server "
     "state",
     "fedmos": "selects sites by data share and applies server momentum to the plaintext average",
-    "fedadam": "squares and divides the averaged update per coordinate, which sums of ciphertexts cannot (FedOpt "
-    "on the sum, decrypted at the sites, is not implemented)",
-    "fedadagrad": "squares and divides the averaged update per coordinate, which sums of ciphertexts cannot (FedOpt "
-    "on the sum, decrypted at the sites, is not implemented)",
-    "fedyogi": "squares and divides the averaged update per coordinate, which sums of ciphertexts cannot (FedOpt "
-    "on the sum, decrypted at the sites, is not implemented)",
-    "fedavgm": "applies server momentum to the averaged update; NVFlare's HE workflow has no server optimizer (not "
-    "implemented)",
 }
 #: Client algorithms that need nothing from the server but the global model, and keep no state between rounds.
 SUM_CLIENTS = ("fedavg", "fedprox")
@@ -83,10 +78,17 @@ def secure_aggregation_problem(spec: Any) -> str | None:
     if mode == "none":
         return None
     who = f"secure_aggregation '{mode}'"
-    if spec.server not in SUM_RULES:
+    if spec.server in SITE_STEP_RULES:
+        from controllers.he_fedopt import site_optimizer_problem
+
+        problem = site_optimizer_problem(spec)
+        if problem:
+            return f"{who} with server '{spec.server}': {problem}"
+    elif spec.server not in SUM_RULES:
         reason = RULE_REFUSALS.get(spec.server, "is not a weighted sum of the updates")
-        return f"{who} with server '{spec.server}': the rule {reason}; allowed: {', '.join(SUM_RULES)}"
-    if spec.server_args:
+        allowed = ", ".join(SUM_RULES + SITE_STEP_RULES)
+        return f"{who} with server '{spec.server}': the rule {reason}; allowed: {allowed}"
+    elif spec.server_args:
         return (
             f"{who}: server_args: NVFlare's accumulating aggregator forms the plain weighted mean (server_lr 1) and "
             f"takes no rule arguments, got {spec.server_args}"
@@ -163,6 +165,10 @@ def add_sum_workflow(job: Any, spec: Any, model_config: Mapping[str, Any]) -> No
         aggregator = InTimeAccumulateWeightedAggregator(expected_data_kind=DataKind.WEIGHTS)
     job.to_server(aggregator, id="aggregator")
     job.to_server(RoundRecorder(num_rounds=spec.num_rounds, secure_aggregation=spec.secure_aggregation), id="rounds")
+    if spec.server in SITE_STEP_RULES:  # the sites step; the server stops the job if they disagree
+        from controllers.he_fedopt import SiteOptimizerConsensus
+
+        job.to_server(SiteOptimizerConsensus(), id="fedopt_consensus")
     controller = ScatterAndGather(
         min_clients=spec.min_responses or spec.num_sites,
         num_rounds=spec.num_rounds,
@@ -188,6 +194,12 @@ def add_sum_site_filters(job: Any, spec: Any) -> None:
 
         decryptor = HEModelDecryptor(tenseal_context_file=CLIENT_CONTEXT)
         job.to_clients(decryptor, tasks=["train", "validate"], filter_type=FilterType.TASK_DATA)
+    if spec.server in SITE_STEP_RULES:  # x_r from the mean after decryption; x_r's digest with the result
+        from controllers.he_fedopt import SiteOptimizerDigest, SiteOptimizerStep
+
+        rule = {"rule": spec.server, "rule_args": dict(spec.server_args)}
+        job.to_clients(SiteOptimizerStep(**rule), tasks=["train", "validate"], filter_type=FilterType.TASK_DATA)
+        job.to_clients(SiteOptimizerDigest(**rule), tasks=["train"], filter_type=FilterType.TASK_RESULT)
     job.to_clients(SampleCountWeight(), tasks=["train"], filter_type=FilterType.TASK_RESULT)
     if encrypted:
         from nvflare.app_opt.he.model_encryptor import HEModelEncryptor
