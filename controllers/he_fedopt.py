@@ -31,7 +31,7 @@ majority. The digest is a SHA-256 of values that every site holds; it tells the 
 what x is (only someone who can already guess x bit for bit could confirm it).
 
 The server's saved global model is the last mean ybar_{T-1}; the FedOpt model x_T is one more step at a site:
-:meth:`SiteOptimizer.final_model` (``python -m jobs.he_fedopt_final``).
+:meth:`SiteOptimizer.final_model` (``python -m jobs.fedopt_final``).
 """
 
 from __future__ import annotations

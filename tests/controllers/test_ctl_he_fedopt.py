@@ -387,3 +387,39 @@ def test_settings_the_site_step_cannot_carry_are_refused_in_one_line(settings, r
     with pytest.raises(JobBuildError) as caught:
         JobSpec(name="he", secure_aggregation="he", server="fedadam", **settings)
     assert str(caught.value).startswith(refused) and "\n" not in str(caught.value)
+
+
+def test_a_site_turns_the_servers_saved_mean_into_fedopts_final_model(tmp_path, capsys):
+    """``python -m jobs.fedopt_final``: the saved model is the last mean; one step from the site's stored state of
+    the last round gives the plaintext rule's x_T (a one-round plain job of LeNet-5 here)."""
+    import torch
+    from nvflare.fuel.utils.class_utils import instantiate_class
+
+    from jobs.build import JobSpec, export_job
+    from jobs.fedopt_final import main
+
+    args = RULE_ARGS["fedadam"]
+    job = export_job(
+        JobSpec(name="final", secure_aggregation="plain", server="fedadam", server_args=args, num_rounds=1), tmp_path
+    )
+    server_config = json.loads((job / "app" / "config" / "config_fed_server.json").read_text())
+    entry = next(c for c in server_config["components"] if c["id"] == "persistor")["args"]["model"]
+    x0 = {k: v.numpy() for k, v in instantiate_class(entry["path"], entry["args"]).state_dict().items()}
+    store = ClientStateStore(tmp_path / "state", "site-1")
+    x = SiteOptimizer("fedadam", args, store).start_round(0, x0).x
+    rng = np.random.default_rng(3)
+    models = {s: {k: (v + rng.normal(0, 0.01, v.shape)).astype(np.float32) for k, v in x.items()} for s in SITES}
+    mean = {k: sum(SAMPLES[s] / sum(SAMPLES.values()) * models[s][k].astype(np.float64) for s in SITES) for k in x}
+    torch.save({"model": {k: torch.from_numpy(v.astype(np.float32)) for k, v in mean.items()}}, tmp_path / "saved.pt")
+    out = tmp_path / "final.pt"
+    argv = [str(tmp_path / "saved.pt"), "--job", str(job), "--state", str(tmp_path / "state"), "--site", "site-1"]
+    assert main([*argv, "--out", str(out)]) == 0
+    final = {k: v.numpy() for k, v in torch.load(out).items()}
+    server = Server("fedadam", args, x0)
+    updates = [ClientUpdate(s, models[s], SAMPLES[s]) for s in SITES]
+    expected = server.rule.aggregate(x0, updates, server.state, RoundContext(0, 1, SITES)).params
+    assert_close(final, dict(expected))
+    assert main([*argv, "--site", "site-2", "--out", str(out)]) == 2
+    assert (
+        "error: FedOpt at site-2: the final model needs the state of round 0; stored: none" in capsys.readouterr().err
+    )
