@@ -1,7 +1,18 @@
-"""What homomorphic encryption costs per round: the same job with ``--secure-aggregation he`` and ``plain``, on one
+r"""What homomorphic encryption costs per round: the same job with ``--secure-aggregation he`` and ``plain``, on one
 loopback deployment provisioned with NVFlare's HEBuilder (docs/deployment.md, "Secure aggregation (HE)").
 
     python -m benchmarks.secure_aggregation --rounds 3 --repeats 2 --out benchmarks/results/secure_aggregation.md
+
+A user's own LightningModule and data module run the same way (``--model``, ``--model-args``, ``--data``,
+``--data-args``, ``--ship``, as ``python -m jobs.build`` takes them), e.g. the genomics consortium's
+``cnn_transformer`` with the model and data settings of the committed ``jobs/snp_fedavg``:
+
+    python -m benchmarks.secure_aggregation --rounds 3 --repeats 3 --model genomics.model:SnpClassifier \
+        --model-args '{"arch":"cnn_transformer","n_snps":127,"num_classes":5,"lr":0.001}' \
+        --data genomics.data:SnpSites --data-args '{"source":"1kg","split":"dirichlet","alpha":0.1,"batch_size":128}' \
+        --ship examples/genomics --out benchmarks/results/secure_aggregation.md
+
+``--out`` replaces the table of the same model in the results file (a ``## <model>`` section) and keeps the others.
 
 Both jobs are NVFlare's ScatterAndGather with the bundle's Lightning client and the same settings; ``he`` adds
 NVFlare's HE encryptor/decryptor filters, accumulating aggregator and shareable generator. The runs alternate
@@ -67,7 +78,11 @@ def _max_difference(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) ->
 
 
 def markdown(
-    summary: Mapping[str, Mapping[str, float]], settings: Mapping[str, Any], differences: Mapping[str, float]
+    summary: Mapping[str, Mapping[str, float]],
+    settings: Mapping[str, Any],
+    differences: Mapping[str, float],
+    heading: str | None = None,
+    model_size: tuple[int, int] | None = None,
 ) -> str:
     rows = [
         "| | plain | he | he / plain |",
@@ -82,8 +97,10 @@ def markdown(
     ):
         ratio = he[key] / plain[key] if plain[key] else float("nan")
         rows.append(f"| {label} | {plain[key] * scale:.3g}{unit} | {he[key] * scale:.3g}{unit} | {ratio:.1f}x |")
+    size = f"; model: {model_size[0]} state_dict entries, {model_size[1]:,} values" if model_size else ""
     lines = [
-        f"Settings: {json.dumps(dict(settings), sort_keys=True)}; runs per mode: {plain['runs']}, alternating.",
+        *([f"## {heading}", ""] if heading else []),
+        f"Settings: {json.dumps(dict(settings), sort_keys=True)}; runs per mode: {plain['runs']}, alternating{size}.",
         "",
         *rows,
         "",
@@ -95,33 +112,74 @@ def markdown(
     return "\n".join(lines) + "\n"
 
 
+def replace_section(text: str, section: str) -> str:
+    """``text`` (a results file of ``## <model>`` sections) with ``section`` in place of the one of the same heading,
+    or appended; text before the first heading is kept, and a file without headings is replaced."""
+    heading = section.splitlines()[0]
+    parts = text.split("\n## ")
+    head, sections = parts[0], [f"## {part}" for part in parts[1:]]
+    if head.startswith("## "):
+        head, sections = "", [head, *sections]
+    elif not head.startswith("#"):
+        head = ""  # an older file: one table, no heading
+    sections = [part.rstrip("\n") + "\n" for part in sections]
+    headings = [part.splitlines()[0] for part in sections]
+    if heading in headings:
+        sections[headings.index(heading)] = section
+    else:
+        sections.append(section)
+    return "\n".join(([head.rstrip("\n") + "\n"] if head else []) + sections)
+
+
+def bench_spec_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The job settings both modes share: the built-in LeNet-5 on Fashion-MNIST shards, or the user's model."""
+    settings: dict[str, Any] = {"num_rounds": args.rounds, "num_sites": args.sites}
+    if args.model is None:
+        return {**settings, "max_train_samples": args.max_train_samples}
+    user = {"model": args.model, "model_args": json.loads(args.model_args), "data": args.data}
+    return {**settings, **user, "data_args": json.loads(args.data_args), "ship": args.ship}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from jobs.build import JobSpec, export_job
     from jobs.provision import loopback
     from jobs.secure_aggregation import CLIENT_CONTEXT, decrypt_global_model, job_model_shapes
+    from jobs.shipping import importable
+    from jobs.spec import shipped_folders
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.secure_aggregation", description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3, help="rounds per job (default: 3)")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each job, alternating (default: 2)")
     parser.add_argument("--sites", type=int, default=3, help="sites (default: 3)")
     parser.add_argument("--max-train-samples", type=int, default=900, help="samples split across the sites")
+    parser.add_argument("--model", help="a user LightningModule, pkg.module:Class (default: LeNet-5)")
+    parser.add_argument("--model-args", default="{}", help="JSON arguments of --model")
+    parser.add_argument("--data", help="the user's LightningDataModule, package.module:Class (with --model)")
+    parser.add_argument("--data-args", default="{}", help="JSON arguments of --data")
+    parser.add_argument("--ship", help="package folder(s) shipped with the job, comma-separated (with --model)")
     parser.add_argument("--workspace", type=Path, help="deployment folder (default: a temporary one, removed)")
     parser.add_argument("--out", type=Path, help="also write the table (markdown) here")
     args = parser.parse_args(argv)
 
-    settings = {"num_rounds": args.rounds, "num_sites": args.sites, "max_train_samples": args.max_train_samples}
+    if (args.model is None) != (args.data is None):
+        parser.error("--model and --data go together")
+    settings = bench_spec_settings(args)
+    heading = args.model or "built-in lenet5 on Fashion-MNIST"
     with tempfile.TemporaryDirectory(prefix="fedalg-he-bench-") as scratch:
         root = args.workspace.resolve() if args.workspace else Path(scratch)
         specs = {m: JobSpec(name=f"bench_{m}", secure_aggregation=m, **settings) for m in MODES}
         jobs = {m: export_job(spec, root / "jobs") for m, spec in specs.items()}
+        with importable(shipped_folders(specs["he"])):  # the user's model gives the shapes to decrypt into
+            shapes = job_model_shapes(jobs["he"])
         env = loopback.participant_env()
         deployment = loopback.provision(root / "fl", args.sites, env, he=True)
         for participant in [deployment.server, *deployment.sites.values()]:
             loopback.allow_bundle_classes(participant)
         loopback.keep_server_storage_inside(deployment.server)
         data = {"dataset": "fashion_mnist", "scheme": "dirichlet", "num_sites": args.sites}
-        for site, site_dir in deployment.sites.items():
-            loopback.configure_site_data(site_dir, site, {**data, "max_train_samples": args.max_train_samples})
+        for site, site_dir in deployment.sites.items():  # a user's data module derives or reads its own data
+            if args.model is None:
+                loopback.configure_site_data(site_dir, site, {**data, "max_train_samples": args.max_train_samples})
         runs: dict[str, list[list[dict[str, Any]]]] = {m: [] for m in MODES}
         results: dict[str, list[Path]] = {m: [] for m in MODES}
         try:
@@ -143,7 +201,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                         print(f"{mode} run {repeat + 1}: {took:.1f} s from submission", flush=True)
         finally:
             loopback.stop(deployment)
-        shapes = job_model_shapes(jobs["he"])
         context = deployment.sites["site-1"] / "startup" / CLIENT_CONTEXT
         models = {
             mode: [decrypt_global_model(r / "app_server" / "FL_global_model.pt", context, shapes) for r in found]
@@ -156,10 +213,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 default=float("nan"),
             ),
         }
-    text = markdown(summarise(runs), settings, differences)
+    size = (len(shapes), sum(int(np.prod(shape)) for shape in shapes.values()))
+    text = markdown(summarise(runs), settings, differences, heading=heading, model_size=size)
     print(text)
     if args.out:
-        args.out.write_text(text)
+        args.out.write_text(replace_section(args.out.read_text() if args.out.is_file() else "", text))
     return 0
 
 

@@ -7,8 +7,10 @@
 - :class:`RoundRecorder` (server): one JSON line per round in ``metrics/round_metrics.jsonl`` (the file the bundle's
   controller writes and ``python -m jobs.provision.loopback`` checks): wall seconds, the sites whose result was
   accepted, the bytes of every result as it travels (NVFlare's own serialisation; a TenSEAL vector goes with its
-  public context through NVFlare's HE decomposer), the bytes of the global model's weights sent down, and how many
-  received ciphertexts carried a context with a secret key (0: the server can add them but never decrypt).
+  public context through NVFlare's HE decomposer), the bytes of the global model's weights sent down, how many
+  received ciphertexts carried a context with a secret key (0: the server can add them but never decrypt), and the
+  sites' scores of the received global model (``eval.*`` meta, which travels in clear) summarised as the bundle's
+  controller summarises them (``site_eval``).
 
 Nothing here encrypts, decrypts or adds: NVFlare's ``nvflare.app_opt.he`` components do, with TenSEAL.
 """
@@ -31,6 +33,8 @@ from nvflare.app_common.app_constant import AppConstants
 from nvflare.app_common.app_event_type import AppEventType
 
 from aggregators import meta_keys
+from aggregators.types import ClientUpdate
+from controllers.engine import site_eval_summary
 
 #: Where the records go in the server's run folder (the same file as the bundle's controller writes).
 METRICS_FILE = Path("metrics") / "round_metrics.jsonl"
@@ -73,6 +77,15 @@ def private_ciphertexts(data: Any) -> int:
     return sum(1 for v in data.values() if hasattr(v, "context") and v.context().is_private())
 
 
+def site_scores(site: str, meta: Any) -> ClientUpdate:
+    """A result's ``eval.*`` scores and FedAvg weight, as :func:`controllers.engine.site_eval_summary` takes them
+    (no parameters: under HE the server has none in clear)."""
+    meta = dict(meta or {})
+    scores = {k: v for k, v in meta.items() if meta_keys.eval_metric(k) is not None}
+    weight = meta.get(meta_keys.NUM_SAMPLES)
+    return ClientUpdate(site, {}, weight if isinstance(weight, int) and weight > 0 else 1, scores)
+
+
 class RoundRecorder(FLComponent):
     """Round records of NVFlare's ScatterAndGather (module docstring); ``secure_aggregation`` is the job's setting."""
 
@@ -99,14 +112,16 @@ class RoundRecorder(FLComponent):
         elif event_type == AppEventType.ROUND_STARTED:
             self._started = time.monotonic()
             self._round = {"round": fl_ctx.get_prop(AppConstants.CURRENT_ROUND), "accepted": [], "rejected": []}
-            self._round.update(result_bytes={}, private_ciphertexts=0, measure_s=0.0)
+            self._round.update(result_bytes={}, private_ciphertexts=0, measure_s=0.0, scores={})
             model = fl_ctx.get_prop(AppConstants.GLOBAL_MODEL)
             self._round["global_bytes"] = self._measured(lambda: wire_bytes(sent_weights(model)) if model else None)
         elif event_type == AppEventType.BEFORE_CONTRIBUTION_ACCEPT and self._round:
             result = fl_ctx.get_prop(AppConstants.TRAINING_RESULT)
             site = result.get_peer_prop(ReservedKey.IDENTITY_NAME, "?")
             self._round["result_bytes"][site] = self._measured(lambda: wire_bytes(result))
-            self._round["private_ciphertexts"] += private_ciphertexts(from_shareable(result).data)
+            dxo = from_shareable(result)
+            self._round["private_ciphertexts"] += private_ciphertexts(dxo.data)
+            self._round["scores"][site] = site_scores(site, dxo.meta)
         elif event_type == AppEventType.AFTER_CONTRIBUTION_ACCEPT and self._round:
             result = fl_ctx.get_prop(AppConstants.TRAINING_RESULT)
             site = result.get_peer_prop(ReservedKey.IDENTITY_NAME, "?") if result is not None else "?"
@@ -118,6 +133,10 @@ class RoundRecorder(FLComponent):
             record["measure_s"] = round(record["measure_s"], 4)
             record["status"] = "aggregated" if record["accepted"] else "failed"
             record["aggregated"] = sorted(record.pop("accepted"))
+            scores = record.pop("scores")
+            summary = site_eval_summary([scores[site] for site in record["aggregated"] if site in scores])
+            if summary:
+                record["site_eval"] = summary
             self._append({"stage": "round", **record})
             self._round = {}
 

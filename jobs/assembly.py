@@ -59,7 +59,9 @@ def build_job(spec: JobSpec) -> Any:
     job = FedJob(name=spec.name, min_clients=spec.min_responses or spec.num_sites)
     job.set_app_packages(list(APP_PACKAGES))
     if spec.secure_aggregation != "none":  # NVFlare's ScatterAndGather summing the results (jobs/secure_aggregation.py)
-        add_sum_workflow(job, spec, builtin_model_config(spec))
+        if spec.model is not None:
+            _ship_user_code(job, spec)
+        add_sum_workflow(job, spec, user_model_config(spec) if spec.model is not None else builtin_model_config(spec))
     else:
         _add_controller(job, spec)
     job.to_server(ServerSettings({"task_request_interval": task_request_interval(spec.num_sites)}))
@@ -149,12 +151,18 @@ def _add_user_model(job: Any, spec: JobSpec) -> None:
     global model on their own validation data."""
     from nvflare.app_opt.pt.job_config.model import PTModel
 
+    _ship_user_code(job, spec)
+    job.to_server(PTModel(user_model_config(spec)))
+
+
+def _ship_user_code(job: Any, spec: JobSpec) -> None:
+    """The shipped package folders to the server (its persistor builds the user's model) and to every site; a
+    ``--script`` to the sites, beside client.py (which runs it)."""
     for folder in shipped_folders(spec):  # absolute: JobSpec resolved them where the job was specified
         job.to_server(ShippedPackage(folder))
         job.to_clients(ShippedPackage(folder))
-    if spec.script is not None:  # the user's own training script, beside client.py (which runs it)
+    if spec.script is not None:
         job.to_clients(ShippedPackage(Path(spec.script)))
-    job.to_server(PTModel(user_model_config(spec)))
 
 
 #: What the server's persistor calls to build a user model: the user's class seeded with the job's --seed.

@@ -1,9 +1,11 @@
 """Secure aggregation through NVFlare's homomorphic-encryption components (``--secure-aggregation he``).
 
 What runs (docs/deployment.md, "Secure aggregation (HE)"): NVFlare's ``ScatterAndGather`` sends the global model to
-every site; each site trains it with the bundle's Lightning client (any client algorithm this module admits), its
-result filters set the FedAvg weight (:class:`controllers.secure_aggregation.SampleCountWeight`) and NVFlare's
-``HEModelEncryptor`` multiplies the weights by it and encrypts them with the site's TenSEAL CKKS context; the server's
+every site; each site trains it with the bundle's Lightning client (any client algorithm this module admits; the
+built-in models, or the user's LightningModule and data module, ``--model``/``--data``, which the job ships to the
+server's persistor and to the sites as any ``--model`` job does), its result filters set the FedAvg weight
+(:class:`controllers.secure_aggregation.SampleCountWeight`) and NVFlare's ``HEModelEncryptor`` multiplies the weights
+by it and encrypts them with the site's TenSEAL CKKS context; the server's
 ``HEInTimeAccumulateWeightedAggregator`` adds the ciphertexts and scales the sum by 1 / (total weight), its
 ``HEModelShareableGenerator`` keeps the encrypted global model, ``HEModelSerializeFilter`` lets the persistor save it;
 each site's ``HEModelDecryptor`` decrypts the next round's model. The server's context (``server_context.tenseal``)
@@ -97,7 +99,18 @@ def secure_aggregation_problem(spec: Any) -> str | None:
         reason = CLIENT_REFUSALS.get(spec.client, "is not checked with the sum workflow")
         return f"{who} with client '{spec.client}': the algorithm {reason}; allowed: {', '.join(SUM_CLIENTS)}"
     refusals = (
-        (spec.model is not None or spec.script is not None, "--model / --script", "built-in models only for now"),
+        (
+            spec.script is not None,
+            "--script",
+            "the sum workflow weighs every result by its train.num_samples, which the bundle's client sends for a "
+            "--model/--data job but a user's own training loop need not; use --model and --data",
+        ),
+        (
+            spec.devices > 1,
+            "devices",
+            "Lightning DDP at the sites (torchrun, NVFlare's external-process launch) has not been run with NVFlare's "
+            "HE filters; one device per site",
+        ),
         (bool(spec.local_keys), "local_keys", "partial sharing is not wired into the sum workflow"),
         (
             spec.dp_noise_multiplier is not None or spec.dp_target_epsilon is not None,

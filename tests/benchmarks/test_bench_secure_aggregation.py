@@ -24,3 +24,14 @@ def test_the_summary_keeps_round_one_apart_and_takes_the_measuring_out():
     assert summary["he"]["result_bytes_per_round"] == 2000 and summary["he"]["global_bytes_per_round"] == 400
     text = markdown(summary, {"num_rounds": 3}, {"he_vs_plain": 1e-7, "plain_vs_plain": 2e-8})
     assert "| later rounds, s per round | 1.1 | 2 | 1.8x |" in text and "1.00e-07" in text
+
+
+def test_a_models_table_replaces_its_own_section_and_keeps_the_others():
+    from benchmarks.secure_aggregation import replace_section
+
+    lenet, genomics = "## lenet5\n\nold\n", "## genomics.model:SnpClassifier\n\nG\n"
+    assert replace_section("Settings: ...\n\n| table |\n", lenet) == lenet  # an older file without headings
+    both = replace_section(lenet, genomics)
+    assert both == f"{lenet}\n{genomics}"
+    assert replace_section(both, "## lenet5\n\nnew\n") == f"## lenet5\n\nnew\n\n{genomics}"
+    assert replace_section(f"# Results\n\n{lenet}", genomics) == f"# Results\n\n{lenet}\n{genomics}"

@@ -79,6 +79,67 @@ def test_settings_the_sum_workflow_cannot_carry_are_refused_by_name(settings, na
             JobSpec(name="he", secure_aggregation=mode, **settings)
 
 
+#: A user's own LightningModule and data module (examples/custom_model), as ``--model/--data/--ship`` give them.
+USER_MODEL = {
+    "model": "custom_model.model:DigitsClassifier",
+    "data": "custom_model.data:DigitsSites",
+    "ship": str(JOBS_DIR.parent / "examples" / "custom_model"),
+}
+
+
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [
+        ({"script": str(JOBS_DIR.parent / "examples" / "custom_model" / "train_script.py")}, "--script"),
+        ({"devices": 2}, "devices"),
+    ],
+)
+def test_a_user_model_run_differently_than_by_the_bundles_client_on_one_device_is_refused(settings, named):
+    for mode in ("he", "plain"):
+        with pytest.raises(JobBuildError, match=rf"^secure_aggregation '{mode}': {named}: "):
+            JobSpec(name="he", secure_aggregation=mode, **USER_MODEL, **settings)
+
+
+def test_a_user_model_job_ships_its_package_and_the_server_builds_the_users_model(tmp_path):
+    """``--model/--data`` under HE: the same HE components and filters as a built-in job; the persistor builds the
+    user's module with the job's seed (the encrypted global model's shapes come from it), and the shipped package
+    reaches the server and the sites."""
+    spec = JobSpec(name="he_user", secure_aggregation="he", client="fedprox", client_args={"mu": 0.01}, **USER_MODEL)
+    job = export_job(spec, tmp_path)
+    server, site = _configs(job)
+    assert set(HE_COMPONENTS) <= set(_paths(server) + _paths(site))
+    persistor = next(c for c in server["components"] if c["id"] == "persistor")["args"]["model"]
+    assert persistor == {
+        "path": "lightning_modules.own_model.seeded_user_module",
+        "args": {"model": USER_MODEL["model"], "model_args": {}, "seed": 0},
+    }
+    assert _paths(site["task_result_filters"]) == [
+        "controllers.secure_aggregation.SampleCountWeight",
+        "nvflare.app_opt.he.model_encryptor.HEModelEncryptor",
+    ]
+    assert (job / "app" / "custom" / "custom_model" / "model.py").is_file()
+    executor = site["executors"][0]["executor"]["args"]
+    assert f"--model {USER_MODEL['model']}" in executor["task_script_args"]
+    assert f"--data {USER_MODEL['data']}" in executor["task_script_args"]
+
+
+def test_the_round_records_summarise_the_sites_scores_of_the_received_model():
+    """Under HE the server cannot score the model; the sites' ``eval.*`` meta (in clear) is summarised per round as
+    the bundle's controller does, weighted by ``train.num_samples``."""
+    from controllers.engine import site_eval_summary
+    from controllers.secure_aggregation import site_scores
+
+    scores = [
+        site_scores("site-1", {"eval.val_accuracy": 0.5, "train.num_samples": 100, "train.loss": 0.3}),
+        site_scores("site-2", {"eval.val_accuracy": 0.9, "train.num_samples": 300}),
+        site_scores("site-3", {"train.num_samples": 50}),  # no validation split: no scores
+    ]
+    summary = site_eval_summary(scores)
+    assert list(summary) == ["val_accuracy"]
+    assert summary["val_accuracy"]["per_site"] == {"site-1": 0.5, "site-2": 0.9}
+    assert summary["val_accuracy"]["mean"] == pytest.approx(0.8) and summary["val_accuracy"]["worst_site"] == "site-1"
+
+
 def test_the_builder_refuses_in_one_line(capsys):
     assert main(["--secure-aggregation", "he", "--server", "median", "--output-dir", "/nonexistent"]) == 2
     err = capsys.readouterr().err.strip()
