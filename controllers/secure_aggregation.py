@@ -4,13 +4,19 @@
   result by its ``NUM_STEPS_CURRENT_ROUND`` meta (the encryptor multiplies the update by it before encrypting, the
   aggregator divides the sum by the total); this filter sets it to the site's ``train.num_samples``, the bundle's
   FedAvg weight (docs/design.md, decision 6), so the HE job averages as the bundle's FedAvg does.
+- :class:`SumWorkflowRound` (site, task-data filter of a DP-SGD job, after NVFlare's ``HEModelDecryptor``): the round
+  meta the site's privacy ledger keys on, which ``ScatterAndGather`` does not send as the bundle's controller does:
+  ``server.run_id`` is the NVFlare job id of the site's own job process, ``server.round`` and ``server.num_rounds``
+  are the round and planned rounds NVFlare's task headers carry (``ScatterAndGather`` sets both). No
+  ``server.last_released``: that server does not track releases, and the ledger's rule for such a server applies
+  (lightning_modules/privacy/ledger.py).
 - :class:`RoundRecorder` (server): one JSON line per round in ``metrics/round_metrics.jsonl`` (the file the bundle's
   controller writes and ``python -m jobs.provision.loopback`` checks): wall seconds, the sites whose result was
   accepted, the bytes of every result as it travels (NVFlare's own serialisation; a TenSEAL vector goes with its
   public context through NVFlare's HE decomposer), the bytes of the global model's weights sent down, how many
   received ciphertexts carried a context with a secret key (0: the server can add them but never decrypt), and the
   sites' scores of the received global model (``eval.*`` meta, which travels in clear) summarised as the bundle's
-  controller summarises them (``site_eval``).
+  controller summarises them (``site_eval``), and under DP-SGD each site's ``privacy.*`` (epsilon so far, ...).
 
 Nothing here encrypts, decrypts or adds: NVFlare's ``nvflare.app_opt.he`` components do, with TenSEAL.
 """
@@ -51,6 +57,29 @@ class SampleCountWeight(DXOFilter):
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
             raise ValueError(f"result without a positive integer {meta_keys.NUM_SAMPLES} (got {samples!r})")
         dxo.set_meta_prop(MetaKey.NUM_STEPS_CURRENT_ROUND, samples)
+        return dxo
+
+
+class SumWorkflowRound(DXOFilter):
+    """Put ``server.run_id`` (this site's NVFlare job id), ``server.round`` and ``server.num_rounds`` (NVFlare's task
+    headers) into the received model's meta, where the site's round reads them (module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__(supported_data_kinds=[DataKind.WEIGHTS], data_kinds_to_filter=[DataKind.WEIGHTS])
+
+    def process_dxo(self, dxo: DXO, shareable: Shareable, fl_ctx: FLContext) -> DXO:
+        job_id = fl_ctx.get_job_id()
+        round_num = shareable.get_header(AppConstants.CURRENT_ROUND)
+        num_rounds = shareable.get_header(AppConstants.NUM_ROUNDS)
+        counts = (round_num, num_rounds)
+        if not job_id or any(isinstance(n, bool) or not isinstance(n, int) for n in counts) or round_num < 0:
+            raise ValueError(
+                f"the task lacks the job id or ScatterAndGather's round headers (job {job_id!r}, round {round_num!r} "
+                f"of {num_rounds!r}): DP-SGD's ledger keys on them"
+            )
+        dxo.set_meta_prop(meta_keys.RUN_ID, str(job_id))
+        dxo.set_meta_prop(meta_keys.ROUND, round_num)
+        dxo.set_meta_prop(meta_keys.NUM_ROUNDS, num_rounds)
         return dxo
 
 
@@ -112,7 +141,7 @@ class RoundRecorder(FLComponent):
         elif event_type == AppEventType.ROUND_STARTED:
             self._started = time.monotonic()
             self._round = {"round": fl_ctx.get_prop(AppConstants.CURRENT_ROUND), "accepted": [], "rejected": []}
-            self._round.update(result_bytes={}, private_ciphertexts=0, measure_s=0.0, scores={})
+            self._round.update(result_bytes={}, private_ciphertexts=0, measure_s=0.0, scores={}, privacy={})
             model = fl_ctx.get_prop(AppConstants.GLOBAL_MODEL)
             self._round["global_bytes"] = self._measured(lambda: wire_bytes(sent_weights(model)) if model else None)
         elif event_type == AppEventType.BEFORE_CONTRIBUTION_ACCEPT and self._round:
@@ -122,6 +151,8 @@ class RoundRecorder(FLComponent):
             dxo = from_shareable(result)
             self._round["private_ciphertexts"] += private_ciphertexts(dxo.data)
             self._round["scores"][site] = site_scores(site, dxo.meta)
+            if meta_keys.PRIVACY_EPSILON in (dxo.meta or {}):
+                self._round["privacy"][site] = meta_keys.privacy_of(dxo.meta)
         elif event_type == AppEventType.AFTER_CONTRIBUTION_ACCEPT and self._round:
             result = fl_ctx.get_prop(AppConstants.TRAINING_RESULT)
             site = result.get_peer_prop(ReservedKey.IDENTITY_NAME, "?") if result is not None else "?"
@@ -137,6 +168,8 @@ class RoundRecorder(FLComponent):
             summary = site_eval_summary([scores[site] for site in record["aggregated"] if site in scores])
             if summary:
                 record["site_eval"] = summary
+            if not record["privacy"]:
+                del record["privacy"]
             self._append({"stage": "round", **record})
             self._round = {}
 

@@ -113,12 +113,6 @@ def secure_aggregation_problem(spec: Any) -> str | None:
         ),
         (bool(spec.local_keys), "local_keys", "partial sharing is not wired into the sum workflow"),
         (
-            spec.dp_noise_multiplier is not None or spec.dp_target_epsilon is not None,
-            "DP-SGD (--dp-*)",
-            "its per-site epsilon ledger follows the round meta of the bundle's controller, which ScatterAndGather "
-            "does not send",
-        ),
-        (
             spec.attack != "none" or spec.malicious_fraction > 0 or bool(spec.malicious_sites),
             "attack settings",
             "simulated attacks test the robust rules, which need the individual updates",
@@ -195,11 +189,13 @@ def add_sum_workflow(job: Any, spec: Any, model_config: Mapping[str, Any]) -> No
 
 
 def add_sum_site_filters(job: Any, spec: Any) -> None:
-    """The sites' filters, in the order they run: decrypt the received model (``he``); set the result's weight,
+    """The sites' filters, in the order they run: decrypt the received model (``he``), take FedOpt's step on it (the
+    site-step rules) and, under DP-SGD, give it the round meta the privacy ledger keys on; set the result's weight,
     then weigh and encrypt it (``he``)."""
     from nvflare.job_config.defs import FilterType
 
-    from controllers.secure_aggregation import SampleCountWeight
+    from controllers.secure_aggregation import SampleCountWeight, SumWorkflowRound
+    from lightning_modules.privacy.job_checks import is_private
 
     encrypted = spec.secure_aggregation == "he"
     if encrypted:
@@ -213,6 +209,9 @@ def add_sum_site_filters(job: Any, spec: Any) -> None:
         rule = {"rule": spec.server, "rule_args": dict(spec.server_args)}
         job.to_clients(SiteOptimizerStep(**rule), tasks=["train", "validate"], filter_type=FilterType.TASK_DATA)
         job.to_clients(SiteOptimizerDigest(**rule), tasks=["train"], filter_type=FilterType.TASK_RESULT)
+    if is_private(spec):
+        # The same task set as the filters above: NVFlare keeps one filter chain per set of tasks.
+        job.to_clients(SumWorkflowRound(), tasks=["train", "validate"], filter_type=FilterType.TASK_DATA)
     job.to_clients(SampleCountWeight(), tasks=["train"], filter_type=FilterType.TASK_RESULT)
     if encrypted:
         from nvflare.app_opt.he.model_encryptor import HEModelEncryptor

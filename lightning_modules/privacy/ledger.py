@@ -9,6 +9,12 @@ Losing the ledger is a privacy incident: starting the count at zero again would 
 the one the site has spent. So a site that has released anything before (the server's ``server.last_released`` or
 ``server.last_aggregated`` names it: a result of this site reached the server, aggregated or rejected) and finds no
 ledger, or a corrupt one, stops with :class:`LedgerError` naming the site and the file; it never trains on.
+
+A server that does not track releases (its meta has no ``server.last_released``: NVFlare's ``ScatterAndGather``,
+which runs ``--secure-aggregation he|plain`` and asks every site every round) cannot say who has released. Then a
+site is taken to have released in every round before the one it is asked for: it may start without a ledger only in
+the job's first round (``server.round`` 0), and stops in any later one. Nothing the site holds could prove that it
+never released, since the ledger is that record; a site that missed the first round cannot join such a job later.
 """
 
 from __future__ import annotations
@@ -96,13 +102,20 @@ def _segment(index: int, row: Any) -> Segment:
     return Segment(q, sigma, steps)
 
 
-def trained_before(site: str, meta: Mapping[str, Any]) -> bool:
-    """Whether the server's meta says a result of this site reached it in this run, aggregated or not (so the site
-    has released something and must have a ledger)."""
+def named_by_the_server(site: str, meta: Mapping[str, Any]) -> bool:
+    """Whether the server's meta names this site as one whose result reached it in this run, aggregated or not."""
     return any(
         isinstance(named, Mapping) and site in named
         for named in (meta.get(meta_keys.LAST_AGGREGATED), meta.get(meta_keys.LAST_RELEASED))
     )
+
+
+def trained_before(site: str, meta: Mapping[str, Any]) -> bool:
+    """Whether the site must be taken to have released something in this run (so it must have a ledger): the server
+    names it, or the server does not track releases (no ``server.last_released``) and this is not the job's first
+    round (module docstring)."""
+    untracked = meta.get(meta_keys.LAST_RELEASED) is None and meta.get(meta_keys.ROUND) != 0
+    return named_by_the_server(site, meta) or untracked
 
 
 def read_ledger(store: ClientStateStore | None, site: str, meta: Mapping[str, Any], delta: float) -> Ledger:
@@ -124,10 +137,16 @@ def read_ledger(store: ClientStateStore | None, site: str, meta: Mapping[str, An
         ) from None
     if ledger is None or ledger.run_id != run_id:
         if trained_before(site, meta):
+            said = (
+                "the server received this site's results"
+                if named_by_the_server(site, meta)
+                else f"this is round {meta.get(meta_keys.ROUND)} of a server that does not track releases, so this "
+                "site may have released in an earlier round"
+            )
             raise LedgerError(
-                f"{site}: privacy ledger {where} is missing although the server received this site's results "
-                f"(run {run_id}); this site stops: restarting the count at zero would under-report the privacy it "
-                "has spent. Restore the ledger from a backup"
+                f"{site}: privacy ledger {where} is missing although {said} (run {run_id}); this site stops: "
+                "restarting the count at zero would under-report the privacy it has spent. Restore the ledger from a "
+                "backup"
             )
         return Ledger(run_id, delta)
     if ledger.delta != delta:
