@@ -9,6 +9,7 @@ installed bundle's client, :func:`jobs.client.main`.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
@@ -241,6 +242,23 @@ def write_site_requirements(job_folder: Path, spec: JobSpec) -> None:
     (job_folder / "app" / "custom" / REQUIREMENTS_FILE).write_text(site_requirements(spec))
 
 
+FILTER_KEYS = ("task_data_filters", "task_result_filters")
+
+
+def sort_filter_tasks(job_dir: Path) -> None:
+    """Sort the task names of every filter entry in the job's configs. NVFlare's job API keeps a filter's tasks as a
+    set and writes them in the set's order, which varies with the interpreter's hash seed: without this, an export
+    of the same job (e.g. an HE job's decryptor on ``train`` and ``validate``) differs from run to run and the
+    committed jobs' regeneration check fails at random. NVFlare matches tasks by name, so the order means nothing."""
+    for config in sorted(job_dir.glob("*/config/config_fed_*.json")):
+        content = json.loads(config.read_text())
+        for key in FILTER_KEYS:
+            for entry in content.get(key, []):
+                if isinstance(entry.get("tasks"), list):
+                    entry["tasks"] = sorted(entry["tasks"])
+        config.write_text(json.dumps(content, indent=4))
+
+
 def export_job(spec: JobSpec, output_dir: Path) -> Path:
     """Write ``output_dir/<spec.name>/`` (replacing an older export of the same name) and return its path.
 
@@ -255,6 +273,7 @@ def export_job(spec: JobSpec, output_dir: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=output_dir, prefix=f".{spec.name}.") as scratch:
         with inside_directory(JOBS_DIR):
             job.export_job(scratch)
+        sort_filter_tasks(Path(scratch) / spec.name)
         write_site_requirements(Path(scratch) / spec.name, spec)
         if target.exists():
             shutil.rmtree(target)
