@@ -251,7 +251,7 @@ class FedAlgController(ModelController):
             task_name="validate", targets=targets, data=outgoing, timeout=self.train_timeout
         )
         scores = {result_site(r): numeric_metrics(getattr(r, "metrics", None)) for r in results}
-        withheld = {result_site(r): list(withheld_scores(r)) for r in results if withheld_scores(r)}
+        withheld = {result_site(r): list(names) for r in results if (names := withheld_scores(r))}
         missing = sorted(set(population) - set(scores))
         if missing:
             self.warning(f"final model: no scores from {missing}")

@@ -141,8 +141,9 @@ def builtin_model_config(spec: JobSpec) -> dict[str, Any]:
     """The persistor's model entry for the built-in classifier, seeded with the job's --seed as every site builds it."""
     model_args: dict[str, Any] = {"arch": spec.arch, "num_classes": dataset_num_classes(spec.dataset)}
     model_args["init_seed"] = spec.seed
-    if model_arch_args(spec):  # the server's model and evaluator must build what the clients build (MOON's head)
-        model_args["arch_args"] = model_arch_args(spec)
+    arch_args = model_arch_args(spec)
+    if arch_args:  # the server's model and evaluator must build what the clients build (MOON's projection head)
+        model_args["arch_args"] = arch_args
     return {"path": "lightning_modules.classifier.FLClassifier", "args": model_args}
 
 

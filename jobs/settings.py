@@ -376,9 +376,9 @@ class SecureAggregationSettings:
     secure_aggregation: Literal["none", "he", "plain"] = setting(
         "none",
         "none: the bundle's controller and rules on plaintext updates; he: NVFlare's ScatterAndGather with its HE "
-        "encryptor, accumulating aggregator and decryptor (FedAvg only, provisioned kits with HEBuilder, not the "
-        "simulator); plain: the same NVFlare workflow without encryption (the baseline HE's cost is measured "
-        "against; runs in the simulator)",
+        "encryptor, accumulating aggregator and decryptor (FedAvg, or FedOpt with its step taken at the sites; "
+        "provisioned kits with HEBuilder, not the simulator); plain: the same NVFlare workflow without encryption "
+        "(the baseline HE's cost is measured against; runs in the simulator)",
         side=SERVER,
     )
 
