@@ -32,6 +32,14 @@ ICDE 2022, arXiv:2102.02079):
 ``quantity``
     Quantity skew. Labels stay IID; site sizes follow ``Dir(alpha)`` proportions (redrawn until every site has
     ``min_samples`` samples).
+``small_sites``
+    Quantity skew with a few small sites beside large ones (the harnesses' ``qty<beta>``). Labels stay IID. With
+    ``share`` = beta (passed as ``alpha`` through :func:`partition`), the first ``s = round(beta * num_sites)``
+    sites (site-1 .. site-s; 1 <= s < num_sites; halves round up) are small: small site ``k`` (k = 0 .. s - 1)
+    holds ``round(50 + 100 k / (s - 1))`` samples, i.e. sizes evenly spaced from 50 to 150
+    (:data:`SMALL_SITE_SIZES`; one small site holds 100). The other sites share the remaining samples near-equally
+    (sizes differ by at most one) and each must end up larger than 150. The sizes are of the whole shard, before a
+    site holds out its validation and test splits.
 """
 
 from __future__ import annotations
@@ -53,12 +61,15 @@ __all__ = [
     "population",
     "quantity",
     "shards",
+    "small_sites",
 ]
 
-SCHEMES: tuple[str, ...] = ("iid", "dirichlet", "shards", "quantity", "population", "label_quantity")
+SCHEMES: tuple[str, ...] = ("iid", "dirichlet", "shards", "quantity", "population", "label_quantity", "small_sites")
 #: The "#C=k" schemes: the ones that read ``classes_per_site``.
 LABEL_COUNT_SCHEMES: tuple[str, ...] = ("shards", "label_quantity")
 MAX_DRAWS = 1000
+#: The smallest and the largest small site of ``small_sites`` (samples in the shard).
+SMALL_SITE_SIZES: tuple[int, int] = (50, 150)
 
 
 def iid(labels: np.ndarray, num_sites: int, *, seed: int) -> list[np.ndarray]:
@@ -210,6 +221,44 @@ def quantity(
     )
 
 
+def small_site_sizes(num_sites: int, share: float) -> list[int]:
+    """The sizes of ``small_sites``'s small sites (site-1 first): ``round(share * num_sites)`` sizes evenly spaced
+    over :data:`SMALL_SITE_SIZES` (the middle one for a single small site)."""
+    if isinstance(share, bool) or not isinstance(share, int | float | np.integer | np.floating) or not 0 < share < 1:
+        raise DataPrepError(f"small_sites: the share of small sites must be a number in (0, 1), got {share!r}")
+    small = _round_half_up(share * num_sites)
+    if not 1 <= small < num_sites:
+        raise DataPrepError(
+            f"small_sites: share {share:g} of {num_sites} sites gives {small} small site(s); "
+            f"choose a share that gives 1 to {num_sites - 1}"
+        )
+    low, high = SMALL_SITE_SIZES
+    if small == 1:
+        return [_round_half_up((low + high) / 2)]
+    return [_round_half_up(low + (high - low) * k / (small - 1)) for k in range(small)]
+
+
+def _round_half_up(value: float) -> int:
+    """Rounding as a reader expects it (2.5 -> 3; Python's round gives 2)."""
+    return math.floor(value + 0.5)
+
+
+def small_sites(labels: np.ndarray, num_sites: int, *, seed: int, share: float = 0.3) -> list[np.ndarray]:
+    """Quantity skew with small sites (module docstring): IID labels, the first sites small, the rest equal."""
+    labels = _check_labels(labels, num_sites)
+    sizes = small_site_sizes(num_sites, share)
+    large = num_sites - len(sizes)
+    rest = len(labels) - sum(sizes)
+    if rest // large <= SMALL_SITE_SIZES[1]:
+        raise DataPrepError(
+            f"small_sites: {len(labels)} samples leave {rest // large} per large site after {len(sizes)} small "
+            f"site(s) of {sizes}; a large site needs more than {SMALL_SITE_SIZES[1]}: use more samples or fewer sites"
+        )
+    order = np.random.default_rng(seed).permutation(len(labels))
+    cuts = np.cumsum(sizes)
+    return _finish([*np.split(order[: cuts[-1]], cuts[:-1]), *np.array_split(order[cuts[-1] :], large)], "small_sites")
+
+
 def population(labels: np.ndarray, num_sites: int, *, seed: int = 0) -> list[np.ndarray]:
     """Site = population: class ``c`` goes whole to site ``c mod num_sites`` (``seed`` is not needed)."""
     labels = _check_labels(labels, num_sites)
@@ -229,6 +278,7 @@ _SCHEME_FUNCTIONS: dict[str, Callable[..., list[np.ndarray]]] = {
     "label_quantity": label_quantity,
     "quantity": quantity,
     "population": population,
+    "small_sites": small_sites,
 }
 
 
@@ -245,7 +295,8 @@ def partition(
     """Split ``range(len(labels))`` among ``num_sites`` sites with the named scheme (one of :data:`SCHEMES`).
 
     Parameters that a scheme does not use are ignored (``alpha`` for iid/shards, ``classes_per_site`` except
-    shards/label_quantity, ``min_samples`` for iid/shards).
+    shards/label_quantity, ``min_samples`` for iid/shards/small_sites). For ``small_sites`` ``alpha`` is the share
+    of small sites (beta).
 
     Returns
     -------
@@ -265,6 +316,8 @@ def partition(
         return _SCHEME_FUNCTIONS[scheme](labels, num_sites, seed=seed, classes_per_site=classes_per_site)
     if scheme == "population":
         return population(labels, num_sites)
+    if scheme == "small_sites":  # alpha carries the share of small sites: no new field in every caller's settings
+        return small_sites(labels, num_sites, seed=seed, share=alpha)
     return iid(labels, num_sites, seed=seed)
 
 

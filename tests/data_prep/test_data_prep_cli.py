@@ -89,5 +89,5 @@ def test_python_m_data_prep_reports_without_traceback(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "data_prep: error: unknown partition scheme 'nope'; choose one of: "
-        "iid, dirichlet, shards, quantity, population, label_quantity"
+        "iid, dirichlet, shards, quantity, population, label_quantity, small_sites"
     ]

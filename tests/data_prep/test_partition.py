@@ -59,7 +59,7 @@ def test_sites_are_disjoint_sorted_int64_and_non_empty(labels: np.ndarray, schem
     assert merged.min() >= 0 and merged.max() < len(labels)
 
 
-@pytest.mark.parametrize("scheme", ["iid", "dirichlet", "shards", "quantity"])
+@pytest.mark.parametrize("scheme", ["iid", "dirichlet", "shards", "quantity", "small_sites"])
 def test_every_sample_used_exactly_once(labels: np.ndarray, scheme: str) -> None:
     parts = _split(labels, scheme, num_sites=5, classes_per_site=2)  # 5 sites x 2 labels covers all 10 labels
     np.testing.assert_array_equal(np.sort(np.concatenate(parts)), np.arange(len(labels)))
@@ -228,3 +228,54 @@ def test_label_counts_matches_hand_count() -> None:
     counts = label_counts(labels, [np.array([0, 1, 2]), np.array([3, 4, 5])], 3)
     np.testing.assert_array_equal(counts, [[1, 0, 2], [1, 1, 1]])
     assert counts.dtype == np.int64
+
+
+# ---------------------------------------------------------------- small_sites (the harnesses' qty<beta>)
+
+
+@pytest.mark.parametrize(
+    ("num_sites", "share", "sizes"),
+    [(10, 0.3, [50, 100, 150]), (7, 0.3, [50, 150]), (5, 0.2, [100]), (9, 0.5, [50, 75, 100, 125, 150])],
+)
+def test_small_sites_sizes_are_evenly_spaced_from_50_to_150(num_sites: int, share: float, sizes: list[int]) -> None:
+    from data_prep.partition import small_site_sizes
+
+    assert small_site_sizes(num_sites, share) == sizes
+
+
+def test_small_sites_are_the_first_ones_and_the_rest_share_the_remainder_equally() -> None:
+    labels = np.arange(12000) % 10
+    parts = partition(labels, 10, "small_sites", seed=0, alpha=0.3)  # alpha carries beta
+    assert [len(p) for p in parts] == [50, 100, 150, 1672, 1672, 1672, 1671, 1671, 1671, 1671]
+    np.testing.assert_array_equal(np.sort(np.concatenate(parts)), np.arange(12000))
+    # labels stay IID: every large site holds each class within a few percent of a tenth
+    counts = label_counts(labels, parts[3:], 10)
+    assert np.all(np.abs(counts / counts.sum(axis=1, keepdims=True) - 0.1) < 0.03)
+
+
+def test_small_sites_halves_round_up_not_to_even() -> None:
+    from data_prep.partition import small_site_sizes
+
+    assert len(small_site_sizes(5, 0.5)) == 3  # 2.5 sites: Python's round() would give 2
+
+
+@pytest.mark.parametrize(
+    ("num_sites", "share", "expected"),
+    [
+        (10, 0.0, r"share of small sites must be a number in \(0, 1\), got 0"),
+        (10, 1.0, r"in \(0, 1\), got 1"),
+        (10, True, r"in \(0, 1\), got True"),
+        (10, 0.01, r"share 0.01 of 10 sites gives 0 small site\(s\); choose a share that gives 1 to 9"),
+        (3, 0.9, r"share 0.9 of 3 sites gives 3 small site\(s\); choose a share that gives 1 to 2"),
+    ],
+)
+def test_small_sites_refuses_a_share_that_gives_no_small_or_no_large_site(
+    num_sites: int, share: float, expected: str
+) -> None:
+    with pytest.raises(DataPrepError, match=expected):
+        partition(np.arange(3000) % 10, num_sites, "small_sites", seed=0, alpha=share)
+
+
+def test_small_sites_refuses_large_sites_no_larger_than_the_small_ones() -> None:
+    with pytest.raises(DataPrepError, match=r"900 samples leave 150 per large site after 3 small site\(s\)"):
+        partition(np.arange(900) % 10, 7, "small_sites", seed=0, alpha=0.4)
