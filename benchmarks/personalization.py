@@ -376,6 +376,15 @@ def folder_sections(out: Path, methods: Mapping[str, Mapping[str, Any]], dataset
     return lines
 
 
+def test_split_sections(out: Path, dataset: str) -> list[str]:
+    """The per-site test-split report (benchmarks/site_report.py) of a folder whose cells carry test-split scores;
+    empty for a folder of validation-only cells (the sections above)."""
+    from benchmarks.site_report import report_lines
+
+    cells = [json.loads(path.read_text()) for path in sorted((out / "cells").glob("*.json"))]
+    return report_lines(cells, dataset)
+
+
 def write_folder_report(out: Path, command: str, methods: Mapping[str, Mapping[str, Any]], dataset: str) -> Path:
     protocol = json.loads((out / "protocol.json").read_text())
     lines = [
@@ -383,7 +392,7 @@ def write_folder_report(out: Path, command: str, methods: Mapping[str, Mapping[s
         "",
         f"Produced by `{command}`. Protocol: {json.dumps(protocol)}.",
         "",
-        *folder_sections(out, methods, dataset),
+        *(test_split_sections(out, dataset) or folder_sections(out, methods, dataset)),
     ]
     report = out / "report.md"
     report.write_text("\n".join(lines))

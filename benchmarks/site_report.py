@@ -1,0 +1,264 @@
+"""The per-site report of a personalization grid scored on the sites' TEST splits: "does joining help my site?".
+
+A cell (one method, one partition, one partition seed, one training seed) records what each site of a real job
+reports after its last round (:func:`cell_scores`): the test accuracy of the global model, the site's personal model,
+its in-job local-only model (``--local-baseline``: same model, optimizer and local steps, never sent) and the model
+it kept (``--keep best``: the candidate best on the site's validation split), which candidate it kept, and the sizes
+of its training, validation and test splits. The page (:func:`report_lines`) gives, per setting (a partition and
+one partition seed: the site data are fixed within it, only the training seed varies):
+
+- one row per method: mean site test accuracy of every candidate, kept - local-only with its 95 % t-interval
+  (benchmarks/site_stats.py: over the per-seed means across sites), the worst (site, seed) pair, the pairs more than
+  3 points below local-only, the target, bytes per site and round, and wall time per cell;
+- the target check of the pre-registered default (benchmarks.personalization.PREREGISTERED_DEFAULT), naming every
+  site that misses and by how much;
+- per method, every site: its split sizes, every candidate's accuracy, kept / personal / global - local-only with
+  their intervals over seeds, and which candidates it kept.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from benchmarks import site_stats
+
+#: The candidates a site scores on its test split, in the order of the tables.
+CANDIDATES = ("global", "personal", "local", "kept")
+#: (partition, partition seed) -> method -> seed -> cell
+Cells = Mapping[tuple[str, Any], Mapping[str, Mapping[int, Mapping[str, Any]]]]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# What a cell keeps of its run
+# --------------------------------------------------------------------------------------------------------------------
+def test_metrics_record(records: Sequence[Mapping[str, Any]]) -> Mapping[str, Mapping[str, Any]]:
+    """The sites' meta of the last round record that carries test-split scores (site -> meta); empty when none."""
+    for record in reversed(records):
+        site_meta = record.get("site_meta") or {}
+        if any(key.endswith("_test_accuracy") for meta in site_meta.values() for key in meta):
+            return site_meta
+    return {}
+
+
+def cell_scores(site_meta: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """``site_test``: candidate -> site -> test accuracy (``eval.<candidate>_test_accuracy``), and
+    ``kept_candidate``: site -> the candidate it kept (``eval.kept_candidate``)."""
+    scores: dict[str, dict[str, float]] = {candidate: {} for candidate in CANDIDATES}
+    kept: dict[str, str] = {}
+    for site, meta in site_meta.items():
+        for candidate in CANDIDATES:
+            value = meta.get(f"eval.{candidate}_test_accuracy")
+            if value is not None:
+                scores[candidate][site] = float(value)
+        if meta.get("eval.kept_candidate") is not None:
+            kept[site] = str(meta["eval.kept_candidate"])
+    return {"site_test": {c: s for c, s in scores.items() if s}, "kept_candidate": kept}
+
+
+def bytes_per_site_round(traffic: Sequence[Mapping[str, int]]) -> float:
+    """Mean over rounds of everything a round sent (model and meta, down and up) per site that took part."""
+    per_round = [
+        (t["model_down"] + t["meta_down"] + t["model_up"] + t["meta_up"]) / max(1, t["sites"]) for t in traffic
+    ]
+    return statistics.fmean(per_round) if per_round else float("nan")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Gathering cells
+# --------------------------------------------------------------------------------------------------------------------
+def group_cells(cells: Sequence[Mapping[str, Any]]) -> dict[tuple[str, Any], dict[str, dict[int, Mapping[str, Any]]]]:
+    """Cells with test-split scores by (partition, partition seed), method and training seed."""
+    grouped: dict[tuple[str, Any], dict[str, dict[int, Mapping[str, Any]]]] = defaultdict(lambda: defaultdict(dict))
+    for cell in cells:
+        if not cell.get("site_test"):
+            continue
+        key = cell["cell"]
+        setting = (key.get("partition") or key["split"], key.get("partition_seed"))
+        grouped[setting][key["algorithm"]][key["seed"]] = cell
+    return grouped
+
+
+def candidate_runs(by_seed: Mapping[int, Mapping[str, Any]], candidate: str) -> dict[int, dict[str, float]]:
+    """seed -> site -> the candidate's test accuracy (seeds whose cell has it)."""
+    return {
+        seed: dict(cell["site_test"][candidate]) for seed, cell in by_seed.items() if candidate in cell["site_test"]
+    }
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Tables
+# --------------------------------------------------------------------------------------------------------------------
+def pct(value: float) -> str:
+    return f"{100 * value:.1f}"
+
+
+def interval_text(interval: site_stats.Interval) -> str:
+    """'+1.2 [-0.3, +2.7]' in points; one run has no interval."""
+    if interval.half == float("inf"):
+        return f"{100 * interval.mean:+.1f} (1 seed, no interval)"
+    return f"{100 * interval.mean:+.1f} [{100 * interval.low:+.1f}, {100 * interval.high:+.1f}]"
+
+
+def mean_site(runs: Mapping[int, Mapping[str, float]]) -> str:
+    """Mean over seeds of the unweighted mean over sites."""
+    if not runs:
+        return "–"
+    return pct(statistics.fmean(statistics.fmean(sites.values()) for sites in runs.values()))
+
+
+def method_row(method: str, by_seed: Mapping[int, Mapping[str, Any]], default: str) -> str:
+    """One method's row of the setting table (module docstring)."""
+    runs = {c: candidate_runs(by_seed, c) for c in CANDIDATES}
+    means = [mean_site(runs[c]) for c in CANDIDATES]
+    traffic = [bytes_per_site_round(cell.get("traffic", [])) for cell in by_seed.values()]
+    cost = f"{statistics.fmean(traffic) / 1024:.0f}" if traffic else "–"
+    wall = f"{statistics.fmean(cell['wall_s'] for cell in by_seed.values()):.0f}"
+    label = f"{method} ★" if method == default else method
+    if not (runs["kept"] and runs["local"]):
+        return f"| {label} | {len(by_seed)} | " + " | ".join(means) + f" | – | – | – | – | {cost} | {wall} |"
+    differences = site_stats.paired_differences(runs["kept"], runs["local"])
+    site, seed, worst = site_stats.worst_pair(differences)
+    check = site_stats.target_check(runs["kept"], runs["local"])
+    return (
+        f"| {label} | {len(by_seed)} | "
+        + " | ".join(means)
+        + f" | {interval_text(site_stats.setting_interval(differences))} | {100 * worst:+.1f} ({site}, seed {seed}) "
+        f"| {len(check.misses)} of {check.pairs} | {'met' if check.met else 'missed'} | {cost} | {wall} |"
+    )
+
+
+def setting_table(methods: Mapping[str, Mapping[int, Mapping[str, Any]]], default: str) -> list[str]:
+    header = " | ".join(f"{c if c != 'local' else 'local-only'}: mean site" for c in CANDIDATES)
+    return [
+        f"| method | seeds | {header} | kept − local-only, 95 % CI | worst (site, seed) kept − local-only | pairs "
+        "below −3 pts | target | KB / site / round | s / cell |",
+        "|---" * 12 + "|",
+        *(method_row(m, methods[m], default) for m in sorted(methods)),
+    ]
+
+
+def target_sentence(method: str, by_seed: Mapping[int, Mapping[str, Any]], tolerance: float) -> str:
+    """The target check of one method, naming every (site, seed) that misses and by how much."""
+    kept, local = candidate_runs(by_seed, "kept"), candidate_runs(by_seed, "local")
+    if not (kept and local):
+        return f"Target for {method}: not checked (its cells carry no kept and local-only test scores)."
+    check = site_stats.target_check(kept, local, tolerance)
+    means = f"mean kept {pct(check.mean_kept)} vs local-only {pct(check.mean_local)} over {check.pairs} pairs"
+    if check.met:
+        return f"Target for {method}: **met** ({means}; no pair more than {100 * tolerance:g} points below)."
+    missing = ", ".join(f"{site} seed {seed} ({100 * d:+.1f})" for site, seed, d in check.misses) or "none"
+    below = "" if check.mean_kept >= check.mean_local else "; the mean kept is below the mean local-only"
+    return (
+        f"Target for {method}: **missed** ({means}{below}). Pairs more than {100 * tolerance:g} points below "
+        f"local-only: {missing}."
+    )
+
+
+def sizes_text(by_seed: Mapping[int, Mapping[str, Any]], site: str) -> str:
+    sizes = next((cell.get("site_sizes", {}).get(site) for cell in by_seed.values()), None)
+    return "–" if not sizes else " / ".join(str(sizes.get(k, "–")) for k in ("train", "val", "test"))
+
+
+def site_rows(by_seed: Mapping[int, Mapping[str, Any]]) -> list[str]:
+    """One row per site of one method: sizes, candidates' mean accuracy over seeds, the three paired differences
+    against local-only with their intervals and the verdict of kept's, and the candidates kept."""
+    runs = {c: candidate_runs(by_seed, c) for c in CANDIDATES}
+    differences = {
+        c: site_stats.paired_differences(runs[c], runs["local"]) for c in ("kept", "personal", "global") if runs[c]
+    }
+    sites = sorted({s for sites in runs.values() for by_site in sites.values() for s in by_site}, key=_site_order)
+    rows = []
+    for site in sites:
+        scores = [_site_mean(runs[c], site) for c in CANDIDATES]
+        gaps = []
+        for c in ("kept", "personal", "global"):
+            values = differences.get(c, {}).get(site)
+            gaps.append(interval_text(site_stats.t_interval(list(values.values()))) if values else "–")
+        kept = differences.get("kept", {}).get(site)
+        verdict = site_stats.verdict(site_stats.t_interval(list(kept.values()))) if kept else "–"
+        chosen = sorted(str(cell.get("kept_candidate", {}).get(site, "–")) for cell in by_seed.values())
+        rows.append(
+            f"| {site} | {sizes_text(by_seed, site)} | "
+            + " | ".join([*scores, *gaps, verdict, ", ".join(chosen)])
+            + " |"
+        )
+    return rows
+
+
+def _site_mean(runs: Mapping[int, Mapping[str, float]], site: str) -> str:
+    values = [sites[site] for sites in runs.values() if site in sites]
+    return pct(statistics.fmean(values)) if values else "–"
+
+
+def _site_order(site: str) -> tuple[int, str]:
+    tail = site.rsplit("-", 1)[-1]
+    return (int(tail), site) if tail.isdigit() else (1 << 30, site)
+
+
+def per_site_table(method: str, by_seed: Mapping[int, Mapping[str, Any]]) -> list[str]:
+    return [
+        f"Per site, {method} (mean over seeds {sorted(by_seed)}; differences paired by seed, 95 % t-interval):",
+        "",
+        "| site | train / val / test | global | personal | local-only | kept | kept − local-only | personal − "
+        "local-only | global − local-only | kept vs local-only | kept candidate per seed |",
+        "|---" * 11 + "|",
+        *site_rows(by_seed),
+        "",
+    ]
+
+
+def setting_title(partition: str, partition_seed: Any) -> str:
+    return partition if partition_seed is None else f"{partition}, partition seed {partition_seed}"
+
+
+def setting_section(
+    title: str, methods: Mapping[str, Mapping[int, Mapping[str, Any]]], default: str, tolerance: float
+) -> list[str]:
+    """One setting: the methods' table, the default's target check, then every method's per-site table."""
+    lines = [f"### {title}", "", *setting_table(methods, default), ""]
+    if default in methods:
+        lines += [target_sentence(default + " (the pre-registered default)", methods[default], tolerance), ""]
+    else:
+        lines += [f"The pre-registered default ({default}) did not run in this setting.", ""]
+    lines += [target_sentence(m, methods[m], tolerance) for m in sorted(methods) if m != default]
+    lines.append("")
+    for method in sorted(methods):
+        lines += per_site_table(method, methods[method])
+    return lines
+
+
+def legend(seeds: Sequence[int], default: Mapping[str, Any], tolerance: float) -> list[str]:
+    return [
+        f"Test accuracy in % on each site's own TEST split (never trained or selected on); training seeds "
+        f"{list(seeds)} on fixed site data per setting (the partition seed is stated in the setting's title when it "
+        "is not the training seed). Mean site: the unweighted mean over sites, per seed first, then over seeds. "
+        "Candidates: global (the final global model), personal (the method's personal model), local-only (the "
+        "site's in-job local-only model, compute-matched, never sent), kept (the candidate best on the site's "
+        "validation split). Differences are paired per (site, seed); a setting's 95 % t-interval is taken over the "
+        "per-seed means across sites (the sites are fixed, only training varies), a site's over its seeds; 'gain' "
+        "/ 'loss' when the interval excludes 0, 'within' otherwise (one seed: no interval). Target: no (site, "
+        f"seed) pair's kept accuracy more than {100 * tolerance:g} points below its local-only model, and mean "
+        f"kept ≥ mean local-only. ★ the pre-registered default ({default['method']}, keep {default['keep']}, "
+        f"local baseline {'on' if default['local_baseline'] else 'off'}), fixed in code before any held-out run.",
+        "",
+    ]
+
+
+def report_lines(
+    cells: Sequence[Mapping[str, Any]], dataset: str, tolerance: float = site_stats.TOLERANCE
+) -> list[str]:
+    """Every setting of a folder's test-split cells (empty when it has none)."""
+    from benchmarks.personalization import PREREGISTERED_DEFAULT
+
+    grouped = group_cells(cells)
+    if not grouped:
+        return []
+    seeds = sorted({seed for methods in grouped.values() for by_seed in methods.values() for seed in by_seed})
+    lines = legend(seeds, PREREGISTERED_DEFAULT, tolerance)
+    for (partition, partition_seed), methods in sorted(grouped.items(), key=lambda item: str(item[0])):
+        title = f"{dataset}, {setting_title(partition, partition_seed)}"
+        lines += setting_section(title, methods, PREREGISTERED_DEFAULT["method"], tolerance)
+    return lines

@@ -1,0 +1,106 @@
+"""benchmarks.site_report: what a cell keeps of a job's test-split scores, and the per-site page built from cells."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from benchmarks import site_report as sr
+from benchmarks import site_stats as st
+
+
+def test_cell_scores_reads_every_candidate_and_the_kept_one_from_the_sites_meta():
+    meta = {
+        "site-1": {
+            "eval.global_test_accuracy": 0.5,
+            "eval.personal_test_accuracy": 0.6,
+            "eval.local_test_accuracy": 0.55,
+            "eval.kept_test_accuracy": 0.6,
+            "eval.kept_candidate": "personal",
+            "eval.val_accuracy": 0.9,  # a validation score is never a test score
+        },
+        "site-2": {"eval.global_test_accuracy": 0.7},
+    }
+    got = sr.cell_scores(meta)
+    assert got["site_test"] == {
+        "global": {"site-1": 0.5, "site-2": 0.7},
+        "personal": {"site-1": 0.6},
+        "local": {"site-1": 0.55},
+        "kept": {"site-1": 0.6},
+    }
+    assert got["kept_candidate"] == {"site-1": "personal"}
+
+
+def test_the_last_round_with_test_scores_is_the_one_read():
+    records = [
+        {"stage": "round", "site_meta": {"site-1": {"eval.kept_test_accuracy": 0.1}}},
+        {"stage": "round", "site_meta": {"site-1": {"eval.kept_test_accuracy": 0.2}}},
+        {"stage": "round", "site_meta": {"site-1": {"train.loss": 1.0}}},  # a round whose sites scored nothing
+    ]
+    assert sr.test_metrics_record(records) == {"site-1": {"eval.kept_test_accuracy": 0.2}}
+    assert sr.test_metrics_record([{"stage": "initial"}]) == {}
+
+
+def test_bytes_per_site_round_is_the_mean_over_rounds_of_all_traffic_per_site():
+    traffic = [
+        {"sites": 2, "model_down": 100, "meta_down": 10, "model_up": 200, "meta_up": 0},
+        {"sites": 1, "model_down": 50, "meta_down": 0, "model_up": 50, "meta_up": 20},
+    ]
+    assert sr.bytes_per_site_round(traffic) == pytest.approx((310 / 2 + 120) / 2)
+
+
+KEPT = {0: {"site-1": 0.90, "site-2": 0.50}, 1: {"site-1": 0.88, "site-2": 0.75}, 2: {"site-1": 0.91, "site-2": 0.70}}
+LOCAL = {0: {"site-1": 0.85, "site-2": 0.72}, 1: {"site-1": 0.86, "site-2": 0.71}, 2: {"site-1": 0.87, "site-2": 0.70}}
+
+
+def _cells(method, kept, local, partition="dir0.3"):
+    cells = []
+    for seed in kept:
+        site_test = {"kept": kept[seed], "local": local[seed], "global": local[seed], "personal": kept[seed]}
+        cells.append(
+            {
+                "cell": {"algorithm": method, "partition": partition, "seed": seed, "partition_seed": 0},
+                "site_test": site_test,
+                "kept_candidate": {site: "personal" for site in kept[seed]},
+                "site_sizes": {"site-1": {"train": 600, "val": 200, "test": 200}, "site-2": {"train": 30}},
+                "traffic": [{"sites": 2, "model_down": 2048, "meta_down": 0, "model_up": 2048, "meta_up": 0}],
+                "wall_s": 10.0,
+            }
+        )
+    return cells
+
+
+def test_the_page_names_the_missing_pair_the_interval_and_every_methods_sites():
+    same = {seed: dict(sites) for seed, sites in LOCAL.items()}
+    cells = _cells("fedrep", KEPT, LOCAL) + _cells("fedavg", same, LOCAL)
+    lines = sr.report_lines(cells, "Fashion-MNIST")
+    text = "\n".join(lines)
+    assert "### Fashion-MNIST, dir0.3, partition seed 0" in text
+    # fedrep: site-2 seed 0 is 22 points below its local-only model
+    assert "Target for fedrep (the pre-registered default): **missed**" in text
+    assert "site-2 seed 0 (-22.0)" in text
+    row = next(line for line in lines if line.startswith("| fedrep ★ |"))
+    interval = st.setting_interval(st.paired_differences(KEPT, LOCAL))
+    assert f"{100 * interval.mean:+.1f} [{100 * interval.low:+.1f}, {100 * interval.high:+.1f}]" in row
+    assert "-22.0 (site-2, seed 0)" in row and "| 1 of 6 | missed | 2 | 10 |"  # (2048 + 2048) B / 2 sites in row
+    # kept == local everywhere: no pair below, mean equal: met
+    assert "Target for fedavg: **met**" in text
+    assert (
+        text.count("Per site, ") == 2 and "| site-1 | 600 / 200 / 200 |" in text and "| site-2 | 30 / – / – |" in text
+    )
+
+
+def test_a_site_row_has_the_t_interval_over_seeds_of_kept_minus_local():
+    lines = sr.site_rows({seed: c for seed, c in enumerate(_cells("fedrep", KEPT, LOCAL))})
+    d = np.array([KEPT[s]["site-1"] - LOCAL[s]["site-1"] for s in range(3)])
+    half = 4.302652729749464 * d.std(ddof=1) / math.sqrt(3)
+    expected = f"{100 * d.mean():+.1f} [{100 * (d.mean() - half):+.1f}, {100 * (d.mean() + half):+.1f}]"
+    assert expected in lines[0] and lines[0].endswith(
+        "| within | personal, personal, personal |"
+    )  # [-0.1, +7.5] holds 0
+
+
+def test_cells_without_test_scores_give_no_section():
+    assert sr.report_lines([{"cell": {"algorithm": "fedavg", "partition": "C2", "seed": 0}}], "x") == []
