@@ -39,6 +39,9 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.partition_specs import HELP as PARTITION_HELP
+from benchmarks.partition_specs import argparse_partition, partition_settings
+
 #: Algorithms by label: the committed job's client and server settings (jobs/presets.py) unless given here.
 #: FedAvgM and the robust rules run with FedAvg clients; robust rules assume one Byzantine site.
 EXTRA_ALGORITHMS: dict[str, dict[str, Any]] = {
@@ -64,18 +67,6 @@ ALGORITHM_FIELDS = (
     "pattern",
     "max_local_epochs",
 )
-PARTITIONS: dict[str, dict[str, Any]] = {
-    "iid": {"scheme": "iid"},
-    "dir0.5": {"scheme": "dirichlet", "alpha": 0.5},
-    "dir0.1": {"scheme": "dirichlet", "alpha": 0.1},
-    "C3": {"scheme": "shards", "classes_per_site": 3},
-    "C2": {"scheme": "shards", "classes_per_site": 2},
-    "C1": {"scheme": "shards", "classes_per_site": 1},
-    # NIID-Bench's own "#C=k" dealing (data_prep.partition.label_quantity): labels shared by 1 to 4 sites, unequal
-    # sizes. The balanced C3/C2 above share every label among about the same number of sites.
-    "C3nb": {"scheme": "label_quantity", "classes_per_site": 3},
-    "C2nb": {"scheme": "label_quantity", "classes_per_site": 2},
-}
 
 
 @dataclass(frozen=True)
@@ -99,6 +90,13 @@ class Protocol:
     #: algorithms are PERSONALIZATION_METHODS plus the local-only baseline, scored per site
     #: (benchmarks/personalization.py).
     site_val_fraction: float = 0.0
+    #: Share of every site's shard held out as its TEST split (reporting only); > 0 makes the cells read the sites'
+    #: test-split scores of every candidate model (benchmarks/site_report.py).
+    site_test_fraction: float = 0.0
+    #: What each site keeps: "last" (the method's model) or "best" (the candidate best on its validation split).
+    keep: str = "last"
+    #: Every site trains its own compute-matched local-only model inside the job (never sent).
+    local_baseline: bool = False
 
 
 @dataclass(frozen=True)
@@ -108,6 +106,9 @@ class Grid:
     participations: tuple[float, ...]  # share of sites per round
     seeds: tuple[int, ...]
     protocol: Protocol
+    #: Seeds of the site data, a factor apart from the training seeds; None: the training seed draws the data too
+    #: (the committed grids, whose seeds varied partition and training together).
+    partition_seeds: tuple[int | None, ...] = (None,)
 
 
 def _all_algorithms() -> tuple[str, ...]:
@@ -143,6 +144,21 @@ PERSONALIZATION_METHODS: dict[str, dict[str, Any]] = {
     "ditto": {"client": "ditto", "client_args": {"lam": 0.1}},
 }
 
+#: The per-site guarantee's methods (docs/personalization.md), each run with keep best and the local baseline.
+SITE_GAIN_METHODS = ("fedavg", "finetune", "fedper", "fedbn", "fedrep", "ditto")
+SITE_GAIN = Protocol(
+    rounds=20,
+    max_train_samples=6000,
+    test_samples=1000,
+    site_val_fraction=0.2,
+    site_test_fraction=0.2,
+    keep="best",
+    local_baseline=True,
+)
+#: Relative cost of a cell by method (measured: ditto and fedrep train twice per round, fedbn's model is larger):
+#: the pool starts the longest cells first, so on many cores the grid does not end waiting for one late long cell.
+CELL_COST = {"ditto": 3.5, "fedrep": 4.0, "fedbn": 3.5, "finetune": 2.5, "fedper": 2.5}
+
 GRIDS = {
     "headline": lambda: Grid(_all_algorithms(), ("dir0.1", "C2"), (1.0, 0.5), (0, 1, 2), Protocol()),
     "niid_bench": lambda: Grid(
@@ -175,6 +191,21 @@ GRIDS = {
             site_val_fraction=0.2,
         ),
     ),
+    # The per-site guarantee (every site keeps its best candidate and reports it against its own local-only model on
+    # a test split): the committed personalization protocol plus a 20 % test split, keep best, the in-job local-only
+    # baseline, the site data fixed across the training seeds (partition seed 0). 10 sites; the 7-site Dirichlet 0.3
+    # setting is --num-sites 7 --partitions dir0.3 (another folder: the protocol differs).
+    "site_gain": lambda: Grid(SITE_GAIN_METHODS, ("dir0.1", "C2", "qty0.3"), (1.0,), (0, 1, 2), SITE_GAIN, (0,)),
+    "site_gain_smoke": lambda: Grid(
+        ("fedavg", "finetune", "fedrep", "ditto"),
+        ("dir0.3",),
+        (1.0,),
+        (0, 1),
+        replace(
+            SITE_GAIN, dataset="digits", arch="mlp", num_sites=3, rounds=2, max_train_samples=300, test_samples=200
+        ),
+        (0,),
+    ),
     "smoke": lambda: Grid(
         ("fedavg", "scaffold"),
         ("dir0.1",),
@@ -191,10 +222,12 @@ class Cell:
     partition: str
     participation: float
     seed: int
+    partition_seed: int | None = None  # None: the training seed draws the site data too
 
     @property
     def key(self) -> str:
-        return f"{self.algorithm}__{self.partition}__p{self.participation:g}__s{self.seed}"
+        data = "" if self.partition_seed is None else f"__d{self.partition_seed}"
+        return f"{self.algorithm}__{self.partition}{data}__p{self.participation:g}__s{self.seed}"
 
 
 def algorithm_settings(algorithm: str, protocol: Protocol | None = None) -> dict[str, Any]:
@@ -243,9 +276,25 @@ def cell_spec(cell: Cell, protocol: Protocol) -> Any:
         seed=cell.seed,
         clients_per_round=participation,
         site_val_fraction=protocol.site_val_fraction,
-        **PARTITIONS[cell.partition],
+        **partition_settings(cell.partition),
+        **site_gain_fields(protocol, cell),
     )
-    return JobSpec(**{**fields, **settings})  # an algorithm's own model (FedBN's bn_cnn) over the protocol's
+    return JobSpec(**{**fields, **settings})
+
+
+def site_gain_fields(protocol: Protocol, cell: Cell) -> dict[str, Any]:
+    """The JobSpec fields of the per-site guarantee, only where they differ from the defaults (a grid that uses
+    none of them builds the same jobs as before they existed)."""
+    fields: dict[str, Any] = {}
+    if cell.partition_seed is not None:
+        fields["partition_seed"] = cell.partition_seed
+    if protocol.site_test_fraction:
+        fields["site_test_fraction"] = protocol.site_test_fraction
+    if protocol.keep != "last":
+        fields["keep"] = protocol.keep
+    if protocol.local_baseline:
+        fields["local_baseline"] = True
+    return fields  # an algorithm's own model (FedBN's bn_cnn) over the protocol's
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -307,7 +356,7 @@ def run_cell(cell: Cell, protocol: Protocol, threads: int) -> dict[str, Any]:
         run = run_in_process(spec, Path(state_root), run_id=cell.key, wrap_transport=wrap)
         state_bytes = sum(p.stat().st_size for p in Path(state_root).rglob("*") if p.is_file())
         require_rounds(run.rounds, protocol.rounds)
-        scores = personal_site_scores(spec, Path(state_root), run.params) if protocol.site_val_fraction else {}
+        scores = cell_site_scores(spec, Path(state_root), run) if protocol.site_val_fraction else {}
     return {
         "cell": asdict(cell),
         "protocol": asdict(protocol),
@@ -317,6 +366,42 @@ def run_cell(cell: Cell, protocol: Protocol, threads: int) -> dict[str, Any]:
         "wall_s": time.monotonic() - started,
         **scores,
     }
+
+
+def cell_site_scores(spec: Any, state_root: Path, run: Any) -> dict[str, Any]:
+    """A personalization cell's per-site scores: with a test split, what the sites reported on it after the last
+    round (every candidate, the kept one) and their split sizes; without, the validation-split scores below."""
+    if not getattr(spec, "site_test_fraction", 0):
+        return personal_site_scores(spec, state_root, run.params)
+    from benchmarks.site_report import cell_scores, test_metrics_record
+
+    scores = cell_scores(test_metrics_record(run.records))
+    if not scores["site_test"].get("local") or not scores["site_test"].get("kept"):
+        raise MissingSiteScores(
+            "the sites reported no eval.local_test_accuracy / eval.kept_test_accuracy after the last round: this "
+            "grid needs jobs with a test split, --local-baseline and --keep"
+        )
+    return {**scores, "site_sizes": builtin_site_sizes(spec)}
+
+
+class MissingSiteScores(RuntimeError):
+    """A per-site cell whose sites did not report the test-split scores its report needs (the cell fails)."""
+
+
+def builtin_site_sizes(spec: Any) -> dict[str, dict[str, int]]:
+    """Per built-in site: its training, validation and test samples (the shard and the seeded hold-outs)."""
+    from controllers.in_process import site_args
+    from data_prep import SiteDataConfig
+    from data_prep.sites import partition_sites
+    from data_prep.splits import holdout_size
+
+    _, parts = partition_sites(SiteDataConfig.from_namespace(site_args(spec)))
+    sizes = {}
+    for i, part in enumerate(parts):
+        val = holdout_size(len(part), spec.site_val_fraction)
+        test = holdout_size(len(part), spec.site_test_fraction, val)
+        sizes[f"site-{i + 1}"] = {"train": len(part) - val - test, "val": val, "test": test}
+    return sizes
 
 
 def personal_site_scores(spec: Any, state_root: Path, final: Any) -> dict[str, Any]:
@@ -394,15 +479,25 @@ def run_grid(grid: Grid, out: Path, workers: int) -> list[str]:
     cells_dir.mkdir(parents=True, exist_ok=True)
     same_protocol(out / "protocol.json", grid.protocol)
     cells = [
-        Cell(a, p, share, s)
+        Cell(a, p, share, s, d)
         for p in grid.partitions
+        for d in grid.partition_seeds
         for share in grid.participations
         for a in grid.algorithms
         for s in grid.seeds
     ]
     for cell in cells:
         cell_spec(cell, grid.protocol)  # refuse a bad grid before hours of work
+    cells.sort(key=lambda cell: -CELL_COST.get(cell.algorithm, 1.0))  # stable: the grid's order within a cost
     return run_cells(cells, functools.partial(run_cell, protocol=grid.protocol), cells_dir, workers)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a container's share, not the host's count)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no affinity on this platform
+        return os.cpu_count() or 1
 
 
 def run_cells(cells: Sequence[Any], run: Callable[..., dict[str, Any]], cells_dir: Path, workers: int) -> list[str]:
@@ -414,7 +509,7 @@ def run_cells(cells: Sequence[Any], run: Callable[..., dict[str, Any]], cells_di
     todo = [c for c in cells if not (cells_dir / f"{c.key}.json").exists()]
     print(f"{len(cells)} cells, {len(cells) - len(todo)} already done, {len(todo)} to run on {workers} worker(s)")
     failed: list[str] = []
-    threads = max(1, (os.cpu_count() or 1) // workers)
+    threads = max(1, usable_cores() // workers)
 
     def finish(cell: Any, outcome: Callable[[], dict[str, Any]], bar: Any) -> None:
         try:
@@ -747,11 +842,33 @@ def published_comparison(groups: Mapping[tuple[str, float], Mapping[str, list[di
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    grid = grid_from_args(args)
+    failed = [] if args.report_only else run_grid(grid, args.out, max(1, args.workers))
+    return finish(write_report, args.out, "benchmarks.compare", argv, failed)
+
+
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.compare", description=__doc__.splitlines()[0])
     parser.add_argument("--grid", choices=sorted(GRIDS), default="headline", help="which grid (default: headline)")
     parser.add_argument("--out", type=Path, required=True, help="folder for cells/, report.md and the plots")
     parser.add_argument("--algorithms", nargs="+", help="run only these (preset names, fedavgm, median, ...)")
-    parser.add_argument("--partitions", nargs="+", choices=sorted(PARTITIONS), help="override the partitions")
+    parser.add_argument("--partitions", nargs="+", type=argparse_partition(), help=f"override the {PARTITION_HELP}")
+    parser.add_argument("--num-sites", type=int, help="override the number of sites")
+    parser.add_argument(
+        "--partition-seeds",
+        type=int,
+        help="number of site-data seeds (0 .. n-1), a factor apart from --seeds: each partition seed is its own "
+        "setting, and within it the site data stay fixed while the training seed varies (per-site grids: 1)",
+    )
+    parser.add_argument("--keep", choices=("last", "best"), help="what each site keeps (per-site grids: best)")
+    parser.add_argument(
+        "--local-baseline",
+        action=argparse.BooleanOptionalAction,
+        help="every site trains a compute-matched local-only model in the job (per-site grids: on)",
+    )
+    parser.add_argument("--site-val-fraction", type=float, help="override each site's validation share")
+    parser.add_argument("--site-test-fraction", type=float, help="override each site's test share")
     parser.add_argument("--participations", nargs="+", type=float, help="shares of sites per round, e.g. 1 0.5")
     parser.add_argument("--seeds", type=int, help="number of seeds (0 .. n-1; the grid's own seeds by default)")
     parser.add_argument("--rounds", type=int, help="override the protocol's rounds")
@@ -760,22 +877,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, help="override the local epochs per round")
     parser.add_argument("--batch-size", type=int, help="override the local batch size")
     parser.add_argument("--test-samples", type=int, help="override the number of test samples")
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="cells run at once (default: cores)")
+    parser.add_argument("--workers", type=int, default=usable_cores(), help="cells run at once (default: cores)")
     parser.add_argument("--report-only", action="store_true", help="only rewrite the report from finished cells")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def grid_from_args(args: argparse.Namespace) -> Grid:
+    """The named grid with the command line's overrides."""
     grid = GRIDS[args.grid]()
-    overrides = ("rounds", "max_train_samples", "lr", "epochs", "batch_size", "test_samples")
-    protocol = replace(grid.protocol, **{k: getattr(args, k) for k in overrides if getattr(args, k)})
+    overrides = (
+        "rounds",
+        "max_train_samples",
+        "lr",
+        "epochs",
+        "batch_size",
+        "test_samples",
+        "num_sites",
+        "keep",
+        "local_baseline",
+        "site_val_fraction",
+        "site_test_fraction",
+    )
+    protocol = replace(grid.protocol, **{k: getattr(args, k) for k in overrides if getattr(args, k) is not None})
     grid = replace(
         grid,
         algorithms=tuple(args.algorithms or grid.algorithms),
         partitions=tuple(args.partitions or grid.partitions),
         participations=tuple(args.participations or grid.participations),
         seeds=tuple(range(args.seeds)) if args.seeds else grid.seeds,
+        partition_seeds=tuple(range(args.partition_seeds)) if args.partition_seeds else grid.partition_seeds,
         protocol=protocol,
     )
-    failed = [] if args.report_only else run_grid(grid, args.out, max(1, args.workers))
-    return finish(write_report, args.out, "benchmarks.compare", argv, failed)
+    return grid
 
 
 def finish(

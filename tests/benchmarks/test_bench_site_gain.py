@@ -1,0 +1,78 @@
+"""The per-site guarantee grid of benchmarks.compare: harness options instead of code edits, site data fixed across
+training seeds, and a cell that cannot show a site's gain fails instead of writing an empty table."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from benchmarks import compare
+
+
+def _grid(*argv):
+    return compare.grid_from_args(compare.parser().parse_args(["--out", "unused", *argv]))
+
+
+def test_options_reach_the_grid_and_every_cell_gets_the_partition_seed():
+    grid = _grid("--grid", "site_gain", "--num-sites", "7", "--partitions", "dir0.3", "--partition-seeds", "2")
+    assert grid.protocol.num_sites == 7 and grid.partitions == ("dir0.3",) and grid.partition_seeds == (0, 1)
+    assert grid.protocol.keep == "best" and grid.protocol.local_baseline and grid.protocol.site_test_fraction == 0.2
+    off = _grid("--grid", "site_gain", "--no-local-baseline", "--keep", "last")
+    assert not off.protocol.local_baseline and off.protocol.keep == "last"
+
+
+def test_a_bad_partition_name_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        _grid("--partitions", "qty1.5")
+    assert "beta in qty<beta> is the share of small sites" in capsys.readouterr().err
+
+
+def test_cells_without_a_partition_seed_keep_their_old_names_so_committed_folders_resume():
+    assert compare.Cell("fedrep", "C2", 1.0, 2).key == "fedrep__C2__p1__s2"
+    assert compare.Cell("fedrep", "C2", 1.0, 2, 0).key == "fedrep__C2__d0__p1__s2"
+
+
+def test_the_pool_starts_the_longest_methods_first(tmp_path, monkeypatch):
+    started = []
+    monkeypatch.setattr(compare, "cell_spec", lambda cell, protocol: None)
+    monkeypatch.setattr(compare, "run_cells", lambda cells, run, cells_dir, workers: started.extend(cells) or [])
+    grid = compare.Grid(("fedavg", "fedrep", "finetune", "ditto"), ("dir0.3",), (1.0,), (0,), compare.SITE_GAIN, (0,))
+    compare.run_grid(grid, tmp_path, 2)
+    assert [c.algorithm for c in started] == ["fedrep", "ditto", "finetune", "fedavg"]
+
+
+def _site_data(spec):
+    from controllers.in_process import site_args
+    from data_prep import SiteDataConfig
+    from data_prep.sites import partition_sites
+
+    return partition_sites(SiteDataConfig.from_namespace(site_args(spec)))[1]
+
+
+def test_the_training_seed_varies_training_not_the_site_data():
+    """Hostile: seeds 0 and 1 of one partition seed must hold the same samples at every site (a pair), and another
+    partition seed must not."""
+    from dataclasses import replace
+
+    protocol = replace(compare.GRIDS["site_gain_smoke"]().protocol, keep="last", local_baseline=False)
+    spec = {
+        (seed, data): compare.cell_spec(compare.Cell("fedavg", "dir0.3", 1.0, seed, data), protocol)
+        for seed, data in ((0, 0), (1, 0), (0, 1))
+    }
+    assert spec[(0, 0)].seed != spec[(1, 0)].seed
+    same, other = _site_data(spec[(0, 0)]), _site_data(spec[(1, 0)])
+    assert all(np.array_equal(a, b) for a, b in zip(same, other, strict=True))
+    assert not all(np.array_equal(a, b) for a, b in zip(same, _site_data(spec[(0, 1)]), strict=True))
+    sizes = compare.builtin_site_sizes(spec[(0, 0)])
+    assert sizes == compare.builtin_site_sizes(spec[(1, 0)])
+    assert all(s["test"] >= 1 and s["val"] >= 1 for s in sizes.values())
+    assert [sum(s.values()) for s in sizes.values()] == [len(part) for part in same]
+
+
+def test_a_cell_whose_sites_report_no_test_scores_fails():
+    from types import SimpleNamespace
+
+    run = SimpleNamespace(records=[{"stage": "round", "site_meta": {"site-1": {"eval.val_accuracy": 0.5}}}])
+    spec = SimpleNamespace(site_test_fraction=0.2)
+    with pytest.raises(compare.MissingSiteScores, match="no eval.local_test_accuracy"):
+        compare.cell_site_scores(spec, None, run)
