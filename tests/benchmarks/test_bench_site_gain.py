@@ -74,5 +74,5 @@ def test_a_cell_whose_sites_report_no_test_scores_fails():
 
     run = SimpleNamespace(records=[{"stage": "round", "site_meta": {"site-1": {"eval.val_accuracy": 0.5}}}])
     spec = SimpleNamespace(site_test_fraction=0.2)
-    with pytest.raises(compare.MissingSiteScores, match="no eval.local_test_accuracy"):
+    with pytest.raises(compare.MissingSiteScores, match=r"no eval\.local_test_accuracy"):
         compare.cell_site_scores(spec, None, run)
