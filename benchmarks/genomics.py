@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -36,17 +35,23 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.compare import finish, personal_site_scores, require_rounds, run_cells, same_protocol
+from benchmarks.compare import (
+    CELL_COST,
+    finish,
+    personal_site_scores,
+    require_rounds,
+    run_cells,
+    same_protocol,
+    site_gain_fields,
+    usable_cores,
+)
+from benchmarks.partition_specs import HELP as PARTITION_HELP
+from benchmarks.partition_specs import argparse_partition, partition_settings
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 MODEL, DATA = "genomics.model:SnpClassifier", "genomics.data:SnpSites"
-#: The split label -> the data module's split settings.
-SPLITS: dict[str, dict[str, Any]] = {
-    "iid": {"split": "iid"},
-    "dir1.0": {"split": "dirichlet", "alpha": 1.0},
-    "dir0.1": {"split": "dirichlet", "alpha": 0.1},
-    "population": {"split": "population"},
-}
+#: The splits of the committed table (any name of benchmarks/partition_specs.py runs: dir0.3, qty0.4, ...).
+SPLITS = ("iid", "dir1.0", "dir0.1", "population")
 #: Algorithm label -> JobSpec client/server settings and model overrides. FedNova's normaliser describes SGD steps
 #: only, so its sites train with plain SGD (``sgd_lr``) instead of AdamW.
 ALGORITHMS: dict[str, dict[str, Any]] = {
@@ -85,6 +90,11 @@ class Protocol:
     batch_size: int = 128
     n_snps: int = 1000  # simulated cohorts
     samples_per_population: int = 250
+    #: The per-site guarantee (benchmarks/site_report.py): each site's test share, what it keeps, the in-job
+    #: local-only model. Defaults: none of them (the committed grids).
+    site_test_fraction: float = 0.0
+    keep: str = "last"
+    local_baseline: bool = False
 
     @property
     def num_classes(self) -> int:
@@ -100,10 +110,12 @@ class Cell:
     algorithm: str
     split: str
     seed: int
+    partition_seed: int | None = None  # None: the training seed draws the site data too (the committed grids)
 
     @property
     def key(self) -> str:
-        return f"{self.algorithm}__{self.split}__s{self.seed}"
+        data = "" if self.partition_seed is None else f"__d{self.partition_seed}"
+        return f"{self.algorithm}__{self.split}{data}__s{self.seed}"
 
 
 GRIDS = {
@@ -120,6 +132,21 @@ GRIDS = {
         ("iid", "dir0.1", "population"),
         (0, 1, 2),
         Protocol(source=source, num_sites=5 if source == "1kg" else 4),
+    ),
+    # The per-site guarantee: keep best, the in-job local-only model, a 20 % test split at every site, the site data
+    # fixed across training seeds (partition seed 0); qty0.4: 2 of 5 (1000 Genomes) or of 4 sites hold 50 and 150.
+    "site_gain": lambda source: (
+        ("fedavg", *PERSONALIZATION),
+        ("iid", "dir0.1", "population", "qty0.4"),
+        (0, 1, 2),
+        Protocol(
+            source=source,
+            num_sites=5 if source == "1kg" else 4,
+            rounds=20,
+            site_test_fraction=0.2,
+            keep="best",
+            local_baseline=True,
+        ),
     ),
     "smoke": lambda source: (
         ("fedavg", "scaffold", "local", "pooled"),
@@ -149,7 +176,13 @@ def _settings(algorithm: str) -> dict[str, Any]:
 
 
 def data_args(protocol: Protocol, split: str, seed: int) -> dict[str, Any]:
-    args = {"source": protocol.source, "seed": seed, "batch_size": protocol.batch_size, **SPLITS[split]}
+    """The data module's arguments; ``seed`` draws the site data (the partition and the hold-outs)."""
+    args = {
+        "source": protocol.source,
+        "seed": seed,
+        "batch_size": protocol.batch_size,
+        **partition_settings(split, genomics=True),
+    }
     if protocol.source == "sim":
         args.update(n_snps=protocol.n_snps, samples_per_population=protocol.samples_per_population)
     return args
@@ -174,9 +207,15 @@ def cell_spec(cell: Cell, protocol: Protocol) -> Any:
         model=MODEL,
         model_args=model_args(protocol, cell.algorithm, cell.seed),
         data=DATA,
-        data_args=data_args(protocol, cell.split, cell.seed),
+        data_args=data_args(protocol, cell.split, data_seed(cell)),
         **settings,
+        **site_gain_fields(protocol, cell),
     )
+
+
+def data_seed(cell: Cell) -> int:
+    """The seed of the cell's site data: its partition seed, or (the committed grids) its training seed."""
+    return cell.seed if cell.partition_seed is None else cell.partition_seed
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -199,9 +238,7 @@ def _federated(cell: Cell, protocol: Protocol) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="fedalg_genomics_") as state_root, quiet_lightning():
         run = run_in_process(spec, Path(state_root), run_id=cell.key)
         require_rounds(run.rounds, protocol.rounds)
-        personal = (
-            personal_site_scores(spec, Path(state_root), run.params) if cell.algorithm in PERSONALIZATION_GRID else {}
-        )
+        personal = _personal_scores(cell, protocol, spec, Path(state_root), run)
     rounds = run.rounds
     curve = [r.get("site_eval", {}).get("val_accuracy", {}).get("mean", float("nan")) for r in rounds]
     final = {site: scores["val_accuracy"] for site, scores in run.final_site_scores.items()}
@@ -216,6 +253,27 @@ def _federated(cell: Cell, protocol: Protocol) -> dict[str, Any]:
         "control_local_norm": [_site_meta(r, "scaffold.ctrl.local_norm") for r in rounds],  # runaway check per site
         **personal,
     }
+
+
+def _personal_scores(cell: Cell, protocol: Protocol, spec: Any, state_root: Path, run: Any) -> dict[str, Any]:
+    """A personalization cell's per-site scores: the sites' test-split report (with a test split) or the
+    validation-split scores; none for the table's other algorithms."""
+    if protocol.site_test_fraction:
+        from benchmarks.compare import cell_site_scores
+
+        return {**cell_site_scores(spec, state_root, run, sizes=functools.partial(_split_sizes, cell, protocol))}
+    return personal_site_scores(spec, state_root, run.params) if cell.algorithm in PERSONALIZATION_GRID else {}
+
+
+def _split_sizes(cell: Cell, protocol: Protocol, spec: Any = None) -> dict[str, dict[str, int]]:
+    """Per site: the data module's training, validation and (where the module has a per-site one) test samples."""
+    sizes = {}
+    for name, data in _data_modules(cell, protocol).items():
+        sizes[name] = {"train": len(data.train), "val": len(data.val)}
+        test = getattr(data, "site_test", None)  # the shared benchmark test set is no site's test split
+        if test is not None:
+            sizes[name]["test"] = len(test)
+    return sizes
 
 
 def _baseline(cell: Cell, protocol: Protocol) -> dict[str, Any]:
@@ -271,7 +329,7 @@ def _data_modules_cached(protocol: Protocol, split: str, seed: int) -> dict[str,
 
 
 def _data_modules(cell: Cell, protocol: Protocol) -> dict[str, Any]:
-    return _data_modules_cached(protocol, cell.split, cell.seed)
+    return _data_modules_cached(protocol, cell.split, data_seed(cell))
 
 
 def _site_sizes(cell: Cell, protocol: Protocol) -> dict[str, int]:
@@ -476,7 +534,8 @@ def write_report(out: Path, command: str) -> Path:
     protocol = json.loads((out / "protocol.json").read_text())
     if protocol["source"] != "sim":  # the simulation's cohort settings mean nothing for the real panel
         protocol = {k: v for k, v in protocol.items() if k not in SIMULATION_ONLY}
-    splits = [s for s in SPLITS if any(split == s for _, split in grouped)]
+    ran = {split for _, split in grouped}
+    splits = [s for s in SPLITS if s in ran] + sorted(ran - set(SPLITS))
     lines = [
         f"# Genomics: federated algorithms vs local-only and pooled training ({protocol['source']})",
         "",
@@ -503,6 +562,24 @@ def write_report(out: Path, command: str) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    protocol, cells = grid_from_args(args)
+    if args.memory:
+        rows = memory_rows(protocol)
+        print(f"client memory per site, {protocol.arch} on {protocol.source} (x = times the model's parameter bytes)")
+        print("| algorithm | model MB | held by the algorithm during a round | state file |\n|---|---|---|---|")
+        print("\n".join("| " + " | ".join(row) + " |" for row in rows))
+        return 0
+    failed: list[str] = []
+    if not args.report_only:
+        (args.out / "cells").mkdir(parents=True, exist_ok=True)
+        same_protocol(args.out / "protocol.json", protocol)
+        cells.sort(key=lambda cell: -CELL_COST.get(cell.algorithm, 1.0))  # the longest first (benchmarks.compare)
+        failed = run_cells(cells, functools.partial(run_cell, protocol=protocol), args.out / "cells", args.workers)
+    return finish(report_writer(args.grid, protocol), args.out, "benchmarks.genomics", argv, failed)
+
+
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.genomics", description=__doc__.splitlines()[0])
     parser.add_argument("--source", choices=("1kg", "sim"), default="1kg", help="genotype source (default: 1kg)")
     parser.add_argument("--grid", choices=sorted(GRIDS), default="table", help="which grid (default: table)")
@@ -510,40 +587,72 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--algorithms", nargs="+", choices=[*ALGORITHMS, *PERSONALIZATION, *BASELINES], help="run only these"
     )
-    parser.add_argument("--splits", nargs="+", choices=sorted(SPLITS), help="override the splits")
-    parser.add_argument("--seeds", type=int, help="number of seeds (0 .. n-1)")
+    parser.add_argument(
+        "--splits", nargs="+", type=argparse_partition(genomics=True), help=f"override the splits: {GENOMICS_HELP}"
+    )
+    parser.add_argument("--num-sites", type=int, help="override the number of sites")
+    parser.add_argument("--samples-per-population", type=int, help="override the simulated cohort's size")
+    parser.add_argument("--seeds", type=int, help="number of training seeds (0 .. n-1)")
+    parser.add_argument(
+        "--partition-seeds",
+        type=int,
+        help="number of site-data seeds (0 .. n-1), a factor apart from --seeds: within one the site data stay "
+        "fixed while the training seed varies (site_gain: 1; other grids: the training seed draws the data too)",
+    )
+    parser.add_argument("--keep", choices=("last", "best"), help="what each site keeps (site_gain: best)")
+    parser.add_argument(
+        "--local-baseline",
+        action=argparse.BooleanOptionalAction,
+        help="every site trains a compute-matched local-only model in the job (site_gain: on)",
+    )
+    parser.add_argument("--site-test-fraction", type=float, help="override each site's test share")
     parser.add_argument("--arch", choices=("mlp", "cnn_transformer"), help="override the model")
     parser.add_argument("--rounds", type=int, help="override the rounds")
     parser.add_argument("--lr", type=float, help="override the AdamW learning rate")
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="cells run at once (default: cores)")
+    parser.add_argument("--workers", type=int, default=usable_cores(), help="cells run at once (default: cores)")
     parser.add_argument("--report-only", action="store_true", help="only rewrite the report from finished cells")
     parser.add_argument("--memory", action="store_true", help="only print the client memory per site and exit")
-    args = parser.parse_args(argv)
+    return parser
+
+
+#: Protocol fields the command line overrides.
+OVERRIDES = (
+    "arch",
+    "rounds",
+    "lr",
+    "num_sites",
+    "samples_per_population",
+    "keep",
+    "local_baseline",
+    "site_test_fraction",
+)
+#: Grids whose site data are fixed across training seeds by default (the others: the committed grids' rule).
+PARTITION_SEEDS: dict[str, tuple[int | None, ...]] = {"site_gain": (0,)}
+GENOMICS_HELP = PARTITION_HELP.replace(
+    ", C<k> (#C=k label skew, every site k labels), C<k>nb (#C=k as NIID-Bench deals it)",
+    ", population (site = population)",
+)
+
+
+def grid_from_args(args: argparse.Namespace) -> tuple[Protocol, list[Cell]]:
+    """The named grid's protocol with the command line's overrides, and its cells."""
     algorithms, splits, seeds, protocol = GRIDS[args.grid](args.source)
-    protocol = replace(protocol, **{k: getattr(args, k) for k in ("arch", "rounds", "lr") if getattr(args, k)})
-    if args.memory:
-        rows = memory_rows(protocol)
-        print(f"client memory per site, {protocol.arch} on {protocol.source} (x = times the model's parameter bytes)")
-        print("| algorithm | model MB | held by the algorithm during a round | state file |\n|---|---|---|---|")
-        print("\n".join("| " + " | ".join(row) + " |" for row in rows))
-        return 0
+    protocol = replace(protocol, **{k: getattr(args, k) for k in OVERRIDES if getattr(args, k) is not None})
+    data_seeds = tuple(range(args.partition_seeds)) if args.partition_seeds else PARTITION_SEEDS.get(args.grid, (None,))
     cells = [
-        Cell(a, s, seed)
+        Cell(a, s, seed, data)
         for s in (args.splits or splits)
+        for data in data_seeds
         for a in (args.algorithms or algorithms)
         for seed in (range(args.seeds) if args.seeds else seeds)
     ]
-    failed: list[str] = []
-    if not args.report_only:
-        (args.out / "cells").mkdir(parents=True, exist_ok=True)
-        same_protocol(args.out / "protocol.json", protocol)
-        failed = run_cells(cells, functools.partial(run_cell, protocol=protocol), args.out / "cells", args.workers)
-    return finish(report_writer(args.grid, protocol), args.out, "benchmarks.genomics", argv, failed)
+    return protocol, cells
 
 
 def report_writer(grid: str, protocol: Protocol) -> Any:
-    """The personalization grid's report (benchmarks/personalization.py), or the genomics table's."""
-    if grid != "personalization":
+    """The personalization grids' report (benchmarks/personalization.py; site_gain: its per-site test-split page),
+    or the genomics table's."""
+    if grid not in ("personalization", "site_gain"):
         return write_report
     from benchmarks.personalization import write_folder_report
 

@@ -76,3 +76,34 @@ def test_a_cell_whose_sites_report_no_test_scores_fails():
     spec = SimpleNamespace(site_test_fraction=0.2)
     with pytest.raises(compare.MissingSiteScores, match=r"no eval\.local_test_accuracy"):
         compare.cell_site_scores(spec, None, run)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# benchmarks.genomics: the same options
+# --------------------------------------------------------------------------------------------------------------------
+def _genomics(*argv):
+    from benchmarks import genomics
+
+    return genomics.grid_from_args(genomics.parser().parse_args(["--out", "unused", *argv]))
+
+
+def test_genomics_options_and_the_data_seed_apart_from_the_training_seed():
+    from benchmarks import genomics
+
+    argv = ("--grid", "site_gain", "--source", "sim", "--splits", "qty0.5", "dir0.3", "--num-sites", "6")
+    protocol, cells = _genomics(*argv, "--samples-per-population", "2000", "--seeds", "2")
+    assert protocol.num_sites == 6 and protocol.samples_per_population == 2000 and protocol.keep == "best"
+    assert {c.partition_seed for c in cells} == {0} and {c.seed for c in cells} == {0, 1}
+    assert {c.split for c in cells} == {"qty0.5", "dir0.3"}
+    cell = next(c for c in cells if c.split == "qty0.5" and c.seed == 1)
+    args = genomics.data_args(protocol, cell.split, genomics.data_seed(cell))
+    assert args["split"] == "small_sites" and args["alpha"] == 0.5 and args["seed"] == 0  # the data's seed, fixed
+    assert genomics.model_args(protocol, cell.algorithm, cell.seed)["seed"] == 1  # the training seed
+    _, table = _genomics("--grid", "table")
+    assert {c.partition_seed for c in table} == {None}  # the committed grids keep their rule and cell names
+
+
+def test_genomics_refuses_a_label_count_partition(capsys):
+    with pytest.raises(SystemExit):
+        _genomics("--splits", "C2")
+    assert "unknown partition 'C2'; use iid, dir<alpha>, qty<beta>, population" in capsys.readouterr().err
