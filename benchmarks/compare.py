@@ -857,21 +857,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, required=True, help="folder for cells/, report.md and the plots")
     parser.add_argument("--algorithms", nargs="+", help="run only these (preset names, fedavgm, median, ...)")
     parser.add_argument("--partitions", nargs="+", type=argparse_partition(), help=f"override the {PARTITION_HELP}")
-    parser.add_argument("--num-sites", type=int, help="override the number of sites")
-    parser.add_argument(
-        "--partition-seeds",
-        type=int,
-        help="number of site-data seeds (0 .. n-1), a factor apart from --seeds: each partition seed is its own "
-        "setting, and within it the site data stay fixed while the training seed varies (per-site grids: 1)",
-    )
-    parser.add_argument("--keep", choices=("last", "best"), help="what each site keeps (per-site grids: best)")
-    parser.add_argument(
-        "--local-baseline",
-        action=argparse.BooleanOptionalAction,
-        help="every site trains a compute-matched local-only model in the job (per-site grids: on)",
-    )
+    add_site_gain_options(parser)
     parser.add_argument("--site-val-fraction", type=float, help="override each site's validation share")
-    parser.add_argument("--site-test-fraction", type=float, help="override each site's test share")
     parser.add_argument("--participations", nargs="+", type=float, help="shares of sites per round, e.g. 1 0.5")
     parser.add_argument("--seeds", type=int, help="number of seeds (0 .. n-1; the grid's own seeds by default)")
     parser.add_argument("--rounds", type=int, help="override the protocol's rounds")
@@ -883,6 +870,25 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=int, default=usable_cores(), help="cells run at once (default: cores)")
     parser.add_argument("--report-only", action="store_true", help="only rewrite the report from finished cells")
     return parser
+
+
+def add_site_gain_options(parser: argparse.ArgumentParser) -> None:
+    """The per-site guarantee's options, the same in every harness (site_gain grids set them; others do not)."""
+    parser.add_argument("--num-sites", type=int, help="override the number of sites")
+    parser.add_argument(
+        "--partition-seeds",
+        type=int,
+        help="number of site-data seeds (0 .. n-1), a factor apart from --seeds: each partition seed is its own "
+        "setting, within which the site data stay fixed while the training seed varies (site_gain grids: 1; the "
+        "other grids: the training seed draws the data too)",
+    )
+    parser.add_argument("--keep", choices=("last", "best"), help="what each site keeps (site_gain grids: best)")
+    parser.add_argument(
+        "--local-baseline",
+        action=argparse.BooleanOptionalAction,
+        help="every site trains a compute-matched local-only model in the job (site_gain grids: on)",
+    )
+    parser.add_argument("--site-test-fraction", type=float, help="override each site's test share")
 
 
 def grid_from_args(args: argparse.Namespace) -> Grid:

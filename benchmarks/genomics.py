@@ -37,6 +37,7 @@ import numpy as np
 
 from benchmarks.compare import (
     CELL_COST,
+    add_site_gain_options,
     finish,
     personal_site_scores,
     require_rounds,
@@ -590,22 +591,9 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--splits", nargs="+", type=argparse_partition(genomics=True), help=f"override the splits: {GENOMICS_HELP}"
     )
-    parser.add_argument("--num-sites", type=int, help="override the number of sites")
+    add_site_gain_options(parser)
     parser.add_argument("--samples-per-population", type=int, help="override the simulated cohort's size")
     parser.add_argument("--seeds", type=int, help="number of training seeds (0 .. n-1)")
-    parser.add_argument(
-        "--partition-seeds",
-        type=int,
-        help="number of site-data seeds (0 .. n-1), a factor apart from --seeds: within one the site data stay "
-        "fixed while the training seed varies (site_gain: 1; other grids: the training seed draws the data too)",
-    )
-    parser.add_argument("--keep", choices=("last", "best"), help="what each site keeps (site_gain: best)")
-    parser.add_argument(
-        "--local-baseline",
-        action=argparse.BooleanOptionalAction,
-        help="every site trains a compute-matched local-only model in the job (site_gain: on)",
-    )
-    parser.add_argument("--site-test-fraction", type=float, help="override each site's test share")
     parser.add_argument("--arch", choices=("mlp", "cnn_transformer"), help="override the model")
     parser.add_argument("--rounds", type=int, help="override the rounds")
     parser.add_argument("--lr", type=float, help="override the AdamW learning rate")
