@@ -7,9 +7,10 @@ per-sample gradients, clipping to C = 1 and noise sigma = 1; the ledger in a tem
 optimizer step are taken over every epoch but the first (warm-up). Private and plain processes alternate, ``--repeats``
 times, and the table shows medians; the ratio is median private / median plain.
 
-Models: ``lenet5`` (the built-in classifier on 28x28 images) and ``cnn_transformer`` (the genomics consortium's model
+Models: ``lenet5`` (the built-in classifier on 28x28 images), ``cnn_transformer`` (the genomics consortium's model
 with ``attention="linear"``, 127 SNPs, the DP-SGD-ready variant; its non-private row uses the same variant, so the
-ratio is DP-SGD's cost alone).
+ratio is DP-SGD's cost alone) and ``cnn_transformer_large`` (the same DP-SGD-ready model at the size a GPU is for:
+``benchmarks.gpu.LARGE_SNP_MODEL``, d_model 256, 4 layers of 8 heads, patch 16, at ``--snps`` SNPs, default 10,000).
 
 ``--noise`` measures the noise alone, in one process: the milliseconds per step of drawing one step's Gaussian noise
 for every trainable parameter of each model, three ways, interleaved: from torch's global generator (what DP-SGD
@@ -36,11 +37,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-MODELS = ("lenet5", "cnn_transformer")
+from benchmarks.gpu import LARGE_SNP_MODEL
+
+MODELS = ("lenet5", "cnn_transformer", "cnn_transformer_large")
+#: Models timed when ``--models`` is not given (cnn_transformer_large is for a GPU).
+DEFAULT_MODELS = ("lenet5", "cnn_transformer")
 
 
-def build(model: str, samples: int) -> tuple[Any, Any]:
-    """The module and a synthetic training set for ``model``."""
+def snp_model_args(model: str, snps: int) -> dict[str, Any]:
+    """SnpClassifier arguments of a genotype ``model`` (DP-SGD-ready attention); ``snps`` sizes the large one."""
+    if model == "cnn_transformer_large":
+        return {**LARGE_SNP_MODEL, "n_snps": snps, "attention": "linear", "lr": 1e-3}
+    return {"arch": "cnn_transformer", "attention": "linear", "n_snps": 127, "num_classes": 5, "lr": 1e-3}
+
+
+def build(model: str, samples: int, snps: int = LARGE_SNP_MODEL["n_snps"]) -> tuple[Any, Any]:
+    """The module and a synthetic training set for ``model`` (``snps``: cnn_transformer_large's SNP count)."""
     import torch
 
     generator = torch.Generator().manual_seed(0)
@@ -56,10 +68,11 @@ def build(model: str, samples: int) -> tuple[Any, Any]:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
         from genomics.model import SnpClassifier
 
-        module = SnpClassifier(arch="cnn_transformer", attention="linear", n_snps=127, num_classes=5, lr=1e-3)
+        args = snp_model_args(model, snps)
+        module = SnpClassifier(**args)
         x, y = (
-            torch.randint(0, 3, (samples, 127), generator=generator),
-            torch.randint(0, 5, (samples,), generator=generator),
+            torch.randint(0, 3, (samples, args["n_snps"]), generator=generator),
+            torch.randint(0, args["num_classes"], (samples,), generator=generator),
         )
     return module, torch.utils.data.TensorDataset(x, y)
 
@@ -106,6 +119,7 @@ def measure_one(
     epochs: int,
     device: str = "cpu",
     precision: str = "32-true",
+    snps: int = LARGE_SNP_MODEL["n_snps"],
 ) -> dict[str, Any]:
     """One site's fit (this process): seconds per step (median), peak resident memory (MiB) and, on a GPU, its peak
     allocated memory (MiB)."""
@@ -120,7 +134,7 @@ def measure_one(
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    module, dataset = build(model, samples)
+    module, dataset = build(model, samples, snps)
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True)
     privacy = None
     with tempfile.TemporaryDirectory() as state:
@@ -156,7 +170,9 @@ def measure_one(
 NOISE_WAYS = ("global generator", "secret generator", "secret + robust sampling")
 
 
-def noise_seconds(model: str, repeats: int, device: str = "cpu") -> dict[str, float]:
+def noise_seconds(
+    model: str, repeats: int, device: str = "cpu", snps: int = LARGE_SNP_MODEL["n_snps"]
+) -> dict[str, float]:
     """Median seconds to draw one step's noise for ``model``'s trainable parameters, per way of :data:`NOISE_WAYS`
     (interleaved, after one warm-up round)."""
     import torch
@@ -166,7 +182,7 @@ def noise_seconds(model: str, repeats: int, device: str = "cpu") -> dict[str, fl
 
     torch.set_num_threads(1)
     target = "cuda" if device == "gpu" else "cpu"
-    params = [p.to(target) for p in build(model, 1)[0].parameters() if p.requires_grad]
+    params = [p.to(target) for p in build(model, 1, snps)[0].parameters() if p.requires_grad]
     secret = secret_generator(params[0].device)
     ways = {
         NOISE_WAYS[0]: lambda: [_generate_noise(1.0, p, None, False) for p in params],
@@ -185,11 +201,16 @@ def noise_seconds(model: str, repeats: int, device: str = "cpu") -> dict[str, fl
     return {way: statistics.median(values) for way, values in times.items()}
 
 
-def noise_table(models: list[str], repeats: int, device: str) -> str:
+def noise_table(
+    models: list[str], repeats: int, device: str, snps: int = LARGE_SNP_MODEL["n_snps"], record: dict | None = None
+) -> str:
+    """The ``--noise`` table; ``record`` (if given) receives each model's seconds per way."""
     lines = ["| model | " + " | ".join(f"ms/step, {way}" for way in NOISE_WAYS) + " | ratios to the first |"]
     lines.append("|---|" + "---|" * (len(NOISE_WAYS) + 1))
     for model in models:
-        seconds = noise_seconds(model, repeats, device)
+        seconds = noise_seconds(model, repeats, device, snps)
+        if record is not None:
+            record[model] = seconds
         base = seconds[NOISE_WAYS[0]]
         cells = " | ".join(f"{1000 * seconds[way]:.3f}" for way in NOISE_WAYS)
         ratios = " / ".join(f"{seconds[way] / base:.2f}" for way in NOISE_WAYS[1:])
@@ -200,8 +221,12 @@ def noise_table(models: list[str], repeats: int, device: str) -> str:
 def run_child(model: str, private: bool, args: argparse.Namespace) -> dict[str, Any]:
     command = [sys.executable, "-m", "benchmarks.dp_overhead", "--child", model, "1" if private else "0"]
     command += ["--samples", str(args.samples), "--batch-size", str(args.batch_size), "--epochs", str(args.epochs)]
-    command += ["--device", args.device, "--precision", args.precision]
-    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    command += ["--device", args.device, "--precision", args.precision, "--snps", str(args.snps)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:  # say why (an out-of-memory GPU, a missing package), not only that it failed
+        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        kind = "DP-SGD" if private else "plain"
+        raise SystemExit(f"error: dp_overhead {model} {kind}: exit {done.returncode}: {last}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -245,14 +270,21 @@ def device_label(device: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(DEFAULT_MODELS))
+    parser.add_argument(
+        "--snps",
+        type=int,
+        default=LARGE_SNP_MODEL["n_snps"],
+        help=f"SNPs of cnn_transformer_large (default {LARGE_SNP_MODEL['n_snps']:,})",
+    )
     parser.add_argument("--samples", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu", help="gpu: a CUDA GPU (default: cpu)")
     parser.add_argument("--precision", choices=("32-true", "bf16-mixed"), default="32-true")
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--out", type=Path, help="also write the markdown report here")
+    parser.add_argument("--json", type=Path, help="also write the measurements as JSON here")
     parser.add_argument("--noise", action="store_true", help="measure the noise draws alone (module docstring)")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "PRIVATE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -268,24 +300,34 @@ def main(argv: list[str] | None = None) -> int:
                 args.epochs,
                 args.device,
                 args.precision,
+                args.snps,
             )
         print(json.dumps(result))
         return 0
+    command = f"python -m benchmarks.dp_overhead {' '.join(argv if argv is not None else sys.argv[1:])}"
     if args.noise:
-        print(noise_table(args.models, max(args.repeats, 50), args.device))
-        return 0
+        noise: dict[str, dict[str, float]] = {}
+        text = noise_table(args.models, max(args.repeats, 50), args.device, args.snps, noise)
+        title = f"# The noise of one DP-SGD step ({device_label(args.device)})"
+        return report(args, title, command, text, {"noise_seconds": noise})
     results: dict[tuple[str, bool], list[dict[str, Any]]] = {}
     for _ in range(args.repeats):
         for model in args.models:
             for private in (False, True):
                 results.setdefault((model, private), []).append(run_child(model, private, args))
-    text = table(results, args)
+    runs = [{"model": model, "private": private, **r} for (model, private), rs in results.items() for r in rs]
+    title = f"# DP-SGD step cost and peak memory per site ({device_label(args.device)})"
+    return report(args, title, command, table(results, args), {"runs": runs})
+
+
+def report(args: argparse.Namespace, title: str, command: str, text: str, measured: dict[str, Any]) -> int:
+    """Print ``text``; write it under ``title`` to ``--out`` and ``measured`` to ``--json``."""
     print(text)
     if args.out:
-        args.out.write_text(
-            f"# DP-SGD step cost and peak memory per site ({device_label(args.device)})\n\n"
-            f"`python -m benchmarks.dp_overhead {' '.join(argv if argv is not None else sys.argv[1:])}`\n\n{text}"
-        )
+        args.out.write_text(f"{title}\n\n`{command}`\n\n{text}")
+    if args.json:
+        record = {"command": command, "device": device_label(args.device), "precision": args.precision, **measured}
+        args.json.write_text(json.dumps(record, indent=1))
     return 0
 
 

@@ -11,15 +11,19 @@ temporary ``git worktree`` (removed afterwards), in fresh processes, the two ver
    process's peak RSS, and (``--importtime``) where ``python -X importtime`` says the script's imports go, by
    top-level package. Every site workspace gets one unmeasured run first, as in a job, where a site's first
    client-round runs before its later ones.
-2. **The simulator itself** (``--simulate``): ``nvflare simulator -n 3 -t 1`` on a 2-round job (128 samples per site);
-   per client-round, from the site logs and the simulator's log: NVFlare's part (the simulator picks the site ->
-   the client script starts: a 1 s sleep, a new process, the client runner, a 0.5 s sync sleep) and the script's
-   part (the script starts -> its Trainer exists, i.e. training begins; the task's arrival overlaps with it).
+2. **The simulator itself** (``--simulate``): ``nvflare simulator -n 3 -t 1`` on a 2-round job (by default
+   Fashion-MNIST, 128 samples per site; ``--simulate-preset NAME`` takes a committed job's settings instead, with 2
+   rounds, and ``--simulate-args JSON`` sets job settings on top, e.g. ``{"precision": "bf16-mixed"}``); per
+   client-round, from the site logs and the simulator's log: NVFlare's part (the simulator picks the site -> the
+   client script starts: a 1 s sleep, a new process, the client runner, a 0.5 s sync sleep) and the script's part
+   (the script starts -> its Trainer exists, i.e. training begins; the task's arrival overlaps with it).
 
 Run: ``python -m benchmarks.startup --ref HEAD`` (before = HEAD, after = the working tree); ``--job`` picks the
 committed job (default ``fedavg``: full Fashion-MNIST, Dirichlet 0.5, 3 sites); ``--quick`` is a smoke run;
 ``--site-python /tmp/site/bin/python`` also measures the working tree in a site install (the bundle without its
-``plots`` and ``digits`` extras: no matplotlib, scikit-learn or scipy for torchmetrics to import).
+``plots`` and ``digits`` extras: no matplotlib, scikit-learn or scipy for torchmetrics to import). On a machine with
+a CUDA GPU the simulator's sites train on it (the accelerator "auto"), and the report names the GPU. ``nvflare`` is
+the command beside the interpreter, else the one on ``PATH`` (a ``pip install --target`` puts it elsewhere).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import datetime as dt
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -70,6 +75,7 @@ def harness(script: str, script_args: Sequence[str]) -> None:
     nvflare_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(MARKER, file=sys.stderr, flush=True)
     sys.argv = [script, *script_args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # the app's custom/, as NVFlare puts it on the path
     script_started = time.perf_counter()
     runpy.run_path(script, run_name="__main__")
     result = {
@@ -181,19 +187,46 @@ def client_report(results: Mapping[str, Sequence[Mapping[str, float]]]) -> str:
 
 
 # -- measurement 2: the simulator, -t 1 -------------------------------------------------------------------------------
-def simulate_t1(version: Version) -> list[dict[str, float]]:
-    """``nvflare simulator -n 3 -t 1`` of a 2-round tiny job; per client-round NVFlare's and the script's seconds."""
-    code = (
-        "import sys; from pathlib import Path; from jobs.build import JobSpec, export_job; "
-        "export_job(JobSpec(name='startup_t1', num_rounds=2, max_train_samples=384, scheme='iid', "
-        "max_test_samples=200), Path(sys.argv[1]))"
-    )
+#: The -t 1 job's settings when no preset is named: 2 rounds, 384 Fashion-MNIST samples in all (IID, 128 a site).
+TINY_T1_JOB = {"num_rounds": 2, "max_train_samples": 384, "scheme": "iid", "max_test_samples": 200}
+#: Exports the -t 1 job with the builder at the version's root: argv = out dir, preset ('' = none), JSON settings.
+#: A preset's own settings come from that root's presets, with 2 rounds; the JSON settings go on top.
+T1_EXPORT = (
+    "import json, sys; from pathlib import Path; from jobs.build import JobSpec, export_job; "
+    "from jobs.presets import PRESET_SETTINGS; "
+    "base = {**PRESET_SETTINGS[sys.argv[2]], 'num_rounds': 2} if sys.argv[2] else {}; "
+    "export_job(JobSpec(name='startup_t1', **{**base, **json.loads(sys.argv[3])}), Path(sys.argv[1]))"
+)
+
+
+def t1_job(preset: str | None, overrides: Mapping[str, object]) -> tuple[str, dict[str, object]]:
+    """The -t 1 job's (preset, settings) for :data:`T1_EXPORT`: the tiny job's settings unless a preset is named."""
+    return (preset or "", dict(overrides) if preset else {**TINY_T1_JOB, **overrides})
+
+
+def nvflare_command(python: str) -> str:
+    """The ``nvflare`` command beside ``python`` (the version's environment), else the one on PATH (a package
+    installed with ``pip --target``, whose scripts are not beside the interpreter)."""
+    beside = Path(python).with_name("nvflare")
+    found = beside if beside.exists() else shutil.which("nvflare")
+    if found is None:
+        raise RuntimeError(f"no nvflare command beside {python} or on PATH: install nvflare 2.9")
+    return str(found)
+
+
+def simulate_t1(
+    version: Version, preset: str | None = None, overrides: Mapping[str, object] | None = None
+) -> list[dict[str, float]]:
+    """``nvflare simulator -n 3 -t 1`` of a 2-round job (:func:`t1_job`); per client-round NVFlare's and the
+    script's seconds."""
+    name, settings = t1_job(preset, overrides or {})
     scratch = version.workspace.parent
     jobs = scratch / "t1-jobs"
-    subprocess.run([sys.executable, "-c", code, str(jobs)], check=True, cwd=version.root, env=code_env(version.root))
+    export = [sys.executable, "-c", T1_EXPORT, str(jobs), name, json.dumps(settings)]
+    subprocess.run(export, check=True, cwd=version.root, env=code_env(version.root))
     workspace = scratch / "t1-ws"
-    nvflare = Path(version.python).with_name("nvflare")  # the simulator of the version's environment
-    command = [str(nvflare), "simulator", str(jobs / "startup_t1"), "-w", str(workspace), "-n", "3", "-t", "1"]
+    command = [nvflare_command(version.python), "simulator", str(jobs / "startup_t1"), "-w", str(workspace)]
+    command += ["-n", "3", "-t", "1"]
     completed = subprocess.run(
         command, capture_output=True, text=True, cwd=scratch, env=code_env(version.root), check=False
     )
@@ -247,13 +280,27 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--importtime", action="store_true", help="where the script's imports go, by package")
     parser.add_argument("--simulate", action="store_true", help="also run nvflare simulator -t 1 (about 1 min each)")
     parser.add_argument(
+        "--simulate-preset",
+        help="the -t 1 job: this committed job's settings with 2 rounds (default: 2 rounds of Fashion-MNIST, 128 "
+        "samples per site)",
+    )
+    parser.add_argument(
+        "--simulate-args",
+        type=json.loads,
+        default={},
+        help='JSON settings on top of the -t 1 job\'s, e.g. \'{"precision": "bf16-mixed"}\'',
+    )
+    parser.add_argument(
         "--site-python",
         help="also measure the working tree under this interpreter, e.g. a site install's "
         "(python -m venv /tmp/site && /tmp/site/bin/pip install torch==2.13.0 . : no plots/digits extras)",
     )
     parser.add_argument("--quick", action="store_true", help="smoke run: one measured run, no simulator")
     parser.add_argument("--out", type=Path, help="also write the report to this file")
+    parser.add_argument("--json", type=Path, help="also write the measurements as JSON to this file")
     args = parser.parse_args(argv)
+    if not isinstance(args.simulate_args, dict):
+        parser.error(f"--simulate-args must be a JSON object of job settings, got {args.simulate_args!r}")
     if args.quick:
         args.repeats, args.simulate = 1, False
     return args
@@ -261,7 +308,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    sections = []
+    sections: list[str] = []
+    measured: dict[str, object] = {"job": args.job}
     with tempfile.TemporaryDirectory(prefix="startup-") as name, worktree(args.ref) as ref_root:
         scratch = Path(name)
         versions = [prepare("working tree", ROOT, args.job, scratch)]
@@ -269,19 +317,45 @@ def main(argv: Sequence[str] | None = None) -> int:
             versions.insert(0, prepare(f"code at {args.ref}", ref_root, args.job, scratch))
         if args.site_python:
             versions.append(prepare("working tree, site install", ROOT, args.job, scratch, python=args.site_python))
-        sections.append(f"Client import + set-up path (job {args.job}, site-1):\n\n")
-        sections[-1] += client_report(measure_client(versions, args.repeats))
+        measured["client"] = client = measure_client(versions, args.repeats)
+        sections.append(f"Client import + set-up path (job {args.job}, site-1):\n\n{client_report(client)}")
+        write_report(args, sections, measured)  # kept if the simulator below runs past a caller's time limit
         if args.importtime:
             sections += [importtime_section(v) for v in versions]
         if args.simulate:
-            results = {v.label: simulate_t1(v) for v in versions}
-            sections.append("nvflare simulator -n 3 -t 1, 2 rounds (medians):\n\n" + simulate_report(results))
+            sections.append(simulate_section(args, versions, measured))
+    print(write_report(args, sections, measured, final=True))
+    return 0
+
+
+def simulate_section(args: argparse.Namespace, versions: Sequence[Version], measured: dict[str, object]) -> str:
+    """Measurement 2 for every version; the client-rounds go into ``measured["simulate"]``."""
+    rounds = {v.label: simulate_t1(v, args.simulate_preset, args.simulate_args) for v in versions}
+    measured["simulate"] = {"preset": args.simulate_preset, "args": args.simulate_args, "client_rounds": rounds}
+    job = f"job {args.simulate_preset}" if args.simulate_preset else "Fashion-MNIST, 128 samples per site"
+    settings = f", settings {json.dumps(args.simulate_args)}" if args.simulate_args else ""
+    return f"nvflare simulator -n 3 -t 1, 2 rounds, {job}{settings} (medians):\n\n{simulate_report(rounds)}"
+
+
+def write_report(
+    args: argparse.Namespace, sections: Sequence[str], measured: Mapping[str, object], final: bool = False
+) -> str:
+    """The report so far (the machine line at the end), written to ``--out`` and ``--json`` when given."""
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    text = "\n\n".join(sections) + f"\n\nMachine: {os.cpu_count()} CPUs, load average {load} (1/5/15 min) at the end."
-    print(text)
+    machine = f"Machine: {os.cpu_count()} CPUs, {gpu_name()}, load average {load} (1/5/15 min)"
+    text = "\n\n".join(sections) + f"\n\n{machine}{' at the end' if final else ' (run not finished)'}."
     if args.out:
         args.out.write_text(text + "\n", encoding="utf-8")
-    return 0
+    if args.json:
+        args.json.write_text(json.dumps({**measured, "machine": machine, "finished": final}, indent=1))
+    return text
+
+
+def gpu_name() -> str:
+    """The CUDA device the simulator's sites train on (Lightning's accelerator "auto"), or "no GPU"."""
+    import torch  # here: the measured processes are separate; this one's imports do not count
+
+    return f"GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "no GPU"
 
 
 def importtime_section(version: Version) -> str:

@@ -38,6 +38,7 @@ import argparse
 import contextlib
 import gc
 import inspect
+import json
 import logging
 import math
 import os
@@ -49,7 +50,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from aggregators import meta_keys
+from benchmarks.gpu import LARGE_SNP_MODEL
 from lightning_modules.algorithms import CLIENT_ALGORITHMS, ClientAlgorithm, build_client_algorithm
 from lightning_modules.algorithms.base import trainable_parameters
 from lightning_modules.classifier import FLClassifier
@@ -73,17 +75,27 @@ RUN_ID = "step-overhead-benchmark"
 
 # NVFlare's built-in Lightning algorithms, by the row (our algorithm name) they are compared with.
 NVFLARE_BUILTINS = ("scaffold", "fedprox")
+#: The precisions NVFlare's built-in handlers accept (no GradScaler: its skipped steps would break step counts).
+PRECISIONS = ("32-true", "bf16-mixed")
+#: Models timed when ``--models`` is not given (cnn_transformer_large is for a GPU).
+DEFAULT_MODELS = ("lenet5", "mlp10m")
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """One benchmarked network: a name for the CLI, the FLClassifier arguments and the input shape."""
+    """One benchmarked network: a name for the CLI, the model's arguments and the input shape.
+
+    ``genotypes``: the genomics consortium's ``SnpClassifier`` (examples/genomics) on genotype states 0..2 with
+    ``arch_args`` as its arguments; otherwise the built-in FLClassifier on Gaussian inputs.
+    """
 
     key: str
     label: str
     arch: str
     arch_args: Mapping[str, Any]
     input_shape: tuple[int, ...]
+    num_classes: int = NUM_CLASSES
+    genotypes: bool = False
 
 
 MODEL_SPECS: dict[str, ModelSpec] = {
@@ -96,7 +108,24 @@ MODEL_SPECS: dict[str, ModelSpec] = {
         {"in_features": 784, "hidden_sizes": (2048, 2048, 2048)},
         (784,),
     ),
+    "cnn_transformer_large": ModelSpec(
+        "cnn_transformer_large",
+        "cnn_transformer 10,000 SNPs",
+        "cnn_transformer",
+        {key: value for key, value in LARGE_SNP_MODEL.items() if key not in ("arch", "num_classes")},
+        (LARGE_SNP_MODEL["n_snps"],),
+        num_classes=LARGE_SNP_MODEL["num_classes"],
+        genotypes=True,
+    ),
 }
+
+
+def with_snps(spec: ModelSpec, n_snps: int) -> ModelSpec:
+    """``spec`` (a genotype model) at ``n_snps`` SNPs; other models unchanged."""
+    if not spec.genotypes:
+        return spec
+    args = {**spec.arch_args, "n_snps": n_snps}
+    return replace(spec, label=f"{spec.arch} {n_snps:,} SNPs", arch_args=args, input_shape=(n_snps,))
 
 
 @dataclass
@@ -111,7 +140,13 @@ class Settings:
     alpha: float = 0.01
     seed: int = 0
     accelerator: str = "cpu"
+    precision: str = "32-true"
     reference: bool = True
+    #: Client algorithms to time (the baseline always): ``None`` for every one in CLIENT_ALGORITHMS.
+    algorithms: tuple[str, ...] | None = None
+
+    def selected(self, name: str) -> bool:
+        return name == BASELINE or self.algorithms is None or name in self.algorithms
 
     @property
     def measured_per_fit(self) -> int:
@@ -204,26 +239,26 @@ class Variant:
     def key(self) -> str:
         return f"{self.impl}:{self.row}"
 
-    def start(self, trainer: pl.Trainer, module: FLClassifier, state_root: Path) -> None:
+    def start(self, trainer: pl.Trainer, module: pl.LightningModule, state_root: Path) -> None:
         pass
 
-    def activate(self, module: FLClassifier, batch: Any) -> None:
+    def activate(self, module: pl.LightningModule, batch: Any) -> None:
         attach_algorithm(module, self.plain)
 
     def before_optimizer_step(self, optimizer: Any) -> None:
         pass
 
-    def after_train_batch(self, module: FLClassifier) -> None:
+    def after_train_batch(self, module: pl.LightningModule) -> None:
         pass
 
-    def finish(self, module: FLClassifier) -> None:
+    def finish(self, module: pl.LightningModule) -> None:
         pass
 
 
 class LightningDefault(Variant):
     """Reference: no client algorithm attached (no callback hooks, no loss-term call)."""
 
-    def activate(self, module: FLClassifier, batch: Any) -> None:
+    def activate(self, module: pl.LightningModule, batch: Any) -> None:
         attach_algorithm(module, None)
 
 
@@ -244,13 +279,13 @@ class Ours(Variant):
                 "see python -m benchmarks.client_algorithms"
             )
 
-    def start(self, trainer: pl.Trainer, module: FLClassifier, state_root: Path) -> None:
+    def start(self, trainer: pl.Trainer, module: pl.LightningModule, state_root: Path) -> None:
         algorithm = build_client_algorithm(self.row, **hparams_for(self.algorithm_cls, self.settings))
         algorithm.bind(SITE, ClientStateStore(state_root / self.row, SITE))
         self.start_callback(trainer, module, algorithm, server_meta_for(self.algorithm_cls, module, self.settings))
 
     def start_callback(
-        self, trainer: pl.Trainer, module: FLClassifier, algorithm: ClientAlgorithm, meta: Mapping[str, Any]
+        self, trainer: pl.Trainer, module: pl.LightningModule, algorithm: ClientAlgorithm, meta: Mapping[str, Any]
     ) -> None:
         """The callback's round start (server meta checked, ``on_round_start``), with the live optimizer."""
         self.algorithm, self.module = algorithm, module
@@ -258,17 +293,17 @@ class Ours(Variant):
         self.optimizer = trainer.optimizers[0]
         self.callback.on_train_epoch_start(trainer, module)
 
-    def activate(self, module: FLClassifier, batch: Any) -> None:
+    def activate(self, module: pl.LightningModule, batch: Any) -> None:
         attach_algorithm(module, self.algorithm)
         self.algorithm.on_batch(module, batch)  # as the callback's on_train_batch_start does (FedMoS, Ditto keep it)
 
     def before_optimizer_step(self, optimizer: Any) -> None:
         self.callback.on_before_optimizer_step(None, self.module, optimizer)  # type: ignore[arg-type]
 
-    def after_train_batch(self, module: FLClassifier) -> None:
+    def after_train_batch(self, module: pl.LightningModule) -> None:
         self.callback.after_optimizer_step(module, self.optimizer)
 
-    def finish(self, module: FLClassifier) -> None:
+    def finish(self, module: pl.LightningModule) -> None:
         self.algorithm.on_round_end(module)  # raises if, e.g., SCAFFOLD saw no step
         counted = getattr(self.algorithm, "steps", None)
         if isinstance(counted, int) and counted != self.steps:
@@ -280,7 +315,7 @@ class NVFlareBuiltin(Variant):
 
     impl = "nvflare"
 
-    def start(self, trainer: pl.Trainer, module: FLClassifier, state_root: Path) -> None:
+    def start(self, trainer: pl.Trainer, module: pl.LightningModule, state_root: Path) -> None:
         from nvflare.app_common.abstract.fl_model import FLModel
         from nvflare.app_common.app_constant import AlgorithmConstants
         from nvflare.app_opt.lightning.algorithm import _AlgorithmHandlerManager
@@ -295,10 +330,10 @@ class NVFlareBuiltin(Variant):
     def before_optimizer_step(self, optimizer: Any) -> None:
         self.manager.before_optimizer_step(optimizer)
 
-    def after_train_batch(self, module: FLClassifier) -> None:
+    def after_train_batch(self, module: pl.LightningModule) -> None:
         self.manager.after_train_batch(module)
 
-    def finish(self, module: FLClassifier) -> None:
+    def finish(self, module: pl.LightningModule) -> None:
         result = self.manager.finish_round(module)
         if result.num_steps != self.steps:
             raise RuntimeError(f"{self.key}: NVFlare's handler counted {result.num_steps} steps, ran {self.steps}")
@@ -356,12 +391,12 @@ class Interleaver(pl.Callback):
 def build_variants(settings: Settings, skipped: dict[str, str]) -> list[Variant]:
     """Fresh variants for one fit; those that cannot be built are recorded in ``skipped`` (key -> reason)."""
     variants: list[Variant] = []
-    for name in CLIENT_ALGORITHMS:
+    for name in filter(settings.selected, CLIENT_ALGORITHMS):
         try:
             variants.append(Ours(name, settings))
         except _Skip as skip:
             skipped[f"ours:{name}"] = str(skip)
-    variants += [NVFlareBuiltin(name, settings) for name in NVFLARE_BUILTINS]
+    variants += [NVFlareBuiltin(name, settings) for name in NVFLARE_BUILTINS if settings.selected(name)]
     if settings.reference:
         variants.append(LightningDefault(REFERENCE_ROW, settings))
     return variants
@@ -409,12 +444,29 @@ class SameBatch(Dataset):
 def make_loader(spec: ModelSpec, settings: Settings, num_steps: int) -> DataLoader:
     """The same fixed random batch for every step of every variant."""
     generator = torch.Generator().manual_seed(settings.seed)
-    x = torch.randn((settings.batch_size, *spec.input_shape), generator=generator)
-    y = torch.randint(0, NUM_CLASSES, (settings.batch_size,), generator=generator)
+    shape = (settings.batch_size, *spec.input_shape)
+    # Genotype models take dosages 0/1/2 (indices of an embedding; the time does not depend on which).
+    x = torch.randint(0, 3, shape, generator=generator) if spec.genotypes else torch.randn(shape, generator=generator)
+    y = torch.randint(0, spec.num_classes, (settings.batch_size,), generator=generator)
     return DataLoader(SameBatch((x, y), num_steps), batch_size=None, shuffle=False)
 
 
-def new_module(spec: ModelSpec, settings: Settings) -> FLClassifier:
+def new_module(spec: ModelSpec, settings: Settings) -> pl.LightningModule:
+    """A fresh module of ``spec``; the genotype model with plain SGD (``optimizer="sgd"``), as the built-in one."""
+    if spec.genotypes:
+        from benchmarks.genomics import examples_importable
+
+        examples_importable()
+        from genomics.model import SnpClassifier
+
+        return SnpClassifier(
+            arch=spec.arch,
+            num_classes=spec.num_classes,
+            optimizer="sgd",
+            lr=settings.lr,
+            seed=settings.seed,
+            **spec.arch_args,
+        )
     return FLClassifier(
         arch=spec.arch,
         num_classes=NUM_CLASSES,
@@ -447,7 +499,7 @@ def run_fit(
         trainer = pl.Trainer(
             accelerator=settings.accelerator,
             devices=1,
-            precision="32-true",
+            precision=settings.precision,
             max_epochs=1,
             limit_train_batches=num_steps,
             logger=False,
@@ -478,6 +530,9 @@ class Row:
     nvflare_ms: float | None = None
     nvflare_ratio: float | None = None
     nvflare_range: tuple[float, float] | None = None
+    #: Ours divided by the Lightning-default reference row (no algorithm attached): the cost over plain Lightning.
+    lightning_ratio: float | None = None
+    lightning_range: tuple[float, float] | None = None
     note: str = ""
 
 
@@ -508,6 +563,7 @@ def benchmark_model(spec: ModelSpec, settings: Settings, progress: Callable[[str
     base = times[f"ours:{BASELINE}"]
     rows: list[Row] = []
     row_names = [*CLIENT_ALGORITHMS, *(n for n in NVFLARE_BUILTINS if n not in CLIENT_ALGORITHMS)]
+    row_names = list(filter(settings.selected, row_names))
     if settings.reference:
         row_names.append(REFERENCE_ROW)
     for name in row_names:
@@ -524,6 +580,9 @@ def benchmark_model(spec: ModelSpec, settings: Settings, progress: Callable[[str
                 row.nvflare_ms, row.nvflare_ratio, row.nvflare_range = median, ratio, spread
             else:
                 row.ours_ms, row.ours_ratio, row.ours_range = median, ratio, spread
+                reference = times.get(f"reference:{REFERENCE_ROW}")
+                if reference is not None:
+                    _, row.lightning_ratio, row.lightning_range = _ratio_stats(times[key], reference)
         if name not in CLIENT_ALGORITHMS and name != REFERENCE_ROW:
             notes.append("not in CLIENT_ALGORITHMS yet")
         row.note = "; ".join(notes)
@@ -559,7 +618,8 @@ def machine_info(settings: Settings) -> list[str]:
         f" {platform.system()} {platform.release()}",
         f"- load average (1/5/15 min) at report time: {load}",
         f"- settings: batch {settings.batch_size}, SGD lr {settings.lr} momentum {settings.momentum}, "
-        f"FedProx mu {settings.mu}, FedDyn alpha {settings.alpha}, precision 32-true; {settings.rounds} fits x "
+        f"FedProx mu {settings.mu}, FedDyn alpha {settings.alpha}, precision {settings.precision}; "
+        f"{settings.rounds} fits x "
         f"{settings.measured_per_fit} kept steps per variant (+{settings.warmup} warm-up steps dropped per variant "
         "and fit), variants interleaved step by step in shuffled cycles, the same batch every step",
     ]
@@ -578,9 +638,10 @@ def _fmt_ratio(ratio: float | None, spread: tuple[float, float] | None) -> str:
 def format_table(rows: Sequence[Row]) -> str:
     header = (
         "| model | params | algorithm | ours ms/step | ours Δ ms | ours ÷ plain [per-fit range] "
-        "| NVFlare built-in ms/step | NVFlare ÷ plain [per-fit range] | ours ÷ NVFlare | note |"
+        "| NVFlare built-in ms/step | NVFlare ÷ plain [per-fit range] | ours ÷ NVFlare "
+        "| ours ÷ Lightning default [per-fit range] | note |"
     )
-    lines = [header, "|" + "---|" * 10]
+    lines = [header, "|" + "---|" * 11]
     base_ms = {row.model: row.ours_ms for row in rows if row.algorithm == BASELINE}
     for row in rows:
         delta = None
@@ -592,7 +653,8 @@ def format_table(rows: Sequence[Row]) -> str:
         lines.append(
             f"| {row.model} | {row.params:,} | {row.algorithm} | {_fmt(row.ours_ms, '.2f')} | "
             f"{_fmt(delta, '+.2f')} | {_fmt_ratio(row.ours_ratio, row.ours_range)} | {_fmt(row.nvflare_ms, '.2f')} | "
-            f"{_fmt_ratio(row.nvflare_ratio, row.nvflare_range)} | {_fmt(vs_nvflare, '.3f')} | {row.note} |"
+            f"{_fmt_ratio(row.nvflare_ratio, row.nvflare_range)} | {_fmt(vs_nvflare, '.3f')} | "
+            f"{_fmt_ratio(row.lightning_ratio, row.lightning_range)} | {row.note} |"
         )
     return "\n".join(lines)
 
@@ -607,7 +669,26 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             "never slower than NVFlare's built-in."
         ),
     )
-    parser.add_argument("--models", nargs="+", choices=sorted(MODEL_SPECS), default=None, help="default: all")
+    parser.add_argument(
+        "--models", nargs="+", choices=sorted(MODEL_SPECS), default=None, help=f"default: {' '.join(DEFAULT_MODELS)}"
+    )
+    parser.add_argument(
+        "--algorithms",
+        nargs="+",
+        choices=sorted(CLIENT_ALGORITHMS),
+        default=None,
+        metavar="NAME",
+        help=f"client algorithms to time, from {sorted(CLIENT_ALGORITHMS)} (default: all; {BASELINE} always)",
+    )
+    parser.add_argument(
+        "--snps",
+        type=int,
+        default=LARGE_SNP_MODEL["n_snps"],
+        help=f"SNPs of cnn_transformer_large (default {LARGE_SNP_MODEL['n_snps']:,})",
+    )
+    parser.add_argument(
+        "--precision", choices=PRECISIONS, default="32-true", help="the Trainer's precision (default 32-true)"
+    )
     parser.add_argument("--steps", type=int, default=None, help="kept steps per variant and model (default 300)")
     parser.add_argument(
         "--rounds", type=int, default=None, help="fits per model, each with all variants interleaved (default 6)"
@@ -629,22 +710,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--no-reference", action="store_true", help="leave out the Lightning-default reference row")
     parser.add_argument("--out", type=Path, default=None, help="also write the markdown report to this file")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows and settings as JSON here")
     parser.add_argument(
         "--quick", action="store_true", help="smoke-test sizes: lenet5 only, 2 fits x 3 kept steps, 1 warm-up step"
     )
     args = parser.parse_args(argv)
     quick = {"models": ["lenet5"], "steps": 6, "rounds": 2, "warmup": 1}
-    full = {"models": list(MODEL_SPECS), "steps": 300, "rounds": 6, "warmup": 5}
+    full = {"models": list(DEFAULT_MODELS), "steps": 300, "rounds": 6, "warmup": 5}
     for name, value in (quick if args.quick else full).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    for name in ("steps", "rounds", "batch_size"):
+    for name in ("steps", "rounds", "batch_size", "snps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup < 0:
         parser.error("--warmup must be >= 0")
     if args.device == "gpu" and not torch.cuda.is_available():
         parser.error("--device gpu: no CUDA GPU is available")
+    if args.momentum and any(MODEL_SPECS[key].genotypes for key in args.models):
+        parser.error("--momentum: the genotype model's SGD has none; leave it at 0 with cnn_transformer_large")
     return args
 
 
@@ -668,7 +752,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         alpha=args.alpha,
         seed=args.seed,
         accelerator=accelerator,
+        precision=args.precision,
         reference=not args.no_reference,
+        algorithms=None if args.algorithms is None else tuple(args.algorithms),
     )
 
     started = time.perf_counter()
@@ -680,7 +766,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[Row] = []
     with _quiet_lightning():
         for key in args.models:
-            rows += benchmark_model(MODEL_SPECS[key], settings, progress)
+            rows += benchmark_model(with_snps(MODEL_SPECS[key], args.snps), settings, progress)
 
     command = "python -m benchmarks.step_overhead " + " ".join(sys.argv[1:] if argv is None else argv)
     report = "\n".join(
@@ -699,6 +785,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(report, encoding="utf-8")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        record = {"command": command.strip(), "settings": asdict(settings), "rows": [asdict(row) for row in rows]}
+        args.json.write_text(json.dumps(record, indent=1), encoding="utf-8")
     return 0
 
 

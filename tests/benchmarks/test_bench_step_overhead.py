@@ -47,7 +47,7 @@ def test_quick_mode_prints_one_row_per_algorithm_with_finite_ratios(tmp_path, ca
     by_name = {row[2]: row for row in rows}
     assert ratios(by_name["fedavg"][5])[0] == 1.0
     for name in CLIENT_ALGORITHMS:
-        if "skipped" in by_name[name][9]:
+        if "skipped" in by_name[name][10]:
             continue
         assert all(math.isfinite(r) and r > 0 for r in ratios(by_name[name][5])), by_name[name]
     for name in step_overhead.NVFLARE_BUILTINS:
