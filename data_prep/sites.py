@@ -94,8 +94,12 @@ class SiteDataConfig:
 
     @classmethod
     def from_namespace(cls, args: Any) -> SiteDataConfig:
-        """Build from parsed command-line options named like the fields (``--num-sites`` -> ``num_sites``)."""
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+        """Build from parsed command-line options named like the fields (``--num-sites`` -> ``num_sites``); a
+        ``partition_seed`` that is not ``None`` seeds the partition instead of ``seed`` (the job's training seed)."""
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        if getattr(args, "partition_seed", None) is not None:
+            values["seed"] = args.partition_seed
+        return cls(**values)
 
     def __post_init__(self) -> None:
         # Frozen dataclass: normalise the name through object.__setattr__ so equal configs compare equal.

@@ -67,6 +67,10 @@ def _site_validation(spec: Any) -> bool:
     return spec.site_val_fraction > 0
 
 
+def _site_test(spec: Any) -> bool:
+    return spec.site_test_fraction > 0
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # The groups. Field order is the order of the client command line (kept stable: committed jobs are diffed).
 # --------------------------------------------------------------------------------------------------------------------
@@ -95,6 +99,23 @@ class DataSettings:
         ge=0,
         lt=0.5,
         exported_when=_site_validation,
+    )
+    site_test_fraction: float = setting(
+        0.0,
+        "share of every built-in site's training shard held out (seeded per site, disjoint from the validation "
+        "split) as the site's TEST split: reporting only, never trained or selected on (eval.global_test_*, "
+        "eval.personal_test_*, eval.local_test_*, eval.kept_test_*); the training part is what is left; each site "
+        "needs at least 10 test samples; 0 = none. Built-in datasets only: with --model your data module's "
+        "test_dataloader (and your module's test_step) is the split",
+        ge=0,
+        lt=0.5,
+        exported_when=_site_test,
+    )
+    partition_seed: int | None = setting(
+        None,
+        "seeds the site data alone: the partition over the sites, the max_train_samples subset and every site's "
+        "validation and test hold-outs (none = --seed); fix it and vary --seed to vary training over fixed site data",
+        ge=0,
     )
 
 

@@ -73,6 +73,7 @@ class JobSpec(
         validate_spec(self)
         # Resolved once, here, against the job's model: the sites and the server get the same explicit names.
         object.__setattr__(self, "local_keys", ",".join(job_local_keys(self)))
+        _check_personal_validation(self)  # after the keys resolved: a pattern matching nothing is named first
         # Shipped folders are named relative to where the job is specified; the export runs elsewhere.
         object.__setattr__(self, "ship", ",".join(str(p.resolve()) for p in shipped_folders(self)))
         if self.script is not None:
@@ -108,6 +109,7 @@ def validate_spec(spec: JobSpec) -> None:
     _check_privacy(spec)
     if spec.finetune_epochs:
         _check_finetune(spec)
+    _check_site_splits(spec)
     _check_server_rule(spec)
     _check_client_level_dp(spec)
     job_attack_args(spec)  # unknown attack, no malicious site, bad share: refused at build time
@@ -293,6 +295,11 @@ def _check_user_code(spec: JobSpec) -> None:
             f"site_val_fraction {spec.site_val_fraction:g}: applies to the built-in models only; with --model the "
             "sites evaluate on the data module's val_dataloader"
         )
+    if spec.site_test_fraction:  # ... and report on its test_dataloader
+        raise JobBuildError(
+            f"site_test_fraction {spec.site_test_fraction:g}: applies to the built-in models only; with --model the "
+            "sites' test split is the data module's test_dataloader (scored by the model's test_step)"
+        )
     if spec.script is not None:
         script = Path(spec.script)
         if script.suffix != ".py" or not script.is_file():
@@ -354,8 +361,77 @@ def _check_finetune(spec: JobSpec) -> None:
             raise JobBuildError(f"{why} needs a validation split to score the fine-tuned copy on: {problem}")
 
 
-def _user_validation_problem(spec: JobSpec) -> str | None:
-    """What the user's model or data module lacks to score a model at the site, or ``None``."""
+#: The fewest test samples a site may hold (``site_test_fraction``): below it one sample moves its test accuracy by
+#: more than 10 points, and the paired kept-vs-local interval says nothing.
+MIN_TEST_SAMPLES = 10
+
+
+def _check_site_splits(spec: JobSpec) -> None:
+    """Every site of a built-in dataset keeps at least :data:`MIN_TEST_SAMPLES` test samples (the partition is
+    computed here, as the sites will compute it)."""
+    if spec.model is None and spec.site_test_fraction > 0:
+        from lightning_modules.site import builtin_split_sizes
+
+        for site, (n_train, n_val, n_test) in builtin_split_sizes(spec).items():
+            if n_test < MIN_TEST_SAMPLES:
+                raise JobBuildError(
+                    f"site_test_fraction {spec.site_test_fraction:g} leaves {site} {n_test} test samples (of "
+                    f"{n_train + n_val + n_test}); every site needs at least {MIN_TEST_SAMPLES}: raise "
+                    "site_test_fraction, or give the sites more data (max_train_samples, num_sites, scheme)"
+                )
+
+
+def _check_personal_validation(spec: JobSpec) -> None:
+    """A personal model that exists only to be scored (Ditto's v_i; a fine-tuned copy, refused earlier with its own
+    message) needs a validation split: without one the site computes it every round and can never report personal
+    against global. Partial sharing (FedPer/FedBN/FedRep) is not refused: its personal model is the model the site
+    trains and uses every round, so the job is a training method in its own right without any split."""
+    method = personal_method(spec)
+    if method and spec.script is None and not has_validation_split(spec):
+        raise JobBuildError(
+            f"{method} makes a personal model at every site, which can only be scored against the global model on a "
+            f"validation split: {_validation_hint(spec)}"
+        )
+
+
+def personal_method(spec: JobSpec, *, partial_sharing: bool = False) -> str | None:
+    """What gives the job's sites a personal model that exists only to be scored (``None``: none): Ditto or local
+    fine-tuning; with ``partial_sharing``, FedPer/FedBN/FedRep's trained module with the site's own entries too."""
+    if spec.client == "ditto":
+        return "client 'ditto'"
+    if spec.finetune_epochs:
+        return f"finetune_epochs {spec.finetune_epochs}"
+    if partial_sharing and spec.client == "fedrep":
+        return "client 'fedrep'"
+    return f"local_keys {spec.local_keys!r}" if partial_sharing and spec.local_keys else None
+
+
+def has_validation_split(spec: JobSpec) -> bool:
+    """Whether the sites hold a validation split: ``site_val_fraction`` for the built-in data, a ``validation_step``
+    and a ``val_dataloader()`` for a user's model and data module."""
+    if spec.model is None:
+        return spec.site_val_fraction > 0
+    return spec.data is not None and _user_validation_problem(spec) is None
+
+
+def has_test_split(spec: JobSpec) -> bool:
+    """Whether the sites hold a test split: ``site_test_fraction`` for the built-in data, a ``test_step`` and a
+    ``test_dataloader()`` for a user's model and data module."""
+    if spec.model is None:
+        return spec.site_test_fraction > 0
+    return spec.data is not None and _user_validation_problem(spec, stage="test") is None
+
+
+def _validation_hint(spec: JobSpec, stage: str = "validation") -> str:
+    if spec.model is None:
+        option = "site_val_fraction" if stage == "validation" else "site_test_fraction"
+        return f"set {option} (e.g. 0.1)"
+    return _user_validation_problem(spec, stage="test" if stage == "test" else "validation") or ""
+
+
+def _user_validation_problem(spec: JobSpec, stage: str = "validation") -> str | None:
+    """What the user's model or data module lacks to score a model at the site on its validation (or, with
+    ``stage="test"``, its test) split, or ``None``."""
     import pytorch_lightning as pl
     from pytorch_lightning.utilities.model_helpers import is_overridden
 
@@ -364,10 +440,11 @@ def _user_validation_problem(spec: JobSpec) -> str | None:
     with importable(shipped_folders(spec)):
         model_cls = user_class(spec.model, pl.LightningModule, "model")
         data_cls = user_class(spec.data, pl.LightningDataModule, "data") if spec.data else None
-    if not is_overridden("validation_step", model_cls, pl.LightningModule):
-        return f"model {spec.model!r} defines no validation_step"
-    if data_cls is None or not is_overridden("val_dataloader", data_cls, pl.LightningDataModule):
-        return f"data {spec.data!r} defines no val_dataloader()"
+    step, loader = ("test_step", "test_dataloader") if stage == "test" else ("validation_step", "val_dataloader")
+    if not is_overridden(step, model_cls, pl.LightningModule):
+        return f"model {spec.model!r} defines no {step}"
+    if data_cls is None or not is_overridden(loader, data_cls, pl.LightningDataModule):
+        return f"data {spec.data!r} defines no {loader}()"
     return None
 
 

@@ -37,6 +37,7 @@ NO_EFFECT_WITH_MODEL: dict[str, str] = {
     "alpha": _DATA,
     "classes_per_site": _DATA,
     "max_train_samples": _DATA,
+    "partition_seed": _DATA,
     "batch_size": "your data module's train_dataloader() decides the batch size: give it in --data-args",
     "max_test_samples": "the server has no test set with --model: the sites evaluate on their val_dataloader()",
     "arch": "your module is the model: its constructor arguments go in --model-args",

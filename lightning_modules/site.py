@@ -40,6 +40,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from data_prep import to_tensor_dataset
+from data_prep.splits import site_holdout_indices
 from lightning_modules.attacks import AttackCallback, AttackConfig, attack_config_from_args, site_labels
 from lightning_modules.classifier import FLClassifier
 from lightning_modules.distributed import check_launch
@@ -54,12 +55,14 @@ __all__ = [
     "LocalExchange",
     "LocalTraining",
     "SiteRound",
+    "SiteSplits",
     "ValidatedClassifier",
     "build_site_round",
-    "hold_out_validation",
+    "hold_out",
     "local_epochs",
     "make_trainer",
     "round_seed",
+    "split_seed",
     "validation_indices",
 ]
 
@@ -90,14 +93,18 @@ def round_seed(seed: int, site_index: int, round_num: int) -> int:
 
 
 def validation_indices(n: int, fraction: float, seed: int, site_index: int) -> tuple[np.ndarray, np.ndarray]:
-    """(training, validation) indices of a site's ``n`` samples: a seeded ``fraction`` held out, the same for every
-    round and process of the site (seeded by job seed and site only). Both keep the shard's order, and at least one
-    sample stays for training."""
-    rng = np.random.default_rng([seed, site_index, 0, 2])  # 2: a stream apart from round_seed's and local_epochs'
-    n_val = min(max(1, round(fraction * n)), n - 1) if fraction > 0 else 0
-    held_out = np.zeros(n, dtype=bool)
-    held_out[rng.permutation(n)[:n_val]] = True
-    return np.flatnonzero(~held_out), np.flatnonzero(held_out)
+    """(training, validation) indices of a site's ``n`` samples without a test split
+    (:func:`data_prep.splits.site_holdout_indices`): a seeded ``fraction`` held out, the same for every round and
+    process of the site. Both keep the shard's order, and at least one sample stays for training."""
+    train, val, _ = site_holdout_indices(n, fraction, 0.0, seed, site_index)
+    return train, val
+
+
+def split_seed(args: Any) -> int:
+    """The seed of the site data: the partition, its subset and every site's hold-outs (``partition_seed``, or the
+    job's ``seed`` when none is given), so that a study can vary the training seed over fixed site data."""
+    partition_seed = getattr(args, "partition_seed", None)
+    return args.seed if partition_seed is None else partition_seed
 
 
 def local_epochs(training: Any, site_index: int, round_num: int) -> int:
@@ -163,6 +170,12 @@ class ValidatedClassifier(FLClassifier):
         self.log("val_loss", loss, on_epoch=True, batch_size=size)
         self.log("val_accuracy", (logits.argmax(dim=1) == batch[1]).float().mean(), on_epoch=True, batch_size=size)
 
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        loss, logits = self.task_loss(batch)
+        size = len(batch[1])
+        self.log("test_loss", loss, on_epoch=True, batch_size=size)
+        self.log("test_accuracy", (logits.argmax(dim=1) == batch[1]).float().mean(), on_epoch=True, batch_size=size)
+
 
 @dataclass
 class SiteRound:
@@ -178,6 +191,7 @@ class SiteRound:
     attack_callback: AttackCallback
     dataset: TensorDataset | None = None  # ``to_tensor_dataset(x, y)``, built here unless the caller has it already
     validation: TensorDataset | None = None  # held-out split scoring the received model (needs a validation_step)
+    test: TensorDataset | None = None  # held-out split the site reports on only (needs a test_step)
 
     def __post_init__(self) -> None:
         if self.dataset is None:
@@ -269,17 +283,43 @@ class SiteRound:
         return exchange.result, dict(meta)
 
 
-def hold_out_validation(
-    args: argparse.Namespace, x: np.ndarray, y: np.ndarray, site_index: int
-) -> tuple[np.ndarray, np.ndarray, TensorDataset | None]:
-    """The site's training part and its validation split (``None`` without ``site_val_fraction``): the held-out
-    part scores the received model, and FedAvg weighs the site by the training part only."""
-    fraction = getattr(args, "site_val_fraction", 0.0)
-    if not fraction:
-        return x, y, None
-    train_idx, val_idx = validation_indices(len(y), fraction, args.seed, site_index)
-    validation = to_tensor_dataset(x[val_idx], y[val_idx]) if len(val_idx) else None
-    return x[train_idx], y[train_idx], validation
+@dataclass(frozen=True)
+class SiteSplits:
+    """A site's shard in its three parts: training (``x``, ``y``), validation (selection and the received model's
+    scores only) and test (reporting only); ``None`` where the job holds out nothing."""
+
+    x: np.ndarray
+    y: np.ndarray
+    validation: TensorDataset | None
+    test: TensorDataset | None
+
+
+def hold_out(args: Any, x: np.ndarray, y: np.ndarray, site_index: int) -> SiteSplits:
+    """The site's training part and its validation and test splits (``site_val_fraction``,
+    ``site_test_fraction``), seeded by :func:`split_seed` and the site: FedAvg weighs the site by the training part
+    only, and nothing held out is ever trained on."""
+    val_fraction = getattr(args, "site_val_fraction", 0.0) or 0.0
+    test_fraction = getattr(args, "site_test_fraction", 0.0) or 0.0
+    if not val_fraction and not test_fraction:
+        return SiteSplits(x, y, None, None)
+    train, val, test = site_holdout_indices(len(y), val_fraction, test_fraction, split_seed(args), site_index)
+    validation = to_tensor_dataset(x[val], y[val]) if len(val) else None
+    return SiteSplits(x[train], y[train], validation, to_tensor_dataset(x[test], y[test]) if len(test) else None)
+
+
+def builtin_split_sizes(spec: Any) -> dict[str, tuple[int, int, int]]:
+    """(training, validation, test) sample counts of every simulated site of a built-in dataset, as the sites will
+    split their shards (the build-time checks: the test split's minimum, DP-SGD's first round)."""
+    from data_prep import SiteDataConfig
+    from data_prep.sites import partition_sites
+
+    _, parts = partition_sites(SiteDataConfig.from_namespace(spec))
+    val_fraction, test_fraction = spec.site_val_fraction, getattr(spec, "site_test_fraction", 0.0)
+    sizes = {}
+    for index, part in enumerate(parts):
+        split = site_holdout_indices(len(part), val_fraction, test_fraction, split_seed(spec), index)
+        sizes[f"site-{index + 1}"] = tuple(len(indices) for indices in split)
+    return sizes
 
 
 def build_site_round(
@@ -295,8 +335,9 @@ def build_site_round(
     """A site as the client script sets it up, from its parsed options (``jobs/client.py --help``) and its data."""
     from lightning_modules.algorithms import build_client_algorithm
 
-    x, y, validation = hold_out_validation(args, x, y, site_index)
-    module = (ValidatedClassifier if validation is not None else FLClassifier)(
+    splits = hold_out(args, x, y, site_index)
+    x, y, validation = splits.x, splits.y, splits.validation
+    module = (ValidatedClassifier if validation is not None or splits.test is not None else FLClassifier)(
         arch=args.arch,
         num_classes=num_classes,
         arch_args=json_arg(args.arch_args),
@@ -325,6 +366,7 @@ def build_site_round(
         round_callback=callback,
         attack_callback=AttackCallback(attack, site, site_index),
         validation=validation,
+        test=splits.test,
     )
 
 

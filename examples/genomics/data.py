@@ -11,7 +11,11 @@ In simulation (no ``data_file``) every site derives its share from one source, w
 A fixed stratified 20 % of the people is held out as a test set that no site trains on (``test_dataloader``; for
 benchmarks only: a real federation has no such set). The rest is split over the sites with ``split``: ``iid``,
 ``dirichlet`` (over populations, concentration ``alpha``) or ``population`` (site = population). Each site keeps
-``val_fraction`` of its share for validation (the site evaluation of the global model).
+``val_fraction`` of its share for validation (the site evaluation of the global model, and the selection of
+``--keep best``) and, with ``test_fraction`` > 0, a further disjoint ``test_fraction`` as its OWN test split: then
+``test_dataloader`` is that split (the site's reporting split: ``eval.*_test_*``), in simulation and on a real site
+alike. The three parts come from one permutation seeded by ``seed``: the validation split is the same with and
+without a test split.
 
 A real site reads its own genotype CSV (``sample``, one column per SNP, a ``population`` column) with the
 consortium's SNP table (a CSV of ``snp,ref,alt`` rows) and the agreed ``classes`` (population names, in order). The
@@ -66,12 +70,18 @@ class SnpSites(pl.LightningDataModule):
         snp_table: str | None = None,
         classes: Sequence[str] | None = None,
         labels_file: str | None = None,
+        test_fraction: float = 0.0,
     ) -> None:
         super().__init__()
         if target not in ("population", "proportions"):
             raise DataPrepError(f"{site}: target must be 'population' or 'proportions', got {target!r}")
+        if not 0 <= test_fraction < 0.5 or not 0 <= val_fraction < 1 - test_fraction:
+            raise DataPrepError(
+                f"{site}: test_fraction must be in [0, 0.5) and val_fraction + test_fraction below 1, got "
+                f"{test_fraction!r} and {val_fraction!r}"
+            )
         self.site, self.target, self.batch_size, self.val_fraction = site, target, batch_size, val_fraction
-        self.seed = seed
+        self.seed, self.test_fraction = seed, test_fraction
         data_file = resolve(data_file, GENOTYPES_ENV, site, os.environ)
         snp_table = resolve(snp_table, SNP_TABLE_ENV, site, os.environ)
         if data_file and is_genotype_input(data_file):
@@ -88,11 +98,19 @@ class SnpSites(pl.LightningDataModule):
             parts = partition(data.labels[train], num_sites, split, seed=seed, alpha=alpha)
             own = _subset(data, train[parts[site_index(site, num_sites)]])
             self.test = self._tensors(_subset(data, test))
-        order = np.random.default_rng([seed, 1]).permutation(len(own.labels))
-        n_val = round(val_fraction * len(order))
-        self.val = self._tensors(_subset(own, order[:n_val]))
-        self.train = self._tensors(_subset(own, order[n_val:]))
+        val, test, train = self._site_split(len(own.labels))
+        self.val = self._tensors(_subset(own, val))
+        self.train = self._tensors(_subset(own, train))
+        if test_fraction > 0:  # the site's own test split replaces the pooled benchmark set
+            self.test = self._tensors(_subset(own, test))
         self.num_snps, self.classes = own.genotypes.shape[1], own.classes
+
+    def _site_split(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(validation, test, training) positions of the site's ``n`` people: one permutation seeded by ``seed``,
+        validation first, then test, the rest trains."""
+        order = np.random.default_rng([self.seed, 1]).permutation(n)
+        n_val, n_test = round(self.val_fraction * n), round(self.test_fraction * n)
+        return order[:n_val], order[n_val : n_val + n_test], order[n_val + n_test :]
 
     def _tensors(self, data: GenotypeData) -> TensorDataset:
         x = torch.as_tensor(np.asarray(data.genotypes), dtype=torch.long)
@@ -107,12 +125,11 @@ class SnpSites(pl.LightningDataModule):
         if classes is None or self.target != "population":
             raise DataPrepError(f"{self.site}: a genotype file needs the agreed classes and target 'population'")
         own = site_genotypes(self.site, data_file, classes, snp_table, labels_file)
-        order = np.random.default_rng([self.seed, 1]).permutation(len(own.labels))
-        n_val = round(self.val_fraction * len(order))
-        val, train = np.sort(order[:n_val]), np.sort(order[n_val:])
+        val, test, train = (np.sort(part) for part in self._site_split(len(own.labels)))
         self.val = GenotypeRows(own.genotypes, own.labels[val], val)
         self.train = GenotypeRows(own.genotypes, own.labels[train], train)
-        self.test, self.num_snps, self.classes = None, own.genotypes.shape[1], own.classes
+        self.test = GenotypeRows(own.genotypes, own.labels[test], test) if self.test_fraction > 0 else None
+        self.num_snps, self.classes = own.genotypes.shape[1], own.classes
 
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
         """Genotype files stream int8 batches (8x less host memory traffic and transfer than int64): widened to the
@@ -131,7 +148,12 @@ class SnpSites(pl.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         if self.test is None:
-            raise DataPrepError(f"{self.site}: a site reading its own data_file has no shared test set")
+            raise DataPrepError(
+                f"{self.site}: a site reading its own data_file has no shared test set; give test_fraction > 0 to "
+                "hold out the site's own"
+            )
+        if isinstance(self.test, GenotypeRows):
+            return genotype_loader(self.test, 512)
         return DataLoader(self.test, batch_size=512)
 
 

@@ -76,14 +76,7 @@ def _first_round_problem(spec: Any) -> str | None:
 
 
 def builtin_site_sizes(spec: Any) -> dict[str, int]:
-    """Training samples of every simulated site of a built-in dataset (after its validation hold-out)."""
-    from data_prep import SiteDataConfig
-    from data_prep.sites import partition_sites
-    from lightning_modules.site import validation_indices
+    """Training samples of every simulated site of a built-in dataset (after its validation and test hold-outs)."""
+    from lightning_modules.site import builtin_split_sizes
 
-    _, parts = partition_sites(SiteDataConfig.from_namespace(spec))
-    sizes = {}
-    for index, part in enumerate(parts):
-        train, _ = validation_indices(len(part), spec.site_val_fraction, spec.seed, index)
-        sizes[f"site-{index + 1}"] = len(train)
-    return sizes
+    return {site: sizes[0] for site, sizes in builtin_split_sizes(spec).items()}
