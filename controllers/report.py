@@ -8,11 +8,19 @@ simulator exits 0 even when a job aborts, so the report checks that every config
 that at least one round aggregated; otherwise it prints why and exits 1 (``make demo`` fails with it). That check
 comes before the plot, so without matplotlib (a site install) the reason is still printed; the missing plot is then
 an error naming the extra that installs it.
+
+Jobs run with ``--keep best --local-baseline`` get one more table (:func:`kept_vs_local`): per site, from the last
+round it reported them, which candidate it kept (global, personal or local-only), the kept and the local-only
+model's test accuracy, and the gain kept - local with its 95 % interval, gain +/- 1.96 SE (the normal approximation
+of the paired per-sample difference on the site's test split, lightning_modules/keep_best.py). An interval that
+lies below 0 says the site lost from joining on its own test data; one that covers 0 says its test split cannot
+tell.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -86,13 +94,18 @@ def failed_rounds(records: Sequence[dict[str, Any]]) -> list[str]:
 
 
 PERSONAL_PREFIX = "personal_"
+#: Prefixes of the candidates' scores (lightning_modules/keep_best.py): not the received model's validation scores.
+CANDIDATE_PREFIXES = (PERSONAL_PREFIX, "global_", "local_", "kept_")
+#: ``eval.kept_candidate`` is an index into these (lightning_modules.keep_best.CANDIDATES).
+KEPT_NAMES = ("global", "personal", "local")
+KEPT_MINUS_LOCAL = "kept_minus_local_test_accuracy"
 
 
 def site_eval_metric(records: Sequence[dict[str, Any]]) -> str | None:
     """The site-evaluation metric to show: the first one named like an accuracy, else the first one (scores of the
     global model; a personal model's ``personal_<metric>`` is shown beside it)."""
     names = sorted(
-        {name for r in records for name in (r.get("site_eval") or {}) if not name.startswith(PERSONAL_PREFIX)}
+        {name for r in records for name in (r.get("site_eval") or {}) if not name.startswith(CANDIDATE_PREFIXES)}
     )
     return next((n for n in names if "acc" in n.lower()), names[0] if names else None)
 
@@ -157,6 +170,46 @@ def format_gains(gains: dict[str, tuple[float, float, float]], metric: str) -> s
     lines = [f"{'site':<{width}}  {'global':>8}  {'personal':>8}  {'gain':>8}"]
     for site, (score, personal, gain) in gains.items():
         lines.append(f"{site:<{width}}  {score:>8.4f}  {personal:>8.4f}  {gain:>+8.4f}")
+    return "\n".join(lines)
+
+
+def kept_vs_local(records: Sequence[dict[str, Any]], z: float = 1.96) -> dict[str, dict[str, Any]]:
+    """Per site, from the last round it reported its kept-minus-local difference: the candidate it kept, the kept
+    and local-only test accuracies, the gain and its interval gain +/- ``z`` SE."""
+    rows: dict[str, dict[str, Any]] = {}
+    for record in records:
+        evaluation = record.get("site_eval") or {}
+        gains = (evaluation.get(KEPT_MINUS_LOCAL) or {}).get("per_site", {})
+        for site, gain in gains.items():
+            value = functools.partial(_site_value, evaluation, site)
+            se, index = value(KEPT_MINUS_LOCAL + "_se"), value("kept_candidate")
+            half = z * se if se is not None else float("nan")
+            rows[site] = {
+                "round": record.get("round"),
+                "kept": KEPT_NAMES[int(index)] if index is not None and 0 <= index < len(KEPT_NAMES) else "?",
+                "kept_test_accuracy": value("kept_test_accuracy"),
+                "local_test_accuracy": value("local_test_accuracy"),
+                "gain": gain,
+                "low": gain - half,
+                "high": gain + half,
+            }
+    return dict(sorted(rows.items()))
+
+
+def _site_value(evaluation: dict[str, Any], site: str, name: str) -> Any:
+    """The site's value of one site-evaluation metric in a round record (``None`` when it did not report it)."""
+    return (evaluation.get(name) or {}).get("per_site", {}).get(site)
+
+
+def format_kept_vs_local(rows: dict[str, dict[str, Any]]) -> str:
+    """One row per site: kept candidate, kept and local-only test accuracy, gain and its 95 % interval."""
+    width = max([len("site"), *map(len, rows)])
+    lines = [f"{'site':<{width}}  {'kept':>8}  {'kept acc':>8}  {'local acc':>9}  {'gain':>8}  95% interval"]
+    for site, row in rows.items():
+        lines.append(
+            f"{site:<{width}}  {row['kept']:>8}  {_fmt(row['kept_test_accuracy']):>8}  "
+            f"{_fmt(row['local_test_accuracy']):>9}  {row['gain']:>+8.4f}  [{row['low']:+.4f}, {row['high']:+.4f}]"
+        )
     return "\n".join(lines)
 
 
@@ -366,6 +419,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"site {metric}: global model received vs the site's personal model (last round each site scored "
                 f"both; gain = personal - global, higher is better; mean {mean_gain:+.4f}):\n"
                 f"{format_gains(gains, metric)}"
+            )
+        kept = kept_vs_local(records)
+        if kept:
+            print(
+                "does each site gain from joining: the model it kept vs its local-only model, on its test split (last "
+                f"round each site reported both; gain = kept - local, 95% interval):\n{format_kept_vs_local(kept)}"
             )
         privacy = privacy_table(records)
         if privacy:

@@ -182,6 +182,10 @@ def _finetunes(spec: Any) -> bool:
     return spec.finetune_epochs > 0
 
 
+def _keeps_best(spec: Any) -> bool:
+    return spec.keep != "last"
+
+
 @dataclass(frozen=True, kw_only=True)
 class LocalTrainingSettings:
     """The local optimizer (SGD) and how long each site trains per round."""
@@ -208,6 +212,31 @@ class LocalTrainingSettings:
         "val_dataloader)",
         ge=0,
         exported_when=_finetunes,
+    )
+    local_baseline: bool = setting(
+        False,
+        "every site also trains a local-only model (lightning_modules/local_baseline.py): the federation's initial "
+        "model and optimizer, trained on the site's training split alone, each round as many optimizer steps as the "
+        "site's own training took (federated fit + Ditto's personal steps + fine-tuning), kept in the site's "
+        "private state store, never sent; scored as eval.local_* on the validation and test splits. Needs a "
+        "validation or a test split (--site-val-fraction/--site-test-fraction, or your module's "
+        "validation_step/test_step with val_dataloader/test_dataloader)",
+    )
+    keep: Literal["last", "best"] = setting(
+        "last",
+        "last: sites keep nothing of their own (as before); best: every round each site keeps the candidate "
+        "(0 global received, 1 personal/fine-tuned, 2 local-only) with the best validation --keep-metric (ties to "
+        "the earlier one) in its private state store and reports all candidates on its TEST split "
+        "(eval.{global,personal,local,kept}_test_*, eval.kept_candidate, eval.kept_minus_local_test_accuracy[_se]; "
+        "lightning_modules/keep_best.py). Needs a validation and a test split, and a personal method or "
+        "--local-baseline",
+        exported_when=_keeps_best,
+    )
+    keep_metric: str = setting(
+        "val_loss",
+        "with --keep best: the validation metric that selects (a name the sites' validation logs; lower is better "
+        "when it contains loss or error, higher otherwise)",
+        exported_when=_keeps_best,
     )
 
 

@@ -74,6 +74,7 @@ class JobSpec(
         # Resolved once, here, against the job's model: the sites and the server get the same explicit names.
         object.__setattr__(self, "local_keys", ",".join(job_local_keys(self)))
         _check_personal_validation(self)  # after the keys resolved: a pattern matching nothing is named first
+        _check_candidates(self)
         # Shipped folders are named relative to where the job is specified; the export runs elsewhere.
         object.__setattr__(self, "ship", ",".join(str(p.resolve()) for p in shipped_folders(self)))
         if self.script is not None:
@@ -392,6 +393,46 @@ def _check_personal_validation(spec: JobSpec) -> None:
             f"{method} makes a personal model at every site, which can only be scored against the global model on a "
             f"validation split: {_validation_hint(spec)}"
         )
+
+
+#: What ``keep_metric`` may name with the built-in classifier (its validation_step logs these).
+BUILTIN_VAL_METRICS = ("val_loss", "val_accuracy")
+
+
+def _check_candidates(spec: JobSpec) -> None:
+    """``--local-baseline`` and ``--keep best`` (lightning_modules/local_baseline.py, keep_best.py): the splits they
+    score on, something to choose between, and the bundle's single-process site loop."""
+    wanted = [name for name, on in (("local_baseline", spec.local_baseline), ("keep best", spec.keep == "best")) if on]
+    if spec.keep == "last" and spec.keep_metric != "val_loss":
+        raise JobBuildError(f"keep_metric {spec.keep_metric!r} selects for --keep best only; this job keeps 'last'")
+    if not wanted:
+        return
+    if spec.script is not None or spec.devices > 1:
+        raise JobBuildError(
+            f"{wanted[0]}: the bundle's site loop trains and scores the candidates in one process; not with --script "
+            "or devices > 1"
+        )
+    validation, test = has_validation_split(spec), has_test_split(spec)
+    if spec.local_baseline and not (validation or test):
+        raise JobBuildError(
+            f"local_baseline needs a split to score the local-only model on: {_validation_hint(spec)} and/or "
+            f"{_validation_hint(spec, 'test')}"
+        )
+    if spec.keep != "best":
+        return
+    if not validation or not test:
+        missing = "validation" if not validation else "test"
+        raise JobBuildError(
+            f"keep best selects on a validation split and reports on a test split; the sites hold no {missing} split: "
+            f"{_validation_hint(spec, missing)}"
+        )
+    if not spec.local_baseline and personal_method(spec, partial_sharing=True) is None:
+        raise JobBuildError(
+            "keep best with the global model as the only candidate: add --local-baseline or a personal method "
+            "(finetune_epochs, client ditto or fedrep, local_keys)"
+        )
+    if spec.model is None and spec.keep_metric not in BUILTIN_VAL_METRICS:
+        raise JobBuildError(f"keep_metric {spec.keep_metric!r}: the built-in model logs {list(BUILTIN_VAL_METRICS)}")
 
 
 def personal_method(spec: JobSpec, *, partial_sharing: bool = False) -> str | None:

@@ -193,6 +193,9 @@ class FederatedAlgorithm(pl.Callback):
         #: Scores the site's personal model (set by the site round when the site has a validation split).
         self.personal_scorer: PersonalScorer | None = None
         self._personal_eval: dict[str, float] = {}
+        #: The site's candidates (lightning_modules/keep_best.py ``SiteCandidates``): the local-only model, test
+        #: scores, --keep best; set by the site round, run at the end of the fit, before the result is sent.
+        self.candidates: Any = None
         self._reset_round()
         self._step_hook: Any = None
 
@@ -250,6 +253,8 @@ class FederatedAlgorithm(pl.Callback):
         """The site's own local entries over the received ones first, so the algorithm starts from the model the
         site trains (docs/personalization.md, "Partial sharing")."""
         self._round_meta = meta
+        if self.candidates is not None and self.candidates.active:  # the received model, before anything moves it
+            self.candidates.begin_round(pl_module)
         if self.local_entries:
             self.local_entries.restore(pl_module, meta)
         self.algorithm.on_round_start(pl_module, meta)
@@ -310,15 +315,20 @@ class FederatedAlgorithm(pl.Callback):
     def _personal_meta(self, pl_module: pl.LightningModule) -> dict[str, float]:
         """The round's ``eval.personal_*`` meta: handed-over scores, and the algorithm's personal weights scored."""
         meta, self._personal_eval = self._personal_eval, {}
+        weights = self._personal_weights(pl_module)
+        if weights is not None and self.personal_scorer is not None:
+            meta.update(personal_eval_meta(self.personal_scorer(pl_module, weights)))
+        return meta
+
+    def _personal_weights(self, pl_module: pl.LightningModule) -> Mapping[str, torch.Tensor] | None:
+        """What the algorithm's personal model loads into a copy of the trained module (``None``: it has none)."""
         provider = getattr(self.algorithm, "personal_weights", None)
         weights = provider(pl_module) if callable(provider) else None
         if weights is None and self.local_entries:
             # Partial sharing (FedPer, FedBN, FedRep): the personal model is the trained module itself, its shared
             # entries with the site's own local ones; no weights to load into the scored copy.
             weights = {}
-        if weights is not None and self.personal_scorer is not None:
-            meta.update(personal_eval_meta(self.personal_scorer(pl_module, weights)))
-        return meta
+        return weights
 
     # -- round end ----------------------------------------------------------------------------------------------
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -347,6 +357,9 @@ class FederatedAlgorithm(pl.Callback):
         meta.update(self._site_eval)
         self._site_eval = {}
         meta.update(self._personal_meta(pl_module))
+        if self.candidates is not None and self.candidates.active:
+            personal = self._personal_weights(pl_module)
+            meta.update(self.candidates.end_round(meta, self._round_meta, pl_module, personal))
         meta[meta_keys.NUM_SAMPLES] = self.num_samples if self.num_samples is not None else _dataset_size(trainer)
         meta[meta_keys.FIT_SECONDS] = round(time.monotonic() - self._fit_started, 4)
         if self._trained_round is not None:  # echoed so the server can refuse a result that arrives in another round

@@ -57,4 +57,5 @@ def finetuned_copy(
     with own_random_stream(seed):
         trainer = single_process_trainer(precision, accelerator, epochs)
         fit(trainer, duplicate)
+    duplicate.__fl_steps__ = int(trainer.global_step)  # the local-only model's matched compute counts them
     return duplicate

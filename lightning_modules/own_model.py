@@ -163,6 +163,13 @@ def training_data_problem(path: str, data: pl.LightningDataModule | type) -> str
     )
 
 
+def tests_at_the_site(module: pl.LightningModule, data: pl.LightningDataModule) -> bool:
+    """True when the module can score a model on the site's test split (``test_step`` and ``test_dataloader``)."""
+    return is_overridden("test_step", module, pl.LightningModule) and is_overridden(
+        "test_dataloader", data, pl.LightningDataModule
+    )
+
+
 def evaluates_at_the_site(module: pl.LightningModule, data: pl.LightningDataModule) -> bool:
     """True when the module can score the global model on the site's validation split."""
     return is_overridden("validation_step", module, pl.LightningModule) and is_overridden(
@@ -211,6 +218,39 @@ class UserSite:
 
             self.callback.personal_scorer = validation_scorer(args.precision, args.accelerator, datamodule=self.data)
         self.index = seed_index(site, args.num_sites)
+        self.callback.candidates = self.candidates(state_store)
+
+    def candidates(self, store: Any) -> Any:
+        """The site's :class:`lightning_modules.keep_best.SiteCandidates` with ``--local-baseline`` or ``--keep
+        best`` (else ``None``: nothing changes): the module's ``validation_step`` on ``val_dataloader`` selects, its
+        ``test_step`` on ``test_dataloader`` reports. Test scoring is opt-in for a user's module (a data module's
+        ``test_dataloader`` may be a pooled benchmark set, or absent at a real site)."""
+        args = self.args
+        keep, local = getattr(args, "keep", "last"), getattr(args, "local_baseline", False)
+        if not local and keep == "last":
+            return None
+        from lightning_modules.keep_best import SiteCandidates, module_scorer, sample_correct
+        from lightning_modules.local_baseline import LocalBaseline
+
+        data, precision, accelerator = self.data, args.precision, args.accelerator
+        found = SiteCandidates(self.site, self.index, args.seed, keep, getattr(args, "keep_metric", "val_loss"))
+        found.store = store
+        if self.evaluate:
+            found.score_val = module_scorer(precision, accelerator, "validate", datamodule=data)
+        if tests_at_the_site(self.module, data):
+            found.score_test = module_scorer(precision, accelerator, "test", datamodule=data)
+            transfer = getattr(data, "on_after_batch_transfer", None)
+            found.correct = lambda module: sample_correct(
+                module, data.test_dataloader(), (lambda batch: transfer(batch, 0)) if transfer else None
+            )
+        if local:
+
+            def make_module() -> pl.LightningModule:  # the federation's initial model, as the persistor builds it
+                return build_user_module(args.model, json_arg(args.model_args), seed=args.seed)
+
+            fit = lambda trainer, module: trainer.fit(module, datamodule=data)  # noqa: E731
+            found.local = LocalBaseline(self.site, store, make_module, fit, precision, accelerator)
+        return found
 
     def fit(self, round_num: int, connect: Any) -> dict[str, Any]:
         import torch
@@ -258,6 +298,8 @@ class UserSite:
         )
         trainer = single_process_trainer(precision, accelerator)
         self.callback.add_personal_scores(validation_scores(tuned, trainer, datamodule=self.data))
+        if self.callback.candidates is not None:
+            self.callback.candidates.hand_over(tuned)
         return tuned
 
     def train(self, round_num: int, global_params: Mapping[str, Any], server_meta: Mapping[str, Any]):

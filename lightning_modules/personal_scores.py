@@ -59,11 +59,12 @@ def with_weights(module: pl.LightningModule, weights: Mapping[str, torch.Tensor]
     return duplicate
 
 
-def single_process_trainer(precision: Any, accelerator: str, epochs: int = 1) -> pl.Trainer:
-    """A bare Trainer for the site's own side work (fine-tuning, scoring): no NVFlare callback, no logger, one
-    process, the job's precision."""
+def single_process_trainer(precision: Any, accelerator: str, epochs: int = 1, steps: int = -1) -> pl.Trainer:
+    """A bare Trainer for the site's own side work (fine-tuning, scoring, the local-only model): no NVFlare
+    callback, no logger, one process, the job's precision; ``steps`` > 0 stops after that many optimizer steps."""
     return pl.Trainer(
         max_epochs=epochs,
+        max_steps=steps,
         accelerator=accelerator,
         devices=1,
         precision=precision,

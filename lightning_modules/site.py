@@ -251,6 +251,8 @@ class SiteRound:
         tuned = finetuned_copy(self.module, self.training.finetune_epochs, seed, fit, precision, accelerator)
         trainer = single_process_trainer(precision, accelerator)
         self.round_callback.add_personal_scores(validation_scores(tuned, trainer, dataloaders=self.validation_loader()))
+        if self.round_callback.candidates is not None:
+            self.round_callback.candidates.hand_over(tuned)
         return tuned
 
     def score_received(self, trainer: pl.Trainer) -> None:
@@ -322,6 +324,40 @@ def builtin_split_sizes(spec: Any) -> dict[str, tuple[int, int, int]]:
     return sizes
 
 
+def builtin_candidates(args: Any, site: str, site_index: int, splits: SiteSplits, num_classes: int, store: Any) -> Any:
+    """The site's :class:`lightning_modules.keep_best.SiteCandidates` for the built-in classifier (``None`` when
+    the job has no test split, no local-only model and keeps the last model, as before)."""
+    keep, local = getattr(args, "keep", "last"), getattr(args, "local_baseline", False)
+    if splits.test is None and not local and keep == "last":
+        return None
+    from lightning_modules.keep_best import SiteCandidates, module_scorer, sample_correct
+    from lightning_modules.local_baseline import LocalBaseline
+
+    def make_module() -> pl.LightningModule:  # the federation's initial model: what the server's persistor builds
+        kwargs = {"arch_args": json_arg(args.arch_args), "lr": args.lr, "momentum": args.momentum}
+        kwargs["weight_decay"] = args.weight_decay
+        return ValidatedClassifier(arch=args.arch, num_classes=num_classes, init_seed=args.seed, **kwargs)
+
+    def fit(trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        loader = torch.utils.data.DataLoader(to_tensor_dataset(splits.x, splits.y), args.batch_size, shuffle=True)
+        trainer.fit(module, train_dataloaders=loader)
+
+    precision, accelerator = args.precision, args.accelerator
+    candidates = SiteCandidates(
+        site, site_index, args.seed, keep, getattr(args, "keep_metric", "val_loss"), store=store
+    )
+    if splits.validation is not None:
+        loader = torch.utils.data.DataLoader(splits.validation, batch_size=args.batch_size)
+        candidates.score_val = module_scorer(precision, accelerator, "validate", dataloaders=loader)
+    if splits.test is not None:
+        test_loader = torch.utils.data.DataLoader(splits.test, batch_size=args.batch_size)
+        candidates.score_test = module_scorer(precision, accelerator, "test", dataloaders=test_loader)
+        candidates.correct = lambda module: sample_correct(module, test_loader)
+    if local:
+        candidates.local = LocalBaseline(site, store, make_module, fit, precision, accelerator)
+    return candidates
+
+
 def build_site_round(
     args: argparse.Namespace,
     site: str,
@@ -355,6 +391,7 @@ def build_site_round(
         local_keys=getattr(args, "local_keys", None),
         privacy=site_privacy(args, site, state_store),
     )
+    callback.candidates = builtin_candidates(args, site, site_index, splits, num_classes, state_store)
     attack = attack_config_from_args(args, num_classes)
     return SiteRound(
         site=site,

@@ -1,0 +1,245 @@
+"""Every candidate model a site has, scored on its test split, and the one it keeps (``--keep best``).
+
+The candidates of a round (:data:`CANDIDATES`; ``eval.kept_candidate`` is the index into it):
+
+0. ``global``: the global model the site received this round (scored before its training, as ``eval.<metric>``);
+1. ``personal``: the site's personal model after the round's local work: the fine-tuned copy (``--finetune-epochs``),
+   Ditto's v_i, or FedPer/FedBN/FedRep's trained module with the site's own entries (whichever the job has);
+2. ``local``: the local-only model (``--local-baseline``, lightning_modules/local_baseline.py).
+
+With a test split (``--site-test-fraction``, or a user data module's ``test_dataloader`` with the module's
+``test_step``) every candidate the site has is scored on it each round: ``eval.global_<test metric>``,
+``eval.personal_<test metric>``, ``eval.local_<test metric>`` (built-in: ``test_accuracy``, ``test_loss``; a user
+module: the names its ``test_step`` logs).
+
+``--keep best`` (default ``last``: the site keeps nothing itself, as before) makes the site keep, every round, the
+candidate whose **validation** score is best (:func:`choose`): the metric ``--keep-metric`` (default ``val_loss``;
+lower is better for names containing loss or error, higher otherwise). Validation loss by default because it is a
+continuous, proper score: on validation splits of a hundred samples accuracy moves in steps of a point and ties
+often, and a model that is confidently wrong is penalised. Ties, and candidates whose score is missing or not
+finite, go to the earlier candidate in the order above: the global model is kept unless something is strictly
+better on validation. The kept model (its whole state_dict, its candidate name and the round) is written to the
+site's private state store (``kept_model``), never sent, and is scored only on the test split, which selected
+nothing: ``eval.kept_<test metric>`` and ``eval.kept_<selection metric>``.
+
+With the local-only model on, the site also reports how sure its gain over training alone is, on the same test
+samples: per sample, kept correct minus local correct (1, 0 or -1), their mean and the standard error of that mean
+(:func:`paired_difference`): ``eval.kept_minus_local_test_accuracy`` and ``eval.kept_minus_local_test_accuracy_se``.
+Per-sample correctness needs batches ``(x, y)`` with integer labels and a module whose forward returns class logits
+(the built-in classifier, the genomics models); for other modules these two are left out.
+
+Under DP-SGD all of these are ``eval.*`` scores: they stay at the site unless the job releases them
+(``--dp-release-site-scores``). Scoring runs on copies with fresh single-process Trainers under forked random
+streams: the round's training and the result it sends are the same bits with and without it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+
+from aggregators import meta_keys
+from lightning_modules.local_baseline import LocalBaseline, local_seed, matched_steps
+from lightning_modules.personal_scores import own_random_stream, single_process_trainer, site_copy, with_weights
+from lightning_modules.state_store import ClientStateStore
+
+#: The candidates in preference order (ties go to the earlier); ``eval.kept_candidate`` is the index.
+CANDIDATES = ("global", "personal", "local")
+KEPT_STORE = "kept_model"
+KEPT_MINUS_LOCAL = "kept_minus_local_test_accuracy"
+Scorer = Callable[[pl.LightningModule], dict[str, float]]
+
+
+def lower_is_better(metric: str) -> bool:
+    """Losses and errors: lower is better; anything else (accuracy, AUC, ...): higher."""
+    return any(word in metric.lower() for word in ("loss", "error", "mae", "mse"))
+
+
+def choose(scores: Mapping[str, float | None], metric: str) -> str:
+    """The candidate of ``scores`` (name -> validation score) to keep: the best finite score, ties and missing or
+    non-finite scores going to the earlier candidate of :data:`CANDIDATES`. ``scores`` must hold ``global``."""
+    if "global" not in scores:
+        raise ValueError("keep best: the global model is always a candidate")
+    sign = 1.0 if lower_is_better(metric) else -1.0
+    best = "global"
+    for name in CANDIDATES[1:]:
+        value, incumbent = scores.get(name), scores.get(best)
+        if value is None or not math.isfinite(value):
+            continue
+        if incumbent is None or not math.isfinite(incumbent) or sign * value < sign * incumbent:
+            best = name
+    return best
+
+
+def paired_difference(first: np.ndarray, second: np.ndarray) -> tuple[float, float]:
+    """Mean and standard error of ``first - second`` over the same samples (per-sample correctness, 0/1): the
+    paired difference of two accuracies. SE = sd(d) / sqrt(n) with the n - 1 sample sd; nan for n < 2."""
+    a, b = np.asarray(first, dtype=np.float64), np.asarray(second, dtype=np.float64)
+    if a.shape != b.shape or a.ndim != 1:
+        raise ValueError(f"paired samples must be two vectors of one length, got {a.shape} and {b.shape}")
+    d = a - b
+    if len(d) < 2:
+        return (float(d.mean()) if len(d) else float("nan")), float("nan")
+    return float(d.mean()), float(d.std(ddof=1) / math.sqrt(len(d)))
+
+
+def prefixed(prefix: str, scores: Mapping[str, float]) -> dict[str, float]:
+    """``eval.<prefix><metric>`` for every metric."""
+    return {meta_keys.eval_key(prefix + name): float(value) for name, value in scores.items()}
+
+
+def scores_on_test(module: pl.LightningModule, trainer: pl.Trainer, **data: Any) -> dict[str, float]:
+    """``trainer.test`` of ``module`` (``data``: ``dataloaders=`` or ``datamodule=``), its scalar metrics."""
+    with own_random_stream():
+        results = trainer.test(module, verbose=False, **data)
+    return {name: float(value) for name, value in (results[0] if results else {}).items()}
+
+
+@torch.no_grad()
+def sample_correct(
+    module: pl.LightningModule, batches: Iterable[Any], transfer: Callable[[Any], Any] | None = None
+) -> np.ndarray | None:
+    """Per test sample, whether ``module`` classifies it right (fp32 forward in eval mode); ``None`` when the batches
+    are not ``(x, y)`` with integer labels or the module's output is not ``(N, classes)`` logits."""
+    was_training = module.training
+    module.eval()
+    device = next(module.parameters()).device
+    correct = []
+    try:
+        with own_random_stream():
+            for batch in batches:
+                batch = transfer(batch) if transfer is not None else batch
+                if not isinstance(batch, list | tuple) or len(batch) < 2:
+                    return None
+                x, y = batch[0].to(device), batch[1].to(device)
+                logits = module(x)
+                if y.is_floating_point() or logits.ndim != 2 or len(logits) != len(y):
+                    return None
+                correct.append((logits.argmax(dim=1) == y).cpu().numpy())
+    finally:
+        module.train(was_training)
+    return np.concatenate(correct) if correct else None
+
+
+@dataclass
+class SiteCandidates:
+    """A site's candidates each round (module docstring): the site round hands over the received model and any
+    fine-tuned copy; :meth:`end_round` (called by the algorithm callback at the end of the fit, before the result is
+    sent) trains the local-only model, scores every candidate on the test split, keeps the best."""
+
+    site: str
+    site_index: int
+    seed: int
+    keep: str = "last"
+    keep_metric: str = "val_loss"
+    score_val: Scorer | None = None
+    score_test: Scorer | None = None
+    correct: Callable[[pl.LightningModule], np.ndarray | None] | None = None
+    local: LocalBaseline | None = None
+    store: ClientStateStore | None = None
+    received: pl.LightningModule | None = field(default=None, repr=False)
+    finetuned: pl.LightningModule | None = field(default=None, repr=False)
+    finetune_steps: int = 0
+
+    @property
+    def active(self) -> bool:
+        return self.score_test is not None or self.local is not None or self.keep == "best"
+
+    def begin_round(self, module: pl.LightningModule) -> None:
+        """The received model (in ``module`` once it was loaded and scored), copied before training moves it."""
+        self.received = site_copy(module) if self.active else None
+
+    def hand_over(self, tuned: pl.LightningModule) -> None:
+        """The round's fine-tuned copy (lightning_modules/finetune.py) is its personal candidate; the optimizer steps
+        it took count in the local-only model's matched compute."""
+        self.finetuned, self.finetune_steps = tuned, int(getattr(tuned, "__fl_steps__", 0))
+
+    def end_round(
+        self,
+        meta: Mapping[str, Any],
+        round_meta: Mapping[str, Any],
+        module: pl.LightningModule,
+        personal_weights: Mapping[str, torch.Tensor] | None,
+    ) -> dict[str, float]:
+        """The round's candidate meta (``eval.local_*``, ``eval.*_test_*``, ``eval.kept_*``); ``module`` is the
+        trained module, ``personal_weights`` what the algorithm's personal model loads into a copy of it (Ditto's
+        v_i; ``{}`` for partial sharing: the module itself; ``None``: no personal model from the algorithm)."""
+        personal = None if personal_weights is None else with_weights(module, personal_weights)
+        round_num = int(round_meta.get(meta_keys.ROUND, 0) or 0)
+        run_id = str(round_meta.get(meta_keys.RUN_ID, ""))
+        models = {"global": self.received, "personal": self.finetuned or personal}
+        out: dict[str, float] = {}
+        if self.local is not None:
+            steps = matched_steps(meta, self.finetune_steps)
+            models["local"] = self.local.train(
+                round_num, run_id, steps, local_seed(self.seed, self.site_index, round_num)
+            )
+            if self.score_val is not None:
+                out.update(prefixed("local_", self.score_val(models["local"])))
+        present = {name: model for name, model in models.items() if model is not None}
+        tests = {name: self.score_test(model) for name, model in present.items()} if self.score_test else {}
+        for name, scores in tests.items():
+            out.update(prefixed(f"{name}_", scores))
+        if self.keep == "best" and "global" in present:
+            out.update(self._keep(present, tests, {**meta, **out}, round_num, run_id))
+        self.received = self.finetuned = None
+        self.finetune_steps = 0
+        return out
+
+    def _keep(
+        self,
+        models: Mapping[str, pl.LightningModule],
+        tests: Mapping[str, Mapping[str, float]],
+        meta: Mapping[str, Any],
+        round_num: int,
+        run_id: str,
+    ) -> dict[str, float]:
+        prefix = {"global": "", "personal": "personal_", "local": "local_"}
+        val = {name: meta.get(meta_keys.eval_key(prefix[name] + self.keep_metric)) for name in models}
+        kept = choose(val, self.keep_metric)
+        out = {meta_keys.eval_key("kept_candidate"): float(CANDIDATES.index(kept))}
+        if val[kept] is not None:
+            out[meta_keys.eval_key("kept_" + self.keep_metric)] = float(val[kept])
+        out.update(prefixed("kept_", tests.get(kept, {})))
+        if "local" in models and self.correct is not None:
+            kept_right, local_right = self.correct(models[kept]), self.correct(models["local"])
+            if kept_right is not None and local_right is not None:
+                mean, se = paired_difference(kept_right, local_right)
+                out[meta_keys.eval_key(KEPT_MINUS_LOCAL)] = mean
+                out[meta_keys.eval_key(KEPT_MINUS_LOCAL + "_se")] = se
+        if self.store is not None:
+            state: dict[str, Any] = {key: value.detach().cpu() for key, value in models[kept].state_dict().items()}
+            state.update({"__candidate__": kept, "__run_id__": run_id})
+            self.store.save(KEPT_STORE, state, round_num=round_num)
+        return out
+
+
+def module_scorer(precision: Any, accelerator: str, stage: str, **data: Any) -> Scorer:
+    """Scores a module on the site's validation (``stage="validate"``) or test split with a fresh Trainer."""
+    from lightning_modules.personal_scores import validation_scores
+
+    def score(module: pl.LightningModule) -> dict[str, float]:
+        trainer = single_process_trainer(precision, accelerator)
+        return (validation_scores if stage == "validate" else scores_on_test)(module, trainer, **data)
+
+    return score
+
+
+__all__ = [
+    "CANDIDATES",
+    "KEPT_MINUS_LOCAL",
+    "KEPT_STORE",
+    "SiteCandidates",
+    "choose",
+    "lower_is_better",
+    "module_scorer",
+    "paired_difference",
+    "sample_correct",
+    "scores_on_test",
+]

@@ -1,0 +1,111 @@
+"""The local-only counterfactual inside a real job (``--local-baseline``): what the site would have had alone.
+
+Every site trains, beside the federation, its own **local-only model**:
+
+- initialised as the federation's initial model (the same class and arguments, seeded with the job's ``--seed``:
+  the bits the server's persistor starts from), whatever round the site first takes part in;
+- trained with the module's own ``configure_optimizers`` (the same optimizer and settings as the federation's
+  local training, fresh every round as theirs is) on the site's training split only, plain local training (no
+  client algorithm, no DP-SGD: the model never leaves the site, so it is what the site would train on its own);
+- **compute-matched** per round: it takes exactly as many optimizer steps as the site's own training took that
+  round (:func:`matched_steps`): the federated fit's optimizer steps (``train.num_steps``, FedRep's head phase
+  included), plus Ditto's personal steps (``ditto.personal_steps``), plus the local fine-tuning's steps. So a site
+  running Ditto or FedRep, which do about twice FedAvg's gradient work, gives its local-only model twice the steps
+  too. Matched are optimizer steps, i.e. batches of the same batch size: a Ditto personal step costs a second
+  backward pass on the same batch, counted as one step;
+- kept in the site's private state store (``local_baseline``), never sent: a restarted site (``nvflare simulator
+  -t 1``, a crash) continues from the last round it completed; a round trained again (re-delivered) starts from the
+  state before it (the state is written pending and committed when the next round starts, whatever the server did
+  with the site's federated result: the local model does not depend on it);
+- its shuffling seeded from (job seed, site, round) on a stream of its own, so reruns repeat it and the round's
+  own draws are untouched.
+
+It is scored each round on the validation split (``eval.local_<metric>``) and the test split
+(``eval.local_test_*``) after its training; ``--keep best`` counts it as a candidate (lightning_modules/keep_best.py).
+Under DP-SGD its scores are site-evaluation scores: withheld unless the job releases them
+(``--dp-release-site-scores``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import pytorch_lightning as pl
+
+from aggregators import meta_keys
+from lightning_modules.algorithms.ditto import PERSONAL_STEPS_KEY
+from lightning_modules.personal_scores import own_random_stream, single_process_trainer
+from lightning_modules.state_store import ClientStateStore
+
+STORE_NAME = "local_baseline"
+RUN_ID_KEY = "__run_id__"
+
+
+def local_seed(seed: int, site_index: int, round_num: int) -> int:
+    """The seed of a site's local-only training in a round: a stream apart from the round's and fine-tuning's."""
+    return int(np.random.SeedSequence([seed, site_index, round_num, 4]).generate_state(1)[0])
+
+
+def matched_steps(meta: Mapping[str, Any], extra_steps: int = 0) -> int:
+    """Optimizer steps the site's own training took this round: the federated fit's, Ditto's personal steps, and
+    ``extra_steps`` (local fine-tuning's)."""
+    return int(meta.get(meta_keys.NUM_STEPS, 0) or 0) + int(meta.get(PERSONAL_STEPS_KEY, 0) or 0) + int(extra_steps)
+
+
+class LocalBaseline:
+    """One site's local-only model (module docstring).
+
+    Args:
+        site: the site's name (errors name it).
+        store: the site's private state store.
+        make_module: builds the federation's initial model (a fresh module, the job's seed).
+        fit: ``fit(trainer, module)`` trains ``module`` on the site's training split with ``trainer``.
+        precision, accelerator: the job's.
+    """
+
+    def __init__(
+        self,
+        site: str,
+        store: ClientStateStore | None,
+        make_module: Callable[[], pl.LightningModule],
+        fit: Callable[[pl.Trainer, pl.LightningModule], Any],
+        precision: Any = "32-true",
+        accelerator: str = "auto",
+    ) -> None:
+        if store is None:
+            raise ValueError(f"{site}: --local-baseline needs the site's state store (the model must outlive a round)")
+        self.site, self.store, self.make_module, self.fit = site, store, make_module, fit
+        self.precision, self.accelerator = precision, accelerator
+
+    def start(self, round_num: int, run_id: str) -> pl.LightningModule:
+        """The local-only model as the site left it before ``round_num`` (the initial model the first time, or when
+        the stored one belongs to another run)."""
+        self.store.settle(STORE_NAME, round_num, None)  # committed whatever the server did: nothing of it is shared
+        module = self.make_module()
+        stored = self.store.load(STORE_NAME)
+        if stored is not None and stored.state.get(RUN_ID_KEY) == run_id:
+            weights = {key: value for key, value in stored.state.items() if key != RUN_ID_KEY}
+            module.load_state_dict(weights, strict=True)
+        return module
+
+    def train(self, round_num: int, run_id: str, steps: int, seed: int) -> pl.LightningModule:
+        """Train the local-only model ``steps`` optimizer steps (round ``round_num``), keep it, return it."""
+        module = self.start(round_num, run_id)
+        if steps > 0:
+            with own_random_stream(seed):
+                trainer = single_process_trainer(self.precision, self.accelerator, epochs=-1, steps=steps)
+                self.fit(trainer, module)
+        state: dict[str, Any] = {key: value.detach().cpu() for key, value in module.state_dict().items()}
+        state[RUN_ID_KEY] = run_id
+        self.store.save(STORE_NAME, state, round_num=round_num, pending=True)
+        return module
+
+
+def taken_steps(trainer: pl.Trainer) -> int:
+    """Optimizer steps a finished fit took (one optimizer: Lightning's global step)."""
+    return int(trainer.global_step)
+
+
+__all__ = ["LocalBaseline", "local_seed", "matched_steps", "taken_steps"]
