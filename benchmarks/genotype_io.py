@@ -10,7 +10,12 @@ Measures, on a random cohort (people x SNPs, genotypes 0/1/2 with 1 % missing ca
    of the mapped file it touched count in it);
 3. the ``cnn_transformer`` training step's samples/s at each SNP count (forward, loss, backward, AdamW step; the
    GPU settings of docs/genomics.md, ``--precision``), so the two rates can be compared: the loader keeps up when
-   its rate is well above the step's.
+   its rate is well above the step's;
+4. ``harmonise``: reading + harmonising ``--harmonise-people`` x ``--harmonise-snps`` per format, each run in a
+   fresh process (what ``python -m data_prep.genotypes harmonise`` does before writing: the table read, the file
+   read and harmonised), its seconds and its peak RSS. With ``--compare-with DIR`` (another checkout of the
+   repository, e.g. ``git worktree add /tmp/geno_base <commit>``) the same files are harmonised by that checkout's
+   code too, the two alternating, ``--repeats`` times each, and every run must give the same matrix.
 
 Prints one line per measurement and writes them as JSON (``--out``).
 """
@@ -19,7 +24,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -137,6 +145,75 @@ def time_step(snps: int, patch: int, batch_size: int, device: torch.device, prec
     return row
 
 
+_HARMONISE_CHILD = """
+import hashlib, json, sys, time
+sys.path.insert(0, sys.argv[1])
+from data_prep.genotypes.harmonise import harmonise_file, read_snp_table
+
+def high_water_mib():  # VmHWM starts afresh with the process image; ru_maxrss would keep the forking parent's
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM")) / 1024
+
+imported = high_water_mib()
+start = time.perf_counter()
+result = harmonise_file(sys.argv[2], read_snp_table(sys.argv[3]))
+seconds = time.perf_counter() - start
+print(json.dumps({"seconds": seconds, "peak_rss_mib": high_water_mib(), "rss_after_import_mib": imported,
+                  "sha1": hashlib.sha1(result.genotypes.tobytes()).hexdigest(),
+                  "imported_from": __import__("data_prep").__file__}))
+"""
+REPO = Path(__file__).resolve().parent.parent
+
+
+def time_harmonise(
+    people: int, snps: int, formats: Sequence[str], folder: Path, compare_with: Path | None, repeats: int
+) -> list[dict]:
+    """Harmonise the same files with this checkout's code (and ``compare_with``'s), each run in a new process,
+    alternating the two codes (the first code of each round alternates too), ``repeats`` rounds."""
+    genotypes, sites, table = cohort(people, snps)
+    table_path = table.write(folder / "table.csv")
+    samples = [f"p{i}" for i in range(people)]
+    paths = {fmt: write_genotype_file(folder / f"cohort.{fmt}", genotypes, samples, sites) for fmt in formats}
+    del genotypes
+    codes = {"this": REPO} | ({"compared": Path(compare_with).resolve()} if compare_with else {})
+    rows = []
+    for round_ in range(repeats):
+        for fmt, path in paths.items():
+            order = list(codes.items())
+            for label, root in order[::-1] if round_ % 2 else order:
+                done = subprocess.run(
+                    [sys.executable, "-c", _HARMONISE_CHILD, str(root), str(path), str(table_path)],
+                    capture_output=True, text=True, check=True, env=os.environ | {"PYTHONPATH": str(root)},
+                )  # fmt: skip
+                measured = json.loads(done.stdout.strip().splitlines()[-1])
+                if not measured["imported_from"].startswith(str(root)):
+                    raise RuntimeError(f"the {label} run imported {measured['imported_from']}, not code under {root}")
+                rows.append({"what": "harmonise", "code": label, "root": str(root), "round": round_, "format": fmt,
+                             "people": people, "snps": snps, **measured})  # fmt: skip
+    for fmt in formats:
+        found = {r["sha1"] for r in rows if r["format"] == fmt}
+        if len(found) != 1:
+            raise RuntimeError(f"{fmt}: the runs gave {len(found)} different matrices")
+    return rows
+
+
+def harmonise_summary(rows: list[dict]) -> list[dict]:
+    """Per format and code: the median seconds and the largest peak RSS, and this code's ratios to the compared."""
+    summary = []
+    for fmt in dict.fromkeys(r["format"] for r in rows):
+        row: dict[str, object] = {"what": "harmonise_summary", "format": fmt}
+        for code in ("this", "compared"):
+            runs = [r for r in rows if r["format"] == fmt and r["code"] == code]
+            if runs:
+                row[f"{code}_seconds"] = statistics.median(r["seconds"] for r in runs)
+                row[f"{code}_peak_rss_mib"] = max(r["peak_rss_mib"] for r in runs)
+        if "compared_seconds" in row:
+            row["seconds_ratio"] = row["this_seconds"] / row["compared_seconds"]
+            row["rss_ratio"] = row["this_peak_rss_mib"] / row["compared_peak_rss_mib"]
+        summary.append(row)
+    return summary
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.genotype_io", description=__doc__.split("\n\n")[0])
     parser.add_argument("--snps", type=int, nargs="+", default=[10_000, 100_000])
@@ -148,7 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--loader-batches", type=int, default=40)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"])
-    parser.add_argument("--skip", nargs="*", default=[], choices=["formats", "loader", "step"])
+    parser.add_argument("--harmonise-people", type=int, default=2_000)
+    parser.add_argument("--harmonise-snps", type=int, default=100_000)
+    parser.add_argument("--harmonise-formats", nargs="+", default=list(FORMATS), choices=FORMATS)
+    parser.add_argument("--compare-with", type=Path, default=None, help="another checkout to harmonise with as well")
+    parser.add_argument("--repeats", type=int, default=2, help="harmonise runs per format and code")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["formats", "loader", "step", "harmonise"])
     parser.add_argument("--out", type=Path, default=None)
     return parser
 
@@ -170,6 +252,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rows += _show([time_step(snps, patches[snps], args.batch_size, device, args.precision, args.steps)])
             for leftover in Path(scratch).iterdir():
                 leftover.unlink()
+        if "harmonise" not in args.skip:
+            runs = time_harmonise(args.harmonise_people, args.harmonise_snps, args.harmonise_formats, Path(scratch),
+                                  args.compare_with, args.repeats)  # fmt: skip
+            rows += _show(runs) + _show(harmonise_summary(runs))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"device": str(device), "rows": rows}, indent=2) + "\n")

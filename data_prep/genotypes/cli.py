@@ -9,8 +9,15 @@ unusable), ``samples`` (file order), ``snps`` (table order), ``status`` (each SN
 ``labels`` (each person's label from a ``sample,<label column>`` CSV). It is written uncompressed, so the training
 loader memory-maps the matrix instead of reading it (``data_prep.genotypes.loader``).
 
-The report counts the SNPs per alignment status, and summarises call rate, MAF and Hardy-Weinberg over the usable
-SNPs. Bad input stops the command with one line (file, line or record, what is wrong) and writes nothing.
+The report counts the SNPs per alignment status and names the dropped ones (``dropped``); counts the calls set missing
+per reason and those the X and dosage rules changed (``calls``); gives each person's call rate, naming everyone below
+``--min-person-call-rate`` (``person_call_rate``); lists the ID disagreements at matched positions (``ids``); the
+genome build the header declares (``genome_build``); the people per sex (PLINK); the settings; and summarises call
+rate, MAF and Hardy-Weinberg over the usable SNPs (``data_prep.genotypes.harmonise`` and ``formats`` say what each
+rule does; docs/genomics.md has the table). Bad input stops the command with one line (file, line or record, what is
+wrong) and writes nothing.
+
+Importing this module does not import torch: harmonising is data preparation, at a site that may not train here.
 """
 
 from __future__ import annotations
@@ -25,7 +32,16 @@ from pathlib import Path
 import numpy as np
 
 from data_prep.errors import DataPrepError
-from data_prep.genotypes.harmonise import USABLE, Harmonised, harmonise_file, read_snp_table
+from data_prep.genotypes.formats import BUILDS, HARD_CALL_THRESHOLD
+from data_prep.genotypes.harmonise import (
+    MAX_ID_DISAGREEMENT,
+    MIN_PERSON_CALL_RATE,
+    USABLE,
+    Harmonised,
+    HarmoniseSettings,
+    harmonise_file,
+    read_snp_table,
+)
 from data_prep.genotypes.qc import MIN_SITE_PEOPLE, genotype_counts, summary
 from data_prep.genotypes.simulate import SITE_FORMATS
 from data_prep.genotypes.site import read_labels
@@ -43,6 +59,31 @@ def build_parser() -> argparse.ArgumentParser:
     harmonise.add_argument("--report", type=Path, default=None, help="the JSON report to write")
     harmonise.add_argument("--labels", default=None, help="CSV with a 'sample' column and the label column")
     harmonise.add_argument("--label-column", default="population")
+    harmonise.add_argument(
+        "--hard-call-threshold",
+        type=float,
+        default=HARD_CALL_THRESHOLD,
+        help="a dosage (VCF DS, PLINK 2 dosages) within this distance of 0, 1 or 2 is that call, else missing",
+    )
+    harmonise.add_argument(
+        "--max-id-disagreement",
+        type=float,
+        default=MAX_ID_DISAGREEMENT,
+        help="refuse the file when a larger share of the table SNPs found by position carry another rsID (another "
+        "genome build)",
+    )
+    harmonise.add_argument(
+        "--genome-build",
+        choices=BUILDS,
+        default=None,
+        help="the table's build: a file whose header declares another is refused",
+    )
+    harmonise.add_argument(
+        "--min-person-call-rate",
+        type=float,
+        default=MIN_PERSON_CALL_RATE,
+        help="the report names every person called at fewer of the usable SNPs (nobody is dropped)",
+    )
     qc_job = commands.add_parser("qc-job", help="export the federated QC job (data_prep.genotypes.federated_qc)")
     qc_job.add_argument("--output-dir", required=True, type=Path)
     qc_job.add_argument("--name", default="genotype_qc")
@@ -83,7 +124,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "simulate-sites":
         return _simulate_sites(args)
     try:
-        result = harmonise_file(args.genotypes, read_snp_table(args.snp_table))
+        settings = HarmoniseSettings(
+            args.hard_call_threshold, args.max_id_disagreement, args.genome_build, args.min_person_call_rate
+        )
+        result = harmonise_file(args.genotypes, read_snp_table(args.snp_table), settings)
         labels = read_labels(args.labels, args.label_column, result.samples) if args.labels else None
         counts = report(result)
         write_npz(args.out, result, labels)
@@ -132,7 +176,8 @@ def _simulate_sites(args: argparse.Namespace) -> int:
 
 
 def report(result: Harmonised) -> dict[str, object]:
-    """The harmonise report: SNPs per alignment status, and QC summaries over the usable SNPs."""
+    """The harmonise report: SNPs per alignment status, what was done to calls, the rsID and build checks, the
+    settings, and QC summaries over the usable SNPs."""
     usable = np.isin(np.array(result.status), USABLE)
     return {
         "file": result.path,
@@ -140,6 +185,7 @@ def report(result: Harmonised) -> dict[str, object]:
         "table_snps": len(result.snps),
         "usable_snps": int(usable.sum()),
         "alignment": result.counts(),
+        **result.checks(),
         "qc": summary(genotype_counts(result.genotypes), usable),
     }
 

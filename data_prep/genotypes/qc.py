@@ -149,6 +149,7 @@ def summary(counts: np.ndarray, usable: np.ndarray | None = None) -> dict[str, o
         return {"snps": 0}
     call_rate, _, maf = allele_stats(counts)
     hwe = hwe_pvalues(counts)
+    called = counts[:, :3].sum(axis=1) > 0
     maf = np.nan_to_num(maf, nan=0.0)
     return {
         "snps": len(counts),
@@ -160,7 +161,8 @@ def summary(counts: np.ndarray, usable: np.ndarray | None = None) -> dict[str, o
         "maf": {
             "mean": _r(maf.mean()),
             "median": _r(np.median(maf)),
-            "monomorphic": int((maf == 0).sum()),
+            "monomorphic": int(((maf == 0) & called).sum()),  # a SNP nobody was called at is "uncalled"
+            "uncalled": int((~called).sum()),
             "below_0.01": int((maf < 0.01).sum()),
             "below_0.05": int((maf < 0.05).sum()),
         },

@@ -21,7 +21,6 @@ import numpy as np
 from data_prep.errors import DataPrepError
 from data_prep.genotypes.formats import FORMATS
 from data_prep.genotypes.harmonise import harmonise_file, read_snp_table
-from data_prep.genotypes.loader import open_matrix
 
 __all__ = [
     "GENOTYPES_ENV",
@@ -116,6 +115,8 @@ def load_harmonised(
 
 
 def _from_npz(path: str, snp_table: str | None):
+    from data_prep.genotypes.loader import open_matrix  # here: the loader imports torch, harmonising does not
+
     if not Path(path).is_file():
         raise DataPrepError(f"{path}: no such file")
     genotypes = open_matrix(path)

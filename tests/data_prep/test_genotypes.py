@@ -125,12 +125,12 @@ def test_chromosome_names_are_reconciled(name: str, norm: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", ["vcf", "bed", "pgen"])
-def test_two_records_that_both_fit_a_snp_make_it_unusable(tmp_path: Path, fmt: str) -> None:
+def test_two_records_that_both_fit_a_snp_are_a_duplicate(tmp_path: Path, fmt: str) -> None:
     sites = Sites(["6", "6"], [100, 100], ["a", "b"], ["A", "G"], ["G", "A"])
     path = write_site(tmp_path, fmt, sites, np.array([[0, 2], [1, 1], [2, 0]], np.int8))
     table = ReferenceTable(("rs1",), ("A",), ("G",), ("6",), (100,))
     result = harmonise_file(path, table)
-    assert result.status == ("multiallelic",)
+    assert result.status == ("duplicate",)
     np.testing.assert_array_equal(result.genotypes, [[M], [M], [M]])
 
 
@@ -188,7 +188,11 @@ def test_the_command_writes_the_matrix_and_the_report(tmp_path: Path, table: Pat
         "flipped_swapped": 1,
         "ambiguous": 1,
         "multiallelic": 1,
+        "duplicate": 0,
+        "monomorphic": 0,
         "mismatch": 1,
+        "filtered": 0,
+        "id_mismatch": 0,
         "absent": 1,
     }
     assert written["usable_snps"] == 5 and written["people"] == 3

@@ -15,7 +15,7 @@ import pytest
 
 from data_prep.errors import DataPrepError
 from data_prep.genotypes.federated_qc import QC_TABLE, combine_counts, qc_report
-from data_prep.genotypes.qc import QcThresholds, genotype_counts, qc_filter
+from data_prep.genotypes.qc import QcThresholds, allele_stats, genotype_counts, hwe_pvalues, qc_filter
 
 M = 3
 SNPS = ("rs0", "rs1", "rs2", "rs3", "rs4")
@@ -38,6 +38,21 @@ def test_the_global_counts_are_the_sum_and_the_filter_is_global() -> None:
     assert qc_filter(genotype_counts(SITE_1), THRESHOLDS).tolist() == [False, True, True, False, False]
     report = qc_report(snps, counts, keep, THRESHOLDS, ["site-2", "site-1"])
     assert report["kept"] == ["rs0", "rs2"] and report["people"] == 20 and report["sites"] == ["site-1", "site-2"]
+
+
+def test_a_snp_monomorphic_at_a_site_is_counted_by_its_called_people() -> None:
+    # rs1 is monomorphic at site 2 (nobody carries the alt allele): its 10 people are called, 0 copies each, so the
+    # pooled frequency is 1/40, not 1/20 (site 1 alone) and not a call rate of 1/2 (site 2 as missing).
+    snps, counts = combine_counts(
+        {"site-1": (SNPS, genotype_counts(SITE_1)), "site-2": (SNPS, genotype_counts(SITE_2))}
+    )
+    call_rate, alt_freq, maf = allele_stats(counts)
+    assert call_rate[1] == 1.0 and alt_freq[1] == pytest.approx(1 / 40) and maf[1] == pytest.approx(1 / 40)
+    # Globally monomorphic rs4 (MAF 0) and never-called rs3 are told apart in the report; neither passes.
+    assert hwe_pvalues(counts)[4] == 1.0
+    report = qc_report(snps, counts, qc_filter(counts, THRESHOLDS), THRESHOLDS, ["site-1", "site-2"])
+    assert report["global_qc"]["maf"]["monomorphic"] == 1 and report["global_qc"]["maf"]["uncalled"] == 1
+    assert "rs3" not in report["kept"] and "rs4" not in report["kept"]
 
 
 def test_a_site_on_another_table_is_refused_by_name() -> None:
