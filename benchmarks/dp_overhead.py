@@ -268,7 +268,7 @@ def device_label(device: str) -> str:
     return platform.processor() or platform.machine()
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(DEFAULT_MODELS))
     parser.add_argument(
@@ -288,6 +288,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--noise", action="store_true", help="measure the noise draws alone (module docstring)")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "PRIVATE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    for name in ("snps", "samples", "batch_size", "epochs", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.device == "gpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device gpu: no CUDA GPU is available")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.child:
         from controllers.in_process import quiet_lightning
 

@@ -8,6 +8,8 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 if importlib.util.find_spec("benchmarks") is None:  # plain `pytest` (not `python -m pytest`) with importlib mode
     sys.path.insert(0, str(ROOT))
@@ -53,3 +55,37 @@ def test_quick_mode_prints_one_row_per_algorithm_with_finite_ratios(tmp_path, ca
     for name in step_overhead.NVFLARE_BUILTINS:
         assert all(math.isfinite(r) and r > 0 for r in ratios(by_name[name][7])), by_name[name]
     assert "torch" in report and "threads" in report
+
+
+def test_the_genotype_model_in_bf16_mixed_times_only_the_chosen_algorithms_against_plain_lightning(tmp_path):
+    import json
+
+    out = tmp_path / "rows.json"
+    argv = ["--device", "cpu", "--models", "cnn_transformer_large", "--snps", "32", "--precision", "bf16-mixed"]
+    argv += ["--algorithms", "scaffold", "--steps", "2", "--rounds", "1", "--warmup", "0", "--batch-size", "4"]
+    assert step_overhead.main([*argv, "--threads", "1", "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["settings"]["precision"] == "bf16-mixed" and record["settings"]["algorithms"] == ["scaffold"]
+    rows = {row["algorithm"]: row for row in record["rows"]}
+    assert list(rows) == ["fedavg", "scaffold", step_overhead.REFERENCE_ROW]  # no ditto, feddyn, ... rows
+    assert rows["scaffold"]["nvflare_ratio"] > 0  # NVFlare's built-in SCAFFOLD ran beside ours
+    assert rows[step_overhead.REFERENCE_ROW]["lightning_ratio"] == 1.0
+    assert rows["fedavg"]["ours_ratio"] == 1.0 and rows["fedavg"]["lightning_ratio"] > 0
+    assert {row["model"] for row in rows.values()} == {"cnn_transformer 32 SNPs"}
+
+
+def test_the_snp_count_resizes_only_genotype_models_and_bad_options_are_refused(capsys):
+    large = step_overhead.MODEL_SPECS["cnn_transformer_large"]
+    assert large.arch_args["n_snps"] == large.input_shape[0] == 10_000 and large.arch_args["d_model"] == 256
+    resized = step_overhead.with_snps(large, 500)
+    assert resized.arch_args["n_snps"] == 500 and resized.input_shape == (500,) and resized.arch_args["layers"] == 4
+    assert step_overhead.with_snps(step_overhead.MODEL_SPECS["lenet5"], 500) == step_overhead.MODEL_SPECS["lenet5"]
+    for bad, says in (
+        (["--models", "cnn_transformer_large", "--momentum", "0.9"], "--momentum"),
+        (["--snps", "0"], "--snps must be >= 1"),
+        (["--precision", "16-mixed"], "invalid choice"),
+        (["--algorithms", "nosuch"], "invalid choice"),
+    ):
+        with pytest.raises(SystemExit):
+            step_overhead.parse_args(["--device", "cpu", *bad])
+        assert says in capsys.readouterr().err
