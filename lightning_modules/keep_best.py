@@ -45,6 +45,7 @@ import pytorch_lightning as pl
 import torch
 
 from aggregators import meta_keys
+from lightning_modules.algorithms.base import ClientAlgorithmError
 from lightning_modules.local_baseline import LocalBaseline, local_seed, matched_steps
 from lightning_modules.personal_scores import own_random_stream, single_process_trainer, site_copy, with_weights
 from lightning_modules.state_store import ClientStateStore
@@ -202,6 +203,15 @@ class SiteCandidates:
     ) -> dict[str, float]:
         prefix = {"global": "", "personal": "personal_", "local": "local_"}
         val = {name: meta.get(meta_keys.eval_key(prefix[name] + self.keep_metric)) for name in models}
+        if val["global"] is None:  # a name the validation never logs would keep the global model silently
+            prefixes = (*(f"{name}_" for name in CANDIDATES), "kept_")
+            logged = sorted(
+                name for key in meta if (name := meta_keys.eval_metric(key)) and not name.startswith(prefixes)
+            )
+            raise ClientAlgorithmError(
+                f"{self.site}: keep best selects on validation metric {self.keep_metric!r}, which the site's "
+                f"validation did not log (it logged {logged}); give --keep-metric one of them"
+            )
         kept = choose(val, self.keep_metric)
         out = {meta_keys.eval_key("kept_candidate"): float(CANDIDATES.index(kept))}
         if val[kept] is not None:

@@ -159,3 +159,31 @@ def test_a_local_baseline_without_any_split_is_refused() -> None:
     with pytest.raises(JobBuildError, match="local_baseline needs a split"):
         dataclasses.replace(BASE, local_baseline=True)
     assert dataclasses.replace(BASE, local_baseline=True, site_val_fraction=0.2).local_baseline  # validation only: ok
+
+
+def test_a_user_module_reports_its_own_metric_names_and_an_unlogged_keep_metric_is_named(tmp_path, monkeypatch) -> None:
+    from jobs.presets import EXAMPLES
+    from lightning_modules.algorithms.base import ClientAlgorithmError
+    from lightning_modules.keep_best import SiteCandidates
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    spec = JobSpec(
+        name="snp", model="genomics.model:SnpClassifier", ship=str(EXAMPLES / "genomics"), num_sites=2,
+        model_args={"arch": "mlp", "n_snps": 127, "num_classes": 5, "lr": 1e-3}, data="genomics.data:SnpSites",
+        data_args={"source": "1kg", "split": "iid", "batch_size": 256, "test_fraction": 0.2},
+        local_baseline=True, keep="best", keep_metric="val_accuracy",
+    )  # fmt: skip
+    from controllers.in_process import site_args
+    from lightning_modules.own_model import UserSite
+
+    site = UserSite(site_args(spec), "site-1", ClientStateStore(tmp_path, "site-1"))  # one site: the slow part
+    _, sent = site.train(0, initial_params(spec), meta(0))
+    assert {"eval.global_test_accuracy", "eval.local_test_loss", "eval.kept_val_accuracy"} <= set(sent)
+    kept = ("global", "personal", "local")[int(sent["eval.kept_candidate"])]
+    assert sent["eval.kept_test_accuracy"] == sent[f"eval.{kept}_test_accuracy"]
+    assert "eval.kept_minus_local_test_accuracy" in sent  # (states, label) batches: per-sample correctness works
+    candidates = SiteCandidates("site-1", 0, 0, "best", "val_f1")
+    with pytest.raises(
+        ClientAlgorithmError, match=r"site-1: keep best selects on validation metric 'val_f1'.*\['val_loss'\]"
+    ):
+        candidates._keep({"global": None}, {}, {"eval.val_loss": 1.0, "eval.local_val_loss": 2.0}, 0, "r")
