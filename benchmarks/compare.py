@@ -197,7 +197,7 @@ GRIDS = {
     # setting is --num-sites 7 --partitions dir0.3 (another folder: the protocol differs).
     "site_gain": lambda: Grid(SITE_GAIN_METHODS, ("dir0.1", "C2", "qty0.3"), (1.0,), (0, 1, 2), SITE_GAIN, (0,)),
     "site_gain_smoke": lambda: Grid(
-        ("fedavg", "finetune", "fedrep", "ditto"),
+        ("fedavg", "fedrep"),  # the default and the plain federation: what tests/benchmarks runs end to end
         ("dir0.3",),
         (1.0,),
         (0, 1),

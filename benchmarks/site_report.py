@@ -54,8 +54,21 @@ def cell_scores(site_meta: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
             if value is not None:
                 scores[candidate][site] = float(value)
         if meta.get("eval.kept_candidate") is not None:
-            kept[site] = str(meta["eval.kept_candidate"])
+            kept[site] = candidate_name(meta["eval.kept_candidate"])
     return {"site_test": {c: s for c, s in scores.items() if s}, "kept_candidate": kept}
+
+
+def candidate_name(value: Any) -> str:
+    """The kept candidate's name: the sites send its index into lightning_modules.keep_best.CANDIDATES (meta
+    values are numbers); a name passes through; an index out of range reads 'unknown(<value>)'."""
+    from lightning_modules.keep_best import CANDIDATES as SENT_ORDER
+
+    if isinstance(value, str):
+        return value
+    index = float(value)
+    if index.is_integer() and 0 <= index < len(SENT_ORDER):
+        return SENT_ORDER[int(index)]
+    return f"unknown({value:g})"
 
 
 def bytes_per_site_round(traffic: Sequence[Mapping[str, int]]) -> float:

@@ -18,7 +18,7 @@ def test_cell_scores_reads_every_candidate_and_the_kept_one_from_the_sites_meta(
             "eval.personal_test_accuracy": 0.6,
             "eval.local_test_accuracy": 0.55,
             "eval.kept_test_accuracy": 0.6,
-            "eval.kept_candidate": "personal",
+            "eval.kept_candidate": 1.0,  # the index the sites send (lightning_modules.keep_best.CANDIDATES)
             "eval.val_accuracy": 0.9,  # a validation score is never a test score
         },
         "site-2": {"eval.global_test_accuracy": 0.7},
@@ -31,6 +31,13 @@ def test_cell_scores_reads_every_candidate_and_the_kept_one_from_the_sites_meta(
         "kept": {"site-1": 0.6},
     }
     assert got["kept_candidate"] == {"site-1": "personal"}
+    assert [sr.candidate_name(v) for v in (0.0, 2, "local", 3.0, 1.5)] == [
+        "global",
+        "local",
+        "local",
+        "unknown(3)",
+        "unknown(1.5)",
+    ]
 
 
 def test_the_last_round_with_test_scores_is_the_one_read():
