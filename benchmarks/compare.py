@@ -368,14 +368,17 @@ def run_cell(cell: Cell, protocol: Protocol, threads: int) -> dict[str, Any]:
     }
 
 
-def cell_site_scores(
-    spec: Any, state_root: Path, run: Any, sizes: Callable[[Any], dict[str, dict[str, int]]] | None = None
-) -> dict[str, Any]:
+def cell_site_scores(spec: Any, state_root: Path, run: Any) -> dict[str, Any]:
     """A personalization cell's per-site scores: with a test split, what the sites reported on it after the last
-    round (every candidate, the kept one) and their split sizes (``sizes(spec)``, the built-in sites' by default);
-    without, the validation-split scores below."""
+    round (:func:`test_split_scores`); without, the validation-split scores below."""
     if not getattr(spec, "site_test_fraction", 0):
         return personal_site_scores(spec, state_root, run.params)
+    return test_split_scores(run, builtin_site_sizes(spec))
+
+
+def test_split_scores(run: Any, sizes: dict[str, dict[str, int]]) -> dict[str, Any]:
+    """What the sites reported on their test splits after the last round (every candidate, the kept one), with
+    their split ``sizes``; a run whose sites reported no local-only or kept test score fails its cell."""
     from benchmarks.site_report import cell_scores, test_metrics_record
 
     scores = cell_scores(test_metrics_record(run.records))
@@ -384,7 +387,7 @@ def cell_site_scores(
             "the sites reported no eval.local_test_accuracy / eval.kept_test_accuracy after the last round: this "
             "grid needs jobs with a test split, --local-baseline and --keep"
         )
-    return {**scores, "site_sizes": (sizes or builtin_site_sizes)(spec)}
+    return {**scores, "site_sizes": sizes}
 
 
 class MissingSiteScores(RuntimeError):

@@ -37,6 +37,7 @@ import numpy as np
 
 from benchmarks.compare import (
     CELL_COST,
+    CountingTransport,
     add_site_gain_options,
     finish,
     personal_site_scores,
@@ -186,6 +187,8 @@ def data_args(protocol: Protocol, split: str, seed: int) -> dict[str, Any]:
     }
     if protocol.source == "sim":
         args.update(n_snps=protocol.n_snps, samples_per_population=protocol.samples_per_population)
+    if protocol.site_test_fraction:  # a user data module holds out its own test split (the job's is built-in only)
+        args["test_fraction"] = protocol.site_test_fraction
     return args
 
 
@@ -210,8 +213,13 @@ def cell_spec(cell: Cell, protocol: Protocol) -> Any:
         data=DATA,
         data_args=data_args(protocol, cell.split, data_seed(cell)),
         **settings,
-        **site_gain_fields(protocol, cell),
+        **{k: v for k, v in site_gain_fields(protocol, cell).items() if k not in BUILT_IN_ONLY},
     )
+
+
+#: JobSpec fields for the built-in data only: with the consortium's data module its own arguments carry them
+#: (``seed`` = the partition seed, ``test_fraction``).
+BUILT_IN_ONLY = ("partition_seed", "site_test_fraction")
 
 
 def data_seed(cell: Cell) -> int:
@@ -236,8 +244,14 @@ def _federated(cell: Cell, protocol: Protocol) -> dict[str, Any]:
     from controllers.in_process import quiet_lightning, run_in_process
 
     spec = cell_spec(cell, protocol)
+    counters: list[CountingTransport] = []
+
+    def counted(transport: Any) -> CountingTransport:
+        counters.append(CountingTransport(transport))
+        return counters[0]
+
     with tempfile.TemporaryDirectory(prefix="fedalg_genomics_") as state_root, quiet_lightning():
-        run = run_in_process(spec, Path(state_root), run_id=cell.key)
+        run = run_in_process(spec, Path(state_root), run_id=cell.key, wrap_transport=counted)
         require_rounds(run.rounds, protocol.rounds)
         personal = _personal_scores(cell, protocol, spec, Path(state_root), run)
     rounds = run.rounds
@@ -252,6 +266,7 @@ def _federated(cell: Cell, protocol: Protocol) -> dict[str, Any]:
         "control_global_norm": [r.get("rule_diagnostics", {}).get("scaffold.ctrl.global_norm") for r in rounds],
         "control_diff_norm": [_mean_site_meta(r, "scaffold.ctrl.diff_norm") for r in rounds],
         "control_local_norm": [_site_meta(r, "scaffold.ctrl.local_norm") for r in rounds],  # runaway check per site
+        "traffic": counters[0].rounds if counters else [],  # bytes per round (benchmarks.compare.CountingTransport)
         **personal,
     }
 
@@ -260,20 +275,19 @@ def _personal_scores(cell: Cell, protocol: Protocol, spec: Any, state_root: Path
     """A personalization cell's per-site scores: the sites' test-split report (with a test split) or the
     validation-split scores; none for the table's other algorithms."""
     if protocol.site_test_fraction:
-        from benchmarks.compare import cell_site_scores
+        from benchmarks.compare import test_split_scores
 
-        return {**cell_site_scores(spec, state_root, run, sizes=functools.partial(_split_sizes, cell, protocol))}
+        return test_split_scores(run, _split_sizes(cell, protocol))
     return personal_site_scores(spec, state_root, run.params) if cell.algorithm in PERSONALIZATION_GRID else {}
 
 
-def _split_sizes(cell: Cell, protocol: Protocol, spec: Any = None) -> dict[str, dict[str, int]]:
+def _split_sizes(cell: Cell, protocol: Protocol) -> dict[str, dict[str, int]]:
     """Per site: the data module's training, validation and (where the module has a per-site one) test samples."""
     sizes = {}
     for name, data in _data_modules(cell, protocol).items():
         sizes[name] = {"train": len(data.train), "val": len(data.val)}
-        test = getattr(data, "site_test", None)  # the shared benchmark test set is no site's test split
-        if test is not None:
-            sizes[name]["test"] = len(test)
+        if protocol.site_test_fraction:  # else data.test is the pooled benchmark set, no site's test split
+            sizes[name]["test"] = len(data.test)
     return sizes
 
 

@@ -126,7 +126,7 @@ def method_row(method: str, by_seed: Mapping[int, Mapping[str, Any]], default: s
     """One method's row of the setting table (module docstring)."""
     runs = {c: candidate_runs(by_seed, c) for c in CANDIDATES}
     means = [mean_site(runs[c]) for c in CANDIDATES]
-    traffic = [bytes_per_site_round(cell.get("traffic", [])) for cell in by_seed.values()]
+    traffic = [bytes_per_site_round(cell["traffic"]) for cell in by_seed.values() if cell.get("traffic")]
     cost = f"{statistics.fmean(traffic) / 1024:.0f}" if traffic else "–"
     wall = f"{statistics.fmean(cell['wall_s'] for cell in by_seed.values()):.0f}"
     label = f"{method} ★" if method == default else method

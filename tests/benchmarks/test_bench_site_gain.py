@@ -98,6 +98,9 @@ def test_genomics_options_and_the_data_seed_apart_from_the_training_seed():
     cell = next(c for c in cells if c.split == "qty0.5" and c.seed == 1)
     args = genomics.data_args(protocol, cell.split, genomics.data_seed(cell))
     assert args["split"] == "small_sites" and args["alpha"] == 0.5 and args["seed"] == 0  # the data's seed, fixed
+    assert args["test_fraction"] == 0.2  # the data module holds out the site's test split (JobSpec's: built-in only)
+    spec = genomics.cell_spec(cell, protocol)
+    assert spec.keep == "best" and spec.local_baseline and spec.data_args["seed"] == 0 and spec.seed == 1
     assert genomics.model_args(protocol, cell.algorithm, cell.seed)["seed"] == 1  # the training seed
     _, table = _genomics("--grid", "table")
     assert {c.partition_seed for c in table} == {None}  # the committed grids keep their rule and cell names
