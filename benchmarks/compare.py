@@ -373,12 +373,12 @@ def cell_site_scores(spec: Any, state_root: Path, run: Any) -> dict[str, Any]:
     round (:func:`test_split_scores`); without, the validation-split scores below."""
     if not getattr(spec, "site_test_fraction", 0):
         return personal_site_scores(spec, state_root, run.params)
-    return test_split_scores(run, builtin_site_sizes(spec))
+    return test_split_scores(run, functools.partial(builtin_site_sizes, spec))
 
 
-def test_split_scores(run: Any, sizes: dict[str, dict[str, int]]) -> dict[str, Any]:
+def test_split_scores(run: Any, sizes: Callable[[], dict[str, dict[str, int]]]) -> dict[str, Any]:
     """What the sites reported on their test splits after the last round (every candidate, the kept one), with
-    their split ``sizes``; a run whose sites reported no local-only or kept test score fails its cell."""
+    their split sizes (``sizes()``); a run whose sites reported no local-only or kept test score fails its cell."""
     from benchmarks.site_report import cell_scores, test_metrics_record
 
     scores = cell_scores(test_metrics_record(run.records))
@@ -387,7 +387,7 @@ def test_split_scores(run: Any, sizes: dict[str, dict[str, int]]) -> dict[str, A
             "the sites reported no eval.local_test_accuracy / eval.kept_test_accuracy after the last round: this "
             "grid needs jobs with a test split, --local-baseline and --keep"
         )
-    return {**scores, "site_sizes": sizes}
+    return {**scores, "site_sizes": sizes()}
 
 
 class MissingSiteScores(RuntimeError):

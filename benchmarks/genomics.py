@@ -277,7 +277,7 @@ def _personal_scores(cell: Cell, protocol: Protocol, spec: Any, state_root: Path
     if protocol.site_test_fraction:
         from benchmarks.compare import test_split_scores
 
-        return test_split_scores(run, _split_sizes(cell, protocol))
+        return test_split_scores(run, functools.partial(_split_sizes, cell, protocol))
     return personal_site_scores(spec, state_root, run.params) if cell.algorithm in PERSONALIZATION_GRID else {}
 
 
