@@ -79,8 +79,8 @@ def plan(quick: bool, out: Path, simulate_args: Mapping[str, Any]) -> list[Step]
         return ["--out", str(out / f"{name}.md"), "--json", str(out / f"{name}.json")]
 
     steps = ["--steps", "6", "--rounds", "2", "--warmup", "1", "--batch-size", "8"]
-    if not quick:  # 5 fits x (30 kept + 5 warm-up) steps per variant, the genomics batch size
-        steps = ["--steps", "150", "--rounds", "5", "--warmup", "5", "--batch-size", "128"]
+    if not quick:  # 4 fits x (30 kept + 5 warm-up) steps per variant, the genomics batch size
+        steps = ["--steps", "120", "--rounds", "4", "--warmup", "5", "--batch-size", "128"]
     step_overhead = ["-m", "benchmarks.step_overhead", *device, "--models", "cnn_transformer_large", *small]
     step_overhead += ["--precision", "bf16-mixed", "--algorithms", *ALGORITHMS, "--lr", "0.001", *steps]
     dp_127 = ["--samples", "64", "--batch-size", "16"] if quick else ["--samples", "2048", "--batch-size", "256"]
@@ -91,11 +91,11 @@ def plan(quick: bool, out: Path, simulate_args: Mapping[str, Any]) -> list[Step]
     startup = ["-m", "benchmarks.startup", "--job", "snp_fedavg", "--repeats", "1" if quick else "2", "--simulate"]
     startup += ["--simulate-preset", "snp_fedavg", "--simulate-args", json.dumps(dict(simulate_args))]
     commands = {
-        "a_step_overhead": (step_overhead, 130),
+        "a_step_overhead": (step_overhead, 150),  # 9 step-units a cycle (Ditto 2) x 140 cycles: ~45 s at 35 ms
         "b_dp_127": ([*dp, "--repeats", "1", "--models", "cnn_transformer", *dp_127], 60),
         "b_dp_10k": ([*dp, "--repeats", "1", "--models", "cnn_transformer_large", *small, *dp_10k], 75),
-        "b_noise": (noise, 30),
-        "c_startup": (startup, 240),  # 6 client-rounds of about 17 s each on an H200 (benchmarks/results/gpu.md)
+        "b_noise": (noise, 45),
+        "c_startup": (startup, 240),  # 6 training client-rounds and the final evaluation, ~17 s each on an H200
     }
     scale = 3 if quick else 1  # the dry run's CPU is slower than the GPU machine; its limits only catch hangs
     return [Step(name, (*argv, *files(name)), scale * limit) for name, (argv, limit) in commands.items()]
