@@ -66,6 +66,8 @@ PERSONAL_PREFIX = "personal_"
 #: ``personal_scorer(module, weights) -> {metric: value}``: the site's module with ``weights`` loaded, scored on the
 #: site's validation split (lightning_modules/personal_scores.py).
 PersonalScorer = Callable[[pl.LightningModule, Mapping[str, torch.Tensor]], Mapping[str, float]]
+#: Wall seconds of a round's candidate work (lightning_modules/keep_best.py): not in ``train.fit_seconds``.
+CANDIDATE_SECONDS = "train.candidate_seconds"
 #: Set by the bundle's client script before it runs a user's own training script (``--script``).
 CLIENT_ENV, CLIENT_ARGS_ENV = "FEDALG_CLIENT", "FEDALG_CLIENT_ARGS"
 
@@ -357,11 +359,14 @@ class FederatedAlgorithm(pl.Callback):
         meta.update(self._site_eval)
         self._site_eval = {}
         meta.update(self._personal_meta(pl_module))
+        fit_seconds = round(time.monotonic() - self._fit_started, 4)
         if self.candidates is not None and self.candidates.active:
             personal = self._personal_weights(pl_module)
             meta.update(self.candidates.end_round(meta, self._round_meta, pl_module, personal))
+            # The local-only model's training and the candidates' scoring, apart from the fit (the speed benchmark).
+            meta[CANDIDATE_SECONDS] = round(time.monotonic() - self._fit_started - fit_seconds, 4)
         meta[meta_keys.NUM_SAMPLES] = self.num_samples if self.num_samples is not None else _dataset_size(trainer)
-        meta[meta_keys.FIT_SECONDS] = round(time.monotonic() - self._fit_started, 4)
+        meta[meta_keys.FIT_SECONDS] = fit_seconds
         if self._trained_round is not None:  # echoed so the server can refuse a result that arrives in another round
             meta[meta_keys.TRAINED_ROUND] = self._trained_round
         if self.privacy is not None:  # ledger written, unprotected statistics withheld (docs/privacy.md)

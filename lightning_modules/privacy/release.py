@@ -60,7 +60,8 @@ RELEASED: tuple[Item, ...] = (
     Item("train.*", "the module's own round metrics (training accuracy, ...): computed on the data", "withheld"),
     Item(
         "eval.*",
-        "scores of the global or personal model on the site's validation data (sent, unaccounted, only with "
+        "scores of the global, personal, local-only or kept model on the site's validation or test data, and which "
+        "candidate the site kept (sent, unaccounted, only with "
         "--dp-release-site-scores)",
         "withheld",
     ),

@@ -15,6 +15,7 @@ from aggregators import meta_keys
 from controllers.in_process import initial_params, quiet_lightning, site_rounds
 from jobs.build import JobSpec
 from jobs.settings import JobBuildError
+from lightning_modules.federated import CANDIDATE_SECONDS
 from lightning_modules.keep_best import KEPT_STORE, choose, paired_difference
 from lightning_modules.local_baseline import STORE_NAME, LocalBaseline, matched_steps
 from lightning_modules.site import ValidatedClassifier
@@ -73,9 +74,10 @@ def test_a_site_keeps_the_best_on_validation_stores_it_and_sends_the_same_result
     params, sent = site_rounds(spec, tmp_path)["site-1"].train(0, start, meta(0))
     # The candidates change nothing the site sends: the same bits and the same meta, plus eval.* scores only.
     assert all(np.array_equal(sent_plain[k], params[k]) for k in sent_plain)
-    common = set(meta_plain) - {meta_keys.FIT_SECONDS}
+    common = set(meta_plain) - {meta_keys.FIT_SECONDS, CANDIDATE_SECONDS}
     assert {k: meta_plain[k] for k in common} == {k: sent[k] for k in common}
-    assert all(k.startswith("eval.") for k in set(sent) - set(meta_plain))  # the site-evaluation release rule
+    added = set(sent) - set(meta_plain) - {CANDIDATE_SECONDS}  # + the candidates' seconds, apart from the fit's
+    assert added and all(k.startswith("eval.") for k in added)  # the site-evaluation release rule covers them
     assert steps == [sent[meta_keys.NUM_STEPS] * 2]  # compute matched: Ditto's fit steps and as many personal steps
     names = ("global", "personal", "local")
     val = {n: sent[f"eval.{p}val_loss"] for n, p in zip(names, ("", "personal_", "local_"), strict=True)}
