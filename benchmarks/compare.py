@@ -248,7 +248,10 @@ def algorithm_settings(algorithm: str, protocol: Protocol | None = None) -> dict
         known = sorted([*PRESETS, *EXTRA_ALGORITHMS])
         raise SystemExit(f"error: unknown algorithm {algorithm!r}; choose from {known}")
     preset = PRESETS[algorithm]
-    return {name: getattr(preset, name) for name in ALGORITHM_FIELDS}
+    settings = {name: getattr(preset, name) for name in ALGORITHM_FIELDS}
+    if preset.site_val_fraction:  # a personal method (Ditto) is refused without the validation split it scores on
+        settings["site_val_fraction"] = preset.site_val_fraction
+    return settings
 
 
 def cell_spec(cell: Cell, protocol: Protocol) -> Any:
