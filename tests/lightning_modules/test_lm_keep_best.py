@@ -71,7 +71,10 @@ def test_a_site_keeps_the_best_on_validation_stores_it_and_sends_the_same_result
     spec = dataclasses.replace(ditto, local_baseline=True, keep="best")
     start = initial_params(spec)
     sent_plain, meta_plain = site_rounds(ditto, tmp_path / "plain")["site-1"].train(0, start, meta(0))
-    params, sent = site_rounds(spec, tmp_path)["site-1"].train(0, start, meta(0))
+    site = site_rounds(spec, tmp_path)["site-1"]
+    initial = site.round_callback.candidates.local.make_module().state_dict()  # the server's initial model
+    assert all(np.array_equal(initial[k].numpy(), start[k]) for k in start)
+    params, sent = site.train(0, start, meta(0))
     # The candidates change nothing the site sends: the same bits and the same meta, plus eval.* scores only.
     assert all(np.array_equal(sent_plain[k], params[k]) for k in sent_plain)
     common = set(meta_plain) - {meta_keys.FIT_SECONDS, CANDIDATE_SECONDS}
