@@ -22,7 +22,6 @@ turns on in the DP step.
 from __future__ import annotations
 
 import secrets
-import weakref
 
 import torch
 
@@ -30,7 +29,11 @@ import torch
 #: by ``python -m benchmarks.dp_overhead``, is in docs/privacy.md.
 SECURE_NOISE = True
 
-_SECRET: weakref.WeakSet[torch.Generator] = weakref.WeakSet()
+
+class _SecretGenerator(torch.Generator):
+    """A generator that :func:`is_secret` recognises by its type. A type, not a registry of instances: torch 2.11's
+    generators cannot be weakly referenced (measured on a GPU machine), and a strong registry would keep every
+    round's generator alive."""
 
 
 def entropy_seed() -> int:
@@ -40,13 +43,12 @@ def entropy_seed() -> int:
 
 def secret_generator(device: torch.device | str = "cpu") -> torch.Generator:
     """A generator on ``device`` seeded from :func:`entropy_seed`, registered as secret (:func:`is_secret`)."""
-    generator = torch.Generator(device=device)
+    generator = _SecretGenerator(device=device)
     generator.manual_seed(entropy_seed())
-    _SECRET.add(generator)
     return generator
 
 
 def is_secret(generator: torch.Generator | None) -> bool:
     """Whether ``generator`` came from :func:`secret_generator` (``None``, torch's global generator, is seeded from
     the job's seed at every round, so it is not)."""
-    return generator is not None and generator in _SECRET
+    return isinstance(generator, _SecretGenerator)
