@@ -83,3 +83,5 @@ def test_the_genomics_data_module_holds_out_the_sites_own_test_split(monkeypatch
     assert len(split.test) == round(0.2 * (len(plain.train) + len(plain.val)))
     with pytest.raises(Exception, match="test_fraction must be in"):
         SnpSites(site="site-2", num_sites=3, val_fraction=0.6, test_fraction=0.45)
+    with pytest.raises(Exception, match=r"site-2: test_fraction 0.01 leaves \d test people of \d+; .*at least 10"):
+        SnpSites(site="site-2", num_sites=3, val_fraction=0.2, test_fraction=0.01)

@@ -47,6 +47,7 @@ from data_prep.genotypes.loader import GenotypeRows, as_tokens, genotype_loader
 from data_prep.genotypes.site import LABELS_ENV, is_genotype_input, resolve, site_genotypes
 
 TEST_FRACTION = 0.2
+MIN_TEST_SAMPLES = 10  # the bundle's minimum test split per site (jobs/spec.py MIN_TEST_SAMPLES)
 GENOTYPES_ENV, SNP_TABLE_ENV = "FEDALG_SITE_GENOTYPES", "FEDALG_SNP_TABLE"
 
 
@@ -110,6 +111,11 @@ class SnpSites(pl.LightningDataModule):
         validation first, then test, the rest trains."""
         order = np.random.default_rng([self.seed, 1]).permutation(n)
         n_val, n_test = round(self.val_fraction * n), round(self.test_fraction * n)
+        if self.test_fraction > 0 and n_test < MIN_TEST_SAMPLES:  # one person would move its accuracy > 10 points
+            raise DataPrepError(
+                f"{self.site}: test_fraction {self.test_fraction:g} leaves {n_test} test people of {n}; a site needs "
+                f"at least {MIN_TEST_SAMPLES}: raise test_fraction"
+            )
         return order[:n_val], order[n_val : n_val + n_test], order[n_val + n_test :]
 
     def _tensors(self, data: GenotypeData) -> TensorDataset:
