@@ -475,7 +475,7 @@ def _check_bed_padding(records: FileRecords, fam: Path) -> None:
         raise DataPrepError(
             f"{records.path}: the last person of {fam} ({records.samples[-1]!r}) reads as two copies of allele 1 at "
             f"all {n_snps} SNPs read, which is what the .bed's padding bits hold: the .fam lists more people than the "
-            ".bed was written for (a line added, or a .fam of another fileset)"
+            ".bed was written for (a line added, or a .fam of another fileset); use the .fam written with this .bed"
         )
 
 

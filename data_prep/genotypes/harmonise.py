@@ -24,18 +24,19 @@ status             alleles                         table-alt count
 ``0``): everybody called has two copies of k; a call of the unknown allele is invalid (missing, counted).
 
 Unusable (the column is all 3): ``ambiguous`` (the table's alleles are A/T or C/G: a strand flip cannot be told
-from a swap, so such SNPs are dropped rather than resolved by allele frequency), ``multiallelic`` (a record with more
-than one ALT, several single-base records at the position of a single-base SNP, i.e. a multi-allelic site split into
-biallelic records, or several records whose alleles fit the SNP), ``mismatch`` (alleles that fit in no orientation),
-``filtered`` (the record's FILTER is neither PASS nor ``.``), ``id_mismatch`` (the table's rsID and the record's
-rsID differ) and ``absent`` (no record at the position).
+from a swap, so such SNPs are dropped rather than resolved by allele frequency), ``multiallelic`` (a multi-allelic
+record at the SNP, or, at a single-base SNP, several single-base records: a multi-allelic site split into biallelic
+records), ``duplicate`` (two records that both fit), ``mismatch`` (alleles that fit in no orientation),
+``filtered`` (the record's FILTER is neither PASS nor ``.``), ``id_mismatch`` (the record at the position names
+another SNP) and ``absent`` (no record at the position). At a single-base SNP, records with longer alleles (indels
+at the same position) are other variants and are passed over.
 
 **Genome build.** Positions mean something only on one build. A file whose header declares a build (``##reference``,
 ``##contig`` names or lengths; :func:`~data_prep.genotypes.formats.declared_build`) other than the consortium's
-(``HarmoniseSettings.genome_build``) is refused. Whether or not a header says anything, the rsIDs are compared where
-the table and the file both have one at a position: when more than ``max_id_disagreement`` (default
-:data:`MAX_ID_DISAGREEMENT`, 5 %) of those disagree, the file is on another build or coordinate convention and is
-refused; below it, the disagreeing SNPs are dropped (``id_mismatch``: a merged rsID or a chance neighbour).
+(``HarmoniseSettings.genome_build``) is refused. Whether or not a header says anything, the IDs at the matched
+positions are compared with the table's (:func:`_same_id`): when more than ``max_id_disagreement`` (default
+:data:`MAX_ID_DISAGREEMENT`, 5 %) of those compared disagree, the file is on another build or coordinate convention
+and is refused; below it, the disagreeing SNPs are dropped (``id_mismatch``: a renamed rsID or a chance neighbour).
 """
 
 from __future__ import annotations
