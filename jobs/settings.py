@@ -80,10 +80,17 @@ class DataSettings:
     data, configured on the site (docs/deployment.md)."""
 
     dataset: Literal["fashion_mnist", "mnist", "digits"] = setting("fashion_mnist", "dataset")
-    scheme: Literal["iid", "dirichlet", "shards", "quantity", "label_quantity"] = setting(
-        "dirichlet", "how labels are split across sites (label_quantity: #C=k dealt as NIID-Bench deals it)"
+    scheme: Literal["iid", "dirichlet", "shards", "quantity", "label_quantity", "small_sites"] = setting(
+        "dirichlet",
+        "how labels are split across sites (label_quantity: #C=k dealt as NIID-Bench deals it; small_sites: IID "
+        "labels, the first round(alpha x sites) sites hold 50..150 samples each, the others share the rest)",
     )
-    alpha: float = setting(0.5, "Dirichlet concentration for dirichlet/quantity (smaller = more skewed)", gt=0)
+    alpha: float = setting(
+        0.5,
+        "Dirichlet concentration for dirichlet/quantity (smaller = more skewed); for small_sites the share of "
+        "small sites, in (0, 1)",
+        gt=0,
+    )
     classes_per_site: int = setting(2, "labels per site for the shards and label_quantity schemes (#C=k)", ge=1)
     num_sites: int = setting(3, "number of sites the data is split into (= clients the job needs)", ge=1)
     max_train_samples: int | None = setting(None, "use a seeded subset of the training set (quick runs)", ge=1)
