@@ -1,6 +1,6 @@
 """The documentation site builds with `mkdocs build --strict` (a broken link or a missing page fails the suite),
-every page under docs/ is in its navigation, the hook that serves files outside docs/ rewrites links correctly, and the
-README stays short enough to read in five minutes."""
+every page a reader should find (docs/ and the results summaries) is in its navigation, the hook that serves files
+outside docs/ rewrites links correctly, and the README stays short enough to read in five minutes."""
 
 from __future__ import annotations
 
@@ -49,12 +49,22 @@ def test_the_site_builds_strict_without_a_warning(tmp_path):
     assert (tmp_path / "site" / "benchmarks" / "results" / "genomics" / "index.html").is_file()
 
 
-def test_every_page_under_docs_is_in_the_navigation():
+def user_pages(mounted: tuple[str, ...]) -> set[str]:
+    """The site's pages a reader must find from the navigation: every page under docs/, the benchmark methods and
+    every results summary the hook serves. A grid's own `report.md` is left out: it is that grid's raw table, read
+    from its summary (which links or embeds it), and the generated example folder pages are reached from the docs."""
+    pages = {p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs").rglob("*.md")}
+    summaries = {path for path in mounted if path.endswith(".md") and not path.endswith("/report.md")}
+    return pages | summaries
+
+
+def test_every_page_a_reader_should_find_is_in_the_navigation():
     config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
     listed = set(nav_pages(config["nav"]))
-    pages = {p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs").rglob("*.md")}
-    assert sorted(pages - listed) == []
-    missing = [page for page in listed if page not in pages and not (ROOT / page).is_file()]
+    mounted = load_hooks().mounted_paths()
+    assert "benchmarks/results/personalization.md" in mounted  # the hook serves the results summaries
+    assert sorted(user_pages(mounted) - listed) == []
+    missing = [page for page in listed if not (ROOT / "docs" / page).is_file() and page not in mounted]
     assert missing == []
 
 
@@ -103,3 +113,18 @@ def test_an_image_link_and_its_anchor_are_rewritten_together():
 def test_the_readme_is_at_most_250_lines():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; move detail into docs/"
+
+
+def linked_pages(markdown_file: Path) -> set[str]:
+    """Repository paths of the markdown pages a file links to (anchors dropped)."""
+    links = load_hooks().LINK.findall(markdown_file.read_text())
+    resolved = {os.path.normpath(markdown_file.parent / target).removeprefix(str(ROOT) + "/") for target, _ in links}
+    return {path for path in resolved if path.endswith(".md") and (ROOT / path).is_file()}
+
+
+def test_the_home_page_routes_to_every_page_the_readme_does():
+    # A capability the README points a newcomer to (personalization, privacy, genotype files, GPU figures) must be
+    # reachable from the site's home page too; the home page may link more.
+    from_readme = linked_pages(ROOT / "README.md")
+    assert "docs/personalization.md" in from_readme
+    assert sorted(from_readme - linked_pages(ROOT / "docs" / "index.md")) == []
