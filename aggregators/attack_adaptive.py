@@ -1,7 +1,7 @@
 """Attack-adaptive aggregation (AAA): a pretrained attention network weights the client deltas.
 
 Reference: Wan & Chen, "Robust Federated Learning with Attack-Adaptive Aggregation", FTL-IJCAI'21, arXiv:2102.05257
-(docs/robustness.md, attack-adaptive aggregation). Per round, with the attention core of :mod:`aggregators.attention`:
+(docs/robustness.md, attack-adaptive aggregation). Per round, with the attention core of `aggregators.attention`:
 
 1. Delta_j = y_j - x over the robust entries (float, not BatchNorm statistics); clients with NaN/Inf deltas are
    dropped first;

@@ -2,11 +2,11 @@
 
 The job's server rule updates the model. A client algorithm that needs server-side state of its own (SCAFFOLD's
 global control c, broadcast as ``scaffold.ctrl.global``) gets it from a *companion*: a rule that keeps and
-broadcasts that state from the same accepted updates but never touches the model. :class:`ComposedRule` runs the
+broadcasts that state from the same accepted updates but never touches the model. `ComposedRule` runs the
 model rule, then every companion, and checkpoints their states side by side, so SCAFFOLD + FedYogi is FedYogi's
 model step on the SCAFFOLD-corrected client models plus SCAFFOLD's c <- c + (1/N) sum_i delta_c_i.
 
-:func:`plan_composition` decides at build time which companions a (client algorithm, server rule) pair needs, or
+`plan_composition` decides at build time which companions a (client algorithm, server rule) pair needs, or
 refuses the pair with the reason it is meaningless. Classes are read duck-typed: a client algorithm class has
 ``name``, ``required_server_meta``, ``sent_meta`` and ``local_update`` (``gradient``, ``proximal`` or ``drift``);
 a rule class has ``name``, ``required_meta``, ``broadcast_keys`` and optionally ``needs_linear_local_solver``.
@@ -71,7 +71,7 @@ def client_sent_meta(client_cls: type) -> set[str]:
 
 
 def plan_composition(client_cls: type, rule_cls: type) -> tuple[str, ...]:
-    """Companion rule names the pair needs (often none); raises :class:`CompositionError` saying why it cannot run."""
+    """Companion rule names the pair needs (often none); raises `CompositionError` saying why it cannot run."""
     who = f"client algorithm '{client_cls.name}' with server rule '{rule_cls.name}'"
     if rule_cls.needs_linear_local_solver and client_cls.local_update == "drift":
         raise CompositionError(
@@ -197,7 +197,7 @@ def build_companion(name: str, **kwargs: Any) -> Companion:
 
 
 def compose(rule: AggregationRule, companions: Mapping[str, Mapping[str, Any]] | None) -> AggregationRule:
-    """``rule`` alone when there are no companions, else the :class:`ComposedRule` (companions in name order)."""
+    """``rule`` alone when there are no companions, else the `ComposedRule` (companions in name order)."""
     if not companions:
         return rule
     built = tuple(build_companion(name, **dict(args or {})) for name, args in sorted(companions.items()))

@@ -12,7 +12,7 @@ Two jobs:
   so the extra memory is O(largest tensor), never O(clients x model), and the cost is that of a plain numpy
   weighted sum. The result does not depend on arrival order (callers sort updates by site).
 - delta statistics. Angles (FedAdp) and distances (FedAtt) need inner products of the client deltas y_i - x; they
-  are accumulated in float64 over cache-sized chunks, reading every client array once (:func:`delta_alignment`).
+  are accumulated in float64 over cache-sized chunks, reading every client array once (`delta_alignment`).
 """
 
 from __future__ import annotations
@@ -59,12 +59,12 @@ def agreed_param_keys(reported: Mapping[str, Any]) -> tuple[frozenset[str] | Non
     """The round's trainable set from the sites' ``train.param_keys``, and why each other site's report is refused.
 
     ``reported`` maps each site to its ``train.param_keys`` (``None``: not reported), already checked one by one
-    with :func:`param_keys_problems`. Every site runs the job's model, so the trainable set is a property of the
+    with `param_keys_problems`. Every site runs the job's model, so the trainable set is a property of the
     job, not of a site: the set most sites report is the job's, and a site reporting another one (another model
     version, a layer frozen by hand, foreign code) is refused by name. A tie trusts no set: the server cannot tell
     which side is right, so every site is refused. A site that reports nothing while others report a set is
     refused too: its update may move entries the others hold fixed. When no site reports, the set is ``None``
-    (:func:`model_trainable_keys` applies). Only the round's own results decide, so a resumed job decides as an
+    (`model_trainable_keys` applies). Only the round's own results decide, so a resumed job decides as an
     uninterrupted one would (docs/reliability.md).
     """
     key = meta_keys.PARAM_KEYS
@@ -93,8 +93,8 @@ def trainable_keys(global_params: Mapping[str, np.ndarray], updates: Sequence[Cl
     """The trainable entries of the model, in the global model's key order.
 
     The one definition of "trainable" for every rule: the sites' agreed ``train.param_keys``
-    (:func:`agreed_param_keys`; the round engine has already rejected every site that disagrees), or, when none
-    reports it, :func:`model_trainable_keys`.
+    (`agreed_param_keys`; the round engine has already rejected every site that disagrees), or, when none
+    reports it, `model_trainable_keys`.
     """
     chosen, problems = agreed_param_keys({u.site: u.meta.get(meta_keys.PARAM_KEYS) for u in updates})
     if problems:

@@ -28,14 +28,14 @@ z_Delta = z). An uncentred count (sensitivity 1) with the same split would make 
 (z_Delta^-2 + sigma_b^-2)^(-1/2) < z, and the reported epsilon too small (19.8 reported against 27.6 at the
 defaults over 10 rounds of 3 sites; tests/aggregators/test_agg_dp_fedavg_accounting.py). The sampled Gaussian
 mechanism with rate q = m / N (N sites in the population) and multiplier z, composed over the rounds in Rényi DP
-and converted to (epsilon, delta), is reported every round under ``rule_diagnostics`` (:data:`EPSILON` ...).
+and converted to (epsilon, delta), is reported every round under ``rule_diagnostics`` (`EPSILON` ...).
 
 What the rule guarantees and what it assumes:
 
 - the released global models are (epsilon, delta)-DP with respect to adding or removing one whole site; the server
   sees the individual updates (it is trusted), and anything else a site sends (training loss, sample counts) is not
   covered: the server records it, the model does not carry it;
-- the sites of a round are drawn by the rule itself (:meth:`DPFedAvg.select_sites`) from a generator only the server
+- the sites of a round are drawn by the rule itself (`DPFedAvg.select_sites`) from a generator only the server
   knows, since amplification by sampling needs a sample the adversary cannot predict (the engine's own sampling is
   seeded by the job's public seed);
 - Delta covers the trainable entries; every other entry of the shared model keeps its global value, since averaging
@@ -43,11 +43,11 @@ What the rule guarantees and what it assumes:
   statistics), for which the job builder refuses the job (keep them at the sites with ``--local-keys batchnorm``, or
   use GroupNorm/LayerNorm);
 - the noise is secret: its generator is seeded by (a seed, round), the seed drawn from the operating system's
-  entropy once per run (:func:`secret_seed`) and kept in the rule's state (the server's checkpoint), so a resumed
+  entropy once per run (`secret_seed`) and kept in the rule's state (the server's checkpoint), so a resumed
   job continues the same noise and nobody else can regenerate it. A fixed ``seed`` (runs repeat bit for bit, and
   whoever knows it can subtract the noise) is refused with noise (``noise_multiplier`` > 0), so also when the job
   is built: it only seeds the site sample of noiseless comparisons. Tests that need repeatable noise replace
-  :func:`secret_seed` in-process.
+  `secret_seed` in-process.
 """
 
 from __future__ import annotations
@@ -204,7 +204,7 @@ class DPFedAvg(RuleHParams, AggregationRule):
         server_optimizer: the rule that steps on the noisy mean (FedAvg or a FedOpt variant).
         optimizer_args: its hyperparameters (e.g. ``{"server_lr": 1.0}``).
         seed: seeds the site sample with the round, only without noise (z = 0; refused otherwise, since whoever
-            knows it could subtract the noise); unset: a secret seed per run (:func:`secret_seed`), kept in the
+            knows it could subtract the noise); unset: a secret seed per run (`secret_seed`), kept in the
             state.
     """
 

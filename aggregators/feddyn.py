@@ -21,7 +21,7 @@ stale H_k included (verified in the tests against explicit per-client bookkeepin
 Pitfalls this rule avoids (each pinned by a test): dividing h_sum by |P_t| instead of m, dropping the
 non-participants' H_k, sample-weighting the model mean (the paper's mean is uniform), and a site's alpha_k below
 alpha / m, which with ``alpha_weighting="samples"`` means its population total of samples is smaller than its own
-count (the round is refused, naming the site; :func:`population_total_problem`). The identity holds with rejected
+count (the round is refused, naming the site; `population_total_problem`). The identity holds with rejected
 results too: a site commits its H_k only once the server confirms the round's result was aggregated
 (docs/design.md, decision 17), and a rejected result never enters h_sum.
 

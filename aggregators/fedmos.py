@@ -4,7 +4,7 @@ Reference: Wang, Xu, Hu, Xu, Shen, Xu, "FedMoS: Taming Client Drift in Federated
 Adaptive Selection", IEEE INFOCOM 2023; the server follows the authors' released ``main_fed.py`` (docs/fedmos_moon.md,
 FedMoS;
 the paper text was not available). The client side (STORM momentum + proximal pull) is
-:mod:`lightning_modules.algorithms.fedmos`.
+`lightning_modules.algorithms.fedmos`.
 
 Server momentum. With xt = sum_{i in S} wt_i (y_i - x) the selection-weighted model change of the round, the
 authors' code does: first round x <- x + xt (u stays 0); later u <- beta * u - xt / (eta * E), x <- x - eta * E * u.

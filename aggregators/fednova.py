@@ -16,7 +16,7 @@ same eta every round that cancels). b is float32 state, checkpointed.
 Buffers are the p-weighted mean of the clients (integer buffers rounded back); they are neither normalised nor
 moved by the momentum.
 
-Client side, :func:`normalizer_l1` computes ||a_i||_1 exactly for torch's SGD (heavy-ball momentum rho,
+Client side, `normalizer_l1` computes ||a_i||_1 exactly for torch's SGD (heavy-ball momentum rho,
 dampening, first step without dampening as torch does) plus a proximal term mu (w - w_t) that enters the gradient
 before the momentum (FedProx's ``correct_gradients``), with per-step learning rates eta_k in units of the round's
 first learning rate eta_0. Closed forms it reproduces (constant lr): vanilla ||a||_1 = tau; momentum

@@ -44,7 +44,7 @@ CHUNK = 1 << 16  # elements per slice of a parameter: ~16 slices of 256 KiB stay
 # Per variant: (server lr eta, beta1). Adam/Yogi/Adagrad follow Flower's and google-research/federated's
 # starting points; Adagrad has no momentum in the released code; FedAvgM uses momentum 0.9 at eta = 1.
 VARIANT_DEFAULTS = {"adam": (0.01, 0.9), "yogi": (0.01, 0.9), "adagrad": (0.1, 0.0), "avgm": (1.0, 0.9)}
-#: Smallest tau of the adaptive variants (Adam, Yogi, Adagrad); :data:`TAU_FLOOR_WHY` says why.
+#: Smallest tau of the adaptive variants (Adam, Yogi, Adagrad); `TAU_FLOOR_WHY` says why.
 TAU_FLOOR = 1e-12
 TAU_FLOOR_WHY = (
     "m and v are float32: v of a coordinate that moved by |d| underflows once d^2 is below float32's smallest "
@@ -74,7 +74,7 @@ def second_moment(variant: str, v_prev: np.ndarray, squared: np.ndarray, beta2: 
 
 
 def tau_floor(variant: str) -> tuple[float, str]:
-    """The smallest tau of a variant and why: :data:`TAU_FLOOR` for the adaptive ones (:data:`TAU_FLOOR_WHY`), 0 for
+    """The smallest tau of a variant and why: `TAU_FLOOR` for the adaptive ones (`TAU_FLOOR_WHY`), 0 for
     FedAvgM, which does not use it."""
     return (0.0, "fedavgm does not use it") if variant == "avgm" else (TAU_FLOOR, TAU_FLOOR_WHY)
 

@@ -48,14 +48,14 @@ def weighted_sum(
     ``plus=None``: no offset).
 
     Accumulated in ``dtype`` (default: ``like``'s dtype) and returned as ``out_dtype`` (default: the accumulation
-    dtype), shaped like ``like``. The sum runs block by block (:data:`BLOCK` elements): per block, every client's
+    dtype), shaped like ``like``. The sum runs block by block (`BLOCK` elements): per block, every client's
     slice is weighted into one cache-resident scratch row and added to a cache-resident accumulator, so each
     client array is read once, nothing per client is allocated and the extra memory is two blocks. Every element
     sees exactly the operations of the unblocked sum in the same order (0 + w_1 a_1 + w_2 a_2 + ...), so the
     result does not depend on the block size. With ``minus`` the differences are formed before weighting, so a
     coordinate that no client moved sums to exactly 0 whatever the precision (FedOpt's pseudo-gradient). ``plus``
     is added to each block's finished sum, so x + sum_i w_i (y_i - x) gives x back bit for bit when no y_i moved
-    (:func:`weighted_step`).
+    (`weighted_step`).
     """
     like = np.asarray(like)
     accumulate = np.dtype(dtype or like.dtype)

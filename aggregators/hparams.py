@@ -1,17 +1,17 @@
 """One declaration of hyperparameters for the server rules and the client algorithms, one checker, one wording.
 
 A rule (``aggregators/*.py``) or a client algorithm's hyperparameters (``lightning_modules/algorithms/*.py``) are a
-frozen dataclass subclassing :class:`HParams`. A field's type says what a value may be (``float``: a finite real
+frozen dataclass subclassing `HParams`. A field's type says what a value may be (``float``: a finite real
 number, ``int``: an integer, ``bool``: true or false, ``str``: text, ``Literal[...]``: one of the options,
-``... | None``: may also be left unset); a number's default is given with :func:`hparam`, which adds its range and a
-note on what it means. Constructing the dataclass checks every field, then :meth:`HParams.check_together` runs the
+``... | None``: may also be left unset); a number's default is given with `hparam`, which adds its range and a
+note on what it means. Constructing the dataclass checks every field, then `HParams.check_together` runs the
 rules across fields, so a bad value is refused with one line, worded alike on both sides::
 
     <name>: hyperparameter '<field>' must be <allowed> (<note>), got <value>
 
-raised as the declaration's :attr:`HParams.error` (``AggregationError`` for rules, ``ClientAlgorithmError`` for
+raised as the declaration's `HParams.error` (``AggregationError`` for rules, ``ClientAlgorithmError`` for
 client algorithms). The same declaration tells the registries which keys a rule or an algorithm takes
-(:meth:`HParams.names`): any other key is refused before anything is built.
+(`HParams.names`): any other key is refused before anything is built.
 
 Neither torch nor NVFlare: both sides import it (``lightning_modules`` imports ``aggregators``, never the reverse).
 """
@@ -129,7 +129,7 @@ class Kind:
 
 
 def kind_of(hint: Any) -> Kind:
-    """The :class:`Kind` of a field's type; other types are a programming error in the declaration."""
+    """The `Kind` of a field's type; other types are a programming error in the declaration."""
     optional = False
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         rest = [arg for arg in typing.get_args(hint) if arg is not type(None)]
@@ -177,7 +177,7 @@ def check_field(name: str, spec_field: dataclasses.Field, kind: Kind, value: Any
 
 @dataclass(frozen=True)
 class HParams:
-    """Base of every hyperparameter declaration: a server rule (through :class:`RuleHParams`) or a client
+    """Base of every hyperparameter declaration: a server rule (through `RuleHParams`) or a client
     algorithm's hyperparameters (``lightning_modules.algorithms.hparams.HParams``). Subclasses are frozen
     dataclasses whose fields are the hyperparameters."""
 
@@ -194,10 +194,10 @@ class HParams:
 
     def check_together(self) -> None:
         """Rules across fields (or on a ``CHECKED_TOGETHER`` field), after each field passed its own check; refuse
-        with :meth:`refuse`."""
+        with `refuse`."""
 
     def refuse(self, field_name: str, allowed: str, value: Any, note: str = "") -> typing.NoReturn:
-        """Raise the one-line refusal of ``field_name`` (from :meth:`check_together`)."""
+        """Raise the one-line refusal of ``field_name`` (from `check_together`)."""
         raise self.error(refusal(self.name, field_name, allowed, value, note))
 
     @classmethod
@@ -217,6 +217,6 @@ class HParams:
 @dataclass(frozen=True)
 class RuleHParams(HParams):
     """Base of the server rules (and companions) that declare their hyperparameters as dataclass fields: a bad value
-    is an :class:`AggregationError`."""
+    is an `AggregationError`."""
 
     error: ClassVar[type[Exception]] = AggregationError

@@ -10,7 +10,7 @@ With n clients of which at most f are Byzantine, the score of client i is
 Krum (m = 1) applies the delta with the lowest score; Multi-Krum applies the uniform mean of the m lowest-scored
 deltas (scores computed once). Requires n - f - 2 >= 1 (the paper assumes 2f + 2 < n); otherwise the round fails with
 an error naming f and n. Ties are broken by site name. Distances run over every robust entry (see
-:mod:`aggregators.robust`) flattened into one vector, in float64. BatchNorm statistics and integer buffers are the
+`aggregators.robust`) flattened into one vector, in float64. BatchNorm statistics and integer buffers are the
 sample-weighted mean of the SELECTED clients; clients whose delta holds NaN/Inf are dropped first.
 """
 

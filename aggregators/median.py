@@ -8,7 +8,7 @@ Rates", ICML 2018, arXiv:1803.01498, Definition 1 (coordinate-wise median), Algo
 with numpy's median (the mean of the two middle values for an even number of clients). Uniform over the clients:
 sample counts are ignored, as in the paper (a client cannot buy influence by claiming more samples). Clients whose
 delta holds NaN/Inf are dropped first; BatchNorm statistics and integer buffers are averaged with sample weights
-(see :mod:`aggregators.robust`).
+(see `aggregators.robust`).
 """
 
 from __future__ import annotations

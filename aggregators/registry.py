@@ -45,7 +45,7 @@ def unknown_setting_problem(owner: str, given: Iterable[str], allowed: Sequence[
 
 
 def rule_settings(rule_cls: type) -> tuple[str, ...] | None:
-    """The hyperparameters a rule's constructor takes, from its declaration (:class:`aggregators.hparams.HParams`,
+    """The hyperparameters a rule's constructor takes, from its declaration (`aggregators.hparams.HParams`,
     as for the client algorithms), in declaration order (``None`` for a rule that declares none that way: its
     constructor checks its own arguments)."""
     if not (isinstance(rule_cls, type) and issubclass(rule_cls, HParams)):

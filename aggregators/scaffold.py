@@ -48,7 +48,7 @@ def control_keys(
     that (the first round) the round's agreed ``train.param_keys`` (the round engine has already rejected by name
     every site whose set differs from the one most sites report, so a site's own set here is the round's), and
     when no site reports one, the model's trainable entries as every rule defines them
-    (:func:`aggregators.deltas.model_trainable_keys`: float entries, BatchNorm statistics excluded)."""
+    (`aggregators.deltas.model_trainable_keys`: float entries, BatchNorm statistics excluded)."""
     if global_control:
         return list(global_control)
     if param_keys:
@@ -63,7 +63,7 @@ def control_problems(
     param_keys: Sequence[str] | None = None,
 ) -> list[str]:
     """Why a client's ``scaffold.ctrl.diff`` cannot be used (empty list: it can), through the wire contract: it
-    must cover exactly the expected trainable parameters (:func:`control_keys`), with their shapes, finite."""
+    must cover exactly the expected trainable parameters (`control_keys`), with their shapes, finite."""
     shapes = {key: np.shape(global_params[key]) for key in control_keys(global_params, global_control, param_keys)}
     buffers = frozenset(k for k, v in global_params.items() if not np.issubdtype(np.asarray(v).dtype, np.floating))
     parsed = ControlVariate.from_meta(

@@ -8,7 +8,7 @@ Rates", ICML 2018, arXiv:1803.01498, Definition 2 (coordinate-wise beta-trimmed 
 ``beta`` in [0, 0.5) is the fraction trimmed on EACH side; ``beta = 0`` is the uniform mean. Uniform over the
 clients (sample counts ignored, as in the paper). ``2k < n`` is required, otherwise nothing would be left; the
 round then fails with an error naming ``beta`` and ``n``. Clients whose delta holds NaN/Inf are dropped first;
-BatchNorm statistics and integer buffers are averaged with sample weights (see :mod:`aggregators.robust`).
+BatchNorm statistics and integer buffers are averaged with sample weights (see `aggregators.robust`).
 """
 
 from __future__ import annotations

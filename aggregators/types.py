@@ -82,10 +82,10 @@ class AggregationRule(ServerState):
     A rule declares ``name``, the meta every client result must carry (``required_meta``) and the meta keys it
     broadcasts (``broadcast_keys``), and overrides only the hooks it needs:
 
-    - :meth:`aggregate` (stateful rules) or :meth:`aggregate_params` (stateless ones: the state passes through);
-    - :meth:`init_state` / :meth:`broadcast_meta`: its server state and what the clients receive from it;
-    - :meth:`update_problems`: its own checks of a client's update (a non-empty list rejects that site);
-    - :meth:`select_sites`: its own choice of the round's sites (``None``: the engine's seeded sampling).
+    - `aggregate` (stateful rules) or `aggregate_params` (stateless ones: the state passes through);
+    - `init_state` / `broadcast_meta`: its server state and what the clients receive from it;
+    - `update_problems`: its own checks of a client's update (a non-empty list rejects that site);
+    - `select_sites`: its own choice of the round's sites (``None``: the engine's seeded sampling).
 
     State is returned, never mutated, so it can be checkpointed.
     """
@@ -112,7 +112,7 @@ class AggregationRule(ServerState):
     def aggregate_params(
         self, global_params: Mapping[str, np.ndarray], updates: Sequence[ClientUpdate], context: RoundContext
     ) -> Params:
-        """The next global model of a stateless rule (stateful rules override :meth:`aggregate` instead)."""
+        """The next global model of a stateless rule (stateful rules override `aggregate` instead)."""
         raise NotImplementedError(f"rule '{self.name}' implements neither aggregate nor aggregate_params")
 
 

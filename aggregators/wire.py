@@ -3,17 +3,17 @@
 Both sides import this module (it needs only numpy), so a message is written and checked by the same code:
 ``to_meta()`` gives the namespaced meta entries (the keys of ``aggregators/meta_keys.py``, unchanged, so exported
 jobs keep their meaning) and ``from_meta(meta, ...)`` reads them back, checking keys, types, shapes and finiteness
-once, and returns a :class:`Parsed`: the message, or every problem by key. Nothing here raises on bad input; the
+once, and returns a `Parsed`: the message, or every problem by key. Nothing here raises on bad input; the
 server rejects the site by name, the client refuses the round with the site's name.
 
 | message | direction | keys |
 |---|---|---|
-| :class:`RoundInfo` | down | ``server.`` + ``round``, ``num_rounds``, ``rule``, ``run_id``, ``last_aggregated`` |
-| :class:`ControlVariate` (global) | down | ``scaffold.ctrl.global`` |
-| :class:`ControlVariate` (diff) | up | ``scaffold.ctrl.diff`` |
-| :class:`FedDynReport` | up | ``feddyn.alpha_k``, ``feddyn.param_keys`` |
-| :class:`FedNovaReport` | up | ``fednova.tau``, ``fednova.a_norm`` |
-| :class:`TrainingStats` | up | ``train.num_samples``, ``train.num_steps``, ``train.loss``, ``train.param_keys`` |
+| `RoundInfo` | down | ``server.`` + ``round``, ``num_rounds``, ``rule``, ``run_id``, ``last_aggregated`` |
+| `ControlVariate` (global) | down | ``scaffold.ctrl.global`` |
+| `ControlVariate` (diff) | up | ``scaffold.ctrl.diff`` |
+| `FedDynReport` | up | ``feddyn.alpha_k``, ``feddyn.param_keys`` |
+| `FedNovaReport` | up | ``fednova.tau``, ``fednova.a_norm`` |
+| `TrainingStats` | up | ``train.num_samples``, ``train.num_steps``, ``train.loss``, ``train.param_keys`` |
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ class RoundInfo:
 def round_meta_problems(meta: Mapping[str, Any]) -> dict[str, str]:
     """Why the round keys a site acts on before training are unusable, by key: the round index and
     ``last_aggregated`` (which decide whether its pending state is committed or discarded). Keys that were not
-    sent are not checked here; :meth:`RoundInfo.from_meta` checks a whole broadcast."""
+    sent are not checked here; `RoundInfo.from_meta` checks a whole broadcast."""
     problems = {}
     if meta_keys.ROUND in meta and (problem := _count(meta[meta_keys.ROUND], 0)):
         problems[meta_keys.ROUND] = problem

@@ -39,7 +39,7 @@ DEFAULT_RULES = tuple(sorted(RULES))
 #: Arguments a rule cannot be built without (attack_adaptive's shipped attention network fits LeNet-5 only).
 RULE_ARGS = {"attack_adaptive": {"allow_random_attention": True}}
 #: How a client reports each meta key a rule requires, given the trainable keys and the global model; the values
-#: do not change a rule's cost. A rule that requires another key stops the benchmark by name (:func:`rule_meta`).
+#: do not change a rule's cost. A rule that requires another key stops the benchmark by name (`rule_meta`).
 META_FOR_KEY = {
     meta_keys.SCAFFOLD_CTRL_DIFF: lambda keys, model: {k: np.zeros_like(model[k]) for k in keys},
     meta_keys.FEDDYN_ALPHA_K: lambda keys, model: 0.01,
@@ -111,7 +111,7 @@ def peak_bytes(call: Callable[[], Any]) -> int:
 
 
 def rule_meta(rule: Any, global_params: Mapping[str, np.ndarray], updates: Sequence[ClientUpdate]) -> dict[str, Any]:
-    """The meta ``rule`` requires beyond what :func:`make_updates` sends, the same for every client."""
+    """The meta ``rule`` requires beyond what `make_updates` sends, the same for every client."""
     missing = [key for key in rule.required_meta if key not in META_FOR_KEY and key not in updates[0].meta]
     if missing:
         raise SystemExit(f"rule '{rule.name}' requires {missing}: teach META_FOR_KEY how a client reports it")

@@ -1,8 +1,8 @@
 """Per-step cost and client memory of FedMoS, MOON and Ditto relative to plain SGD on LeNet-5, and the seconds and
 memory local fine-tuning adds to a round.
 
-Reuses the machinery of :mod:`benchmarks.step_overhead` (read its docstring for the method): every variant takes one
-optimizer step per cycle inside the same ``pl.Trainer.fit`` of :class:`lightning_modules.FLClassifier`, in a freshly
+Reuses the machinery of `benchmarks.step_overhead` (read its docstring for the method): every variant takes one
+optimizer step per cycle inside the same ``pl.Trainer.fit`` of `lightning_modules.FLClassifier`, in a freshly
 shuffled order every cycle, on one fixed batch; a step is timed from ``on_train_batch_start`` to the end of
 ``on_train_batch_end``; ratios are medians over the ``fedavg`` (plain SGD) median of the same fits.
 
@@ -315,7 +315,7 @@ RSS_LINE = "finetune-rss"  # the child's last line: RSS_LINE, resident bytes bef
 def run_finetune_child(epochs: int, samples: int, rounds: int) -> str:
     """The rounds of one fine-tuning setting alone, in this process: the site is built (imports, data), the peak
     RSS is reset (Linux: ``/proc/self/clear_refs``), the rounds run, and the returned line holds the resident bytes
-    before the rounds and the peak during them (``VmHWM``), for :func:`child_round_rss`."""
+    before the rounds and the peak during them (``VmHWM``), for `child_round_rss`."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -337,7 +337,7 @@ def proc_status_bytes(field: str) -> int:
 
 
 def child_round_rss(epochs: int, samples: int, rounds: int) -> tuple[int, int]:
-    """(resident bytes before the rounds, peak resident bytes during them) of :func:`run_finetune_child` run in a
+    """(resident bytes before the rounds, peak resident bytes during them) of `run_finetune_child` run in a
     child process from the repository root; raises if the child fails."""
     import subprocess
 

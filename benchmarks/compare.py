@@ -4,8 +4,8 @@
     python -m benchmarks.compare --grid smoke --out /tmp/cmp          # a minute: what the tests run
     python -m benchmarks.compare --out runs/compare --report-only     # rewrite report.md + plots from finished cells
 
-A *cell* is one federation: (algorithm, partition, participation, seed). Every cell is a :class:`jobs.spec.JobSpec`
-run by :func:`controllers.in_process.run_in_process`, i.e. the round engine the NVFlare controller drives and the
+A *cell* is one federation: (algorithm, partition, participation, seed). Every cell is a `jobs.spec.JobSpec`
+run by `controllers.in_process.run_in_process`, i.e. the round engine the NVFlare controller drives and the
 Lightning site round the client script runs (``tests/e2e/test_e2e_engine_equivalence.py`` checks that the two give
 bit-identical global models), without NVFlare's processes and polling. Cells run in parallel on every core, each
 finished cell is written to ``<out>/cells/<cell>.json`` at once and never recomputed (kill and rerun to resume), and
@@ -231,8 +231,8 @@ class Cell:
 
 
 def algorithm_settings(algorithm: str, protocol: Protocol | None = None) -> dict[str, Any]:
-    """The JobSpec fields that make ``algorithm`` (a preset name or one of :data:`EXTRA_ALGORITHMS`; in a
-    personalization grid one of :data:`PERSONALIZATION_METHODS` or ``local``, which runs FedAvg's settings)."""
+    """The JobSpec fields that make ``algorithm`` (a preset name or one of `EXTRA_ALGORITHMS`; in a
+    personalization grid one of `PERSONALIZATION_METHODS` or ``local``, which runs FedAvg's settings)."""
     from jobs.presets import PRESETS
 
     if protocol is not None and protocol.site_val_fraction:
@@ -373,7 +373,7 @@ def run_cell(cell: Cell, protocol: Protocol, threads: int) -> dict[str, Any]:
 
 def cell_site_scores(spec: Any, state_root: Path, run: Any) -> dict[str, Any]:
     """A personalization cell's per-site scores: with a test split, what the sites reported on it after the last
-    round (:func:`test_split_scores`); without, the validation-split scores below."""
+    round (`test_split_scores`); without, the validation-split scores below."""
     if not getattr(spec, "site_test_fraction", 0):
         return personal_site_scores(spec, state_root, run.params)
     return test_split_scores(run, functools.partial(builtin_site_sizes, spec))
@@ -448,7 +448,7 @@ def require_rounds(rounds: Sequence[Any], planned: int) -> None:
     rounds none of which updated the global model (the round engine records failed rounds too, so such a federation
     would report the initial model's flat curve). Some failed rounds are not an error: a federation under attack
     may reject every result of a round. The check is the one made of simulator runs
-    (:func:`controllers.report.completion_problems`)."""
+    (`controllers.report.completion_problems`)."""
     from controllers.report import completion_problems  # here: this module's own imports stay those of the harness
 
     if len(rounds) < planned:
@@ -708,7 +708,7 @@ def group_title(partition: str, share: float) -> str:
 
 def overview_table(summaries_by_group: Mapping[tuple[str, float], Sequence[Summary]]) -> list[str]:
     """One row per algorithm, one column per (partition, participation): final accuracy, the group's best in bold,
-    ties marked (:func:`ranking_notes`); rows by mean final accuracy over the groups an algorithm ran in."""
+    ties marked (`ranking_notes`); rows by mean final accuracy over the groups an algorithm ran in."""
     finals: dict[str, dict[tuple[str, float], str]] = defaultdict(dict)
     means: dict[str, list[float]] = defaultdict(list)
     for key, summaries in summaries_by_group.items():

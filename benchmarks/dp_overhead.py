@@ -173,7 +173,7 @@ NOISE_WAYS = ("global generator", "secret generator", "secret + robust sampling"
 def noise_seconds(
     model: str, repeats: int, device: str = "cpu", snps: int = LARGE_SNP_MODEL["n_snps"]
 ) -> dict[str, float]:
-    """Median seconds to draw one step's noise for ``model``'s trainable parameters, per way of :data:`NOISE_WAYS`
+    """Median seconds to draw one step's noise for ``model``'s trainable parameters, per way of `NOISE_WAYS`
     (interleaved, after one warm-up round)."""
     import torch
     from opacus.optimizers.optimizer import _generate_noise

@@ -6,7 +6,7 @@
 
 A *cell* is (algorithm, split, seed). Federated cells are jobs built from the consortium's own classes by import
 path (``examples/genomics``: ``genomics.model:SnpClassifier`` and ``genomics.data:SnpSites``), run by the round
-engine with the sites' Lightning rounds in this process (:func:`controllers.in_process.run_in_process`, the code
+engine with the sites' Lightning rounds in this process (`controllers.in_process.run_in_process`, the code
 path the NVFlare jobs run). Two baselines per split and seed use the same model, optimizer and data:
 
 - ``local``: every site trains alone on its own share for as many epochs as the federation's rounds;

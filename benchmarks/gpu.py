@@ -16,7 +16,7 @@ of the final model (genomics). Every client state file is checked to hold float3
 as BatchNorm's step count aside): the algorithm state stays fp32 under bf16-mixed. Results: a table on stdout and
 ``--out`` JSON (rewritten after every run), the device named in both. A run that records fewer rounds than planned,
 or none that updated the global model, is named with the reason and makes the command exit 1
-(:func:`benchmarks.compare.require_rounds`): its throughput and accuracy would measure nothing.
+(`benchmarks.compare.require_rounds`): its throughput and accuracy would measure nothing.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def case_specs(quick: bool, rounds: int | None = None) -> dict[str, dict[str, An
 def algorithm_settings(settings: dict[str, Any], algorithm: str) -> dict[str, Any] | None:
     """JobSpec settings of ``algorithm`` on a case (``settings``), or None where it does not apply (FedBN on a user
     model: the cnn_transformer has no BatchNorm). Personalization methods take the benchmark harnesses' settings:
-    :data:`benchmarks.compare.PERSONALIZATION_METHODS` on the built-in data, :data:`benchmarks.genomics.PERSONALIZATION`
+    `benchmarks.compare.PERSONALIZATION_METHODS` on the built-in data, `benchmarks.genomics.PERSONALIZATION`
     on the genomics model (whose data module holds out its own validation split)."""
     if algorithm in ALGORITHMS:
         return dict(ALGORITHMS[algorithm])
@@ -84,7 +84,7 @@ def algorithm_settings(settings: dict[str, Any], algorithm: str) -> dict[str, An
 
 
 def run_case(name: str, settings: dict[str, Any], algorithm: str, precision: str) -> dict[str, Any]:
-    """One run's row; :class:`benchmarks.compare.IncompleteFederation` when it did not complete its rounds."""
+    """One run's row; `benchmarks.compare.IncompleteFederation` when it did not complete its rounds."""
     from benchmarks.compare import require_rounds
     from controllers.in_process import quiet_lightning, run_in_process
     from jobs.spec import JobSpec

@@ -188,7 +188,7 @@ def gain_tie_lose(differences: Mapping[str, tuple[float, float]]) -> tuple[int, 
 @dataclass(frozen=True)
 class MethodSummary:
     """One method in one setting, over its seeds (``final``: the personalized mean over sites, as
-    :func:`benchmarks.compare.ranking_notes` reads it)."""
+    `benchmarks.compare.ranking_notes` reads it)."""
 
     algorithm: str
     seeds: int

@@ -20,9 +20,9 @@ target federation trained on; non-members: records of the same distribution no s
 Reported per task and target seed: attack AUC, TPR at 1 % and 0.1 % FPR (the resolution is 1 / non-members), and the
 target's test accuracy; then the mean and standard deviation over seeds. Without ``--personal`` only the final global
 model is attacked (FedAvg, SCAFFOLD and FedAdam keep no personalized model); ``--grid --personal TASK:METHOD[=ROUNDS]``
-(:data:`PERSONAL_METHODS`: FedPer, FedRep, Ditto, fine-tuning) also attacks each site's personal model, the threat
+(`PERSONAL_METHODS`: FedPer, FedRep, Ditto, fine-tuning) also attacks each site's personal model, the threat
 being a curious insider at the site: members are the site's training records, non-members its validation records
-(:func:`personal_attacks`).
+(`personal_attacks`).
 
 Tasks (small on purpose: a 2-core CPU shared by others; the protocol is written into the page):
 
@@ -32,14 +32,14 @@ Tasks (small on purpose: a 2-core CPU shared by others; the protocol is written 
   Dirichlet(0.5) over the people outside the fixed 20 % test set; every site keeps half of its share out of training
   (its validation split), so each person is a member of about 40 % of the federations; the audit set is everyone.
 
-``--set KEY=VALUE`` applies any :class:`jobs.spec.JobSpec` setting (VALUE is JSON) to the targets and the shadows
+``--set KEY=VALUE`` applies any `jobs.spec.JobSpec` setting (VALUE is JSON) to the targets and the shadows
 alike: a server rule (``server=dp_fedavg`` with ``server_args={...}``) or the sites' DP-SGD settings, so the same
 command measures a private federation. Every federation's scores are kept under ``--work`` and never recomputed.
 
-``--grid`` measures utility against privacy: every (task, method, ε) cell, methods :data:`METHODS` (FedAvg, SCAFFOLD
+``--grid`` measures utility against privacy: every (task, method, ε) cell, methods `METHODS` (FedAvg, SCAFFOLD
 Option II, FedAdam), DP-SGD at every site calibrated to each ``--epsilons`` budget (``inf``: no DP), the loss attack
 everywhere and LiRA for the ``--attacked`` methods; the global test accuracy, each site's accuracy scored here
-(:func:`site_weighted_accuracy`, since DP sites withhold their own scores) and the ε the sites reached. It writes a
+(`site_weighted_accuracy`, since DP sites withhold their own scores) and the ε the sites reached. It writes a
 marked section into ``--out`` (the rest of the page stays), ``<stem>_dp.json`` and ``<stem>_dp.png``;
 ``--cached-only`` writes what ``--work`` holds and names the missing cells. ``--more-rounds TASK:METHOD=N`` also runs
 that task's method, every budget, at N rounds (rows with a 'rounds' column): the section compares each task's no-DP
@@ -127,7 +127,7 @@ def lira_offline_scores(
 
 
 def attack_metrics(scores: np.ndarray, is_member: np.ndarray) -> dict[str, float]:
-    """AUC and TPR at each of :data:`FPRS` for one attack's scores."""
+    """AUC and TPR at each of `FPRS` for one attack's scores."""
     members, non_members = scores[is_member], scores[~is_member]
     values = {"auc": roc_auc(members, non_members)}
     for fpr in FPRS:
@@ -315,7 +315,7 @@ def federation_scores(
 ) -> dict[str, Any]:
     """Run ``spec``'s federation in process; its final model's loss and phi on the audit set, its test accuracy;
     with ``personal``, also every site's personal model's loss, phi and correctness on the audit set (sites x
-    records; :func:`benchmarks.personalization.personal_params`), and the global model's correctness."""
+    records; `benchmarks.personalization.personal_params`), and the global model's correctness."""
     from controllers.in_process import quiet_lightning, run_in_process
 
     started = time.monotonic()
@@ -386,7 +386,7 @@ class NotCached(LookupError):
 
 def cached(path: Path, compute: Callable[[], dict[str, Any]] | None) -> dict[str, Any]:
     """A federation's scores from ``path`` (an .npz), computing and writing them first if absent (``compute`` None:
-    :class:`NotCached` instead)."""
+    `NotCached` instead)."""
     if path.exists():
         with np.load(path, allow_pickle=False) as stored:
             return {key: stored[key] if stored[key].ndim else stored[key].item() for key in stored.files}
@@ -435,7 +435,7 @@ def measure_task(
     personal: bool = False,
 ) -> dict[str, Any]:
     """Both attacks on every target seed, with one pool of shadow federations shared by the targets; with
-    ``personal``, also on every site's personal model (:func:`personal_attacks`)."""
+    ``personal``, also on every site's personal model (`personal_attacks`)."""
     if str(EXAMPLES) not in sys.path:
         sys.path.insert(0, str(EXAMPLES))
     audit = audit_set(task, rounds, overrides, seeds)
@@ -505,7 +505,7 @@ def measure_task(
 def site_attack_metrics(
     scores: np.ndarray, members: Sequence[np.ndarray], non_members: Sequence[np.ndarray]
 ) -> dict[str, float]:
-    """:func:`attack_metrics` of each site's scores (``scores[k]``, or ``scores`` for all sites when 1-D) on its own
+    """`attack_metrics` of each site's scores (``scores[k]``, or ``scores`` for all sites when 1-D) on its own
     records only: its members against its non-members of the same distribution; the mean over sites."""
     per_site = []
     for k, (inside, outside) in enumerate(zip(members, non_members, strict=True)):
@@ -705,7 +705,7 @@ def cell_overrides(
     method: str, epsilon: float | None, base: Mapping[str, Any], settings: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
     """The settings of one grid cell: ``base`` (from --set), the method's (``settings`` when given, else
-    :data:`METHODS`'), and DP-SGD calibrated to ``epsilon``."""
+    `METHODS`'), and DP-SGD calibrated to ``epsilon``."""
     if settings is None and method not in METHODS:
         raise SystemExit(f"error: --methods: unknown method {method!r}; choose from {', '.join(METHODS)}")
     values = {**base, **(METHODS[method] if settings is None else settings)}
@@ -732,7 +732,7 @@ def run_grid(
     of ``more_rounds[(task, method)]``; LiRA (``shadows`` shadow federations) only for the ``attacked`` methods, the
     loss attack for all. Each federation is cached under ``work``, so a rerun completes only what is missing; with
     ``compute`` False a cell with any federation not cached is skipped and named in ``missing``. ``personal``:
-    (task, method, rounds or None) of :data:`PERSONAL_METHODS`, run at their rounds (else ``rounds``) and every
+    (task, method, rounds or None) of `PERSONAL_METHODS`, run at their rounds (else ``rounds``) and every
     budget they compose with, their sites' personal models attacked too (cells marked ``personal``)."""
     cells, missing = [], []
     for name in tasks:
@@ -769,7 +769,7 @@ def run_grid(
 
 
 def parse_personal(values: Sequence[str]) -> list[tuple[str, str, int | None]]:
-    """``TASK:METHOD[=ROUNDS]`` items (``--personal``) of :data:`PERSONAL_METHODS`: (task, method, rounds or None
+    """``TASK:METHOD[=ROUNDS]`` items (``--personal``) of `PERSONAL_METHODS`: (task, method, rounds or None
     for the grid's ``--rounds``)."""
     found = []
     for value in values:
@@ -892,7 +892,7 @@ def paired_verdict(personal: Sequence[float], shared: Sequence[float]) -> str:
     """``more``, ``less`` or ``tie``: the personal model's attack AUC against the global model's on the same records,
     paired by target seed; d = personal - global per seed, beyond the seed spread when |mean(d)| > std(d) (a single
     seed has no spread: any difference counts); the personalization report's rule
-    (:func:`benchmarks.personalization.verdict`)."""
+    (`benchmarks.personalization.verdict`)."""
     from benchmarks.personalization import verdict
 
     mean, std = mean_std([p - g for p, g in zip(personal, shared, strict=True)])
@@ -901,7 +901,7 @@ def paired_verdict(personal: Sequence[float], shared: Sequence[float]) -> str:
 
 def personal_leak_note(cells: Sequence[Mapping[str, Any]]) -> list[str]:
     """Per attack, the personal-model cells whose AUC is above (below) the global model's beyond the seed spread
-    (:func:`paired_verdict`); every other cell is a tie."""
+    (`paired_verdict`); every other cell is a tie."""
     lines = []
     for attack in ("loss", "lira"):
         found: dict[str, list[str]] = {"more": [], "less": []}

@@ -6,15 +6,15 @@
     python -m benchmarks.robustness --capture-dir DIR     # pretraining data for the attention network instead
 
 A *cell* is one federation: (rule, attack, share of malicious sites, seed). Cells run on the comparison harness
-(:func:`benchmarks.compare.run_cells`): ``--workers`` at a time in a process pool, each finished cell written to
+(`benchmarks.compare.run_cells`): ``--workers`` at a time in a process pool, each finished cell written to
 ``<out-dir>/cells/<key>.json`` at once and never recomputed (kill and rerun to resume, or rerun with more seeds), a
 progress bar with the ETA, and a cell that crashes costs only itself. ``<out-dir>/protocol.json`` holds the settings
 every cell shares (all but the seed): cells of other settings are refused, never mixed. The report is built from
 the cells on disk: a markdown table of final accuracies (mean ± std over the seeds when there are several), the
 attack-adaptive targets, and a plot.
 
-Every federation is a :class:`jobs.build.JobSpec` (FedAvg clients, the rule under test, the attack) run by
-:func:`controllers.in_process.run_in_process`: the same round engine as the NVFlare controller (site sampling,
+Every federation is a `jobs.build.JobSpec` (FedAvg clients, the rule under test, the attack) run by
+`controllers.in_process.run_in_process`: the same round engine as the NVFlare controller (site sampling,
 validation that rejects bad results by site, failure handling) and the same Lightning site round as the client
 script, with only NVFlare's messaging left out. The numbers are therefore those the job gives under
 ``nvflare simulator`` (``tests/e2e/test_e2e_engine_equivalence.py`` checks the two paths bit for bit); the simulator
@@ -168,7 +168,7 @@ def run_federation(
 
 
 def run_robustness_cell(cell: RobustnessCell, settings: Settings, threads: int) -> dict[str, Any]:
-    """One federation of the grid (a worker of :func:`benchmarks.compare.run_cells` calls it); the JSON-able result
+    """One federation of the grid (a worker of `benchmarks.compare.run_cells` calls it); the JSON-able result
     written to ``cells/<key>.json``. A federation that crashes or stops early raises: the cell fails."""
     torch.set_num_threads(threads)
     started = time.monotonic()
@@ -184,7 +184,7 @@ def run_robustness_cell(cell: RobustnessCell, settings: Settings, threads: int) 
 
 def attempt(label: str, failures: list[str], federation: Callable[[], list[float]]) -> list[float] | None:
     """The federation's accuracies, or ``None`` with the reason appended to ``failures``: one capture federation that
-    crashes or stops early leaves the others running, and makes :func:`main` exit 1."""
+    crashes or stops early leaves the others running, and makes `main` exit 1."""
     try:
         return federation()
     except Exception as exc:

@@ -17,7 +17,7 @@ A user's own LightningModule and data module run the same way (``--model``, ``--
 Both jobs are NVFlare's ScatterAndGather with the bundle's Lightning client and the same settings; ``he`` adds
 NVFlare's HE encryptor/decryptor filters, accumulating aggregator and shareable generator. The runs alternate
 (plain, he, plain, he, ...) on the same started server and sites. From each run's ``metrics/round_metrics.jsonl``
-(:class:`controllers.secure_aggregation.RoundRecorder`): seconds per round (the server's ROUND_STARTED -> ROUND_DONE,
+(`controllers.secure_aggregation.RoundRecorder`): seconds per round (the server's ROUND_STARTED -> ROUND_DONE,
 less the seconds the recorder spent measuring sizes), bytes of each site's result and of the global model sent down,
 as NVFlare serialises them. Round 1 (index 0) is reported apart: it includes every site's client start-up, and its
 global model goes down unencrypted in both jobs. Afterwards site-1 decrypts every HE run's final global model with its

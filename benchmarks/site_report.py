@@ -1,10 +1,10 @@
 """The per-site report of a personalization grid scored on the sites' TEST splits: "does joining help my site?".
 
 A cell (one method, one partition, one partition seed, one training seed) records what each site of a real job
-reports after its last round (:func:`cell_scores`): the test accuracy of the global model, the site's personal model,
+reports after its last round (`cell_scores`): the test accuracy of the global model, the site's personal model,
 its in-job local-only model (``--local-baseline``: same model, optimizer and local steps, never sent) and the model
 it kept (``--keep best``: the candidate best on the site's validation split), which candidate it kept, and the sizes
-of its training, validation and test splits. The page (:func:`report_lines`) gives, per setting (a partition and
+of its training, validation and test splits. The page (`report_lines`) gives, per setting (a partition and
 one partition seed: the site data are fixed within it, only the training seed varies):
 
 - one row per method: mean site test accuracy of every candidate, kept - local-only with its 95 % t-interval

@@ -17,7 +17,7 @@ a pair). For a candidate model A (the kept, personal or global model) against th
   otherwise. With one run there is no interval (half-width infinity): no gain or loss can be claimed.
 
 The target (with ``--keep best``): no (site, run) pair's kept test accuracy is below its local-only model by more than
-:data:`TOLERANCE` (3 points), and the mean kept accuracy over all pairs is at least the mean local-only accuracy.
+`TOLERANCE` (3 points), and the mean kept accuracy over all pairs is at least the mean local-only accuracy.
 
 The t quantile comes from scipy (installed with scikit-learn, the ``digits`` extra), imported on first use.
 """

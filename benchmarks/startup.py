@@ -200,7 +200,7 @@ T1_EXPORT = (
 
 
 def t1_job(preset: str | None, overrides: Mapping[str, object]) -> tuple[str, dict[str, object]]:
-    """The -t 1 job's (preset, settings) for :data:`T1_EXPORT`: the tiny job's settings unless a preset is named."""
+    """The -t 1 job's (preset, settings) for `T1_EXPORT`: the tiny job's settings unless a preset is named."""
     return (preset or "", dict(overrides) if preset else {**TINY_T1_JOB, **overrides})
 
 
@@ -217,7 +217,7 @@ def nvflare_command(python: str) -> str:
 def simulate_t1(
     version: Version, preset: str | None = None, overrides: Mapping[str, object] | None = None
 ) -> list[dict[str, float]]:
-    """``nvflare simulator -n 3 -t 1`` of a 2-round job (:func:`t1_job`); per client-round NVFlare's and the
+    """``nvflare simulator -n 3 -t 1`` of a 2-round job (`t1_job`); per client-round NVFlare's and the
     script's seconds."""
     name, settings = t1_job(preset, overrides or {})
     scratch = version.workspace.parent

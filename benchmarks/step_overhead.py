@@ -1,7 +1,7 @@
 """Per-step cost of each client algorithm relative to plain SGD, and of NVFlare's built-in Lightning SCAFFOLD/FedProx.
 
 What is measured: the wall time of one training step inside a real ``pl.Trainer.fit`` of
-:class:`lightning_modules.FLClassifier`, from ``on_train_batch_start`` to the end of ``on_train_batch_end``: forward,
+`lightning_modules.FLClassifier`, from ``on_train_batch_start`` to the end of ``on_train_batch_end``: forward,
 loss, metrics and logging, backward, the algorithm's hooks, the optimizer step and, for NVFlare's handlers, their
 ``on_train_batch_end`` work. That is what a user pays per optimizer step. Loading the batch, moving it to the device
 and the once-per-round work (snapshots, state files, meta) are outside the timed region.
@@ -9,8 +9,8 @@ and the once-per-round work (snapshots, state files, meta) are outside the timed
 Variants, all on the same model (same ``init_seed``), the same batch and the same SGD settings:
 
 - ``fedavg`` (ours): FLClassifier with the base client algorithm, i.e. plain local SGD. Every ratio divides by it;
-- every other name in :data:`lightning_modules.algorithms.CLIENT_ALGORITHMS` at run time, driven through the hooks
-  of the :class:`lightning_modules.federated.FederatedAlgorithm` callback (its round started with a synthetic
+- every other name in `lightning_modules.algorithms.CLIENT_ALGORITHMS` at run time, driven through the hooks
+  of the `lightning_modules.federated.FederatedAlgorithm` callback (its round started with a synthetic
   round-0 server meta; variants whose meta keys this file does not know are skipped with a note);
 - NVFlare's built-in SCAFFOLD and FedProx: the plain FLClassifier with NVFlare 2.9's
   ``nvflare.app_opt.lightning.algorithm._AlgorithmHandlerManager``, activated by the meta keys ``scaffold_c_global``
@@ -263,7 +263,7 @@ class LightningDefault(Variant):
 
 
 class Ours(Variant):
-    """One of our client algorithms, driven through the hooks of its :class:`FederatedAlgorithm` callback."""
+    """One of our client algorithms, driven through the hooks of its `FederatedAlgorithm` callback."""
 
     impl = "ours"
 

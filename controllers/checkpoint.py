@@ -2,7 +2,7 @@
 
 The rule state is written next to the global model after every round (docs/design.md, decision 5), atomically, with
 ``torch.save`` of plain tensors so it loads with ``weights_only=True``. It records the round, the run id and the
-SHA-256 of the global model it belongs to, so :func:`load_resume_point` can restart a stopped job from a previous
+SHA-256 of the global model it belongs to, so `load_resume_point` can restart a stopped job from a previous
 run's server app folder (``server_state.pt`` + the persistor's ``FL_global_model.pt``) and refuse a model and a
 state that do not belong together.
 
@@ -197,7 +197,7 @@ def save_updates(path: Path, updates: Sequence[ClientUpdate], global_params: Map
 
 @dataclass(frozen=True)
 class RoundCapture:
-    """What :func:`save_updates` wrote for one round, read back."""
+    """What `save_updates` wrote for one round, read back."""
 
     global_params: dict[str, np.ndarray]
     site_params: dict[str, dict[str, np.ndarray]]
@@ -205,7 +205,7 @@ class RoundCapture:
 
 
 def load_updates(path: Path) -> RoundCapture:
-    """Read a round's ``.npz`` written by :func:`save_updates`."""
+    """Read a round's ``.npz`` written by `save_updates`."""
     with np.load(path) as data:
         arrays = {name: data[name] for name in data.files}
     capture = RoundCapture(global_params={}, site_params={}, site_samples={})

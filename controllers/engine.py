@@ -2,17 +2,17 @@
 
 Both ways of running a federation drive this class, so a benchmark table comes from the code a job runs:
 
-- :class:`controllers.fedalg_controller.FedAlgController` (NVFlare) gives it a transport that calls
+- `controllers.fedalg_controller.FedAlgController` (NVFlare) gives it a transport that calls
   ``send_model_and_wait`` and a host that saves the model through the persistor, writes the rule-state checkpoint
   and appends ``round_metrics.jsonl``;
-- :class:`InProcessTransport` runs sites as plain callables in this process (``controllers/in_process.py`` plugs in
+- `InProcessTransport` runs sites as plain callables in this process (``controllers/in_process.py`` plugs in
   the same Lightning site round as the NVFlare client script; the robustness benchmark uses it).
 
 What the engine guarantees, whatever the rule does:
 
 - a client result is used only after every check passed: parameter keys, shapes, dtypes and finite values, a valid
   sample count, the meta the rule requires, no NVFlare-reserved algorithm keys, a usable ``train.param_keys`` that
-  agrees with the round's trainable set (the set most sites report, see :meth:`RoundEngine.validate`), and the
+  agrees with the round's trainable set (the set most sites report, see `RoundEngine.validate`), and the
   rule's own ``update_problems``. A failing site is rejected by name with every reason; the others go on;
 - no exception raised by the rule (site selection, broadcast meta, update checks, aggregation, or a malformed
   value it returns) ends the job: the round is recorded as failed with the rule's name and the exception, and the
@@ -24,7 +24,7 @@ What the engine guarantees, whatever the rule does:
 - every round, aggregated or failed, is handed to the host to persist. A failed round is a completed round: the
   federation moves on to the next round with the model unchanged, so the checkpoint says which round was last
   *attempted* (and, separately, which was last *aggregated*) and a resumed job continues after the attempted one,
-  exactly as an uninterrupted run would (see :func:`controllers.checkpoint.load_resume_point`).
+  exactly as an uninterrupted run would (see `controllers.checkpoint.load_resume_point`).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class Transport(Protocol):
 
 
 class Host:
-    """Where the engine's outputs go. The defaults keep nothing and log through :mod:`logging`; the NVFlare
+    """Where the engine's outputs go. The defaults keep nothing and log through `logging`; the NVFlare
     controller and the in-process runner override what they need."""
 
     def persist(
@@ -133,7 +133,7 @@ def validate_result(
     rule_check: Callable[[ClientUpdate], list[str]] | None = None,
     round_num: int | None = None,
 ) -> ClientUpdate | Rejection:
-    """The checked :class:`ClientUpdate` of one site, or every reason it cannot be used (module docstring).
+    """The checked `ClientUpdate` of one site, or every reason it cannot be used (module docstring).
 
     With ``round_num``, a result that says it was trained in another round (``train.round``) is refused: it was
     computed from another global model (a late or replayed result). A result that does not say is not refused.
@@ -209,11 +209,11 @@ class RoundEngine:
         seed: seeds the site sampling (rules with their own selection get it too).
         rule_label: the rule name broadcast to clients (``server.rule``) and used in messages; the rule's own
             ``name`` when ``None``.
-        observers: called before each aggregation with the accepted updates (see :data:`RoundObserver`).
+        observers: called before each aggregation with the accepted updates (see `RoundObserver`).
         local_keys: entries that never leave the sites (``--local-keys``: FedPer, FedBN, FedRep's head). The rule,
             the validation, the key agreement, the observers and every distance see the other entries only; the
             global model keeps its initial values for these, untouched by every rule, so a server-side evaluation
-            of the global model uses the initial values for them (said in every record, :data:`LOCAL_EVAL_FIELD`);
+            of the global model uses the initial values for them (said in every record, `LOCAL_EVAL_FIELD`);
             a site that sends one is rejected by name (docs/personalization.md, "Partial sharing").
     """
 
@@ -408,7 +408,7 @@ class RoundEngine:
         return {LOCAL_EVAL_FIELD: "initial"} if self.local_keys else {}
 
     def broadcast_meta(self, round_num: int, state: Mapping[str, Any], run_id: str) -> dict[str, Any]:
-        """The wire contract's :class:`aggregators.wire.RoundInfo` (what sites parse with ``RoundInfo.from_meta``)
+        """The wire contract's `aggregators.wire.RoundInfo` (what sites parse with ``RoundInfo.from_meta``)
         plus the rule's own broadcast (e.g. SCAFFOLD's global control), which may not overwrite it."""
         rule_meta = self._call("broadcast_meta", lambda: dict(self.rule.broadcast_meta(state)))
         confirmed = None if self.last_aggregated is None else dict(self.last_aggregated)
@@ -424,9 +424,9 @@ class RoundEngine:
     ) -> tuple[list[ClientUpdate], list[Rejection]]:
         """Accepted updates sorted by site (aggregation never depends on arrival order) and the rejections.
 
-        Three passes: every result on its own (:func:`validate_result`; a second result from a site already seen is
+        Three passes: every result on its own (`validate_result`; a second result from a site already seen is
         rejected, a site counts once per round); then the round's trainable set: the ``train.param_keys`` most of
-        the remaining sites report (:func:`aggregators.deltas.agreed_param_keys`, which says why the majority is
+        the remaining sites report (`aggregators.deltas.agreed_param_keys`, which says why the majority is
         the job's), rejecting by name every site whose set differs or that reports none while others do; then the
         rule's own checks, which therefore only see updates that agree on the trainable set (SCAFFOLD's round-1
         control check relies on it).

@@ -14,7 +14,7 @@ from lightning_modules.evaluation import evaluate_classifier
 
 
 class TestSetEvaluator:
-    """Builds the same :class:`FLClassifier` as the clients and scores global parameters on the test split.
+    """Builds the same `FLClassifier` as the clients and scores global parameters on the test split.
 
     ``max_test_samples`` keeps the first n test samples (the published order) for quick runs; ``None`` uses all.
     The data is loaded on first use so that building the job does not need it.

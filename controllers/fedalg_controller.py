@@ -1,15 +1,15 @@
-"""The NVFlare side of the server: a thin adapter that runs :class:`controllers.engine.RoundEngine` in NVFlare.
+"""The NVFlare side of the server: a thin adapter that runs `controllers.engine.RoundEngine` in NVFlare.
 
-Built on NVFlare's :class:`ModelController`. All round logic lives in the framework-free engine (select sites,
-broadcast, validate, aggregate through a pure rule from :mod:`aggregators`, record); this class only
+Built on NVFlare's `ModelController`. All round logic lives in the framework-free engine (select sites,
+broadcast, validate, aggregate through a pure rule from `aggregators`, record); this class only
 
 1. gives the engine a transport that sends the global model as an ``FLModel`` with ``send_model_and_wait`` and
-   turns the returned ``FLModel`` results into :class:`controllers.engine.SiteResult`,
+   turns the returned ``FLModel`` results into `controllers.engine.SiteResult`,
 2. persists every round's global model (persistor) and rule state (``server_state.pt``; also after a round that
-   did not aggregate, see :mod:`controllers.checkpoint` for what resume does then),
+   did not aggregate, see `controllers.checkpoint` for what resume does then),
 3. evaluates the global model on the test split and appends one JSON line per round to
    ``metrics/round_metrics.jsonl`` (with where the round's wall time went: ``train_wait_s``, ``evaluate_s``,
-   ``persist_s``; see :data:`ROUND_TIMING_KEYS`), and logs through NVFlare's component logger.
+   ``persist_s``; see `ROUND_TIMING_KEYS`), and logs through NVFlare's component logger.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ STATE_FILE = "server_state.pt"
 ROUND_DEFAULTS = RoundSettings()
 SEED_DEFAULT = DataSettings().seed
 #: Seconds between the server's checks whether a round's results are all in (NVFlare's ``task_check_period``).
-#: NVFlare's 0.5 s default (0.2 s in effect, see :meth:`FedAlgController.set_communicator`) is waiting added to
+#: NVFlare's 0.5 s default (0.2 s in effect, see `FedAlgController.set_communicator`) is waiting added to
 #: every round, twice (the task monitor, then the wait for it); a check is a lock and a scan of the open tasks and
 #: of the sites' liveness, so 50 a second cost nothing measurable (docs/deployment.md, section 9).
 TASK_CHECK_PERIOD = 0.02
@@ -71,11 +71,11 @@ def to_numpy_params(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
 
 
 class FedAlgController(ModelController):
-    """Federated rounds driven by an aggregation rule from :data:`aggregators.RULES`.
+    """Federated rounds driven by an aggregation rule from `aggregators.RULES`.
 
     The arguments that are job settings (all but ``evaluator_id``, ``companions``, ``persistor_id`` and
     ``task_check_period``) default to, and are checked against, their one declaration in ``jobs/settings.py``
-    (:func:`check_round_settings`): a bad value is refused when NVFlare builds the controller, with one line naming
+    (`check_round_settings`): a bad value is refused when NVFlare builds the controller, with one line naming
     the setting, the value and what is allowed, never at the first round.
 
     Args:
@@ -100,7 +100,7 @@ class FedAlgController(ModelController):
             and write their scores on their own validation splits to ``<run dir>/metrics/final_site_scores.json``.
         local_keys: the entries that never leave the sites, as the job builder resolved ``--local-keys`` (FedPer,
             FedBN, FedRep's head): the rule sees the other entries only and the global model keeps its initial
-            values for these (:class:`controllers.engine.RoundEngine`; docs/personalization.md, "Partial sharing").
+            values for these (`controllers.engine.RoundEngine`; docs/personalization.md, "Partial sharing").
     """
 
     def __init__(
@@ -273,7 +273,7 @@ class FedAlgController(ModelController):
         state: dict[str, Any],
         evaluator: Any,
     ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-        """One round through the engine (what :meth:`run` does per round); the next global model and rule state."""
+        """One round through the engine (what `run` does per round); the next global model and rule state."""
         outcome = self._round_engine().run_round(
             round_num,
             population,
@@ -305,13 +305,13 @@ CONTROLLER_NAMES = {"server": "rule (job setting 'server')", "server_args": "rul
 
 def check_round_settings(**values: Any) -> None:
     """Refuse the controller's settings, given by their names in ``jobs/settings.py`` (``server`` is the rule,
-    ``server_args`` its arguments), with the builder's one-line :class:`jobs.settings.JobBuildError` (a
+    ``server_args`` its arguments), with the builder's one-line `jobs.settings.JobBuildError` (a
     ``ValueError``) naming the setting, the value and what is allowed.
 
     Each value is checked against its declaration (type, finiteness, range), then what can be checked without the
     population: ``clients_per_round`` must be a count or a fraction in (0, 1], and a round must be able to wait
     for ``min_responses`` and accept ``min_accepted`` results. The rule's name and arguments are left to
-    :func:`aggregators.build_rule`, which names the valid ones.
+    `aggregators.build_rule`, which names the valid ones.
     """
     try:
         check_settings(SimpleNamespace(**values), (RoundSettings, DataSettings), registries=False)

@@ -9,8 +9,8 @@ takes it instead, with the bundle's own rule, on the same numbers:
 - round 0: the received model is the initial one (NVFlare's ScatterAndGather sends it in clear). It is x_0; the
   moments are empty and the step counter 0. Stored, and trained from.
 - round r >= 1: the received model is ybar_{r-1}, decrypted by NVFlare's ``HEModelDecryptor`` just before
-  :class:`SiteOptimizerStep` runs. With the stored x_{r-1} and state, x_r = FedOpt(x_{r-1}, ybar_{r-1}, state):
-  :meth:`aggregators.fedopt.FedOpt.aggregate` with ybar as the single update of weight 1, which is the rule's
+  `SiteOptimizerStep` runs. With the stored x_{r-1} and state, x_r = FedOpt(x_{r-1}, ybar_{r-1}, state):
+  `aggregators.fedopt.FedOpt.aggregate` with ybar as the single update of weight 1, which is the rule's
   pseudo-gradient sum_i p_i (y_i - x) since sum_i p_i = 1. x_r and the new state are stored, and x_r replaces
   ybar as the model the site trains from.
 - the same round again (a site restarted after storing x_r): the stored x_r, provided the received model is the
@@ -24,14 +24,14 @@ job from round 0) is refused in one line naming the site: it cannot rebuild x fr
 Every site must hold the same x and moments. The step is deterministic: CKKS decryption of the same ciphertext with
 the same secret key gives the same numbers (checked, tests/controllers/test_ctl_he_fedopt.py), every site receives
 the same ciphertext, and the rule's numpy arithmetic is elementwise IEEE float32. Should two sites still disagree
-(another TenSEAL or numpy build, a site that trained from a stale store), :class:`SiteOptimizerDigest` sends a
-16-hex digest of (x_r, m, v, step) with every result, and the server's :class:`SiteOptimizerConsensus` stops the job
+(another TenSEAL or numpy build, a site that trained from a stale store), `SiteOptimizerDigest` sends a
+16-hex digest of (x_r, m, v, step) with every result, and the server's `SiteOptimizerConsensus` stops the job
 before it aggregates a round whose sites trained from different models, naming the sites that differ from the
 majority. The digest is a SHA-256 of values that every site holds; it tells the server whether the sites agree, not
 what x is (only someone who can already guess x bit for bit could confirm it).
 
 The server's saved global model is the last mean ybar_{T-1}; the FedOpt model x_T is one more step at a site:
-:meth:`SiteOptimizer.final_model` (``python -m jobs.fedopt_final``).
+`SiteOptimizer.final_model` (``python -m jobs.fedopt_final``).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class SiteOptimizerError(RuntimeError):
 
 
 def digest(*parts: Any) -> str:
-    """SHA-256 (first :data:`DIGEST_CHARS` hex characters) of numbers and models (mappings of arrays, taken in key
+    """SHA-256 (first `DIGEST_CHARS` hex characters) of numbers and models (mappings of arrays, taken in key
     order with each entry's name, dtype and shape)."""
     hasher = hashlib.sha256()
     for part in parts:
@@ -345,7 +345,7 @@ class SiteOptimizerDigest(DXOFilter):
 
 class SiteOptimizerConsensus(FLComponent):
     """Server: before each aggregation, every accepted result must carry the same state digest
-    (:func:`divergence_problem`); otherwise the job stops (NVFlare's system panic) with that one line."""
+    (`divergence_problem`); otherwise the job stops (NVFlare's system panic) with that one line."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -1,16 +1,16 @@
 """A job's federation run in this process: the round engine with the client script's site rounds, no NVFlare.
 
-Given the :class:`jobs.build.JobSpec` a job folder is built from, :func:`run_in_process` uses what the NVFlare job
+Given the `jobs.build.JobSpec` a job folder is built from, `run_in_process` uses what the NVFlare job
 uses, piece by piece:
 
 - the server: the same rule and companions (``compose(build_rule(...), companion_rules(spec))``), the same
-  :class:`controllers.engine.RoundEngine` (sampling, broadcast meta, validation, aggregation, failure handling),
+  `controllers.engine.RoundEngine` (sampling, broadcast meta, validation, aggregation, failure handling),
   the same initial model (``FLClassifier(..., init_seed=seed)``, what the job's persistor builds) and the same
-  :class:`controllers.evaluator.TestSetEvaluator`;
+  `controllers.evaluator.TestSetEvaluator`;
 - every site: the client script's own options (``client_script_args(spec)`` parsed by ``jobs.client``'s parser),
-  its simulation shard (``site_split``), and :class:`lightning_modules.site.SiteRound`, the round the client script
-  runs, with :class:`lightning_modules.site.LocalExchange` in place of NVFlare's FLCallback. Client algorithm
-  state goes to a per-site :class:`ClientStateStore` under ``state_root``.
+  its simulation shard (``site_split``), and `lightning_modules.site.SiteRound`, the round the client script
+  runs, with `lightning_modules.site.LocalExchange` in place of NVFlare's FLCallback. Client algorithm
+  state goes to a per-site `ClientStateStore` under ``state_root``.
 
 So the global model of every round is bit-identical to the simulator's (``tests/e2e/test_e2e_engine_equivalence.py``
 checks FedAvg, SCAFFOLD with partial participation and the median), at a fraction of the time: no processes, no
@@ -40,7 +40,7 @@ from lightning_modules.state_store import ClientStateStore
 
 
 class RecordingHost(Host):
-    """Keeps every metrics line in memory (:attr:`records`) and scores the global model with ``evaluator``."""
+    """Keeps every metrics line in memory (`records`) and scores the global model with ``evaluator``."""
 
     def __init__(self, evaluator: Any | None = None) -> None:
         self.evaluator = evaluator

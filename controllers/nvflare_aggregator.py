@@ -21,10 +21,10 @@ and checked together when the round aggregates, with the round engine's validati
 sample count, one result per site, the round's agreed ``train.param_keys``): a bad site is left out by name and the
 round goes on. The keys and shapes they are checked against are those of the model this aggregator last returned
 (the global model: NVFlare's FedAvg replaces it with a FULL update); before any round aggregated, those most of the
-round's results carry (:func:`majority_signature`), so no single result, the first to arrive included, defines
+round's results carry (`majority_signature`), so no single result, the first to arrive included, defines
 them. A tie trusts no result and fails the round. A round that cannot aggregate (no valid result, a rule error, a
 non-finite aggregate) leaves the global model unchanged instead of ending the job
-(:meth:`RuleAggregator.aggregate_model`).
+(`RuleAggregator.aggregate_model`).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ LOCAL_KEYS_REFUSAL = (
 
 
 class RuleAggregator(ModelAggregator):
-    """A rule of :data:`aggregators.RULES` as an NVFlare ``ModelAggregator`` (module docstring)."""
+    """A rule of `aggregators.RULES` as an NVFlare ``ModelAggregator`` (module docstring)."""
 
     #: Rules whose result does not depend on the global model, with the settings under which that holds.
     EQUIVARIANT: ClassVar[dict[str, str]] = {
@@ -98,7 +98,7 @@ class RuleAggregator(ModelAggregator):
         local_keys: Sequence[str] = (),
     ) -> None:
         """``save_updates_dir``: also save every round's accepted site models and the result there (audits).
-        ``local_keys`` (partial sharing) is refused: see :data:`LOCAL_KEYS_REFUSAL`."""
+        ``local_keys`` (partial sharing) is refused: see `LOCAL_KEYS_REFUSAL`."""
         if local_keys:
             raise ValueError(f"RuleAggregator: local_keys {list(local_keys)[:5]}: {LOCAL_KEYS_REFUSAL}")
         super().__init__()
@@ -124,7 +124,7 @@ class RuleAggregator(ModelAggregator):
         self.round_num = 0
 
     def accept_model(self, model: FLModel) -> None:
-        """Keep the result; it is checked with the round's others in :meth:`aggregate_model`, so that the order in
+        """Keep the result; it is checked with the round's others in `aggregate_model`, so that the order in
         which results arrive decides nothing (module docstring)."""
         self.round_num = model.current_round or self.round_num
         self.results.append(SiteResult(result_site(model), model.params or {}, model.meta or {}))
@@ -167,8 +167,8 @@ class RuleAggregator(ModelAggregator):
         return dict(result.params)
 
     def _validate(self) -> None:
-        """Sets :attr:`updates` (sorted by site), :attr:`rejections` (each logged by site name) and
-        :attr:`reference`: zeros with the global model's keys and shapes when known, else the majority's."""
+        """Sets `updates` (sorted by site), `rejections` (each logged by site name) and
+        `reference`: zeros with the global model's keys and shapes when known, else the majority's."""
         signatures = [params_signature(r.params) for r in self.results]
         chosen, reason = (self.model_signature, "") if self.model_signature else majority_signature(signatures)
         if chosen is None:

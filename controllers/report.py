@@ -9,7 +9,7 @@ that at least one round aggregated; otherwise it prints why and exits 1 (``make 
 comes before the plot, so without matplotlib (a site install) the reason is still printed; the missing plot is then
 an error naming the extra that installs it.
 
-Jobs run with ``--keep best --local-baseline`` get one more table (:func:`kept_vs_local`): per site, from the last
+Jobs run with ``--keep best --local-baseline`` get one more table (`kept_vs_local`): per site, from the last
 round it reported them, which candidate it kept (global, personal or local-only), the kept and the local-only
 model's test accuracy, and the gain kept - local with its 95 % interval, gain +/- 1.96 SE (the normal approximation
 of the paired per-sample difference on the site's test split, lightning_modules/keep_best.py). An interval that

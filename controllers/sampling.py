@@ -54,7 +54,7 @@ def sample_sites(population: Sequence[str], count: int, seed: int, round_num: in
 def select_round_sites(
     rule: Any, population: Sequence[str], count: int, state: Mapping[str, Any], seed: int, round_num: int
 ) -> tuple[list[str], Mapping[str, Any]]:
-    """The round's sites: the rule's own ``select_sites`` when it has one, else :func:`sample_sites`. The one site
+    """The round's sites: the rule's own ``select_sites`` when it has one, else `sample_sites`. The one site
     selection: the round engine calls it (and turns anything it raises into a failed round naming the rule).
 
     A rule that selects (FedMoS: by data share) returns ``(sites, state)``; the state carries the aggregation

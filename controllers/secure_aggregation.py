@@ -1,16 +1,16 @@
 """The two NVFlare components the sum-type workflow adds around NVFlare's own ones (jobs/secure_aggregation.py).
 
-- :class:`SampleCountWeight` (site, task-result filter before NVFlare's ``HEModelEncryptor``): NVFlare weights each
+- `SampleCountWeight` (site, task-result filter before NVFlare's ``HEModelEncryptor``): NVFlare weights each
   result by its ``NUM_STEPS_CURRENT_ROUND`` meta (the encryptor multiplies the update by it before encrypting, the
   aggregator divides the sum by the total); this filter sets it to the site's ``train.num_samples``, the bundle's
   FedAvg weight (docs/design.md, decision 6), so the HE job averages as the bundle's FedAvg does.
-- :class:`SumWorkflowRound` (site, task-data filter of a DP-SGD job, after NVFlare's ``HEModelDecryptor``): the round
+- `SumWorkflowRound` (site, task-data filter of a DP-SGD job, after NVFlare's ``HEModelDecryptor``): the round
   meta the site's privacy ledger keys on, which ``ScatterAndGather`` does not send as the bundle's controller does:
   ``server.run_id`` is the NVFlare job id of the site's own job process, ``server.round`` and ``server.num_rounds``
   are the round and planned rounds NVFlare's task headers carry (``ScatterAndGather`` sets both). No
   ``server.last_released``: that server does not track releases, and the ledger's rule for such a server applies
   (lightning_modules/privacy/ledger.py).
-- :class:`RoundRecorder` (server): one JSON line per round in ``metrics/round_metrics.jsonl`` (the file the bundle's
+- `RoundRecorder` (server): one JSON line per round in ``metrics/round_metrics.jsonl`` (the file the bundle's
   controller writes and ``python -m jobs.provision.loopback`` checks): wall seconds, the sites whose result was
   accepted, the bytes of every result as it travels (NVFlare's own serialisation; a TenSEAL vector goes with its
   public context through NVFlare's HE decomposer), the bytes of the global model's weights sent down, how many
@@ -107,7 +107,7 @@ def private_ciphertexts(data: Any) -> int:
 
 
 def site_scores(site: str, meta: Any) -> ClientUpdate:
-    """A result's ``eval.*`` scores and FedAvg weight, as :func:`controllers.engine.site_eval_summary` takes them
+    """A result's ``eval.*`` scores and FedAvg weight, as `controllers.engine.site_eval_summary` takes them
     (no parameters: under HE the server has none in clear)."""
     meta = dict(meta or {})
     scores = {k: v for k, v in meta.items() if meta_keys.eval_metric(k) is not None}

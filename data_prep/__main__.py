@@ -1,4 +1,4 @@
-"""``python -m data_prep``: see :mod:`data_prep.cli`."""
+"""``python -m data_prep``: see `data_prep.cli`."""
 
 from data_prep.cli import main
 

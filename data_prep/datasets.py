@@ -82,7 +82,7 @@ class ArrayDataset:
     num_classes
         Number of classes.
     name
-        Canonical dataset name, one of :data:`DATASETS`.
+        Canonical dataset name, one of `DATASETS`.
     """
 
     train_x: np.ndarray
@@ -113,7 +113,7 @@ def load_dataset(name: str, data_dir: str | None = None) -> ArrayDataset:
     Parameters
     ----------
     name
-        One of :data:`DATASETS`.
+        One of `DATASETS`.
     data_dir
         Where the files are. ``fashion_mnist``: the IDX directory (default: ``$FASHION_MNIST_DIR``, then
         ``/usr/share/datasets/fashion-mnist``). ``mnist``: a directory holding ``mnist.pkl.gz`` (default: the installed

@@ -1,6 +1,6 @@
 """The one exception type of ``data_prep``.
 
-Every user-facing failure (bad name, missing file, impossible partition) raises :class:`DataPrepError` with a
+Every user-facing failure (bad name, missing file, impossible partition) raises `DataPrepError` with a
 single-line message that says what is wrong and how to fix it, so the CLI and the NVFlare client can show it
 without a traceback.
 """

@@ -2,10 +2,10 @@
 
 A person's genotype at a biallelic SNP is one of three *states*: 0, 1 or 2 copies of the SNP's alternative allele
 (the "dosage"). Models here read the state as a token (an embedding of 4 states: the three dosages and
-:data:`MISSING`), so a missing call is kept as its own state rather than guessed.
+`MISSING`), so a missing call is kept as its own state rather than guessed.
 
 The allele coding must be the same at every site, or the same person would be encoded differently at two hospitals.
-It is therefore fixed by a :class:`SnpTable` (SNP ids with their reference and alternative alleles) that the
+It is therefore fixed by a `SnpTable` (SNP ids with their reference and alternative alleles) that the
 consortium agrees on and ships with the job, never derived from one site's data. For the public panel below, the
 table is derived once from the whole panel: the two alleles seen at each SNP, in alphabetical order.
 
@@ -18,7 +18,7 @@ named ``data`` make installing it unsuitable, so the set-up (``scripts/setup_env
 
 Bad input gets one line naming the site and the SNP(s): a genotype string that is not two alleles of the SNP
 (non-biallelic or unknown), a SNP whose panel has more than two alleles, a site whose SNP set differs from the
-table's. Missing calls (:data:`MISSING_CALLS`) become the :data:`MISSING` state (documented imputation: the model
+table's. Missing calls (`MISSING_CALLS`) become the `MISSING` state (documented imputation: the model
 learns what a missing call means; nothing is invented).
 """
 

@@ -34,10 +34,10 @@ ICDE 2022, arXiv:2102.02079):
     ``min_samples`` samples).
 ``small_sites``
     Quantity skew with a few small sites beside large ones (the harnesses' ``qty<beta>``). Labels stay IID. With
-    ``share`` = beta (passed as ``alpha`` through :func:`partition`), the first ``s = round(beta * num_sites)``
+    ``share`` = beta (passed as ``alpha`` through `partition`), the first ``s = round(beta * num_sites)``
     sites (site-1 .. site-s; 1 <= s < num_sites; halves round up) are small: small site ``k`` (k = 0 .. s - 1)
     holds ``round(50 + 100 k / (s - 1))`` samples, i.e. sizes evenly spaced from 50 to 150
-    (:data:`SMALL_SITE_SIZES`; one small site holds 100). The other sites share the remaining samples near-equally
+    (`SMALL_SITE_SIZES`; one small site holds 100). The other sites share the remaining samples near-equally
     (sizes differ by at most one) and each must end up larger than 150. The sizes are of the whole shard, before a
     site holds out its validation and test splits.
 """
@@ -223,7 +223,7 @@ def quantity(
 
 def small_site_sizes(num_sites: int, share: float) -> list[int]:
     """The sizes of ``small_sites``'s small sites (site-1 first): ``round(share * num_sites)`` sizes evenly spaced
-    over :data:`SMALL_SITE_SIZES` (the middle one for a single small site)."""
+    over `SMALL_SITE_SIZES` (the middle one for a single small site)."""
     if isinstance(share, bool) or not isinstance(share, int | float | np.integer | np.floating) or not 0 < share < 1:
         raise DataPrepError(f"small_sites: the share of small sites must be a number in (0, 1), got {share!r}")
     small = _round_half_up(share * num_sites)
@@ -292,7 +292,7 @@ def partition(
     classes_per_site: int = 2,
     min_samples: int = 10,
 ) -> list[np.ndarray]:
-    """Split ``range(len(labels))`` among ``num_sites`` sites with the named scheme (one of :data:`SCHEMES`).
+    """Split ``range(len(labels))`` among ``num_sites`` sites with the named scheme (one of `SCHEMES`).
 
     Parameters that a scheme does not use are ignored (``alpha`` for iid/shards, ``classes_per_site`` except
     shards/label_quantity, ``min_samples`` for iid/shards/small_sites). For ``small_sites`` ``alpha`` is the share

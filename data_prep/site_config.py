@@ -2,7 +2,7 @@
 
 A job never names a data path (docs/design.md decision 9): the same exported job runs in the simulator and on
 provisioned
-sites. The client script asks :func:`resolve_site_data` and gets one of two answers, in this order:
+sites. The client script asks `resolve_site_data` and gets one of two answers, in this order:
 
 1. ``$FEDALG_SITE_DATA`` (set in the site's environment, e.g. in its ``startup/start.sh`` shell): a site data file
    (``.npz``) or a site data config (``.json``);
@@ -11,7 +11,7 @@ sites. The client script asks :func:`resolve_site_data` and gets one of two answ
 3. only in the NVFlare simulator (its site workspace has no ``startup/fed_client.json``): the shard derived from the
    job's data settings and the site name, as before.
 
-A provisioned or POC site with none of these stops with :class:`SiteDataError` naming the site, the env var and the
+A provisioned or POC site with none of these stops with `SiteDataError` naming the site, the env var and the
 file it looked for. It never silently falls back to a derived shard, which would train on data the site does not own.
 
 Config file (JSON)::

@@ -1,9 +1,9 @@
 """Per-site data for simulated federations (docs/design.md decision 9).
 
 A site named ``site-i`` (NVFlare's simulator naming, ``i`` from 1 to ``num_sites``) derives its own training shard from
-a :class:`SiteDataConfig` alone: load the dataset, optionally take a seeded subset, partition the labels with the
+a `SiteDataConfig` alone: load the dataset, optionally take a seeded subset, partition the labels with the
 configured scheme, and keep part ``i - 1``. Every site computes the same partition, so the shards are disjoint
-without any coordination. The server evaluates on the full published test set (:func:`test_split`).
+without any coordination. The server evaluates on the full published test set (`test_split`).
 """
 
 from __future__ import annotations
@@ -66,9 +66,9 @@ class SiteDataConfig:
     Attributes
     ----------
     dataset
-        One of :data:`data_prep.DATASETS` (stored in canonical spelling).
+        One of `data_prep.DATASETS` (stored in canonical spelling).
     scheme
-        One of :data:`data_prep.SCHEMES`.
+        One of `data_prep.SCHEMES`.
     num_sites
         Number of sites in the federation.
     seed
@@ -80,7 +80,7 @@ class SiteDataConfig:
     max_train_samples
         If set, partition only a seeded random subset of this many training samples (fast tests and smoke runs).
     data_dir
-        Dataset location, passed to :func:`data_prep.load_dataset`.
+        Dataset location, passed to `data_prep.load_dataset`.
     """
 
     dataset: str

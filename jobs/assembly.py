@@ -1,9 +1,9 @@
-"""NVFlare assembly: a validated :class:`jobs.spec.JobSpec` -> an NVFlare ``FedJob`` -> a job folder.
+"""NVFlare assembly: a validated `jobs.spec.JobSpec` -> an NVFlare ``FedJob`` -> a job folder.
 
 Built with NVFlare's job API (``FedJob``, ``ScriptRunner``, ``PTModel``). The bundle's packages are declared as
 app packages, so they are not copied into the job: they must be installed on every site (``pip install .``);
-only the client script travels in ``app/custom/``, and it is a thin launcher (:data:`SITE_SCRIPT`) that calls the
-installed bundle's client, :func:`jobs.client.main`.
+only the client script travels in ``app/custom/``, and it is a thin launcher (`SITE_SCRIPT`) that calls the
+installed bundle's client, `jobs.client.main`.
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ from jobs.tracking import add_tracking, server_requirements
 
 JOBS_DIR = Path(__file__).resolve().parent
 CLIENT_SCRIPT = "client.py"
-#: What every exported job carries as its ``app/custom/client.py``: a few lines that call :func:`jobs.client.main`.
+#: What every exported job carries as its ``app/custom/client.py``: a few lines that call `jobs.client.main`.
 SITE_SCRIPT = JOBS_DIR / "site_script" / CLIENT_SCRIPT
 #: Written into every exported job's app/custom/: what the sites must have installed.
 REQUIREMENTS_FILE = "site_requirements.txt"
 APP_PACKAGES = ("aggregators", "controllers", "data_prep", "jobs", "lightning_modules")
 #: Seconds a site waits after each task before asking the server for the next one, and between asks while the
 #: server has none (NVFlare's ``server.task_request_interval``, sent to the sites with every answer). NVFlare's 2 s
-#: default is waited by every site after every round; the exported jobs use :func:`task_request_interval`.
+#: default is waited by every site after every round; the exported jobs use `task_request_interval`.
 TASK_REQUEST_INTERVAL = 0.25
 #: Idle task requests per second the server gets at most from the job's sites (sites / interval): 40/s is what
 #: NVFlare's 2 s default gives 80 sites. Larger federations get longer intervals, never longer than NVFlare's.
@@ -104,8 +104,8 @@ def _add_controller(job: Any, spec: JobSpec) -> None:
 
 
 def task_request_interval(num_sites: int) -> float:
-    """:data:`TASK_REQUEST_INTERVAL`, lengthened for many sites so that the server gets at most
-    :data:`MAX_IDLE_REQUESTS_PER_S` idle requests a second (docs/deployment.md, section 9)."""
+    """`TASK_REQUEST_INTERVAL`, lengthened for many sites so that the server gets at most
+    `MAX_IDLE_REQUESTS_PER_S` idle requests a second (docs/deployment.md, section 9)."""
     return min(NVFLARE_TASK_REQUEST_INTERVAL, max(TASK_REQUEST_INTERVAL, num_sites / MAX_IDLE_REQUESTS_PER_S))
 
 
@@ -172,7 +172,7 @@ SEEDED_USER_MODULE = "lightning_modules.own_model.seeded_user_module"
 
 
 def user_model_config(spec: JobSpec) -> dict[str, Any]:
-    """The persistor's model entry for ``spec``'s user model: built by :data:`SEEDED_USER_MODULE` with the job's
+    """The persistor's model entry for ``spec``'s user model: built by `SEEDED_USER_MODULE` with the job's
     seed, as every site builds it (NVFlare instantiates the class at ``path`` with ``args``)."""
     args = {"model": spec.model, "model_args": dict(spec.model_args), "seed": spec.seed}
     return {"path": SEEDED_USER_MODULE, "args": args}
@@ -239,7 +239,7 @@ def site_requirements(spec: JobSpec) -> str:
 
 
 def write_site_requirements(job_folder: Path, spec: JobSpec) -> None:
-    """Put :func:`site_requirements` into an exported job's ``app/custom/``."""
+    """Put `site_requirements` into an exported job's ``app/custom/``."""
     (job_folder / "app" / "custom" / REQUIREMENTS_FILE).write_text(site_requirements(spec))
 
 

@@ -4,9 +4,9 @@
     python -m jobs.build --presets                # re-export every committed jobs/<name>/ folder
     python -m jobs.build --presets --check        # fail if a committed folder differs from what is generated
 
-This module is the command line only. The settings are declared once in :mod:`jobs.settings`, validated by
-:class:`jobs.spec.JobSpec`, assembled with NVFlare's job API in :mod:`jobs.assembly`; the committed jobs are
-:mod:`jobs.presets`, diffed by :mod:`jobs.committed`. Any bad value, unknown name or impossible combination exits
+This module is the command line only. The settings are declared once in `jobs.settings`, validated by
+`jobs.spec.JobSpec`, assembled with NVFlare's job API in `jobs.assembly`; the committed jobs are
+`jobs.presets`, diffed by `jobs.committed`. Any bad value, unknown name or impossible combination exits
 with code 2 and one line naming the setting, the value and what is allowed, before anything is written.
 """
 
@@ -72,7 +72,7 @@ __all__ = [  # the builder's public names, importable from here as before the sp
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The builder's options: a few of its own, then one per job setting (:mod:`jobs.settings`)."""
+    """The builder's options: a few of its own, then one per job setting (`jobs.settings`)."""
     from aggregators import RULES
     from lightning_modules.algorithms import CLIENT_ALGORITHMS
     from lightning_modules.models import MODELS

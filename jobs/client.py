@@ -2,7 +2,7 @@
 
 The code lives here, in the installed bundle, not in the job: each exported job's ``app/custom/client.py`` is a
 thin launcher (``jobs/site_script/client.py``, copied by the builder) that imports this module and calls
-:func:`main`, so the bundle must be installed on every site (the job's ``site_requirements.txt``). This module
+`main`, so the bundle must be installed on every site (the job's ``site_requirements.txt``). This module
 still runs as a script too (``python -m jobs.client``, or its installed path for jobs without ``custom/``).
 
 Per round: receive the global model (NVFlare's FLCallback loads it into the module), train locally with
@@ -36,7 +36,7 @@ import numpy as np
 
 LOG = logging.getLogger("fedalg.client")
 
-#: The site's environment variable for :func:`shorten_client_polls` (seconds, > 0).
+#: The site's environment variable for `shorten_client_polls` (seconds, > 0).
 CLIENT_POLL_ENV = "FEDALG_CLIENT_POLL_S"
 #: NVFlare 2.9's in-process Client API checks every 0.5 s for a new task (trainer side) and for the trainer's result
 #: (executor side), and has no setting for it ("the frozen surface deliberately drops the knob"): up to 1 s of
@@ -70,7 +70,7 @@ def log_round_metrics(tracker: object, meta: dict, round_num: int) -> None:
 
 
 def client_poll_seconds(environ: Mapping[str, str] | None = None) -> float:
-    """The poll period this site asked for in ``$FEDALG_CLIENT_POLL_S``, else :data:`DEFAULT_CLIENT_POLL_S`."""
+    """The poll period this site asked for in ``$FEDALG_CLIENT_POLL_S``, else `DEFAULT_CLIENT_POLL_S`."""
     raw = (os.environ if environ is None else environ).get(CLIENT_POLL_ENV, "").strip()
     if not raw:
         return DEFAULT_CLIENT_POLL_S
@@ -109,7 +109,7 @@ def shorten_client_polls(seconds: float) -> list[str]:
 
 
 def derives_simulated_shard(workspace: Path, environ: Mapping[str, str] | None = None) -> bool:
-    """Whether :func:`data_prep.site_config.resolve_site_data` would derive the job's shard for this site (no site
+    """Whether `data_prep.site_config.resolve_site_data` would derive the job's shard for this site (no site
     data in ``$FEDALG_SITE_DATA`` or ``local/``, and a simulator workspace): the same checks, in its order."""
     from data_prep.site_config import LOCAL_CONFIG, SITE_DATA_ENV, is_simulated_site
 
@@ -143,7 +143,7 @@ def write_shard(path: Path, x: np.ndarray, y: np.ndarray) -> None:
 
 
 def site_training_data(site: str, args: argparse.Namespace, num_classes: int) -> Any:
-    """The site's training data (:func:`data_prep.site_config.resolve_site_data`). A simulated site keeps its derived
+    """The site's training data (`data_prep.site_config.resolve_site_data`). A simulated site keeps its derived
     shard in its workspace: under ``-t 1`` every client-round is a new process, and deriving the shard reads the
     whole dataset again (1.4 s and 400 MB for Fashion-MNIST); the cached arrays are the same bits."""
     from data_prep import SiteDataConfig

@@ -3,7 +3,7 @@
 Under ``--secure-aggregation he --server fedadam|fedyogi|fedadagrad|fedavgm`` the sites take the server optimizer's
 step (controllers/he_fedopt.py), so the model the server saves, ``app_server/FL_global_model.pt``, is the last
 round's encrypted weighted mean ybar_{T-1}, not FedOpt's x_T. A site turns it into x_T: it decrypts the mean with its
-own context (:func:`jobs.secure_aggregation.decrypt_global_model`) and takes one more step from the state it stored
+own context (`jobs.secure_aggregation.decrypt_global_model`) and takes one more step from the state it stored
 in the last round::
 
     python -m jobs.fedopt_final <downloaded result>/app_server/FL_global_model.pt --job jobs/my_fedadam_he \\

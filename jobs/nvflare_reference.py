@@ -11,8 +11,8 @@ Two workarounds, both on NVFlare's public API, are needed to run the bundle's cl
 1. The recipe has no "app packages" option, so its export copies a few of the bundle's modules it finds in the
    client script's imports into ``app/custom/<package>/`` (e.g. only ``lightning_modules/state_store.py``). That
    partial copy shadows the installed package (``cannot import name 'FederatedRoundCallback' from
-   'lightning_modules'``). :func:`export_reference_job` deletes those copies after ``recipe.export``: the
-   packages are installed on every site, as in :func:`jobs.build.export_job`.
+   'lightning_modules'``). `export_reference_job` deletes those copies after ``recipe.export``: the
+   packages are installed on every site, as in `jobs.build.export_job`.
 2. NVFlare keeps the client control c_i inside the ``FLCallback`` that ``flare.patch`` creates (its algorithm
    handler manager). ``jobs/client.py`` builds a fresh ``Trainer`` every round and patches it, so every round gets
    a new ``FLCallback`` and NVFlare's handler restarts from c_i = 0. Run as a script (the reference job's client
@@ -46,7 +46,7 @@ CONTROL_LOG_PREFIX = "nvflare-reference:"
 
 
 def reference_model(spec: JobSpec) -> dict[str, Any]:
-    """The same model dict as :func:`jobs.build.build_job` gives ``PTModel`` (the recipe takes ``path`` too)."""
+    """The same model dict as `jobs.build.build_job` gives ``PTModel`` (the recipe takes ``path`` too)."""
     return {
         "path": "lightning_modules.classifier.FLClassifier",
         "args": {"arch": spec.arch, "num_classes": dataset_num_classes(spec.dataset), "init_seed": spec.seed},

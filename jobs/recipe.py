@@ -10,10 +10,10 @@ NVFlare execution environment.
     run = recipe.execute(ProdEnv(startup_kit_location="/path/to/admin@org/"))   # provisioned sites
     recipe.export("/tmp/jobs")                                  # a job folder, as `python -m jobs.build` writes
 
-The recipe is a thin wrapper: its job is exactly what :func:`jobs.build.build_job` builds from a
-:class:`jobs.build.JobSpec` with the same settings, so recipes, the CLI builder and the committed ``jobs/<name>/``
+The recipe is a thin wrapper: its job is exactly what `jobs.build.build_job` builds from a
+`jobs.build.JobSpec` with the same settings, so recipes, the CLI builder and the committed ``jobs/<name>/``
 folders never disagree (tested). Unknown algorithms, meaningless combinations, bad settings and unknown keywords
-fail when the recipe is created with the builder's :class:`jobs.build.JobBuildError` and its one-line message, the
+fail when the recipe is created with the builder's `jobs.build.JobBuildError` and its one-line message, the
 valid choices included.
 """
 
@@ -41,7 +41,7 @@ class FedAlgRecipe(Recipe):
         num_rounds: federated rounds.
         min_clients: sites the job needs (NVFlare waits for this many before it starts the job; also the number of
             simulated shards).
-        **settings: any other :class:`jobs.build.JobSpec` field (data, local training, precision, sampling,
+        **settings: any other `jobs.build.JobSpec` field (data, local training, precision, sampling,
             ``min_responses``, ``train_timeout``, ``tracking="mlflow"``, ...; not ``num_sites``, which is
             ``min_clients`` here); see
             ``python -m jobs.build --help``.

@@ -4,7 +4,7 @@ What runs (docs/deployment.md, "Secure aggregation (HE)"): NVFlare's ``ScatterAn
 every site; each site trains it with the bundle's Lightning client (any client algorithm this module admits; the
 built-in models, or the user's LightningModule and data module, ``--model``/``--data``, which the job ships to the
 server's persistor and to the sites as any ``--model`` job does), its result filters set the FedAvg weight
-(:class:`controllers.secure_aggregation.SampleCountWeight`) and NVFlare's ``HEModelEncryptor`` multiplies the weights
+(`controllers.secure_aggregation.SampleCountWeight`) and NVFlare's ``HEModelEncryptor`` multiplies the weights
 by it and encrypts them with the site's TenSEAL CKKS context; the server's
 ``HEInTimeAccumulateWeightedAggregator`` adds the ciphertexts and scales the sum by 1 / (total weight), its
 ``HEModelShareableGenerator`` keeps the encrypted global model, ``HEModelSerializeFilter`` lets the persistor save it;
@@ -17,7 +17,7 @@ wiring of NVFlare's ``FedAvgRecipeWithHE`` (tested), with the bundle's client, w
 filters but the weight: the baseline HE's cost is measured against, and a way to try a job in the simulator.
 
 Only sums can be formed this way; FedOpt's server optimizers step at the sites, on the decrypted mean
-(controllers/he_fedopt.py). :func:`secure_aggregation_problem` refuses at build time, one line each, every
+(controllers/he_fedopt.py). `secure_aggregation_problem` refuses at build time, one line each, every
 setting that needs the individual updates at the server or a workflow other than a weighted sum.
 """
 

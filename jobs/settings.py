@@ -3,11 +3,11 @@
 Each group of settings is a frozen dataclass whose fields carry their own metadata (help, bounds, where the
 setting is used). Everything else is derived from these declarations:
 
-- :class:`jobs.spec.JobSpec` (the flat spec of a job, used by ``python -m jobs.build`` and the recipe) inherits
+- `jobs.spec.JobSpec` (the flat spec of a job, used by ``python -m jobs.build`` and the recipe) inherits
   every group, so a setting is a field of the spec without being written again;
-- the options of ``python -m jobs.build`` and of the client script ``jobs/client.py`` (:func:`add_arguments`);
-- the command line the builder hands every site's client script (:func:`jobs.spec.client_script_args`);
-- the per-value checks (:func:`setting_problem`): type, finiteness, ranges, ``Literal`` options.
+- the options of ``python -m jobs.build`` and of the client script ``jobs/client.py`` (`add_arguments`);
+- the command line the builder hands every site's client script (`jobs.spec.client_script_args`);
+- the per-value checks (`setting_problem`): type, finiteness, ranges, ``Literal`` options.
 
 This module imports only the standard library, so the client script can use it on a site before (and without)
 importing torch, Lightning or NVFlare's job API.
@@ -586,7 +586,7 @@ def registry_problem(spec_field: dataclasses.Field, value: Any) -> str | None:
 
 
 def check_settings(values: Any, groups: Sequence[type] = JOB_GROUPS, *, registries: bool = True) -> None:
-    """Raise :class:`JobBuildError` for the first field of ``values`` (an object with the fields as attributes)
+    """Raise `JobBuildError` for the first field of ``values`` (an object with the fields as attributes)
     that its declaration refuses."""
     for spec_field, kind in setting_fields(groups):
         if not hasattr(values, spec_field.name):
@@ -666,7 +666,7 @@ def add_arguments(
     """Add one option per field of ``groups`` used on ``sides``, in an argument group per settings group.
 
     ``json_as_text``: JSON settings stay text (the client script parses them itself). Options are not checked by
-    argparse beyond their type: :func:`check_settings` checks values, so every entry point words errors alike.
+    argparse beyond their type: `check_settings` checks values, so every entry point words errors alike.
     """
     for group in groups:
         title = group.__name__.removesuffix("Settings")

@@ -1,5 +1,5 @@
 """The user's package folders shipped with a job (``--ship``): which they are, and importable while the builder
-checks the job as a site will see it. Apart from :mod:`jobs.spec` so that the user-code checks can use them without an
+checks the job as a site will see it. Apart from `jobs.spec` so that the user-code checks can use them without an
 import circle (tests/test_import_graph.py)."""
 
 from __future__ import annotations

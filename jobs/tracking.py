@@ -40,7 +40,7 @@ TRACKING_EXTRA = "nvflare-noniid[tracking]"
 
 
 class TrackingChoice(Protocol):
-    """The settings this module reads (a :class:`jobs.spec.JobSpec` has them)."""
+    """The settings this module reads (a `jobs.spec.JobSpec` has them)."""
 
     name: str
     client: str

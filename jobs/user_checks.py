@@ -1,11 +1,11 @@
 """Build-time checks of a job with the user's own model and data (``--model``, ``--data``): what the job's client
 algorithm and server rule need from them, refused before anything is written wherever it is knowable.
 
-Knowable here: settings that have no effect with a user model (:data:`NO_EFFECT_WITH_MODEL`); whether the data
+Knowable here: settings that have no effect with a user model (`NO_EFFECT_WITH_MODEL`); whether the data
 class defines ``train_dataloader`` and can be built from ``--data-args`` (each site adds ``site`` and
 ``num_sites``); whether the shipped packages import with nothing but themselves and the installed packages, as
-on a site (:func:`site_import_problem`); whether the model (built with ``--model-args``) has what the client
-algorithm declares it needs (:mod:`lightning_modules.protocols`); and which optimizer its
+on a site (`site_import_problem`); whether the model (built with ``--model-args``) has what the client
+algorithm declares it needs (`lightning_modules.protocols`); and which optimizer its
 ``configure_optimizers()`` returns, when it returns one without a trainer. A ``configure_optimizers`` that needs the
 trainer is skipped here: the site refuses the same problem when the round starts, with the site's name.
 """
@@ -54,7 +54,7 @@ NO_EFFECT_WITH_MODEL: dict[str, str] = {
 
 
 def check_user_job(spec: Any, module: pl.LightningModule) -> None:
-    """Raise :class:`JobBuildError` (one line naming the path) for the first problem of ``spec``'s user code;
+    """Raise `JobBuildError` (one line naming the path) for the first problem of ``spec``'s user code;
     ``module`` is the model the builder already built from ``spec.model`` and ``spec.model_args``."""
     problem = (
         ignored_setting_problem(spec)
@@ -67,7 +67,7 @@ def check_user_job(spec: Any, module: pl.LightningModule) -> None:
 
 
 def ignored_setting_problem(spec: Any) -> str | None:
-    """The first setting of :data:`NO_EFFECT_WITH_MODEL` given a value other than its default, with the reason."""
+    """The first setting of `NO_EFFECT_WITH_MODEL` given a value other than its default, with the reason."""
     defaults = {f.name: f for f in dataclasses.fields(spec)}
     for name, why in NO_EFFECT_WITH_MODEL.items():
         declared = defaults[name]

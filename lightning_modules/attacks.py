@@ -12,7 +12,7 @@ or, for ``label_flip``, trains honestly on flipped labels c -> C - 1 - c (streng
 is sent as the model x + Delta'. The site reports ``attack.applied`` / ``attack.name`` in its meta (used only to
 label captured rounds; aggregation rules never read it).
 
-Math in pure functions; :class:`AttackCallback` is the Lightning glue.
+Math in pure functions; `AttackCallback` is the Lightning glue.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def attacked_params(
 class AttackCallback(pl.Callback):
     """Applies an update attack to the weights NVFlare is about to send, and reports what it did in the meta.
 
-    Register it after :class:`FederatedRoundCallback` and before ``flare.patch``: its ``on_train_end`` then runs
+    Register it after `FederatedRoundCallback` and before ``flare.patch``: its ``on_train_end`` then runs
     after the round meta is set and before NVFlare's FLCallback sends the model. Set ``round_num`` before each fit.
     """
 

@@ -1,9 +1,9 @@
 """The bundle's built-in LightningModule: an image/vector classifier, one user of the callback path.
 
-It knows nothing of federated learning beyond the two protocols of :mod:`lightning_modules.federated` that some
+It knows nothing of federated learning beyond the two protocols of `lightning_modules.federated` that some
 client algorithms need: ``task_loss(batch, params=None)`` (FedMoS, SCAFFOLD Option I) and a network ``net`` with
 ``embed`` (MOON), plus ``loss + algorithm_loss(self, batch, logits)`` in ``training_step``. The client algorithm
-runs in :class:`lightning_modules.federated.FederatedAlgorithm`, the same callback a user's own module gets, so
+runs in `lightning_modules.federated.FederatedAlgorithm`, the same callback a user's own module gets, so
 the built-in jobs test the path users take.
 
 The network sits under the attribute ``net``; the server builds the same class from its import path, so the
@@ -29,7 +29,7 @@ class FLClassifier(pl.LightningModule):
     """Classifier trained with SGD; the client algorithm is attached as a callback (module docstring).
 
     Args:
-        arch: model name from :data:`lightning_modules.models.MODELS` (``lenet5``, ``simple_cnn``, ``mlp``).
+        arch: model name from `lightning_modules.models.MODELS` (``lenet5``, ``simple_cnn``, ``mlp``).
         num_classes: number of output classes.
         arch_args: extra keyword arguments for the model constructor.
         lr, momentum, weight_decay: local SGD settings. FedAvg semantics: a fresh optimizer every round.
@@ -99,7 +99,7 @@ class FLClassifier(pl.LightningModule):
         return self.net(batch[0]).sum() * 0.0
 
     def fl_round_metrics(self) -> dict[str, float]:
-        """Sent as ``train.<name>`` meta at the end of the round (:class:`FederatedAlgorithm` asks for it): the
+        """Sent as ``train.<name>`` meta at the end of the round (`FederatedAlgorithm` asks for it): the
         round's mean task loss, exact even when an algorithm's loss term dwarfs it, and the training accuracy."""
         if not self.train_acc.update_called:
             return {"loss": float("nan"), "accuracy": float("nan")}

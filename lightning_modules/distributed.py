@@ -4,7 +4,7 @@ NVFlare's client API talks to the control rank only (global rank 0): on the othe
 ``False`` and ``flare.receive()`` is ``None``. So rank 0 decides what happens next (train a round, score the final
 model, stop) and every rank follows through a broadcast, the way NVFlare's own Lightning callback shares the
 received model. Every rank computes the same algorithm state (DDP averages the gradients before the algorithm's
-correction), and only rank 0 writes it (:func:`lightning_modules.state_store.is_writer`).
+correction), and only rank 0 writes it (`lightning_modules.state_store.is_writer`).
 
 The process group is created here, before the first Trainer, because the loop needs collectives before Lightning
 would create it; Lightning's DDP strategy then reuses it.

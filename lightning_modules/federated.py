@@ -7,7 +7,7 @@
     flare.patch(trainer, restore_state=False)
     trainer.fit(my_module, datamodule=my_data)                  # the user's own module, optimizer and data
 
-Where each hook of :class:`lightning_modules.algorithms.base.ClientAlgorithm` runs:
+Where each hook of `lightning_modules.algorithms.base.ClientAlgorithm` runs:
 
 - ``on_round_start``: at the first training epoch of the fit; NVFlare's FLCallback has loaded the global weights
   (its ``on_train_start``) and the server meta of the round is read from NVFlare;
@@ -18,20 +18,20 @@ Where each hook of :class:`lightning_modules.algorithms.base.ClientAlgorithm` ru
 - ``after_step``: a post-step hook on the module's optimizer (``torch.optim.Optimizer.register_step_post_hook``), so
   it runs once per step that was taken, whatever optimizer the module configures;
 - ``loss_terms`` (MOON): only a module can add to its own loss. A module used with such an algorithm calls
-  :func:`algorithm_loss` in ``training_step`` and adds the result; the callback refuses to go on after the first
+  `algorithm_loss` in ``training_step`` and adds the result; the callback refuses to go on after the first
   step if it did not;
 - the global model's scores on the site's validation split, when ``trainer.validate`` runs before ``trainer.fit``
   (NVFlare's FLCallback loads the received weights for it): sent as ``eval.<metric>`` meta;
 - the site's personal model (docs/personalization.md, "Scores at the sites"), at the end of the fit, after the round's
   local work and before NVFlare sends the result: an algorithm's ``personal_weights`` (Ditto's v_i) scored by
-  ``personal_scorer``, and scores the site round handed over (:meth:`FederatedAlgorithm.add_personal_scores`: local
+  ``personal_scorer``, and scores the site round handed over (`FederatedAlgorithm.add_personal_scores`: local
   fine-tuning), sent as ``eval.personal_<metric>`` meta;
 - ``on_round_end``: at the end of the fit; its meta, the round's step count, mean training loss, the trainable keys
   and FedNova's report go to ``pl_module.__fl_meta__``, where NVFlare's FLCallback picks them up.
 
 Gradient-level algorithms (FedAvg, SCAFFOLD Option II, FedProx, FedDyn) need nothing from the module. What the others
 need (the task loss at other weights, MOON's representation, a plain SGD optimizer) and what a FedNova server needs
-(an optimizer its a_i describes) are declared on their classes and checked by :mod:`lightning_modules.protocols`, at
+(an optimizer its a_i describes) are declared on their classes and checked by `lightning_modules.protocols`, at
 set-up and when the round starts; each refusal says what to add or change. What every algorithm does with
 Adam/AdamW, momentum and schedules is in docs/own_model.md.
 """
@@ -122,12 +122,12 @@ def rank_zero_first(trainer: pl.Trainer, action: Any) -> None:
 
 
 def attach_algorithm(module: pl.LightningModule, algorithm: ClientAlgorithm | None) -> None:
-    """Make ``algorithm`` the one :func:`algorithm_loss` asks inside the module's ``training_step`` (``None``: none)."""
+    """Make ``algorithm`` the one `algorithm_loss` asks inside the module's ``training_step`` (``None``: none)."""
     setattr(module, _ALGORITHM_ATTRIBUTE, algorithm)
 
 
 def check_module_protocol(algorithm: ClientAlgorithm, module: pl.LightningModule) -> None:
-    """Refuse a module that lacks what ``algorithm`` declares it needs (:mod:`lightning_modules.protocols`)."""
+    """Refuse a module that lacks what ``algorithm`` declares it needs (`lightning_modules.protocols`)."""
     problem = module_problem(algorithm, module)
     if problem:
         raise ClientAlgorithmError(f"{algorithm.site}: {problem}")
@@ -149,7 +149,7 @@ class FederatedAlgorithm(pl.Callback):
     """Runs a client algorithm inside the fit of any LightningModule (module docstring).
 
     Args:
-        algorithm: a :class:`ClientAlgorithm` or a registered name (``scaffold``, ``fedprox``, ...).
+        algorithm: a `ClientAlgorithm` or a registered name (``scaffold``, ``fedprox``, ...).
         algorithm_args: hyperparameters when ``algorithm`` is a name.
         site: the site name (errors and state files name it); default: the one the algorithm is bound to.
         state_store: where the algorithm keeps its state between rounds (SCAFFOLD's c_i, FedDyn's H_k, ...);

@@ -12,7 +12,7 @@ fine-tuning (tested bit for bit). The simplest personalization baseline, and oft
 
 How (``--finetune-epochs K``, K >= 1; 0 = off):
 
-- the copy is :func:`lightning_modules.personal_scores.site_copy` of the site's module right after the received
+- the copy is `lightning_modules.personal_scores.site_copy` of the site's module right after the received
   model was loaded and scored, with no client algorithm attached (fine-tuning is plain local training whatever the
   job's client algorithm is) and a fresh single-process ``pl.Trainer`` at the job's precision, with no NVFlare
   callback;
@@ -39,7 +39,7 @@ from lightning_modules.personal_scores import own_random_stream, single_process_
 
 
 def finetune_seed(seed: int, site_index: int, round_num: int) -> int:
-    """The seed of a site's fine-tuning in a round: a stream apart from the round's own (:func:`round_seed`)."""
+    """The seed of a site's fine-tuning in a round: a stream apart from the round's own (`round_seed`)."""
     return int(np.random.SeedSequence([seed, site_index, round_num, 3]).generate_state(1)[0])
 
 

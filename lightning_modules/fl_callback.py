@@ -1,6 +1,6 @@
 """Where a site's round learns the server meta: NVFlare's received model, or a function given in process.
 
-:class:`lightning_modules.federated.FederatedAlgorithm` reads the meta once per round, after NVFlare's FLCallback
+`lightning_modules.federated.FederatedAlgorithm` reads the meta once per round, after NVFlare's FLCallback
 has loaded the global weights; the in-process runner and the tests hand it a plain function instead.
 """
 

@@ -1,6 +1,6 @@
 """Every candidate model a site has, scored on its test split, and the one it keeps (``--keep best``).
 
-The candidates of a round (:data:`CANDIDATES`; ``eval.kept_candidate`` is the index into it):
+The candidates of a round (`CANDIDATES`; ``eval.kept_candidate`` is the index into it):
 
 0. ``global``: the global model the site received this round (scored before its training, as ``eval.<metric>``);
 1. ``personal``: the site's personal model after the round's local work: the fine-tuned copy (``--finetune-epochs``),
@@ -13,7 +13,7 @@ With a test split (``--site-test-fraction``, or a user data module's ``test_data
 module: the names its ``test_step`` logs).
 
 ``--keep best`` (default ``last``: the site keeps nothing itself, as before) makes the site keep, every round, the
-candidate whose **validation** score is best (:func:`choose`): the metric ``--keep-metric`` (default ``val_loss``;
+candidate whose **validation** score is best (`choose`): the metric ``--keep-metric`` (default ``val_loss``;
 lower is better for names containing loss or error, higher otherwise). Validation loss by default because it is a
 continuous, proper score: on validation splits of a hundred samples accuracy moves in steps of a point and ties
 often, and a model that is confidently wrong is penalised. Ties, and candidates whose score is missing or not
@@ -24,7 +24,7 @@ nothing: ``eval.kept_<test metric>`` and ``eval.kept_<selection metric>``.
 
 With the local-only model on, the site also reports how sure its gain over training alone is, on the same test
 samples: per sample, kept correct minus local correct (1, 0 or -1), their mean and the standard error of that mean
-(:func:`paired_difference`): ``eval.kept_minus_local_test_accuracy`` and ``eval.kept_minus_local_test_accuracy_se``.
+(`paired_difference`): ``eval.kept_minus_local_test_accuracy`` and ``eval.kept_minus_local_test_accuracy_se``.
 Per-sample correctness needs batches ``(x, y)`` with integer labels and a module whose forward returns class logits
 (the built-in classifier, the genomics models); for other modules these two are left out.
 
@@ -64,7 +64,7 @@ def lower_is_better(metric: str) -> bool:
 
 def choose(scores: Mapping[str, float | None], metric: str) -> str:
     """The candidate of ``scores`` (name -> validation score) to keep: the best finite score, ties and missing or
-    non-finite scores going to the earlier candidate of :data:`CANDIDATES`. ``scores`` must hold ``global``."""
+    non-finite scores going to the earlier candidate of `CANDIDATES`. ``scores`` must hold ``global``."""
     if "global" not in scores:
         raise ValueError("keep best: the global model is always a candidate")
     sign = 1.0 if lower_is_better(metric) else -1.0
@@ -131,7 +131,7 @@ def sample_correct(
 @dataclass
 class SiteCandidates:
     """A site's candidates each round (module docstring): the site round hands over the received model and any
-    fine-tuned copy; :meth:`end_round` (called by the algorithm callback at the end of the fit, before the result is
+    fine-tuned copy; `end_round` (called by the algorithm callback at the end of the fit, before the result is
     sent) trains the local-only model, scores every candidate on the test split, keeps the best."""
 
     site: str

@@ -8,7 +8,7 @@ Every site trains, beside the federation, its own **local-only model**:
   local training, fresh every round as theirs is) on the site's training split only, plain local training (no
   client algorithm, no DP-SGD: the model never leaves the site, so it is what the site would train on its own);
 - **compute-matched** per round: it takes exactly as many optimizer steps as the site's own training took that
-  round (:func:`matched_steps`): the federated fit's optimizer steps (``train.num_steps``, FedRep's head phase
+  round (`matched_steps`): the federated fit's optimizer steps (``train.num_steps``, FedRep's head phase
   included), plus Ditto's personal steps (``ditto.personal_steps``), plus the local fine-tuning's steps. So a site
   running Ditto or FedRep, which do about twice FedAvg's gradient work, gives its local-only model twice the steps
   too. Matched are optimizer steps, i.e. batches of the same batch size: a Ditto personal step costs a second

@@ -86,7 +86,7 @@ class FeatureClassifier(nn.Module):
         return [f"classifier.{name}" for name in self.classifier.state_dict()]
 
     def head(self, h: Tensor) -> Tensor:
-        """Map a representation from :meth:`features` to logits (through the projection head when present)."""
+        """Map a representation from `features` to logits (through the projection head when present)."""
         return self.classifier(self.project(h))
 
     def forward(self, x: Tensor) -> Tensor:
@@ -132,7 +132,7 @@ class LeNet5(_TwoConvNet):
 class SimpleCNN(_TwoConvNet):
     """The NIID-Bench "simple CNN" for ``in_channels x 28 x 28`` inputs.
 
-    Same layers as :class:`LeNet5` but with no padding on the first conv (28 → 24 → 12 → 8 → 4), so the flattened
+    Same layers as `LeNet5` but with no padding on the first conv (28 → 24 → 12 → 8 → 4), so the flattened
     map is 16x4x4. As in the NIID-Bench code, both hidden fully connected layers are followed by a ReLU.
     """
 

@@ -1,7 +1,7 @@
 """A site that trains the user's own LightningModule on the user's own LightningDataModule, named by import path.
 
 The job says ``--model pkg.module:Class --model-args JSON --data pkg.module:DataModule --data-args JSON``; every site
-builds both, attaches the client algorithm as a callback (:class:`lightning_modules.federated.FederatedAlgorithm`),
+builds both, attaches the client algorithm as a callback (`lightning_modules.federated.FederatedAlgorithm`),
 lets NVFlare's ``flare.patch`` load the global weights and send the result, and each round
 
 1. evaluates the received global model on its own validation split (``trainer.validate``, when the module has a
@@ -85,11 +85,11 @@ def build_user_module(path: str, args: Mapping[str, Any] | None = None, seed: in
 
 def seeded_user_module(model: str, model_args: Mapping[str, Any] | None = None, seed: int = 0) -> pl.LightningModule:
     """What the job's persistor calls on the server (``config_fed_server.json``) to build the initial global model:
-    :func:`build_user_module` seeded with the job's ``--seed``, as every site builds it."""
+    `build_user_module` seeded with the job's ``--seed``, as every site builds it."""
     return build_user_module(model, model_args, seed=seed)
 
 
-#: Constructor parameters of a data module that every site supplies itself (:func:`build_user_data`).
+#: Constructor parameters of a data module that every site supplies itself (`build_user_data`).
 SUPPLIED_BY_THE_SITE = ("site", "num_sites")
 
 
@@ -180,8 +180,8 @@ def evaluates_at_the_site(module: pl.LightningModule, data: pl.LightningDataModu
 class UserSite:
     """One site with the user's module and data: the same round in the NVFlare client and in process.
 
-    :meth:`fit` runs a round with the exchange ``connect`` attaches (``flare.patch``, or the in-process
-    :class:`lightning_modules.site.LocalExchange`): seed torch from (job seed, site, round), a fresh Trainer with
+    `fit` runs a round with the exchange ``connect`` attaches (``flare.patch``, or the in-process
+    `lightning_modules.site.LocalExchange`): seed torch from (job seed, site, round), a fresh Trainer with
     the algorithm callback, site evaluation of the received model (``trainer.validate``), then ``trainer.fit``.
     """
 
@@ -221,7 +221,7 @@ class UserSite:
         self.callback.candidates = self.candidates(state_store)
 
     def candidates(self, store: Any) -> Any:
-        """The site's :class:`lightning_modules.keep_best.SiteCandidates` with ``--local-baseline`` or ``--keep
+        """The site's `lightning_modules.keep_best.SiteCandidates` with ``--local-baseline`` or ``--keep
         best`` (else ``None``: nothing changes): the module's ``validation_step`` on ``val_dataloader`` selects, its
         ``test_step`` on ``test_dataloader`` reports. Test scoring is opt-in for a user's module (a data module's
         ``test_dataloader`` may be a pooled benchmark set, or absent at a real site)."""
@@ -272,7 +272,7 @@ class UserSite:
 
     def training_data(self) -> pl.LightningDataModule:
         """The data module the round trains on: under DP-SGD its training loader samples by Poisson sampling from
-        a secret generator (:func:`lightning_modules.privacy.dp_sgd.poisson_loader`), the rest unchanged."""
+        a secret generator (`lightning_modules.privacy.dp_sgd.poisson_loader`), the rest unchanged."""
         if self.callback.privacy is None:
             return self.data
         from lightning_modules.privacy.dp_sgd import poisson_data_module
@@ -384,7 +384,7 @@ def run_site(args: Any) -> None:
 
 def run_user_script(args: Any, client_script: str) -> None:
     """Run the user's own training script (shipped next to the client script) as ``__main__``; the job's client
-    algorithm reaches it through the environment (:func:`lightning_modules.federated.job_algorithm`)."""
+    algorithm reaches it through the environment (`lightning_modules.federated.job_algorithm`)."""
     import runpy
     import sys
     from pathlib import Path

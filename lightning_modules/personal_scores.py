@@ -5,7 +5,7 @@ Every round a site with a validation split scores the global model it received (
 training). When a personalization method is on, the site also scores its **personal model** on the same split with
 the same ``validation_step``, after the round's local work and before the result is sent, and reports it under the
 same metric names prefixed with ``personal_`` (``eval.personal_val_accuracy``, ...;
-:func:`lightning_modules.federated.personal_eval_meta`). The server summarises both alike (``site_eval`` in
+`lightning_modules.federated.personal_eval_meta`). The server summarises both alike (``site_eval`` in
 round_metrics.jsonl: per site, weighted mean, worst site, spread); ``python -m controllers.report`` shows them side
 by side with the gain per site.
 
@@ -14,7 +14,7 @@ The personal model is whatever the method on provides, never sent to the server:
 - a client algorithm with ``personal_weights(module) -> {name: tensor} | None`` (Ditto: v_i): the site's module,
   copied, with those entries loaded, scored by the callback's ``personal_scorer`` at the end of the round;
 - a model the site round builds itself (local fine-tuning: the copy fine-tuned from the received model), whose scores
-  the round hands to the callback with :meth:`lightning_modules.federated.FederatedAlgorithm.add_personal_scores`.
+  the round hands to the callback with `lightning_modules.federated.FederatedAlgorithm.add_personal_scores`.
 
 With none, no ``personal_`` metric is sent. Scoring runs on a copy (the trained module and its trainer are untouched)
 with a fresh single-process Trainer at the job's precision, under a forked random generator, so the result the site
@@ -47,7 +47,7 @@ def site_copy(module: pl.LightningModule) -> pl.LightningModule:
 
 
 def with_weights(module: pl.LightningModule, weights: Mapping[str, torch.Tensor]) -> pl.LightningModule:
-    """A :func:`site_copy` of ``module`` with ``weights`` (a subset of its state_dict keys) loaded."""
+    """A `site_copy` of ``module`` with ``weights`` (a subset of its state_dict keys) loaded."""
     duplicate = site_copy(module)
     state = duplicate.state_dict()
     unknown = sorted(set(weights) - set(state))
@@ -95,7 +95,7 @@ def validation_scores(module: pl.LightningModule, trainer: pl.Trainer, **data: A
 
 
 def validation_scorer(precision: Any, accelerator: str, **data: Any) -> Any:
-    """A ``personal_scorer`` for :class:`lightning_modules.federated.FederatedAlgorithm`: the site's module with the
+    """A ``personal_scorer`` for `lightning_modules.federated.FederatedAlgorithm`: the site's module with the
     personal weights loaded, validated on ``data`` (``dataloaders=`` or ``datamodule=``) by a fresh Trainer."""
 
     def score(module: pl.LightningModule, weights: Mapping[str, torch.Tensor]) -> dict[str, float]:

@@ -1,14 +1,14 @@
 """What a client algorithm or a server rule needs from the user's module and optimizer, and the checks that say so.
 
 The needs are declarations on the classes (no algorithm is special-cased by name), read the same way by the site's
-set-up (:class:`lightning_modules.federated.FederatedAlgorithm`) and by the job builder (:mod:`jobs.user_checks`),
+set-up (`lightning_modules.federated.FederatedAlgorithm`) and by the job builder (`jobs.user_checks`),
 so a problem knowable from the model is refused when the job is built and, for jobs built otherwise (a user's own
 script, the in-process runner), when the round starts. Each check returns one line saying what to add or change.
 
 Client algorithm declarations (on the class; a property where it depends on hyperparameters):
 
 - ``needs_task_loss``: the algorithm evaluates the task loss at other weights (FedMoS; SCAFFOLD Option I), through
-  :func:`lightning_modules.algorithms.task_gradient.task_gradient` on a batch the callback hands it; the module's
+  `lightning_modules.algorithms.task_gradient.task_gradient` on a batch the callback hands it; the module's
   ``training_step`` needs nothing for it (only an algorithm that overrides ``loss_terms``, MOON, needs
   ``algorithm_loss`` there);
 - ``needs_representation``: the algorithm contrasts the module's projected representation (MOON);

@@ -1,26 +1,26 @@
 """One site's round of local training, the same in the NVFlare client script and in process.
 
-``jobs/client.py`` calls :meth:`SiteRound.fit` once per received model, connecting the round's Trainer to NVFlare
+``jobs/client.py`` calls `SiteRound.fit` once per received model, connecting the round's Trainer to NVFlare
 with ``flare.patch`` (NVFlare's FLCallback loads the global weights and sends the result); the in-process runner
-(``controllers/in_process.py``) calls :meth:`SiteRound.train` with the global state_dict and the server meta, and
+(``controllers/in_process.py``) calls `SiteRound.train` with the global state_dict and the server meta, and
 gets the result back as numpy arrays + meta. Both go through the same steps, so both give the same bits:
 
-1. seed torch and the shuffling from (job seed, site, round) (:func:`round_seed`), so reruns, one-process and
+1. seed torch and the shuffling from (job seed, site, round) (`round_seed`), so reruns, one-process and
    process-per-round simulations and the in-process runner shuffle identically (under DP-SGD the Poisson sample and
    the noise are the exception: they come from a secret generator, lightning_modules/privacy/secret.py);
 2. the labels of the round (flipped for a label-flipping malicious site), a seeded ``DataLoader``;
-3. the round's local epochs (:func:`local_epochs`: constant, or FedNova's seeded heterogeneous draw);
-4. a fresh Trainer (:func:`make_trainer`) with the client algorithm's callback
-   (:class:`lightning_modules.federated.FederatedAlgorithm`, the one a user's own module gets: it starts the
-   algorithm's round once the global weights are in and writes the meta) and the :class:`AttackCallback`, then
+3. the round's local epochs (`local_epochs`: constant, or FedNova's seeded heterogeneous draw);
+4. a fresh Trainer (`make_trainer`) with the client algorithm's callback
+   (`lightning_modules.federated.FederatedAlgorithm`, the one a user's own module gets: it starts the
+   algorithm's round once the global weights are in and writes the meta) and the `AttackCallback`, then
    the exchange:
-   NVFlare's FLCallback, or :class:`LocalExchange` which does what FLCallback does at the same points of the fit
+   NVFlare's FLCallback, or `LocalExchange` which does what FLCallback does at the same points of the fit
    (load the global weights at ``on_train_start``, take the module's state_dict on CPU at ``on_train_end``, after
    our callbacks);
 5. ``trainer.fit``. The client algorithm keeps the state it must carry between rounds in the site's state store.
 
-With ``site_val_fraction`` > 0 every site holds out that seeded share of its shard (:func:`validation_indices`)
-and, before step 5, scores the received global model on it with ``trainer.validate`` (:class:`ValidatedClassifier`),
+With ``site_val_fraction`` > 0 every site holds out that seeded share of its shard (`validation_indices`)
+and, before step 5, scores the received global model on it with ``trainer.validate`` (`ValidatedClassifier`),
 as a user model's site does: the scores travel as ``eval.val_loss`` / ``eval.val_accuracy`` meta. The site's
 personal model, when a method provides one (Ditto's v_i; with ``finetune_epochs`` K > 0 a copy of the received model
 fine-tuned K epochs on the training part, lightning_modules/finetune.py), is scored on the same split and sent as
@@ -94,7 +94,7 @@ def round_seed(seed: int, site_index: int, round_num: int) -> int:
 
 def validation_indices(n: int, fraction: float, seed: int, site_index: int) -> tuple[np.ndarray, np.ndarray]:
     """(training, validation) indices of a site's ``n`` samples without a test split
-    (:func:`data_prep.splits.site_holdout_indices`): a seeded ``fraction`` held out, the same for every round and
+    (`data_prep.splits.site_holdout_indices`): a seeded ``fraction`` held out, the same for every round and
     process of the site. Both keep the shard's order, and at least one sample stays for training."""
     train, val, _ = site_holdout_indices(n, fraction, 0.0, seed, site_index)
     return train, val
@@ -145,7 +145,7 @@ class LocalExchange(pl.Callback):
 
     ``on_train_start`` loads the global state_dict strictly, as FLCallback does once the round's callbacks have
     run; ``on_train_end`` moves the module to CPU, as FLCallback does before sending, and keeps its state_dict as
-    numpy arrays in :attr:`result`.
+    numpy arrays in `result`.
     """
 
     def __init__(self, global_params: Mapping[str, Any]) -> None:
@@ -206,7 +206,7 @@ class SiteRound:
         return self.attack_callback.config
 
     def fit(self, round_num: int, connect: Callable[[pl.Trainer], None]) -> dict[str, Any]:
-        """Train one round; ``connect(trainer)`` attaches the exchange (``flare.patch`` or :class:`LocalExchange`)
+        """Train one round; ``connect(trainer)`` attaches the exchange (``flare.patch`` or `LocalExchange`)
         after our callbacks. Returns the meta the site sends (``pl_module.__fl_meta__``)."""
         seed = round_seed(self.training.seed, self.site_index, round_num)
         torch.manual_seed(seed)
@@ -236,7 +236,7 @@ class SiteRound:
 
     def finetune(self, round_num: int, data: TensorDataset) -> pl.LightningModule:
         """Local fine-tuning (lightning_modules/finetune.py): a copy of the received model (in the module after
-        :meth:`score_received`) trained ``finetune_epochs`` on ``data``, scored on the validation split; the
+        `score_received`) trained ``finetune_epochs`` on ``data``, scored on the validation split; the
         scores go out as ``eval.personal_*``. The module and the round's random draws are untouched."""
         seed = finetune_seed(self.training.seed, self.site_index, round_num)
 
@@ -298,7 +298,7 @@ class SiteSplits:
 
 def hold_out(args: Any, x: np.ndarray, y: np.ndarray, site_index: int) -> SiteSplits:
     """The site's training part and its validation and test splits (``site_val_fraction``,
-    ``site_test_fraction``), seeded by :func:`split_seed` and the site: FedAvg weighs the site by the training part
+    ``site_test_fraction``), seeded by `split_seed` and the site: FedAvg weighs the site by the training part
     only, and nothing held out is ever trained on."""
     val_fraction = getattr(args, "site_val_fraction", 0.0) or 0.0
     test_fraction = getattr(args, "site_test_fraction", 0.0) or 0.0
@@ -325,7 +325,7 @@ def builtin_split_sizes(spec: Any) -> dict[str, tuple[int, int, int]]:
 
 
 def builtin_candidates(args: Any, site: str, site_index: int, splits: SiteSplits, num_classes: int, store: Any) -> Any:
-    """The site's :class:`lightning_modules.keep_best.SiteCandidates` for the built-in classifier (``None`` when
+    """The site's `lightning_modules.keep_best.SiteCandidates` for the built-in classifier (``None`` when
     the job has no test split, no local-only model and keeps the last model, as before)."""
     keep, local = getattr(args, "keep", "last"), getattr(args, "local_baseline", False)
     if splits.test is None and not local and keep == "last":

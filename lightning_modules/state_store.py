@@ -6,11 +6,11 @@ per-client state, MOON's previous local model) would silently reset to zero ever
 quietly degrade to something else. On real sites the same file lets a crashed client come back with its state.
 So each algorithm writes its state here at round end and reads it at round start (docs/design.md decision 4).
 
-A bad file is never used and never dropped silently: every problem raises :class:`StateStoreError` naming the site,
+A bad file is never used and never dropped silently: every problem raises `StateStoreError` naming the site,
 the file and the problem. Algorithm state must be fp32 (or fp64) — bf16/fp16 would quantise the small per-round
-differences these states accumulate — so :meth:`ClientStateStore.save` rejects other floating dtypes.
+differences these states accumulate — so `ClientStateStore.save` rejects other floating dtypes.
 
-File layout (``<root>/<site>/<algorithm>.state``, format version :data:`FORMAT_VERSION`)::
+File layout (``<root>/<site>/<algorithm>.state``, format version `FORMAT_VERSION`)::
 
     MAGIC (8 bytes) | header length (uint32 BE) | header (UTF-8 JSON) | SHA-256 of the bytes so far (32) | payload
 
@@ -106,7 +106,7 @@ class ClientStateStore:
     rank 0 writes; the other ranks read).
 
     With ``per_run``, the files of each federated run live under ``<root>/<run id>/<site_name>/`` once
-    :meth:`use_run` names the run (the client-algorithm callback does so from the server's meta each round). The
+    `use_run` names the run (the client-algorithm callback does so from the server's meta each round). The
     run id is the server's, kept when a stopped job is resumed (``resume_from``) although NVFlare gives the resumed
     job a new job id, so the sites find the state the checkpoint's global model and rule state belong to.
     """
@@ -127,13 +127,13 @@ class ClientStateStore:
         return self.root / self.site_name / f"{_check_name('algorithm', algorithm)}{_SUFFIX}"
 
     def pending_path(self, algorithm: str) -> Path:
-        """The file of state written by a round the server has not confirmed yet (see :meth:`settle`)."""
+        """The file of state written by a round the server has not confirmed yet (see `settle`)."""
         return self.path(algorithm).with_suffix(_PENDING_SUFFIX)
 
     def save(self, algorithm: str, state: Mapping[str, Any], *, round_num: int, pending: bool = False) -> Path:
         """Atomically replace ``algorithm``'s state file with ``state`` as of round ``round_num``; return its path.
 
-        With ``pending``, the state goes to a pending file that :meth:`load` does not read until :meth:`settle`
+        With ``pending``, the state goes to a pending file that `load` does not read until `settle`
         commits it. Values may be tensors, bool/int/float/str/None, and lists, tuples or str-keyed dicts of those.
         Tensors are stored detached, on CPU, contiguous and compact (a view does not drag its whole storage along).
         """
@@ -162,13 +162,13 @@ class ClientStateStore:
 
         With ``expected`` (key → (shape, dtype)), every listed key must be a tensor of that shape and dtype, and no
         other top-level tensor may be present (extra tensors mean the file belongs to a different model).
-        Any problem raises :class:`StateStoreError`.
+        Any problem raises `StateStoreError`.
         """
         return self._load_file(self.path(algorithm), algorithm, expected)
 
     def latest(self, algorithm: str, *, expected: ExpectedSpec | None = None) -> StoredState | None:
         """The state the site wrote last: the pending one if there is one, else the committed one (for inspection:
-        tests, audits; a round starts from :meth:`load`)."""
+        tests, audits; a round starts from `load`)."""
         pending = self.pending_path(algorithm)
         return (
             self._load_file(pending, algorithm, expected)
@@ -209,7 +209,7 @@ class ClientStateStore:
     def settle(self, algorithm: str, round_num: int, last_aggregated: Mapping[str, int] | None) -> str | None:
         """Commit or discard the pending state of ``algorithm`` at the start of round ``round_num``.
 
-        The pending state was written in round ``p``. It is committed (it becomes the state :meth:`load` reads) when
+        The pending state was written in round ``p``. It is committed (it becomes the state `load` reads) when
         the server's ``last_aggregated`` names round ``p`` for this site, i.e. the site's result of round ``p`` is in
         the global model; it is discarded when the server aggregated without it (rejected, late, failed round), and
         when ``p >= round_num`` (the same round trained again: a replay starts from the committed state). Without
@@ -229,7 +229,7 @@ class ClientStateStore:
         return "discarded"
 
     def settle_all(self, round_num: int, last_aggregated: Mapping[str, int] | None) -> dict[str, str | None]:
-        """:meth:`settle` every pending state of this site (e.g. once a job has ended: its last confirmations)."""
+        """`settle` every pending state of this site (e.g. once a job has ended: its last confirmations)."""
         folder = self.root / self.site_name
         return {p.stem: self.settle(p.stem, round_num, last_aggregated) for p in sorted(folder.glob("*.pending"))}
 
@@ -346,7 +346,7 @@ def _encode_file(header: dict[str, Any], payload: bytes) -> bytes:
 
 def remove_stale_temporaries(target: Path) -> list[Path]:
     """Remove the temporary files an earlier write of ``target`` left when its process was killed between creating
-    and renaming them (:func:`atomic_write_bytes`); return them. Readers never read these files, so they are only
+    and renaming them (`atomic_write_bytes`); return them. Readers never read these files, so they are only
     litter; a site's store has one writer, so no live write of ``target`` is racing this one."""
     stale = sorted(target.parent.glob(f".{glob.escape(target.name)}.*.tmp")) if target.parent.is_dir() else []
     for path in stale:

@@ -1,4 +1,4 @@
-"""``python -m data_prep.genotypes harmonise ...`` (see :mod:`data_prep.genotypes.cli`)."""
+"""``python -m data_prep.genotypes harmonise ...`` (see `data_prep.genotypes.cli`)."""
 
 from data_prep.genotypes.cli import main
 

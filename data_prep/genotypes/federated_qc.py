@@ -4,8 +4,8 @@
    and missing, per table SNP) and the SNP IDs they refer to. A site with fewer people than the job's
    ``min_site_people`` (``--min-site-people``, default ``qc.MIN_SITE_PEOPLE``) refuses before sending anything.
 2. It checks that every site harmonised against the same table and is large enough (the person count the counts
-   imply; a second line of defence behind the site's own check), sums the counts (:func:`combine_counts`) and from
-   then on uses only the sum (:func:`global_qc`): global call rates and allele frequencies, the MAF / call-rate
+   imply; a second line of defence behind the site's own check), sums the counts (`combine_counts`) and from
+   then on uses only the sum (`global_qc`): global call rates and allele frequencies, the MAF / call-rate
    thresholds applied once (``qc.qc_filter``), ``qc_report.json`` in its run folder.
 3. It sends the same keep-mask to every site; each site writes the filtered SNP table (its copy of the consortium's
    table, only the kept SNPs) to ``<site workspace>/local/fedalg_qc_snp_table.csv`` (``--out`` elsewhere). Training
@@ -20,11 +20,11 @@ server does see each site's counts.
 With ``secure_aggregation="he"`` (``qc-job --secure-aggregation he``; a deployment provisioned with NVFlare's
 ``HEBuilder``) each site encrypts its counts with its TenSEAL CKKS context, the server only adds the ciphertexts
 (``secure_qc.add_encrypted_counts``; its context has no secret key) and sends the encrypted sum back, and every site
-decrypts it, rounds it, and runs :func:`global_qc` itself with the thresholds from its own script arguments: the same
+decrypts it, rounds it, and runs `global_qc` itself with the thresholds from its own script arguments: the same
 ciphertext, the same key and a deterministic filter give every site the same keep-mask. ``qc_report.json`` is then
 written at each site, beside its filtered table; the server's names the sites and the settings only. The server can
 no longer count a site's people, so the site's own ``min_site_people`` refusal is the only size check. Every site
-holds the secret key and sees the sum, so the job needs :data:`HE_MIN_SITES` sites (with two, the sum less a site's
+holds the secret key and sees the sum, so the job needs `HE_MIN_SITES` sites (with two, the sum less a site's
 own counts is the other site's counts).
 
 The site's data comes from the same settings as training: ``$FEDALG_SITE_GENOTYPES`` (a genotype file or harmonised
@@ -98,14 +98,14 @@ ENCRYPTED_COUNTS, ENCRYPTED_SUM = "counts_he", "sum_he"
 
 
 def check_secure_aggregation(value: object) -> str:
-    """The job's ``secure_aggregation`` setting, refused unless it is one of :data:`SECURE_AGGREGATION`."""
+    """The job's ``secure_aggregation`` setting, refused unless it is one of `SECURE_AGGREGATION`."""
     if value not in SECURE_AGGREGATION:
         raise DataPrepError(f"QC: secure_aggregation must be one of {', '.join(SECURE_AGGREGATION)}, got {value!r}")
     return str(value)
 
 
 def check_he_sites(sites: int, what: str) -> None:
-    """Refuse an HE QC over fewer than :data:`HE_MIN_SITES` sites (``what``: where the number comes from)."""
+    """Refuse an HE QC over fewer than `HE_MIN_SITES` sites (``what``: where the number comes from)."""
     if sites < HE_MIN_SITES:
         raise DataPrepError(
             f"federated QC: secure_aggregation 'he' with {sites} site{'s' if sites != 1 else ''} ({what}): every site "
@@ -380,7 +380,7 @@ def site_qc(
     min_site_people: int,
 ) -> tuple[np.ndarray, dict[str, object]]:
     """Under HE, at a site: decrypt the server's sum, check it, and filter it exactly as the server would in the
-    clear (:func:`global_qc`); the report records the sites, the mode and the largest CKKS rounding error."""
+    clear (`global_qc`); the report records the sites, the mode and the largest CKKS rounding error."""
     from data_prep.genotypes.secure_qc import check_sum_covers_site, decrypt_counts
 
     snps = tuple(received.meta["snps"])

@@ -35,7 +35,7 @@ A record with one known allele (VCF/``.pvar`` ALT ``.``, a PLINK 1 allele ``0``:
 returned as it is, its unknown allele written ``.`` or ``0``; the harmoniser counts it against the table.
 Multi-allelic records (more than one ALT) are returned without genotypes (the harmoniser cannot use them).
 
-Bad input raises :class:`~data_prep.errors.DataPrepError` in one line naming the file, the line or record and what is
+Bad input raises `data_prep.errors.DataPrepError` in one line naming the file, the line or record and what is
 wrong.
 """
 

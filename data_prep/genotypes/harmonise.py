@@ -32,10 +32,10 @@ another SNP) and ``absent`` (no record at the position). At a single-base SNP, r
 at the same position) are other variants and are passed over.
 
 **Genome build.** Positions mean something only on one build. A file whose header declares a build (``##reference``,
-``##contig`` names or lengths; :func:`~data_prep.genotypes.formats.declared_build`) other than the consortium's
+``##contig`` names or lengths; `data_prep.genotypes.formats.declared_build`) other than the consortium's
 (``HarmoniseSettings.genome_build``) is refused. Whether or not a header says anything, the IDs at the matched
-positions are compared with the table's (:func:`_same_id`): when more than ``max_id_disagreement`` (default
-:data:`MAX_ID_DISAGREEMENT`, 5 %) of those compared disagree, the file is on another build or coordinate convention
+positions are compared with the table's (`_same_id`): when more than ``max_id_disagreement`` (default
+`MAX_ID_DISAGREEMENT`, 5 %) of those compared disagree, the file is on another build or coordinate convention
 and is refused; below it, the disagreeing SNPs are dropped (``id_mismatch``: a renamed rsID or a chance neighbour).
 """
 
@@ -174,7 +174,7 @@ class ReferenceTable:
 @dataclass(frozen=True, eq=False)
 class Harmonised:
     """People x table SNPs, int8 copies of the table's alt allele (3 = missing), with each SNP's alignment status and
-    what was done to the file's calls (:meth:`checks`)."""
+    what was done to the file's calls (`checks`)."""
 
     genotypes: np.ndarray
     samples: tuple[str, ...]
@@ -354,7 +354,7 @@ def _match_chrom(name: str) -> str:
 
 
 def harmonise(records: FileRecords, table: ReferenceTable, settings: HarmoniseSettings | None = None) -> Harmonised:
-    """The table-ordered matrix of the selected records (each aligned by :func:`align`), after the genome-build and
+    """The table-ordered matrix of the selected records (each aligned by `align`), after the genome-build and
     rsID checks (module docstring)."""
     settings = settings or HarmoniseSettings()
     if not records.pos:

@@ -1,12 +1,12 @@
 """A streaming loader for large genotype matrices: int8 in memory (or memory-mapped from disk) and int8 through the
-loader, converted to the model's int64 tokens by :func:`as_tokens` once a batch is on the training device. A site
+loader, converted to the model's int64 tokens by `as_tokens` once a batch is on the training device. A site
 with 10^4 people x 10^5 SNPs holds 1 GB of int8, never the 8 GB an int64 copy of the matrix would take.
 
-:func:`open_matrix` memory-maps the ``genotypes`` member of an uncompressed ``.npz`` (what ``python -m
+`open_matrix` memory-maps the ``genotypes`` member of an uncompressed ``.npz`` (what ``python -m
 data_prep.genotypes harmonise`` writes) or a ``.npy``: a member stored without compression is the bytes of a ``.npy``
 file inside the zip, at an offset the zip's local header gives. A compressed ``.npz`` is read into memory (int8).
 
-:class:`GenotypeRows` is indexed by a *list* of people and :func:`genotype_loader` hands it one batch of indices
+`GenotypeRows` is indexed by a *list* of people and `genotype_loader` hands it one batch of indices
 at a time (a ``BatchSampler`` with ``DataLoader(batch_size=None)``), so gathering rows happens once per batch, not
 per person. Rows are read in ascending order within a batch (sequential on disk) and the batch is then put back in
 the sampled order.
@@ -72,7 +72,7 @@ def _npz_member(path: Path, key: str) -> np.ndarray:
 
 class GenotypeRows(Dataset):
     """People of an int8 matrix, a batch at a time: ``dataset[list_of_indices]`` -> ``(int8 states, target)``
-    (:func:`as_tokens` widens the states for the model's embedding, on the device)."""
+    (`as_tokens` widens the states for the model's embedding, on the device)."""
 
     def __init__(self, genotypes: np.ndarray, targets: np.ndarray | torch.Tensor, rows: np.ndarray | None = None):
         if genotypes.dtype != np.int8 or genotypes.ndim != 2:
@@ -107,7 +107,7 @@ def as_tokens(batch: Any) -> Any:
 
 
 def collate_rows(batch: Any) -> Any:
-    """The genotype loader's ``collate_fn``: a batch :class:`GenotypeRows` gathered at once (a tuple) passes as it is;
+    """The genotype loader's ``collate_fn``: a batch `GenotypeRows` gathered at once (a tuple) passes as it is;
     a list of people, one ``dataset[i]`` each, is stacked. Opacus's Poisson loader (DP-SGD) keeps the loader's
     ``collate_fn`` and fetches person by person: with PyTorch's default for ``batch_size=None`` (``default_convert``)
     its batches would stay lists of people."""

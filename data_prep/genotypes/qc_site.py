@@ -1,5 +1,5 @@
 """The federated QC job's client script (``python -m data_prep.genotypes qc-job`` copies it into the job): a thin
-launcher for :func:`data_prep.genotypes.federated_qc.site_main`, which the bundle installed at the site provides."""
+launcher for `data_prep.genotypes.federated_qc.site_main`, which the bundle installed at the site provides."""
 
 import sys
 

@@ -11,7 +11,7 @@ CKKS is approximate: a decrypted count is the integer plus a small error. With H
 moduli [60, 40, 40], scale 2^40) the error measured on three sites' sums was about 1.5e-9 for counts up to 10^5
 people per site and 2.4e-7 at 10^9, but it grows with the values (0.05 at 10^14, 0.5 at 10^15, where float64 decoding
 runs out of digits), and an error of a whole unit would round to a wrong count without any sign. So a site refuses to
-encrypt counts above :data:`MAX_HE_PEOPLE`, and every decrypted value must lie within :data:`ROUNDING_TOLERANCE` of
+encrypt counts above `MAX_HE_PEOPLE`, and every decrypted value must lie within `ROUNDING_TOLERANCE` of
 an integer (far below 0.5), or the site stops naming the error.
 """
 
@@ -109,7 +109,7 @@ def check_public_context(context: ts.Context, where: str) -> ts.Context:
 
 
 def check_he_people(site: str, people: int) -> None:
-    """Refuse counts too large for exact rounding after CKKS (:data:`MAX_HE_PEOPLE`)."""
+    """Refuse counts too large for exact rounding after CKKS (`MAX_HE_PEOPLE`)."""
     if people > MAX_HE_PEOPLE:
         raise DataPrepError(
             f"federated QC: {site} has {people} people; secure_aggregation 'he' rounds CKKS sums exactly only up to "
@@ -156,7 +156,7 @@ def add_encrypted_counts(
 
 
 def decrypt_counts(site: str, context: ts.Context, blob: bytes, n_snps: int) -> tuple[np.ndarray, float]:
-    """The site's view of the sum: decrypted with its secret key, rounded and checked (:func:`round_counts`)."""
+    """The site's view of the sum: decrypted with its secret key, rounded and checked (`round_counts`)."""
     try:
         values = ts.ckks_vector_from(context, bytes(blob)).decrypt()
     except Exception as exc:  # as above: bytes that are not a ciphertext of this context
@@ -166,9 +166,9 @@ def decrypt_counts(site: str, context: ts.Context, blob: bytes, n_snps: int) -> 
 
 def round_counts(site: str, values: np.ndarray, n_snps: int) -> tuple[np.ndarray, float]:
     """(S, 4) int64 counts from decrypted values, and the largest distance of a value from its integer (what CKKS
-    added; recorded in the site's report): refused unless every value is within :data:`ROUNDING_TOLERANCE` of
+    added; recorded in the site's report): refused unless every value is within `ROUNDING_TOLERANCE` of
     a non-negative integer, there are 4 per SNP, every SNP counts the same people and they are at most
-    :data:`MAX_HE_PEOPLE`. Deterministic, so every site that decrypts the same ciphertext gets the same counts."""
+    `MAX_HE_PEOPLE`. Deterministic, so every site that decrypts the same ciphertext gets the same counts."""
     values = np.asarray(values, dtype=np.float64)
     if values.shape != (4 * n_snps,):
         raise DataPrepError(f"federated QC: {site} decrypted {values.size} counts, expected {4 * n_snps} (4 per SNP)")

@@ -10,7 +10,7 @@ submitted as the project admin through ``nvflare.fuel.flare_api``. Each site get
 
 - the bundle's classes added to the class allow-list of its ``local/resources.json``;
 - its own training data: ``<site>/data/train.npz`` (written from the simulation shard, as a stand-in for the
-  site's real data) named by ``local/fedalg_site_data.json`` (see :mod:`data_prep.site_config`).
+  site's real data) named by ``local/fedalg_site_data.json`` (see `data_prep.site_config`).
 
 The package must be importable by every participant's Python (here: the same ``.venv``).
 """
@@ -234,7 +234,7 @@ def installed_script_job(job_dir: Path, target: Path) -> Path:
     """A copy of ``job_dir`` without ``custom/``: the sites run the client script of the installed package instead.
 
     NVFlare then treats the job as non-BYOC, so the submitter needs no ``byoc`` right, and every component class must
-    be on each participant's class allow-list (see :func:`allow_bundle_classes`)."""
+    be on each participant's class allow-list (see `allow_bundle_classes`)."""
     import jobs
 
     installed = Path(jobs.__file__).resolve().parent / "client.py"
@@ -317,14 +317,14 @@ def _deployment_processes(deployment: Deployment) -> list[Any]:
 
 
 def leftover_processes(deployment: Deployment) -> list[int]:
-    """Process ids still running that belong to this deployment (empty after a clean :func:`stop`)."""
+    """Process ids still running that belong to this deployment (empty after a clean `stop`)."""
     return sorted(p.pid for p in _deployment_processes(deployment) if p.is_running() and p.status() != "zombie")
 
 
 def job_problems(meta: Mapping[str, Any], result: Path) -> list[str]:
     """Why a finished job did not do its work (empty: it did): NVFlare's status, then the server's metrics in the
     downloaded ``result``, whose round records must reach the planned rounds with one that aggregated
-    (:func:`controllers.report.completion_problems`, the check ``controllers.report`` makes of simulator runs): a
+    (`controllers.report.completion_problems`, the check ``controllers.report`` makes of simulator runs): a
     controller that stops early still ends in ``FINISHED:COMPLETED``."""
     from controllers.report import completion_problems
 

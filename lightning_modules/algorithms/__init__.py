@@ -1,4 +1,4 @@
-"""Client-side federated algorithms, one file each, driven by :class:`lightning_modules.FLClassifier`."""
+"""Client-side federated algorithms, one file each, driven by `lightning_modules.FLClassifier`."""
 
 from lightning_modules.algorithms.base import ClientAlgorithm, ClientAlgorithmError, check_server_meta
 from lightning_modules.algorithms.hparams import HParams, hparam

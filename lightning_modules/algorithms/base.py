@@ -1,13 +1,13 @@
 """The client-algorithm plug-in interface (docs/design.md, decision 2).
 
-A client algorithm is a small object with hooks that :class:`lightning_modules.federated.FederatedAlgorithm` (a
+A client algorithm is a small object with hooks that `lightning_modules.federated.FederatedAlgorithm` (a
 Lightning callback) drives on any LightningModule:
 
 - ``on_round_start``  once per federated round, after the global weights are loaded, with the server meta;
 - ``on_batch``        before every training batch's ``training_step`` (Lightning's ``on_train_batch_start``), with the
   batch as ``training_step`` receives it (on its device): an algorithm that needs the task loss or its gradient at
   other weights on the current batch keeps it here and evaluates it with
-  :func:`lightning_modules.algorithms.task_gradient.task_gradient` (FedMoS). Under gradient accumulation it runs
+  `lightning_modules.algorithms.task_gradient.task_gradient` (FedMoS). Under gradient accumulation it runs
   once per micro-batch, so the batch kept when ``correct_gradients`` runs is the last micro-batch only (FedMoS
   refuses accumulation);
 - ``loss_terms``      inside the module's ``training_step`` (via ``algorithm_loss``): extra differentiable terms (MOON);
@@ -55,22 +55,22 @@ class ClientAlgorithm:
     default_arch_args: ClassVar[Mapping[str, Any]] = {}
     #: How the local update relates to the local gradients (FedNova normalises it): ``gradient`` (plain optimizer
     #: steps on the local objective, extra loss terms included), ``proximal`` (plus mu * (w - w_t) added to the
-    #: gradient, see :meth:`proximal_coefficient`), ``drift`` (a correction that is no local gradient: SCAFFOLD,
+    #: gradient, see `proximal_coefficient`), ``drift`` (a correction that is no local gradient: SCAFFOLD,
     #: FedDyn, FedMoS; FedNova refuses those at build time).
     local_update: ClassVar[str] = "gradient"
     #: The algorithm's hyperparameters, declared once as a frozen dataclass (hparams.py): the registry checks
     #: ``client_args`` against its fields, the constructor builds one (which checks every value) and
-    #: :meth:`hparams` reports it. FedAvg's local SGD has none of its own.
+    #: `hparams` reports it. FedAvg's local SGD has none of its own.
     hparams_class: ClassVar[type[HParams]] = HParams
     #: What the algorithm needs from the module and optimizer (lightning_modules/protocols.py checks them):
     #: the task loss at other weights, the projected representation, one plain SGD step per update.
     needs_task_loss: ClassVar[bool] = False
     needs_representation: ClassVar[bool] = False
     needs_plain_sgd: ClassVar[bool] = False
-    #: The checked values (set by :meth:`use_hparams`).
+    #: The checked values (set by `use_hparams`).
     hyperparameters: HParams = HParams()
 
-    #: Set by :meth:`bind`: the site this algorithm runs on and where it may persist state between rounds.
+    #: Set by `bind`: the site this algorithm runs on and where it may persist state between rounds.
     site: str = "local"
     state_store: ClientStateStore | None = None
 
@@ -124,7 +124,7 @@ def check_server_meta(algorithm: ClientAlgorithm, meta: Mapping[str, Any], site:
         )
 
 
-#: Set on the module by :class:`lightning_modules.federated.FederatedAlgorithm`: the site's local entries
+#: Set on the module by `lightning_modules.federated.FederatedAlgorithm`: the site's local entries
 #: (``--local-keys``), which every client algorithm leaves alone (docs/personalization.md, "Partial sharing").
 LOCAL_KEYS_ATTRIBUTE = "__fl_local_keys__"
 

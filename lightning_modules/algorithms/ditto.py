@@ -18,7 +18,7 @@ Choices made here (the paper leaves them open):
 
 - **one personal step per training step, on the same batch**: ``on_batch`` keeps the batch, ``after_step`` (right
   after the global model's optimizer step) takes the gradient of the task loss at v_i on it with the project's one
-  helper (:func:`lightning_modules.algorithms.task_gradient.task_gradient`: buffers untouched, dropout off, the
+  helper (`lightning_modules.algorithms.task_gradient.task_gradient`: buffers untouched, dropout off, the
   trainer's precision, fp32 gradients) and moves v_i. So s = the round's number of optimizer steps, and a round
   costs about two local trainings;
 - **eta_v**: ``personal_lr`` when given, else the lr the optimizer used for that step (each parameter its group's
@@ -46,7 +46,7 @@ their local update only when nothing else travels with it.
 Meta sent: ``ditto.lam``, ``ditto.personal_steps`` (for the logs); the server needs nothing from Ditto (any rule
 that takes FedAvg's clients takes Ditto's, FedNova included: the global part is plain or proximal SGD). The
 personal model is scored on the site's validation split after the round (``eval.personal_*``,
-:mod:`lightning_modules.personal_scores`).
+`lightning_modules.personal_scores`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The client algorithms' error type, in a module of its own so that ``base.py`` and ``hparams.py`` (which ``base.py``
-imports) can both raise it; import it from :mod:`lightning_modules.algorithms` or ``.base`` as before."""
+imports) can both raise it; import it from `lightning_modules.algorithms` or ``.base`` as before."""
 
 from __future__ import annotations
 

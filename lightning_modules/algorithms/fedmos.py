@@ -10,8 +10,8 @@ are those of the authors' code and of the STORM estimator the method is named af
 
 g(w; xi) is the gradient of the task loss on batch xi; g(w_{t-1}; xi_t) is the *previous iterate's* gradient on the
 *current* batch (a second forward/backward per step, at a float32 copy of w_{t-1}, by
-:func:`lightning_modules.algorithms.task_gradient.task_gradient` through the module's ``task_loss(batch, params=...)``;
-nothing is registered on the module). The batch is the one the callback hands to :meth:`FedMoS.on_batch` before the
+`lightning_modules.algorithms.task_gradient.task_gradient` through the module's ``task_loss(batch, params=...)``;
+nothing is registered on the module). The batch is the one the callback hands to `FedMoS.on_batch` before the
 step's ``training_step``, so the module's ``training_step`` need not call ``algorithm_loss`` (FedMoS adds no loss
 term). A "previous step's own gradient" instead would make d_t - g_t = (1 - a)(d_{t-1} - g_{t-1}) = 0, i.e. plain SGD
 (tested). x is the global model received this round,
@@ -31,14 +31,14 @@ d_t = g_t + (1 - a)^{t-1} * g_1 (only the first gradient is remembered) and need
 State: d, the previous iterate and x are float32 copies of the trainable parameters (buffers are never touched), and
 all of it is per round: a new round starts from d_1 = g_1 again (the authors recreate the optimizer every round).
 Nothing persists across rounds, so no state file is written. The second pass follows the policy of
-:mod:`lightning_modules.algorithms.task_gradient`: BatchNorm statistics are updated by the first pass only (the
+`lightning_modules.algorithms.task_gradient`: BatchNorm statistics are updated by the first pass only (the
 second runs on copies of the buffers), dropout is off in it (the bundled models have no dropout), and it runs in the
 trainer's precision context like the first.
 
 Hyperparameters: ``a`` in (0, 1] ("1 - momentum": a = 1 is SGD with the proximal pull, a -> 0 remembers more),
 ``mu`` in [0, 1) (the share of the way back to x taken every step). Defaults a = 0.1, mu = 0.001: the authors'
 ``run.sh`` (their option defaults are a = 0.2, mu = 1e-4). The learning rate eta is the job's ``lr``. The server
-side (server momentum, client selection) is :mod:`aggregators.fedmos`.
+side (server momentum, client selection) is `aggregators.fedmos`.
 """
 
 from __future__ import annotations

@@ -9,14 +9,14 @@ Round t at site i, with f_i the site's local loss:
     send phi_i;     server: phi^{t+1} = sum_i p_i phi_i               (any rule, on the body only)
 
 The head never leaves the site and persists there across rounds: it is the job's ``--local-keys`` (or, without
-them, the head the module declares with ``fl_head_keys()``; :mod:`lightning_modules.personalization.local_keys`), so
-it travels the partial-sharing path of :class:`lightning_modules.federated.FederatedAlgorithm` (kept in the site's
+them, the head the module declares with ``fl_head_keys()``; `lightning_modules.personalization.local_keys`), so
+it travels the partial-sharing path of `lightning_modules.federated.FederatedAlgorithm` (kept in the site's
 state store, excluded from what is sent, from ``train.param_keys`` and from every server rule). tau_h is
 ``head_epochs`` (the paper's default is 10, chosen on its datasets; not verified for every dataset here), tau_phi is
 the job's ``--epochs``.
 
 How the two phases run inside one Lightning fit: the callback raises the fit's ``max_epochs`` by ``head_epochs``
-(:meth:`FedRep.extra_epochs`), the first ``head_epochs`` epochs of the round are the head phase and the rest the
+(`FedRep.extra_epochs`), the first ``head_epochs`` epochs of the round are the head phase and the rest the
 body phase. Freezing is done on the gradients: before every optimizer step the frozen part's ``.grad`` is set to
 ``None``, and every torch optimizer (SGD with momentum or weight decay, Adam, AdamW) skips a parameter without a
 gradient entirely, so it moves by exactly zero. Optimizer state therefore does not carry between the phases: the

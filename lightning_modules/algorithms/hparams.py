@@ -1,10 +1,10 @@
-"""The client algorithms' side of the one hyperparameter declaration (:mod:`aggregators.hparams`).
+"""The client algorithms' side of the one hyperparameter declaration (`aggregators.hparams`).
 
-Every client algorithm declares its hyperparameters as a frozen, keyword-only dataclass subclassing :class:`HParams`
+Every client algorithm declares its hyperparameters as a frozen, keyword-only dataclass subclassing `HParams`
 (the algorithm's ``hparams_class``), exactly as a server rule declares its own: fields typed ``float``, ``int``,
-``bool``, ``str`` or ``Literal[...]`` (optionally ``| None``), numbers given with :func:`hparam` (range and note),
+``bool``, ``str`` or ``Literal[...]`` (optionally ``| None``), numbers given with `hparam` (range and note),
 rules across fields in ``check_together``. A bad value is refused with the one wording of both sides, raised as a
-:class:`ClientAlgorithmError`. The same declaration tells the registry which keys an algorithm takes
+`ClientAlgorithmError`. The same declaration tells the registry which keys an algorithm takes
 (``client_args`` with any other key is refused before anything is built) and gives ``ClientAlgorithm.hparams()``.
 """
 

@@ -7,7 +7,7 @@ the optimizer's own update (``benchmarks/step_overhead.py`` measures it).
 
 Two tools:
 
-- :func:`plain_sgd_step_lrs` recognises a step that is exactly ``p <- p - lr * grad``: ``torch.optim.SGD`` itself
+- `plain_sgd_step_lrs` recognises a step that is exactly ``p <- p - lr * grad``: ``torch.optim.SGD`` itself
   without momentum, weight decay or ``maximize``, inside a Lightning fit whose gradient clipping is off. Only then
   is a gradient term that is linear in the parameters (FedProx's ``mu * (p - w_t)``, FedDyn's
   ``alpha_k * (p - (theta_server - H_k))``) the same as pulling the parameters towards a fixed point BEFORE the
@@ -18,7 +18,7 @@ Two tools:
   With momentum the term must enter the momentum buffer, with weight decay the decay must see the un-pulled
   weights, and clipping must clip the sum; without a trainer nobody can promise that nothing reads the gradient
   between ``correct_gradients`` and the step. In all those cases the algorithms keep editing ``.grad``.
-- :func:`foreach_by_dtype` groups tensors so that ``torch._foreach_*`` calls see matching dtypes and devices.
+- `foreach_by_dtype` groups tensors so that ``torch._foreach_*`` calls see matching dtypes and devices.
 
 What the fold changes and what it does not: the optimizer step, the step count, the learning rates and the state
 the algorithms keep are the same; the weights after the step agree with the gradient form to rounding (tested at
@@ -90,7 +90,7 @@ def pull_before_plain_sgd_step_(
     Does ``p <- lerp(p, target, lr * coefficient)`` in one ``torch._foreach_lerp_`` per param group, for every
     parameter of ``params`` that the step will move (it has a gradient; ``require_all_grads``: every parameter must
     have one, else nothing is done). Returns False, having changed nothing, when the step is not a plain SGD step
-    (:func:`plain_sgd_step_lrs`) or a parameter, gradient or target is not a dense fp32 tensor: the caller then
+    (`plain_sgd_step_lrs`) or a parameter, gradient or target is not a dense fp32 tensor: the caller then
     adds the term to ``.grad``.
     """
     lrs = plain_sgd_step_lrs(module, optimizer)

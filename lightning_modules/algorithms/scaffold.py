@@ -51,7 +51,7 @@ server statistics is preferable to local moments, and how it compares with this 
 read the abstract only); the measured comparison with FedAvg + AdamW is in benchmarks/results/genomics.md.
 
 Option I:  c_i+ = g_i(x), the full local gradient at the received model x (one extra pass over the data at round
-start, batch by batch through :func:`lightning_modules.algorithms.task_gradient.task_gradient`: buffers left as they
+start, batch by batch through `lightning_modules.algorithms.task_gradient.task_gradient`: buffers left as they
 were, dropout off, the trainer's precision; the module must define ``task_loss(batch)``); ``estimator`` must then be
 ``"auto"``.
 
@@ -151,7 +151,7 @@ def option_ii_from_correction(
 ) -> Tensors:
     """Option II from the correction c - c_i that the round's steps use: (x - y) / sum_k eta_k - (c - c_i).
 
-    Bit for bit :func:`option_ii_control` (a - b is exactly -(b - a) in IEEE arithmetic and addition commutes), so
+    Bit for bit `option_ii_control` (a - b is exactly -(b - a) in IEEE arithmetic and addition commutes), so
     a site need not keep c itself during the round: c_i, x and c - c_i are 3x the trainable parameters, not 4x.
     """
     return {name: (x[name] - y[name]) / lr_sum[name] - correction[name] for name in correction}
@@ -329,7 +329,7 @@ def full_local_gradient(module: nn.Module, params: Mapping[str, nn.Parameter]) -
     """g_i(x): the gradient of the local empirical loss at the current weights, over the whole local dataset.
 
     Uses an unshuffled loader over the same dataset so that the training order of the round is not disturbed. Each
-    batch's gradient is taken by :func:`lightning_modules.algorithms.task_gradient.task_gradient`, whose policy
+    batch's gradient is taken by `lightning_modules.algorithms.task_gradient.task_gradient`, whose policy
     leaves the round untouched: buffers (BatchNorm running statistics) restored, dropout off, the trainer's precision.
     """
     loader = module.trainer.train_dataloader

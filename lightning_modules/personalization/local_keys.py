@@ -11,7 +11,7 @@ touches L. Two published instances:
 With w = (w_S, w_L), site i's round t is ``w_S <- x_S^t; w_L <- w_L,i; (w_S', w_L,i) <- LocalTrain_i(w_S, w_L);
 send w_S'`` and the server's rule maps the {w_S'} to ``x_S^{t+1}`` exactly as it maps full models without L.
 
-This module is the pure part: the patterns (comma-separated :mod:`fnmatch` globs over state_dict names, plus the
+This module is the pure part: the patterns (comma-separated `fnmatch` globs over state_dict names, plus the
 word ``batchnorm`` for every entry of every ``torch.nn.modules.batchnorm._BatchNorm`` submodule) and a module ->
 the sorted tuple of local names, refused in one line when a pattern matches nothing or the patterns cover every
 entry (nothing would be federated). The job builder resolves them once, against the job's model, and writes the
@@ -70,7 +70,7 @@ def batchnorm_keys(module: nn.Module) -> list[str]:
 
 
 def pattern_matches(pattern: str, names: Iterable[str], module: nn.Module) -> list[str]:
-    """The names one pattern selects (``batchnorm``: :func:`batchnorm_keys`; otherwise a case-sensitive glob)."""
+    """The names one pattern selects (``batchnorm``: `batchnorm_keys`; otherwise a case-sensitive glob)."""
     if pattern == BATCHNORM:
         return batchnorm_keys(module)
     return [name for name in names if fnmatch.fnmatchcase(name, pattern)]
@@ -79,7 +79,7 @@ def pattern_matches(pattern: str, names: Iterable[str], module: nn.Module) -> li
 def resolve_local_keys(patterns: str | Sequence[str], module: nn.Module) -> tuple[str, ...]:
     """The sorted local state_dict names of ``module`` that ``patterns`` select (module docstring).
 
-    Raises :class:`LocalKeysError` naming the first pattern that matches no entry (a typo would silently federate
+    Raises `LocalKeysError` naming the first pattern that matches no entry (a typo would silently federate
     what was meant to stay), and when the patterns cover every entry (no model would be federated at all).
     """
     names = list(module.state_dict())

@@ -1,6 +1,6 @@
 """The site's half of partial sharing (FedPer, FedBN, FedRep's head): keep the local entries L between rounds and
-never send them. :class:`lightning_modules.federated.FederatedAlgorithm` drives it; the math is in
-:mod:`lightning_modules.personalization.local_keys`.
+never send them. `lightning_modules.federated.FederatedAlgorithm` drives it; the math is in
+`lightning_modules.personalization.local_keys`.
 
 Per round, at the points of the fit where the callback runs:
 
@@ -12,7 +12,7 @@ Per round, at the points of the fit where the callback runs:
    aggregated before, a corrupt file, a file of another run or of another model: a warning naming the site, the
    keys and why, and the round goes on from the received values; never a silently wrong L;
 2. round end: L is saved as pending state, and a state_dict post-hook on the module drops L from every state_dict
-   until the fit ends, so what NVFlare's FLCallback (or the in-process :class:`lightning_modules.site.LocalExchange`)
+   until the fit ends, so what NVFlare's FLCallback (or the in-process `lightning_modules.site.LocalExchange`)
    takes at its ``on_train_end``, which runs after ours, carries S only.
 """
 
@@ -115,7 +115,7 @@ class LocalEntries:
         save_run_state(self, tensors, run_id, round_num)  # type: ignore[arg-type]  # .site, .name, .state_store
 
     def hide(self, module: nn.Module) -> None:
-        """From now until :meth:`show`, every ``module.state_dict()`` leaves L out (what the site sends)."""
+        """From now until `show`, every ``module.state_dict()`` leaves L out (what the site sends)."""
         self.show()
         keys = self.keys
 
@@ -134,8 +134,8 @@ class LocalEntries:
 def local_entries_for(
     algorithm: ClientAlgorithm, module: nn.Module, local_keys: str | Sequence[str] | None
 ) -> LocalEntries:
-    """The site's :class:`LocalEntries` for ``module``, marked on the module so that every client algorithm leaves
-    them alone (:func:`lightning_modules.algorithms.base.trainable_parameters`).
+    """The site's `LocalEntries` for ``module``, marked on the module so that every client algorithm leaves
+    them alone (`lightning_modules.algorithms.base.trainable_parameters`).
 
     ``local_keys`` are explicit names (the builder resolved the job's patterns). An algorithm that needs a head
     (FedRep) and gets none takes the head the module declares (``fl_head_keys()``), else it is refused. Names the

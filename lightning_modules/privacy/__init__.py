@@ -2,7 +2,7 @@
 client-algorithm callback, an RDP accountant, the per-site privacy ledger in the state store, and the table of what
 leaves a site (docs/privacy.md).
 
-Opacus is an optional extra (``pip install '.[privacy]'``): only :mod:`lightning_modules.privacy.dp_sgd` and the
+Opacus is an optional extra (``pip install '.[privacy]'``): only `lightning_modules.privacy.dp_sgd` and the
 accountant import it, and only when a job turns DP on.
 """
 

@@ -19,7 +19,7 @@ from lightning_modules.privacy.config import PRIVACY_EXTRA
 
 #: Opacus's default RDP orders (``RDPAccountant.DEFAULT_ALPHAS``).
 DEFAULT_ORDERS: tuple[float, ...] = tuple([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)))
-#: The largest sigma :func:`noise_for_budget` searches; a budget that needs more is refused as unreachable.
+#: The largest sigma `noise_for_budget` searches; a budget that needs more is refused as unreachable.
 MAX_NOISE_MULTIPLIER = 1000.0
 
 
@@ -82,7 +82,7 @@ def noise_for_budget(
     tolerance: float = 1e-3,
 ) -> float:
     """The smallest sigma (within ``tolerance`` relative) at which ``spent`` plus ``steps`` more steps at
-    ``sample_rate`` stay within ``target_epsilon``. Raises ``ValueError`` when even :data:`MAX_NOISE_MULTIPLIER`
+    ``sample_rate`` stay within ``target_epsilon``. Raises ``ValueError`` when even `MAX_NOISE_MULTIPLIER`
     does not fit (a budget the steps already spent, or one step, exceed)."""
 
     def total(sigma: float) -> float:

@@ -5,7 +5,7 @@ Opacus has no supported Lightning integration, so the wiring is ours; the DP mat
 - **per-sample gradients**: Opacus's ``GradSampleModule`` hooks on the LightningModule's own layers (the module
   Lightning trains is not replaced; the hooks fill ``p.grad_sample`` during Lightning's backward);
 - **Poisson sampling**: the site's training loader is Opacus's ``DPDataLoader`` (the built-in site and the user
-  model's site build it with :func:`poisson_loader`; the callback refuses a round whose loader is not one, or whose
+  model's site build it with `poisson_loader`; the callback refuses a round whose loader is not one, or whose
   sampler does not draw from a secret generator);
 - **clip and noise**: Opacus's ``DPOptimizer`` steps (clip every per-sample gradient to C over all trainable
   parameters together, add N(0, sigma^2 C^2) drawn from a secret generator, divide by the expected batch size
@@ -15,11 +15,11 @@ Opacus has no supported Lightning integration, so the wiring is ours; the DP mat
   optimizer the module configured (SGD, AdamW: post-processing too);
 - **accounting**: Opacus's accountant would restart at zero with every new process (``nvflare simulator -t 1``
   starts one per client round), so the site keeps its own ledger of (q, sigma, steps) in its state store
-  (:mod:`lightning_modules.privacy.ledger`) and epsilon is computed from the whole ledger every round.
+  (`lightning_modules.privacy.ledger`) and epsilon is computed from the whole ledger every round.
 
 Every random draw of the mechanism (the Poisson sample, the noise) comes from a generator seeded from the operating
-system's entropy, never from the job's seed (:mod:`lightning_modules.privacy.secret` says why). What the site may
-not use under DP is refused at build time (:func:`dp_problem`) and again when the fit starts.
+system's entropy, never from the job's seed (`lightning_modules.privacy.secret` says why). What the site may
+not use under DP is refused at build time (`dp_problem`) and again when the fit starts.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def dp_problem(algorithm: ClientAlgorithm, module: nn.Module | None, precision: 
 def poisson_loader(loader: torch.utils.data.DataLoader) -> Any:
     """Opacus's Poisson-sampling loader over ``loader``'s dataset: every record joins each batch independently with
     probability q = 1 / len(loader), for len(loader) batches an epoch, drawn from a secret generator
-    (:mod:`lightning_modules.privacy.secret`): never from ``loader``'s own generator or torch's global one, which
+    (`lightning_modules.privacy.secret`): never from ``loader``'s own generator or torch's global one, which
     the job's seed determines."""
     from opacus.data_loader import DPDataLoader
 
@@ -158,7 +158,7 @@ def poisson_loader(loader: torch.utils.data.DataLoader) -> Any:
 
 
 def poisson_data_module(datamodule: pl.LightningDataModule) -> pl.LightningDataModule:
-    """``datamodule`` with its training loader under :func:`poisson_loader` (validation and test unchanged).
+    """``datamodule`` with its training loader under `poisson_loader` (validation and test unchanged).
     Opacus's own ``DPLightningDataModule`` is not used: it ignores the generator it is given and samples from the
     user's loader's generator or torch's global one, both of which the job's seed determines."""
     from opacus.lightning import DPLightningDataModule

@@ -8,7 +8,7 @@ a result the server rejects has still left the site, so its steps stay spent.
 Losing the ledger is a privacy incident: starting the count at zero again would report an epsilon smaller than
 the one the site has spent. So a site that has released anything before (the server's ``server.last_released`` or
 ``server.last_aggregated`` names it: a result of this site reached the server, aggregated or rejected) and finds no
-ledger, or a corrupt one, stops with :class:`LedgerError` naming the site and the file; it never trains on.
+ledger, or a corrupt one, stops with `LedgerError` naming the site and the file; it never trains on.
 
 A server that does not track releases (its meta has no ``server.last_released``: NVFlare's ``ScatterAndGather``,
 which runs ``--secure-aggregation he|plain`` and asks every site every round) cannot say who has released. Then a
@@ -121,7 +121,7 @@ def trained_before(site: str, meta: Mapping[str, Any]) -> bool:
 def read_ledger(store: ClientStateStore | None, site: str, meta: Mapping[str, Any], delta: float) -> Ledger:
     """The site's ledger for the run the meta names, or an empty one for a site that never trained in it.
 
-    Stops (:class:`LedgerError`) on a corrupt ledger, on a missing one when the server says the site has trained,
+    Stops (`LedgerError`) on a corrupt ledger, on a missing one when the server says the site has trained,
     and on a ledger of another delta (its epsilon would change meaning halfway)."""
     if store is None:
         raise LedgerError(f"{site}: DP-SGD needs the site's state store: its privacy ledger would be lost")

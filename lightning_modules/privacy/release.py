@@ -8,7 +8,7 @@ stated here and in the docs. The rest (training loss and accuracy, scores on the
 this table does not know) is **withheld** under DP by default: dropped from the result before it is sent, its key
 listed in ``privacy.withheld``.
 
-:data:`RELEASED` lists every item a site of this bundle can send, with its status; a test checks that every meta key
+`RELEASED` lists every item a site of this bundle can send, with its status; a test checks that every meta key
 the bundle's client algorithms send appears in it, and docs/privacy.md shows the same table.
 """
 
@@ -70,7 +70,7 @@ RELEASED: tuple[Item, ...] = (
 
 
 def status_of(key: str) -> Item:
-    """The first item of :data:`RELEASED` whose pattern matches ``key`` (the catch-all last)."""
+    """The first item of `RELEASED` whose pattern matches ``key`` (the catch-all last)."""
     return next(item for item in RELEASED if fnmatchcase(key, item.pattern))
 
 

@@ -8,14 +8,14 @@ record and see which replay matches the released model, or draw the same noise w
 the guarantee would be void whatever the ledger says (``tests/lightning_modules/test_dp_attacks.py`` plays both).
 
 So every privacy draw comes from a ``torch.Generator`` seeded here with 63 bits of the operating system's entropy
-(:mod:`secrets`), a fresh seed for every round of every site, kept in memory only and never written or sent. A site
+(`secrets`), a fresh seed for every round of every site, kept in memory only and never written or sent. A site
 needs no continuity of these draws across restarts: each round's draws only need to be unknown to everyone else.
 
 What this is and is not (docs/privacy.md, "Secret randomness"): the seed is unpredictable, but the generator it
 seeds (torch's Mersenne Twister on the CPU, Philox on a GPU) is not a cryptographically secure generator, and a
 double-precision Gaussian sampler leaks through its floating-point representation in principle (the attacks that
 Opacus's ``secure_mode`` guards against). Opacus's full secure mode needs ``torchcsprng``, which has no release for
-torch 2.x; the floating-point hardening part of it (several Gaussian draws summed) is what :data:`SECURE_NOISE`
+torch 2.x; the floating-point hardening part of it (several Gaussian draws summed) is what `SECURE_NOISE`
 turns on in the DP step.
 """
 
@@ -31,7 +31,7 @@ SECURE_NOISE = True
 
 
 class _SecretGenerator(torch.Generator):
-    """A generator that :func:`is_secret` recognises by its type. A type, not a registry of instances: torch 2.11's
+    """A generator that `is_secret` recognises by its type. A type, not a registry of instances: torch 2.11's
     generators cannot be weakly referenced (measured on a GPU machine), and a strong registry would keep every
     round's generator alive."""
 
@@ -42,13 +42,13 @@ def entropy_seed() -> int:
 
 
 def secret_generator(device: torch.device | str = "cpu") -> torch.Generator:
-    """A generator on ``device`` seeded from :func:`entropy_seed`, registered as secret (:func:`is_secret`)."""
+    """A generator on ``device`` seeded from `entropy_seed`, registered as secret (`is_secret`)."""
     generator = _SecretGenerator(device=device)
     generator.manual_seed(entropy_seed())
     return generator
 
 
 def is_secret(generator: torch.Generator | None) -> bool:
-    """Whether ``generator`` came from :func:`secret_generator` (``None``, torch's global generator, is seeded from
+    """Whether ``generator`` came from `secret_generator` (``None``, torch's global generator, is seeded from
     the job's seed at every round, so it is not)."""
     return isinstance(generator, _SecretGenerator)

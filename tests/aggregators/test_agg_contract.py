@@ -8,7 +8,7 @@
 - the rule state survives the server checkpoint: aggregating after a save/load round trip gives the same model;
 - the result has the global model's keys, shapes and dtypes, and is finite.
 
-A new rule is under these tests once it is registered. Its required meta comes from :data:`META_FOR_KEY`; a rule
+A new rule is under these tests once it is registered. Its required meta comes from `META_FOR_KEY`; a rule
 that requires a key missing there fails loudly, so the fixture has to learn the key.
 """
 

@@ -1,6 +1,6 @@
 """The framework-free round engine: selection, validation, aggregation, failure handling and records.
 
-Sites are plain functions behind :class:`InProcessTransport`; rules are the bundle's own, or tiny fakes that
+Sites are plain functions behind `InProcessTransport`; rules are the bundle's own, or tiny fakes that
 misbehave on purpose (raise, return NaN, return the wrong keys). No NVFlare, no Lightning.
 """
 

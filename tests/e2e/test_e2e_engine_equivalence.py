@@ -1,6 +1,6 @@
 """The NVFlare controller path and the in-process engine give bit-identical global models.
 
-The same :class:`JobSpec` runs twice: exported and run with the real ``nvflare simulator`` (``FedAlgController`` +
+The same `JobSpec` runs twice: exported and run with the real ``nvflare simulator`` (``FedAlgController`` +
 ``jobs/client.py``), and in this process through ``controllers.in_process.run_in_process`` (the same round engine,
 the same site round of ``lightning_modules/site.py``, no NVFlare). Every round's global model must have the same
 SHA-256 (keys, dtypes, shapes and bytes), and so must the final persisted model: benchmark numbers computed in

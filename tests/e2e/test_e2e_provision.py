@@ -158,7 +158,7 @@ def _server_metrics(deployment, job_id: str) -> list[dict]:
 def _crash(deployment, name: str, job_id: str) -> None:
     """SIGKILL a whole participant (``server`` or a site), as a machine that loses power: its parent process group
     first (so nothing is left to report the job process's death), then its job process for ``job_id``, which runs
-    in a session of its own. The participant is then down until :func:`loopback.restart`."""
+    in a session of its own. The participant is then down until `loopback.restart`."""
     import psutil
 
     kit = deployment.server if name == "server" else deployment.sites[name]
