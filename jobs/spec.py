@@ -383,10 +383,9 @@ def _check_site_splits(spec: JobSpec) -> None:
 
 
 def _check_personal_validation(spec: JobSpec) -> None:
-    """A personal model that exists only to be scored (Ditto's v_i; a fine-tuned copy, refused earlier with its own
-    message) needs a validation split: without one the site computes it every round and can never report personal
-    against global. Partial sharing (FedPer/FedBN/FedRep) is not refused: its personal model is the model the site
-    trains and uses every round, so the job is a training method in its own right without any split."""
+    """Every personal method needs a validation split (a fine-tuned copy is refused earlier with its own message):
+    without one the site builds its personal model every round (Ditto's v_i; FedPer/FedBN/FedRep's trained module
+    with its own entries) and can never report it against the global model, which is what the method is for."""
     method = personal_method(spec)
     if method and spec.script is None and not has_validation_split(spec):
         raise JobBuildError(
@@ -426,7 +425,7 @@ def _check_candidates(spec: JobSpec) -> None:
             f"keep best selects on a validation split and reports on a test split; the sites hold no {missing} split: "
             f"{_validation_hint(spec, missing)}"
         )
-    if not spec.local_baseline and personal_method(spec, partial_sharing=True) is None:
+    if not spec.local_baseline and personal_method(spec) is None:
         raise JobBuildError(
             "keep best with the global model as the only candidate: add --local-baseline or a personal method "
             "(finetune_epochs, client ditto or fedrep, local_keys)"
@@ -435,16 +434,16 @@ def _check_candidates(spec: JobSpec) -> None:
         raise JobBuildError(f"keep_metric {spec.keep_metric!r}: the built-in model logs {list(BUILTIN_VAL_METRICS)}")
 
 
-def personal_method(spec: JobSpec, *, partial_sharing: bool = False) -> str | None:
-    """What gives the job's sites a personal model that exists only to be scored (``None``: none): Ditto or local
-    fine-tuning; with ``partial_sharing``, FedPer/FedBN/FedRep's trained module with the site's own entries too."""
-    if spec.client == "ditto":
-        return "client 'ditto'"
+def personal_method(spec: JobSpec) -> str | None:
+    """The setting that gives the job's sites a personal model (``None``: none): Ditto, local fine-tuning, or
+    partial sharing (FedPer/FedBN's local_keys, FedRep's head), whose personal model is the trained module with the
+    site's own entries."""
+    if spec.client in ("ditto", "fedrep"):
+        return f"client '{spec.client}'"
     if spec.finetune_epochs:
         return f"finetune_epochs {spec.finetune_epochs}"
-    if partial_sharing and spec.client == "fedrep":
-        return "client 'fedrep'"
-    return f"local_keys {spec.local_keys!r}" if partial_sharing and spec.local_keys else None
+    # By now local_keys holds the resolved names, which can be many: the count names the setting in one short line.
+    return f"local_keys ({len(spec.local_keys.split(','))} entries kept at the site)" if spec.local_keys else None
 
 
 def has_validation_split(spec: JobSpec) -> bool:

@@ -295,7 +295,8 @@ def test_the_job_builder_refuses_what_dp_fedavg_cannot_protect(values, message):
     with pytest.raises(JobBuildError, match=message) as refused:
         spec_from_values("dp", {"server": "dp_fedavg", **values})
     assert "\n" not in str(refused.value)  # one line
-    assert spec_from_values("dp", {"server": "dp_fedavg", "arch": "bn_cnn", "local_keys": "batchnorm"}).local_keys
+    fedbn = {"server": "dp_fedavg", "arch": "bn_cnn", "local_keys": "batchnorm", "site_val_fraction": 0.1}
+    assert spec_from_values("dp", fedbn).local_keys
 
 
 def test_a_fixed_seed_is_kept_only_without_noise():

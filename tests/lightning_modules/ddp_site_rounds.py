@@ -59,6 +59,10 @@ class TinyModule(pl.LightningModule):
         x, y = batch
         return F.cross_entropy(self.body(x), y)
 
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self.body(x), y), sync_dist=True)
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
@@ -69,7 +73,14 @@ class TinyData(pl.LightningDataModule):
         generator = torch.Generator().manual_seed(int(site.rsplit("-", 1)[-1]))
         self.x = torch.randn(64, 8, generator=generator)
         self.y = torch.randint(0, 3, (64,), generator=generator)
+        # Drawn after the training data, which stays what it was: the validation split every personal method needs.
+        self.val = TensorDataset(
+            torch.randn(16, 8, generator=generator), torch.randint(0, 3, (16,), generator=generator)
+        )
         self.devices = devices
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val, batch_size=GLOBAL_BATCH)
 
     def train_dataloader(self) -> DataLoader:
         data = TensorDataset(self.x, self.y)
@@ -131,6 +142,10 @@ def run(case: str, devices: int, state_root: Path) -> dict:
         "states": states,
         "losses": [r.get("site_train_loss") for r in result.records],
         "rounds": [(r["status"], list(r["aggregated"])) for r in result.rounds],
+        # Every round's validation scores per site: the global model's, and FedPer's, FedBN's, FedRep's personal one.
+        "site_eval": [
+            {metric: summary["per_site"] for metric, summary in r.get("site_eval", {}).items()} for r in result.rounds
+        ],
         "sent": sent,
         "written": written,
     }

@@ -1,7 +1,8 @@
 """User model and data for ``test_lm_personal_bf16.py``: the built-in BatchNorm CNN of ``jobs/fedbn``
 (:class:`lightning_modules.models.BatchNormCNN`, whose ``classifier`` is its declared head) trained with AdamW, on a
-few random 28 x 28 images per site. The module notes its state at the start and end of every epoch and the dtype of
-its logits and where they were computed, so the test can see each FedRep phase and that autocast computed in bf16."""
+few random 28 x 28 images per site, and 16 more to validate on. The module notes its state at the start and end of
+every epoch and the dtype of its logits and where they were computed, so the test can see each FedRep phase and that
+autocast computed in bf16."""
 
 from __future__ import annotations
 
@@ -32,6 +33,10 @@ class AdamWBatchNormCNN(pl.LightningModule):
         self.device_types.add(logits.device.type)
         return F.cross_entropy(logits, y)
 
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self.net(x), y))
+
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
 
@@ -52,6 +57,11 @@ class RandomImages(pl.LightningDataModule):
         generator = torch.Generator().manual_seed(int(site.rsplit("-", 1)[-1]))
         self.x = torch.randn(samples, 1, 28, 28, generator=generator) + int(site.rsplit("-", 1)[-1])
         self.y = torch.randint(0, NUM_CLASSES, (samples,), generator=generator)
+        # Drawn after the training data, which stays what it was: the validation split every personal method needs.
+        self.val = TensorDataset(self.x[:16] + torch.randn(16, 1, 28, 28, generator=generator), self.y[:16])
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(TensorDataset(self.x, self.y), batch_size=16, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val, batch_size=16)

@@ -79,7 +79,8 @@ def test_two_ddp_processes_per_site_equal_one_process(runs):
 @pytest.mark.parametrize("case", ["fedper", "fedrep"])
 def test_ddp_personal_heads_stay_at_the_sites_and_equal_one_process(runs, case):
     """FedPer's and FedRep's head under DDP: trained at each site (not the initial one), equal to the single
-    process's to 1e-5, never sent, left at its initial values in the global model, written by rank 0 only."""
+    process's to 1e-5, never sent, left at its initial values in the global model, written by rank 0 only; the
+    personal and global validation scores are the single process's to 1e-5."""
     one, two, rank1 = (run[case] for run in runs)
     head = one["local_keys"]
     assert head == ["body.2.bias", "body.2.weight"] == two["local_keys"]
@@ -98,6 +99,13 @@ def test_ddp_personal_heads_stay_at_the_sites_and_equal_one_process(runs, case):
     assert sorted(two["written"]) == sorted(one["written"])
     assert {Path(p).name for p in two["written"]} == {"local_entries.pending"}
     assert rank1["written"] == []
+    # Personal against global on the validation split, every round, at every site, as one process scores them.
+    assert [set(scores) for scores in one["site_eval"]] == [{"val_loss", "personal_val_loss"}] * 3
+    for mine, ddp, other_rank in zip(one["site_eval"], two["site_eval"], rank1["site_eval"], strict=True):
+        assert ddp == other_rank
+        for metric, per_site in mine.items():
+            assert set(per_site) == {"site-1", "site-2"}
+            np.testing.assert_allclose(list(ddp[metric].values()), list(per_site.values()), atol=1e-5, rtol=0)
 
 
 @pytest.mark.slow

@@ -176,7 +176,7 @@ def test_a_module_without_a_head_is_refused_at_the_site():
 
 
 def test_builder_takes_the_declared_head_of_the_builtin_model():
-    spec = JobSpec(name="rep", client="fedrep", dataset="digits", arch="mlp")
+    spec = JobSpec(name="rep", client="fedrep", dataset="digits", arch="mlp", site_val_fraction=0.1)
     assert spec.local_keys == "net.classifier.bias,net.classifier.weight"
 
 

@@ -97,6 +97,18 @@ def test_finetuning_a_user_model_needs_its_validation_split():
         )
 
 
+@pytest.mark.parametrize("settings", [{"client": "ditto"}, {"client": "fedrep"}, {"local_keys": "net.classifier.*"}])
+def test_every_personal_method_with_a_user_model_needs_its_validation_split(settings):
+    # The user's data module is the split: the refusal names what it lacks, the same line for every personal method.
+    with pytest.raises(JobBuildError, match=r"makes a personal model .*defines no val_dataloader\(\)$"):
+        JobSpec(
+            name="bad",
+            model="tests.lightning_modules.test_lm_finetune:NoValModule",
+            data="tests.lightning_modules.test_lm_finetune:NoValData",
+            **settings,
+        )
+
+
 class NoValModule(ValidatedClassifier):
     pass
 

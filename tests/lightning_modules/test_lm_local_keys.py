@@ -7,6 +7,7 @@ warning naming the site and the keys; SCAFFOLD's control and FedProx's anchor ex
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -22,9 +23,9 @@ from lightning_modules.models import BatchNormCNN
 from lightning_modules.personalization import LocalKeysError, declared_head_keys, resolve_local_keys
 from lightning_modules.personalization.partial_sharing import STORE_NAME
 
-SPEC = JobSpec(
-    name="fedper", dataset="digits", arch="mlp", local_keys="net.classifier.*", num_rounds=2, batch_size=32, lr=0.1
-)
+#: FedPer on the digits MLP, with the validation split every personal method needs.
+FEDPER = {"dataset": "digits", "arch": "mlp", "local_keys": "net.classifier.*", "site_val_fraction": 0.1}
+SPEC = JobSpec(name="fedper", **FEDPER, num_rounds=2, batch_size=32, lr=0.1)
 HEAD = ("net.classifier.bias", "net.classifier.weight")
 
 
@@ -140,9 +141,7 @@ def test_missing_state_of_a_site_the_server_aggregated_is_warned(tmp_path, caplo
 
 
 def test_scaffold_control_and_fedprox_anchor_exclude_the_local_entries(tmp_path):
-    spec = JobSpec(
-        name="s", dataset="digits", arch="mlp", local_keys="net.classifier.*", client="fedprox", client_args={"mu": 0.1}
-    )
+    spec = JobSpec(name="s", **FEDPER, client="fedprox", client_args={"mu": 0.1})
     site = site_rounds(spec, tmp_path)["site-1"]
     site.train(0, initial_params(spec), {meta_keys.ROUND: 0, meta_keys.RUN_ID: "r"})
     assert set(site.round_callback.algorithm.anchor) == {
@@ -154,7 +153,9 @@ def test_scaffold_control_and_fedprox_anchor_exclude_the_local_entries(tmp_path)
 
 
 def test_fedbn_keeps_batchnorm_statistics_at_the_site(tmp_path):
-    spec = JobSpec(name="bn", arch="bn_cnn", local_keys="batchnorm", max_train_samples=120, batch_size=20)
+    spec = JobSpec(
+        name="bn", arch="bn_cnn", local_keys="batchnorm", max_train_samples=120, batch_size=20, site_val_fraction=0.1
+    )
     site = site_rounds(spec, tmp_path)["site-1"]
     start = initial_params(spec)
     sent, _ = site.train(0, start, {meta_keys.ROUND: 0, meta_keys.RUN_ID: "r"})
@@ -198,18 +199,7 @@ def test_module_of_another_job_is_refused_by_the_site(tmp_path):
 def test_scaffold_in_process_runs_on_the_shared_entries(tmp_path):
     from controllers.in_process import run_in_process
 
-    spec = JobSpec(
-        name="sc",
-        dataset="digits",
-        arch="mlp",
-        local_keys="net.classifier.*",
-        client="scaffold",
-        server="scaffold",
-        num_rounds=2,
-        max_test_samples=50,
-        batch_size=32,
-        lr=0.1,
-    )
+    spec = dataclasses.replace(SPEC, name="sc", client="scaffold", server="scaffold", max_test_samples=50)
     result = run_in_process(spec, tmp_path, run_id="r")
     assert [r["status"] for r in result.rounds] == ["aggregated", "aggregated"]
     assert all(not r["rejected"] for r in result.rounds)

@@ -10,7 +10,8 @@ trained with AdamW (``personal_bf16_models.py``). For each method:
   and the state store holds them bit for bit, floats as float32;
 - FedRep: in the head phase (epoch 0) every body parameter is bit-identical from start to end, in the body phase
   (epoch 1) every head parameter is, and the other part moved (AdamW with weight decay moves whatever it steps);
-- every weight and every round's training loss are finite.
+- every weight and every round's training loss are finite, and every round both sites report finite global and
+  personal validation scores.
 """
 
 from __future__ import annotations
@@ -86,12 +87,21 @@ def test_personal_sites_train_two_rounds_under_bf16_mixed_with_adamw(tmp_path, m
     for key in local:  # no rule ever touched them
         np.testing.assert_array_equal(run.params[key], initial[key])
     assert all(np.isfinite(value).all() for value in run.params.values())
+    for record in run.rounds:  # personal against global, scored under bf16 autocast like the training
+        scores = record["site_eval"]
+        assert {"val_loss", "personal_val_loss"} <= set(scores)
+        assert all(
+            set(s["per_site"]) == set(SITES) and np.isfinite(list(s["per_site"].values())).all()
+            for s in scores.values()
+        )
 
     for name, site in sites.items():
         module = site.module
         assert module.logit_dtypes == {torch.bfloat16}  # autocast ran
         assert module.device_types == {"cuda" if torch.cuda.is_available() else "cpu"}  # accelerator "auto"
-        state = module.state_dict()
+        # The state the site ended its last epoch with: after the run the site scores the final global model on its
+        # validation split, which loads that model (its local entries the initial ones) into the module.
+        state = module.snapshots[-1][2]
         assert all(v.dtype == torch.float32 for v in state.values() if v.is_floating_point())
         assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
         stored = ClientStateStore(tmp_path, name).latest(STORE_NAME).state

@@ -57,11 +57,19 @@ def test_builtin_sizes_are_what_the_sites_hold() -> None:
     assert len(sizes) == 3 and all(test >= 10 and train > test for train, _, test in sizes.values())
 
 
+FEDBN = {"dataset": "fashion_mnist", "arch": "bn_cnn", "local_keys": "batchnorm"}
+
+
 @pytest.mark.parametrize(
     "changes, message",
     [
         ({"site_test_fraction": 0.005}, r"site_test_fraction 0.005 leaves site-\d \d test samples .*at least 10"),
         ({"client": "ditto"}, "client 'ditto' makes a personal model .*set site_val_fraction"),
+        # Partial sharing: the site's personal model is its trained module with its own entries; without a
+        # validation split it trains one every round and can never report it against the global model.
+        ({"client": "fedrep"}, "client 'fedrep' makes a personal model .*set site_val_fraction"),
+        ({"local_keys": "net.classifier.*"}, r"local_keys \(2 entries kept .*\) makes a personal model .*set site_val"),
+        (FEDBN, r"local_keys \(10 entries kept .*\) makes a personal model .*set site_val_fraction"),
     ],
 )
 def test_refused_at_build_time_in_one_line(changes: dict, message: str) -> None:
