@@ -1,4 +1,4 @@
-"""The committed jobs: one :class:`jobs.spec.JobSpec` per ``jobs/<name>/`` folder (``python -m jobs.build --presets``
+"""The committed jobs: one `jobs.spec.JobSpec` per ``jobs/<name>/`` folder (``python -m jobs.build --presets``
 regenerates them, ``--presets --check`` diffs them).
 
 Each preset is validated when it is first used, not when this module is imported: validating a job with a user
@@ -105,7 +105,7 @@ PRESET_SETTINGS: dict[str, dict[str, Any]] = {
 
 
 class Presets(Mapping[str, JobSpec]):
-    """The presets by name; each :class:`JobSpec` is built (and validated) on first access."""
+    """The presets by name; each `JobSpec` is built (and validated) on first access."""
 
     def __init__(self, settings: Mapping[str, Mapping[str, Any]]) -> None:
         self._settings = dict(settings)

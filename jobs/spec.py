@@ -1,10 +1,10 @@
-"""The spec of a job (every setting of :mod:`jobs.settings` in one flat, validated object) and the client command
+"""The spec of a job (every setting of `jobs.settings` in one flat, validated object) and the client command
 line derived from it.
 
-A :class:`JobSpec` that exists is buildable: its constructor checks each value against its declaration, then the
+A `JobSpec` that exists is buildable: its constructor checks each value against its declaration, then the
 combinations (dataset and model, sampling and the number of sites, the client algorithm and the server rule), and
 constructs the model, the client algorithm and the server rule with the given arguments, so their own checks refuse
-bad hyperparameters when the job is built rather than when it runs. Every refusal is a :class:`JobBuildError` with
+bad hyperparameters when the job is built rather than when it runs. Every refusal is a `JobBuildError` with
 one line naming the setting, the value and what is allowed.
 """
 
@@ -368,7 +368,7 @@ MIN_TEST_SAMPLES = 10
 
 
 def _check_site_splits(spec: JobSpec) -> None:
-    """Every site of a built-in dataset keeps at least :data:`MIN_TEST_SAMPLES` test samples (the partition is
+    """Every site of a built-in dataset keeps at least `MIN_TEST_SAMPLES` test samples (the partition is
     computed here, as the sites will compute it)."""
     if spec.model is None and spec.site_test_fraction > 0:
         from lightning_modules.site import builtin_split_sizes

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 GLOBAL_BATCH = 16
-#: The classifier head of :class:`TinyModule`: FedPer's local entries, FedRep's head.
+#: The classifier head of `TinyModule`: FedPer's local entries, FedRep's head.
 HEAD = "body.2.*"
 #: case -> (client algorithm, server rule, client args, local keys)
 CASES = {

@@ -1,5 +1,5 @@
 """User model and data for ``test_lm_personal_bf16.py``: the built-in BatchNorm CNN of ``jobs/fedbn``
-(:class:`lightning_modules.models.BatchNormCNN`, whose ``classifier`` is its declared head) trained with AdamW, on a
+(`lightning_modules.models.BatchNormCNN`, whose ``classifier`` is its declared head) trained with AdamW, on a
 few random 28 x 28 images per site, and 16 more to validate on. The module notes its state at the start and end of
 every epoch and the dtype of its logits and where they were computed, so the test can see each FedRep phase and that
 autocast computed in bf16."""
