@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README_MAX_LINES = 250
+#: A reST role as the API pages would show it: `:role:` or `:domain:role:` followed by its (code) target.
+RAW_ROLE = re.compile(r"(:(?:[a-z]+:)?[a-z]+:)(?=<code>|`)")
 
 pytest.importorskip("mkdocs", reason="the docs tools come with the dev extra (make setup)")
 yaml = pytest.importorskip("yaml")
@@ -41,12 +44,38 @@ def nav_pages(nav) -> list[str]:
     return [page for item in nav for page in nav_pages(item)]
 
 
-def test_the_site_builds_strict_without_a_warning(tmp_path):
-    built = mkdocs_build(ROOT / "mkdocs.yml", tmp_path / "site")
+@pytest.fixture(scope="module")
+def built_site(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The real site, built once for the tests that read it."""
+    site = tmp_path_factory.mktemp("docs") / "site"
+    return site, mkdocs_build(ROOT / "mkdocs.yml", site)
+
+
+def test_the_site_builds_strict_without_a_warning(built_site):
+    site, built = built_site
     output = built.stdout + built.stderr
     assert built.returncode == 0, output[-4000:]
     assert "WARNING" not in output, output[-4000:]
-    assert (tmp_path / "site" / "benchmarks" / "results" / "genomics" / "index.html").is_file()
+    assert (site / "benchmarks" / "results" / "genomics" / "index.html").is_file()
+
+
+def raw_roles(html: str) -> list[str]:
+    """Sphinx/reST roles (:class:`x`, :py:func:`x`) left as text: mkdocstrings renders Markdown, not reST."""
+    return RAW_ROLE.findall(html)
+
+
+def test_a_raw_role_is_found_in_rendered_html():
+    assert raw_roles("<p>see :class:<code>jobs.spec.JobSpec</code> and :py:func:`f`</p>") == [":class:", ":py:func:"]
+    assert raw_roles("<p>see <code>jobs.spec.JobSpec</code>, a ratio 1:2, https://x.org</p>") == []
+
+
+def test_the_api_pages_show_no_raw_sphinx_roles(built_site):
+    site, built = built_site
+    assert built.returncode == 0, (built.stdout + built.stderr)[-4000:]
+    pages = sorted((site / "api").rglob("*.html"))
+    assert len(pages) >= 5
+    found = {page.relative_to(site).as_posix(): sorted(set(raw_roles(page.read_text()))) for page in pages}
+    assert {page: roles for page, roles in found.items() if roles} == {}
 
 
 def user_pages(mounted: tuple[str, ...]) -> set[str]:
