@@ -1,13 +1,23 @@
-"""Summarise simulator runs from their metrics: a per-round table, the final numbers, and a PNG plot.
+"""Summarise federated runs from their metrics: a per-round table, the final numbers, and a PNG plot.
 
     python -m controllers.report /tmp/fl-demo/fedavg                      # one run
     python -m controllers.report WS_A WS_B --labels fedavg scaffold        # side by side, one plot
+    python -m controllers.report <admin kit>/transfer/<job id>             # a POC or provisioned job's result
 
-Reads ``<workspace>/server/simulate_job/metrics/round_metrics.jsonl`` as written by the controller. The NVFlare
-simulator exits 0 even when a job aborts, so the report checks that every configured round is in the metrics and
-that at least one round aggregated; otherwise it prints why and exits 1 (``make demo`` fails with it). That check
-comes before the plot, so without matplotlib (a site install) the reason is still printed; the missing plot is then
-an error naming the extra that installs it.
+Reads the ``metrics/round_metrics.jsonl`` the controller writes into the server's run folder, wherever NVFlare put
+it (`RUN_DIR_LAYOUTS`): a simulator workspace (``-w``; the recipe's SimEnv result), a job result downloaded
+from a POC or provisioned server (``<job id>/`` or its ``workspace/``), or the server's run folder itself. A job
+that did not run every configured round, or in which no round aggregated, makes it exit 1 with the reason; for a
+run that stopped early it adds how the run ended as NVFlare's logs record it (`controllers.run_outcome`: a
+fatal error, on which ``nvflare simulator`` exits 2; a shutdown without one, on which it exits 0; a log cut off
+by a kill; a deployment's job status) and the first error any participant logged. ``make demo`` fails with it.
+That check comes before the plot, so without matplotlib (a site install) the reason is still printed; the missing
+plot is then an error naming the extra that installs it.
+
+The plot has a panel for each thing the runs logged: the global model (server test set, sites' validation mean and
+worst site), personal vs global model at the sites (personalization jobs), loss (server test, sites' training),
+SCAFFOLD's control norms (SCAFFOLD only) and epsilon per site (DP-SGD only). Every value is drawn at the round
+number of the table row that prints it (0: the starting model), on integer round ticks.
 
 Jobs run with ``--keep best --local-baseline`` get one more table (`kept_vs_local`): per site, from the last
 round it reported them, which candidate it kept (global, personal or local-only), the kept and the local-only
@@ -26,19 +36,53 @@ import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+from controllers.run_outcome import how_it_ended
 from data_prep.optional import require
 
 RUN_DIR = Path("server") / "simulate_job"
-METRICS = RUN_DIR / "metrics" / "round_metrics.jsonl"
+METRICS_FILE = Path("metrics") / "round_metrics.jsonl"
+METRICS = RUN_DIR / METRICS_FILE
 FINAL_SCORES = RUN_DIR / "metrics" / "final_site_scores.json"
+#: Where the server's run folder (``metrics/``, ``app_server/``) lies under the folder a user names, in the order
+#: looked at. The controller writes ``<run folder>/metrics/round_metrics.jsonl``; NVFlare puts the run folder at
+#: ``<workspace>/server/simulate_job`` in the simulator (``-w``, and the recipe's SimEnv under
+#: ``<workspace_root>/<job name>``), at ``<server workspace>/<job id>`` on a POC or provisioned server, and a job
+#: result downloaded by the admin (``download_job_result``, the recipe's PocEnv/ProdEnv) is
+#: ``<transfer>/<job id>/`` with the run folder as ``workspace/`` beside ``meta.json``.
+RUN_DIR_LAYOUTS = (
+    (RUN_DIR, "a simulator workspace"),
+    (Path("workspace"), "a downloaded job result <transfer>/<job id>"),
+    (Path(), "its workspace/ or a server's run folder <server workspace>/<job id>"),
+)
+
+
+def find_run_dir(folder: Path) -> Path:
+    """The server's run folder of the run in ``folder`` (any of `RUN_DIR_LAYOUTS`, or the metrics file
+    itself); otherwise one line naming every place looked at and the runs one level down, if any."""
+    if folder.is_file() and folder.name == METRICS_FILE.name:
+        return folder.parent.parent
+    if not folder.exists():
+        raise FileNotFoundError(f"no metrics in {folder}: it does not exist")
+    for relative, _ in RUN_DIR_LAYOUTS:
+        if (folder / relative / METRICS_FILE).is_file():
+            return folder / relative
+    looked = ", ".join(f"{folder / relative / METRICS_FILE} ({kind})" for relative, kind in RUN_DIR_LAYOUTS)
+    below = sorted(
+        {
+            path.relative_to(folder).parts[0]
+            for relative, _ in RUN_DIR_LAYOUTS
+            for path in folder.glob(f"*/{relative}/{METRICS_FILE}")
+        }
+    )
+    hint = f"; it holds runs: {', '.join(str(folder / b) for b in below)}: name one" if below else ""
+    raise FileNotFoundError(f"no metrics in {folder}: looked for {looked}{hint}")
 
 
 def load_records(workspace: Path) -> list[dict[str, Any]]:
-    path = workspace / METRICS
-    if not path.is_file():
-        raise FileNotFoundError(f"no metrics at {path}: did the simulation run with this workspace (-w)?")
+    """The round records of the run in ``workspace`` (any layout `find_run_dir` reads)."""
+    path = find_run_dir(workspace) / METRICS_FILE
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
@@ -52,33 +96,44 @@ def site_state_store(workspace: Path, site: str) -> Any:
 
 
 def completion_problems(records: Sequence[dict[str, Any]]) -> list[str]:
-    """Why the metrics show an unfinished or useless run: rounds missing, or no round that aggregated."""
+    """Why the metrics show an unfinished or useless run: rounds missing, or no round that aggregated. What ended
+    it is not in the metrics: `controllers.run_outcome.how_it_ended` reads that from the run's logs."""
     if not records:
         return ["the metrics file is empty: the server stopped before its first round"]
-    start = records[0]
-    expected = start.get("num_rounds")
     rounds = [r for r in records if r.get("stage") == "round"]
     problems = []
-    last = max((r["round"] for r in rounds), default=-1)
-    if isinstance(expected, int) and last + 1 < expected:
-        problems.append(
-            f"the job stopped after round {last + 1} of {expected} (the simulator exits 0 on an abort: "
-            "look for the first Error/Traceback in its log)"
-        )
+    if stopped_early(records):
+        problems.append(f"the job stopped after round {_rounds_done(records)} of {records[0]['num_rounds']}")
     if rounds and not any(r.get("status", "aggregated") == "aggregated" for r in rounds):
         reason = rounds[-1].get("failure") or "no valid result"
         problems.append(f"no round updated the global model (last failure: {reason})")
     return problems
 
 
+def stopped_early(records: Sequence[dict[str, Any]]) -> bool:
+    """Whether the run ended before its last round (no records at all, or rounds missing)."""
+    if not records:
+        return True
+    expected = records[0].get("num_rounds")
+    return isinstance(expected, int) and _rounds_done(records) < expected
+
+
+def _rounds_done(records: Sequence[dict[str, Any]]) -> int:
+    return max((r["round"] + 1 for r in records if r.get("stage") == "round"), default=0)
+
+
 def finished_records(workspace: Path, log_tail: str = "") -> list[dict[str, Any]]:
-    """The metrics of a simulator run that completed its rounds; otherwise an error with the reasons (for scripts
-    that run ``nvflare simulator`` themselves: it exits 0 when a job aborts). ``log_tail``: appended to the error."""
+    """The metrics of a run that completed its rounds; otherwise an error with the reasons and how the run ended
+    (for scripts that run ``nvflare simulator`` themselves: its exit code alone does not say whether every round
+    ran). ``log_tail``: appended to the error."""
     try:
-        records = load_records(workspace)
+        run_dir = find_run_dir(workspace)
     except FileNotFoundError as exc:
         raise RuntimeError(f"{exc}\n{log_tail}".rstrip()) from exc
+    records = load_records(run_dir)
     problems = completion_problems(records)
+    if stopped_early(records):
+        problems.append(f"how it ended: {how_it_ended(workspace, run_dir)}")
     if problems:
         raise RuntimeError(f"the job in {workspace} did not finish: {'; '.join(problems)}\n{log_tail}".rstrip())
     return records
@@ -269,8 +324,8 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
     tested = any(r.get("test_accuracy") is not None or r.get("test_loss") is not None for r in records)
     test_column = f"  {'test acc':>8}  {'test loss':>9}" if tested else ""
     lines = [f"{'round':>5}{test_column}  {'mean site train loss':>20}{site_column}{control_column}  rejected"]
-    for record in records:
-        label = "init" if record["stage"] == "initial" else str(record["round"] + 1)
+    for record, number in zip(records, row_numbers(records), strict=True):
+        label = "init" if record["stage"] == "initial" else str(number)
         losses = [v for v in (record.get("site_train_loss") or {}).values() if v is not None]
         mean_loss = f"{sum(losses) / len(losses):.4f}" if losses else "-"
         rejected = ",".join(record.get("rejected") or {}) or "-"
@@ -290,9 +345,9 @@ def _summary_text(summary: dict[str, Any] | None) -> str:
     return f"{summary['mean']:.4f} ({summary['worst']:.4f} {summary['worst_site']})" if summary else "-"
 
 
-def final_site_table(workspace: Path) -> str | None:
-    """The final global model's scores at every site (jobs built with ``--final-site-eval``), one row per site."""
-    path = workspace / FINAL_SCORES
+def final_site_table(path: Path) -> str | None:
+    """The final global model's scores at every site (jobs built with ``--final-site-eval``, written to ``path``),
+    one row per site."""
     if not path.is_file():
         return None
     sites: dict[str, dict[str, float]] = json.loads(path.read_text()).get("sites", {})
@@ -326,123 +381,212 @@ def _fmt(value: Any) -> str:
     return f"{value:.4f}" if isinstance(value, int | float) else "-"
 
 
-def plot_runs(runs: dict[str, list[dict[str, Any]]], path: Path) -> Path:
+class Line(NamedTuple):
+    """One curve of the plot: its legend label, x (the table's round numbers), y, and how it is drawn (a run keeps
+    one colour across the panels; its series differ by line style and marker)."""
+
+    label: str
+    x: tuple[int, ...]
+    y: tuple[float, ...]
+    style: str = "-o"
+    color: str | None = None
+
+
+def row_numbers(records: Sequence[dict[str, Any]]) -> list[int]:
+    """The table's round number of each record: 0 for the starting model, r + 1 for round r's record; a resumed
+    job's starting model is the global model after the rounds done before it, the round of the record after it."""
+    numbers = []
+    for index, record in enumerate(records):
+        if record.get("stage") == "round":
+            numbers.append(record["round"] + 1)
+        else:
+            later = (r["round"] for r in records[index + 1 :] if r.get("stage") == "round")
+            numbers.append(next(later, 0) if record.get("stage") == "resumed" else 0)
+    return numbers
+
+
+def plot_panels(runs: dict[str, Sequence[dict[str, Any]]]) -> dict[str, list[Line]]:
+    """The plot's panels by title, each with its curves from every run: only what the runs logged, in the order
+    global model, personal vs global, loss, SCAFFOLD control norms, DP-SGD epsilon."""
+    panels: dict[str, dict[str, list[Line]]] = {}  # kind -> part of the title -> curves
+    for index, (label, records) in enumerate(runs.items()):
+        for kind, part, line in _run_curves(label, records, f"C{index}"):
+            panels.setdefault(kind, {}).setdefault(part, []).append(line)
+    return {
+        _panel_title(kind, list(panels[kind])): [line for lines in panels[kind].values() for line in lines]
+        for kind in PANEL_KINDS
+        if kind in panels
+    }
+
+
+PANEL_KINDS = ("global", "personal", "loss", "controls", "privacy")
+
+
+def _panel_title(kind: str, parts: list[str]) -> str:
+    if kind == "controls":
+        return "SCAFFOLD control norms"
+    if kind == "privacy":
+        return f"DP-SGD: ε per site (δ {', '.join(parts)})"
+    prefix = {"global": "Global model", "personal": "Personal vs global model", "loss": "Loss"}[kind]
+    return f"{prefix}: {', '.join(parts)}"
+
+
+def _run_curves(label: str, records: Sequence[dict[str, Any]], color: str) -> list[tuple[str, str, Line]]:
+    """(panel kind, part of its title, curve) for every series this run logged, at the table's round numbers."""
+    rows = row_numbers(records)
+    metric = site_eval_metric(records)
+    personal = personal_metric(records, metric)
+    site = [_site_summary(r, metric) for r in records]
+    series: list[tuple[str, str, str, list[Any], str]] = [
+        ("global", "test accuracy", f"{label} test accuracy", [r.get("test_accuracy") for r in records], "-o"),
+        ("global", f"sites' {metric}", f"{label} sites' {metric} mean", [s.get("mean") for s in site], "-.s"),
+        ("global", f"sites' {metric}", f"{label} worst site", [s.get("worst") for s in site], "--v"),
+        ("loss", "global test", f"{label} test loss", [r.get("test_loss") for r in records], "-o"),
+        ("loss", "sites' training", f"{label} mean site train loss", [_mean_train_loss(r) for r in records], "--."),
+        ("controls", "", f"{label} ||c||", [_control(r, 0) for r in records], "-o"),
+        ("controls", "", f"{label} mean ||dc_i||", [_control(r, 1) for r in records], "--."),
+    ]
+    if personal:
+        mine = [_site_summary(r, personal).get("mean") for r in records]
+        series[3:3] = [
+            ("personal", f"sites' {metric}", f"{label} global model", [s.get("mean") for s in site], "-.s"),
+            ("personal", f"sites' {metric}", f"{label} personal model", mine, ":x"),
+        ]
+    curves = [(kind, part, _line(name, rows, values, style, color)) for kind, part, name, values, style in series]
+    curves += [("privacy", delta, line) for delta, line in _epsilon_curves(label, records, rows)]
+    return [(kind, part, line) for kind, part, line in curves if line is not None]
+
+
+def _line(label: str, rows: list[int], values: list[Any], style: str, color: str | None) -> Line | None:
+    """The curve through the numeric values (a record without the value leaves a gap); None without any."""
+    points = [(x, float(v)) for x, v in zip(rows, values, strict=True) if isinstance(v, int | float)]
+    if not points:
+        return None
+    return Line(label, tuple(x for x, _ in points), tuple(y for _, y in points), style, color)
+
+
+def _site_summary(record: dict[str, Any], metric: str | None) -> dict[str, Any]:
+    return (record.get("site_eval") or {}).get(metric) or {} if metric else {}
+
+
+def _mean_train_loss(record: dict[str, Any]) -> float | None:
+    losses = [v for v in (record.get("site_train_loss") or {}).values() if isinstance(v, int | float)]
+    return sum(losses) / len(losses) if losses else None
+
+
+def _control(record: dict[str, Any], which: int) -> float | None:
+    return control_norms(record)[which] if record.get("stage") == "round" else None
+
+
+def _epsilon_curves(label: str, records: Sequence[dict[str, Any]], rows: list[int]) -> list[tuple[str, Line]]:
+    """Each site's epsilon after every round it trained in, with its delta (a site of a DP-SGD job)."""
+    sites = sorted({site for r in records for site in (r.get("privacy") or {})})
+    curves = []
+    for site in sites:
+        reports = [(r.get("privacy") or {}).get(site) or {} for r in records]
+        line = _line(f"{label} {site}", rows, [p.get("epsilon") for p in reports], "-o", None)
+        delta = next((str(p["delta"]) for p in reports if "delta" in p), "?")
+        if line:
+            curves.append((delta, line))
+    return curves
+
+
+ROUND_AXIS = "round (0: the starting model)"
+
+
+def draw_runs(runs: dict[str, Sequence[dict[str, Any]]]) -> Any:
+    """The matplotlib figure of `plot_panels`: one panel per title (up to three a row), integer round ticks."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    panels = plot_panels(runs)
+    columns = max(1, len(panels) if len(panels) <= 3 else 2 if len(panels) == 4 else 3)
+    rows = max(1, -(-len(panels) // columns))
+    fig, axes = plt.subplots(rows, columns, figsize=(6 * columns, 4 * rows), squeeze=False)
+    for axis, (title, lines) in zip(axes.flat, panels.items(), strict=False):
+        for line in lines:
+            axis.plot(line.x, line.y, line.style, color=line.color, label=line.label, markersize=4)
+        axis.set(xlabel=ROUND_AXIS, title=title)
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    for axis in list(axes.flat)[len(panels) :]:
+        fig.delaxes(axis)
+    if not panels:  # an image that says so rather than none (a job whose rounds logged no values)
+        fig.text(0.5, 0.5, "nothing to plot: the rounds logged no values", ha="center")
+    fig.tight_layout()
+    return fig
+
+
+def plot_runs(runs: dict[str, Sequence[dict[str, Any]]], path: Path) -> Path:
+    """Draw `draw_runs` into the PNG ``path`` (needs matplotlib: the ``plots`` extra)."""
     matplotlib = require("matplotlib", "plots", "the report's plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (acc_ax, loss_ax) = plt.subplots(1, 2, figsize=(10, 4))
-    for label, records in runs.items():
-        rounds = [0 if r["stage"] == "initial" else r["round"] + 1 for r in records]
-        if any(r.get("test_accuracy") is not None for r in records):
-            acc_ax.plot(rounds, [r.get("test_accuracy") for r in records], marker="o", label=f"{label} test")
-            loss_ax.plot(rounds, [r.get("test_loss") for r in records], marker="o", label=label)
-        _plot_site_eval(acc_ax, records, label)
-        _plot_controls(loss_ax, records, label)
-    acc_ax.set(xlabel="round", ylabel="accuracy", title="Global model: test set and sites' validation")
-    loss_ax.set(xlabel="round", title="Global test loss / SCAFFOLD control norms")
-    for axis in (acc_ax, loss_ax):
-        axis.grid(alpha=0.3)
-        if axis.lines:
-            axis.legend(fontsize=8)
-    fig.tight_layout()
+    fig = draw_runs(runs)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
 
 
-def _plot_site_eval(axis: Any, records: Sequence[dict[str, Any]], label: str) -> None:
-    """The sites' evaluation of the model they received at the start of round r, drawn at r - 1 (the model the
-    previous round produced): the sample-weighted mean, and the worst site dashed."""
-    metric = site_eval_metric(records)
-    points = [(r["round"], r["site_eval"][metric]) for r in records if metric in (r.get("site_eval") or {})]
-    if points:
-        line = axis.plot([p[0] for p in points], [p[1]["mean"] for p in points], marker=".", label=f"{label} sites")
-        color = line[0].get_color()
-        axis.plot([p[0] for p in points], [p[1]["worst"] for p in points], "--", color=color, label=f"{label} worst")
-    personal = personal_metric(records, metric)
-    if personal:  # scored after the round's local work: drawn at the round's end, r + 1
-        scored = [r for r in records if personal in (r.get("site_eval") or {})]
-        mine = [(r["round"] + 1, r["site_eval"][personal]["mean"]) for r in scored]
-        axis.plot([p[0] for p in mine], [p[1] for p in mine], ":", marker="x", label=f"{label} personal")
-
-
-def _plot_controls(axis: Any, records: Sequence[dict[str, Any]], label: str) -> None:
-    rounds = [r for r in records if r.get("stage") == "round" and control_norms(r)[0] is not None]
-    if rounds:
-        x = [r["round"] + 1 for r in rounds]
-        axis.plot(x, [control_norms(r)[0] for r in rounds], marker=".", label=f"{label} ||c||")
-        axis.plot(x, [control_norms(r)[1] for r in rounds], "--", label=f"{label} mean ||dc_i||")
-
-
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m controllers.report", description=__doc__.splitlines()[0])
-    parser.add_argument("workspaces", nargs="+", type=Path, help="simulator workspaces (the -w folders)")
-    parser.add_argument("--labels", nargs="+", help="one label per workspace (default: folder names)")
-    parser.add_argument("--plot", type=Path, help="PNG path (default: <first workspace>/round_metrics.png)")
+    parser.add_argument(
+        "workspaces",
+        nargs="+",
+        type=Path,
+        help="runs: simulator workspaces (the -w folders), downloaded job results (<transfer>/<job id>) or a "
+        "server's run folders (<server workspace>/<job id>)",
+    )
+    parser.add_argument("--labels", nargs="+", help="one label per run (default: folder names)")
+    parser.add_argument("--plot", type=Path, help="PNG path (default: <first run folder>/round_metrics.png)")
     parser.add_argument(
         "--per-site", action="store_true", help="also print every site's score of every site-evaluation metric"
     )
+    return parser
+
+
+def default_label(folder: Path) -> str:
+    """The folder's name; a downloaded job's ``workspace/`` is named by its job id, the folder above it."""
+    folder = folder.resolve()
+    return folder.parent.name if folder.name == "workspace" else folder.name
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
-    labels = args.labels or [ws.name for ws in args.workspaces]
+    labels = args.labels or [default_label(ws) for ws in args.workspaces]
     if len(labels) != len(args.workspaces):
         parser.error("give one label per workspace")
     try:
-        runs = {label: load_records(ws) for label, ws in zip(labels, args.workspaces, strict=True)}
+        run_dirs = {label: find_run_dir(ws) for label, ws in zip(labels, args.workspaces, strict=True)}
     except FileNotFoundError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    folders = dict(zip(labels, args.workspaces, strict=True))
+    runs = {label: load_records(run_dir) for label, run_dir in run_dirs.items()}
     empty = [label for label, records in runs.items() if not records]
     for label in empty:  # nothing to show: say why, and never crash on it (the job must not look finished)
         print(f"error: {label}: {completion_problems([])[0]}", file=sys.stderr)
+        print(f"error: {label}: how it ended: {how_it_ended(folders[label], run_dirs[label])}", file=sys.stderr)
     if len(empty) == len(runs):
         return 1
-    for (label, records), workspace in zip(runs.items(), args.workspaces, strict=True):
-        if not records:
-            continue
-        final = records[-1]
-        print(f"\n== {label}: {workspace}\n{format_table(records)}")
-        if final.get("test_accuracy") is not None:
-            print(f"final global test accuracy: {_fmt(final.get('test_accuracy'))}")
-        metric = site_eval_metric(records)
-        summaries = last_site_eval(records)
-        if summaries:
-            print(f"site evaluation, last round each metric was reported:\n{format_site_summaries(summaries)}")
-            if args.per_site:
-                print(f"per site:\n{format_per_site(summaries)}")
-        personal = personal_metric(records, metric)
-        if personal and metric:
-            gains = personal_gains(records, metric)
-            mean_gain = sum(g for _, _, g in gains.values()) / len(gains)
-            print(
-                f"site {metric}: global model received vs the site's personal model (last round each site scored "
-                f"both; gain = personal - global, higher is better; mean {mean_gain:+.4f}):\n"
-                f"{format_gains(gains, metric)}"
-            )
-        kept = kept_vs_local(records)
-        if kept:
-            print(
-                "does each site gain from joining: the model it kept vs its local-only model, on its test split (last "
-                f"round each site reported both; gain = kept - local, 95% interval):\n{format_kept_vs_local(kept)}"
-            )
-        privacy = privacy_table(records)
-        if privacy:
-            print(privacy)
-        table = final_site_table(workspace)
-        if table:
-            print(f"the final global model at every site ({workspace / FINAL_SCORES}):\n{table}")
-        print(f"global model: {workspace / RUN_DIR / 'app_server' / 'FL_global_model.pt'}")
-        print(f"metrics:      {workspace / METRICS}")
     shown = {label: records for label, records in runs.items() if records}
+    for label, records in shown.items():
+        print_run(label, folders[label], run_dirs[label], records, per_site=args.per_site)
     # Completion before the plot: a job that stopped early must say why even when the plot cannot be drawn.
     status = 1 if empty else 0
     for label, records in shown.items():
         for line in [*failed_rounds(records), *control_runaways(records)[:3]]:
             print(f"warning: {label}: {line}", file=sys.stderr)
-        for problem in completion_problems(records):
+        problems = completion_problems(records)
+        for problem in problems:
             print(f"error: {label}: {problem}", file=sys.stderr)
-            status = 1
+        if stopped_early(records):
+            print(f"error: {label}: how it ended: {how_it_ended(folders[label], run_dirs[label])}", file=sys.stderr)
+        status = 1 if problems else status
     try:
         plot = plot_runs(shown, args.plot or args.workspaces[0] / "round_metrics.png")
     except ModuleNotFoundError as exc:  # matplotlib missing (a site install): the message names the extra
@@ -450,6 +594,45 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     print(f"plot:         {plot}")
     return status
+
+
+def print_run(label: str, folder: Path, run_dir: Path, records: Sequence[dict[str, Any]], per_site: bool) -> None:
+    """The run's tables on stdout: per round, the site evaluation, personal gains, kept vs local, epsilon, the final
+    model at every site, and where the model and the metrics are."""
+    final = records[-1]
+    print(f"\n== {label}: {folder}\n{format_table(records)}")
+    if final.get("test_accuracy") is not None:
+        print(f"final global test accuracy: {_fmt(final.get('test_accuracy'))}")
+    metric = site_eval_metric(records)
+    summaries = last_site_eval(records)
+    if summaries:
+        print(f"site evaluation, last round each metric was reported:\n{format_site_summaries(summaries)}")
+        if per_site:
+            print(f"per site:\n{format_per_site(summaries)}")
+    personal = personal_metric(records, metric)
+    if personal and metric:
+        gains = personal_gains(records, metric)
+        mean_gain = sum(g for _, _, g in gains.values()) / len(gains)
+        print(
+            f"site {metric}: global model received vs the site's personal model (last round each site scored "
+            f"both; gain = personal - global, higher is better; mean {mean_gain:+.4f}):\n"
+            f"{format_gains(gains, metric)}"
+        )
+    kept = kept_vs_local(records)
+    if kept:
+        print(
+            "does each site gain from joining: the model it kept vs its local-only model, on its test split (last "
+            f"round each site reported both; gain = kept - local, 95% interval):\n{format_kept_vs_local(kept)}"
+        )
+    privacy = privacy_table(records)
+    if privacy:
+        print(privacy)
+    scores = run_dir / FINAL_SCORES.relative_to(RUN_DIR)
+    table = final_site_table(scores)
+    if table:
+        print(f"the final global model at every site ({scores}):\n{table}")
+    print(f"global model: {run_dir / 'app_server' / 'FL_global_model.pt'}")
+    print(f"metrics:      {run_dir / METRICS_FILE}")
 
 
 if __name__ == "__main__":

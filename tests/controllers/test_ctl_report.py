@@ -97,7 +97,7 @@ def test_scripts_that_run_the_simulator_get_the_records_only_of_a_finished_job(t
     aborted = write_metrics(tmp_path / "aborted", [initial(5), round_record(0)])
     with pytest.raises(RuntimeError, match=r"did not finish: the job stopped after round 1 of 5.*\nTraceback: boom"):
         report.finished_records(aborted, "Traceback: boom")
-    with pytest.raises(RuntimeError, match=r"no metrics at .*\nsimulator log"):
+    with pytest.raises(RuntimeError, match=r"no metrics in .*\nsimulator log"):
         report.finished_records(tmp_path / "never-ran", "simulator log")
 
 

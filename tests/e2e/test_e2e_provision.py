@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 
+from controllers import report
 from jobs.build import JobSpec, export_job
 from jobs.provision import loopback
 
@@ -116,6 +117,9 @@ def test_scaffold_job_runs_on_provisioned_sites(deployment, scaffold_run):
     # Per-site training curves streamed to the server as TensorBoard event files.
     for site in deployment.sites:
         assert list((result / "tb_events" / site).glob("events.out.tfevents.*")), site
+    # The report reads the downloaded result as the deployment tutorial runs it: <transfer>/<job id> or its workspace/.
+    for folder in (result.parent, result):
+        assert report.main([str(folder), "--plot", str(result.parent / "report.png")]) == 0, folder
 
 
 def test_job_needing_more_sites_than_connected_is_refused(deployment, tmp_path):
