@@ -22,10 +22,14 @@ for job in "$@"; do
   sim=$!
   tail -n +1 -f "$ws.log" --pid=$sim 2>/dev/null \
     | grep --line-buffered -E "round [0-9]+/[0-9]+: training|global model: |finished [0-9]+ rounds|Error|Traceback" || true
-  wait $sim
+  # Not `set -e`'s business: a simulator that exits 2 (a fatal server error) must still reach the report, which says
+  # how the run ended and its first error.
+  sim_rc=0
+  wait $sim || sim_rc=$?
+  [ "$sim_rc" -eq 0 ] || failed=1
   workspaces+=("$ws")
 done
-# The simulator exits 0 even when a job aborts; the report checks the metrics and exits 1 if rounds are missing.
+# The simulator can exit 0 on an abort; the report checks the metrics and exits 1 if rounds are missing.
 if ! python -m controllers.report "${workspaces[@]}" --labels "$@" --plot "$DEMO_WS/$(IFS=_; echo "$*").png"; then
   for ws in "${workspaces[@]}"; do
     grep -m 3 -E "Error|Traceback" "$ws.log" | sed "s|^|[demo] $(basename "$ws"): |" >&2 || true
@@ -33,3 +37,4 @@ if ! python -m controllers.report "${workspaces[@]}" --labels "$@" --plot "$DEMO
   echo "[demo] a job did not complete its rounds: see the errors above and the logs in $DEMO_WS" >&2
   exit 1
 fi
+[ -z "${failed:-}" ] || { echo "[demo] nvflare simulator exited non-zero: see the report above and $DEMO_WS" >&2; exit 1; }
