@@ -278,7 +278,8 @@ class ClientAlgorithmSettings:
         "state_dict entries that never leave the site (partial sharing, docs/personalization.md): comma-separated "
         "globs over the model's state_dict names (e.g. 'net.classifier.*': FedPer) or the word batchnorm (every "
         "BatchNorm entry: FedBN); with --client fedrep, the head. The builder resolves them against the job's model "
-        "and writes the explicit names into the job",
+        "and writes the explicit names into the job. Like every personal method (ditto, fedrep, fine-tuning), needs "
+        "a validation split (--site-val-fraction, or your data module's val_dataloader)",
         exported_when=_has_local_keys,
     )
 
