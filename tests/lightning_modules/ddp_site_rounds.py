@@ -73,14 +73,7 @@ class TinyData(pl.LightningDataModule):
         generator = torch.Generator().manual_seed(int(site.rsplit("-", 1)[-1]))
         self.x = torch.randn(64, 8, generator=generator)
         self.y = torch.randint(0, 3, (64,), generator=generator)
-        # Drawn after the training data, which stays what it was: the validation split every personal method needs.
-        self.val = TensorDataset(
-            torch.randn(16, 8, generator=generator), torch.randint(0, 3, (16,), generator=generator)
-        )
         self.devices = devices
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val, batch_size=GLOBAL_BATCH)
 
     def train_dataloader(self) -> DataLoader:
         data = TensorDataset(self.x, self.y)
@@ -91,6 +84,21 @@ class TinyData(pl.LightningDataModule):
         seed = int(os.environ["PL_GLOBAL_SEED"])
         sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=seed)
         return DataLoader(data, batch_size=GLOBAL_BATCH, sampler=sampler)
+
+
+class TinyValData(TinyData):
+    """:class:`TinyData` and the validation split every personal method needs (FedPer, FedRep, FedBN), drawn after
+    the training data, which stays what it was; the other cases go without, as validating costs every round."""
+
+    def __init__(self, site: str = "site-1", devices: int = 1) -> None:
+        super().__init__(site, devices)
+        generator = torch.Generator().manual_seed(100 + int(site.rsplit("-", 1)[-1]))
+        self.val = TensorDataset(
+            torch.randn(16, 8, generator=generator), torch.randint(0, 3, (16,), generator=generator)
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val, batch_size=GLOBAL_BATCH)
 
 
 def run(case: str, devices: int, state_root: Path) -> dict:
@@ -104,7 +112,7 @@ def run(case: str, devices: int, state_root: Path) -> dict:
         name=f"ddp_{case}",
         model="ddp_site_rounds:TinyModule",
         model_args={"batchnorm": True} if local_keys == "batchnorm" else {},
-        data="ddp_site_rounds:TinyData",
+        data="ddp_site_rounds:TinyValData" if local_keys else "ddp_site_rounds:TinyData",
         data_args={"devices": devices},
         client=client,
         client_args=client_args,
