@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Runs jobs exactly as a user does, `nvflare simulator jobs/<job> -w /tmp/fl-demo/<job> -n 3`, then summarises them.
 # Usage: scripts/demo.sh [job ...]   (default: scaffold). Several jobs are reported side by side in one plot.
-# Environment: DEMO_WS (default /tmp/fl-demo), VENV (default .venv), THREADS (default: the simulator's own, 1).
+# Environment: DEMO_WS (default /tmp/fl-demo), VENV (default .venv), THREADS (default: the simulator's own, 1),
+# DEMO_JOBS_DIR (default jobs: the committed jobs; make demo-quick points it at the jobs it builds).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ $# -gt 0 ] || set -- scaffold
 DEMO_WS=${DEMO_WS:-/tmp/fl-demo}
+DEMO_JOBS_DIR=${DEMO_JOBS_DIR:-jobs}
 VENV=${VENV:-.venv}
 export PATH="$PWD/$VENV/bin:$PATH"
 mkdir -p "$DEMO_WS"
@@ -16,9 +18,9 @@ for job in "$@"; do
   rm -rf "$ws" "$ws.log"
   threads=()
   [ -z "${THREADS:-}" ] || threads=(-t "$THREADS")
-  echo "[demo] nvflare simulator jobs/$job -w $ws -n 3 ${threads[*]:-}   (full log: $ws.log)"
+  echo "[demo] nvflare simulator $DEMO_JOBS_DIR/$job -w $ws -n 3 ${threads[*]:-}   (full log: $ws.log)"
   # The simulator prints a lot; keep it in a log and show the per-round lines as they come.
-  nvflare simulator "jobs/$job" -w "$ws" -n 3 "${threads[@]}" >"$ws.log" 2>&1 &
+  nvflare simulator "$DEMO_JOBS_DIR/$job" -w "$ws" -n 3 "${threads[@]}" >"$ws.log" 2>&1 &
   sim=$!
   tail -n +1 -f "$ws.log" --pid=$sim 2>/dev/null \
     | grep --line-buffered -E "round [0-9]+/[0-9]+: training|global model: |finished [0-9]+ rounds|Error|Traceback" || true
