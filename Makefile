@@ -16,12 +16,14 @@ $(VENV)/.setup-done: pyproject.toml scripts/setup_env.sh
 demo: setup
 	VENV=$(VENV) bash scripts/demo.sh $(DEMO_JOBS)
 
-# The quick demo: the demo's job (SCAFFOLD, LeNet-5, SGD lr 0.05, 3 sites, Dirichlet 0.5) on 6,000 of the 60,000
-# training images, batch 16, 5 rounds, scored on the first 2,000 test images, one process per site (-t 3). Batch 16
-# gives each site 62-94 steps a round: LeNet-5 with plain SGD stays at chance for its first 60-100 steps, so the naive
-# shortening (--num-rounds 2 --max-train-samples 3000: 9-24 steps a round) ends at chance.
-# tests/jobs/test_job_quick_setting.py runs QUICK_ARGS in process and checks that they learn. Any Fashion-MNIST job
-# gets its quick version the same way: its builder line plus $(QUICK_ARGS).
+# The quick demo (docs/getting_started.md, "Quick versions that still learn"): the demo's job (SCAFFOLD, LeNet-5, SGD
+# lr 0.05, 3 sites, Dirichlet 0.5) on 6,000 of the 60,000 training images, batch 16, 5 rounds, scored on the first
+# 2,000 test images. Batch 16 gives each site 111-140 steps a round: LeNet-5 with plain SGD stays at chance for its
+# first ~60-80 steps, so the naive shortening (--num-rounds 2 --max-train-samples 3000: 13-19 steps a round) ends at
+# chance. One process per site (-t 3) with one thread each: with torch's default threads the three sites
+# oversubscribed 2 cores and a fit took 18-41 s instead of 1 s. tests/jobs/test_job_quick_setting.py runs this
+# target's job in process and checks that it learns. Any Fashion-MNIST job's quick version: its builder line plus
+# $(QUICK_ARGS).
 QUICK_ARGS := --num-rounds 5 --max-train-samples 6000 --batch-size 16 --max-test-samples 2000
 QUICK_JOBS ?= /tmp/fl-demo/jobs
 demo-quick: setup
