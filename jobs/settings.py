@@ -161,6 +161,12 @@ class UserCodeSettings:
         exported_when=_own_model,
     )
     data_args: dict[str, Any] = setting({}, "your data module's constructor arguments, a JSON object")
+    data_site_arg: str | None = setting(
+        None,
+        "the constructor parameter of your data module that names the site whose data it loads, when it is not "
+        "called 'site' (e.g. site_name): each site passes its own name (site-1, ...) to it. A constant for such a "
+        "parameter in --data-args is refused: every site would load the same site's data",
+    )
     script: str | None = setting(
         None,
         "your own Lightning training script (a .py file), copied into the job and run at every site instead of the "

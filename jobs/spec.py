@@ -93,6 +93,10 @@ def validate_spec(spec: JobSpec) -> None:
     if spec.pattern == "uniform_random" and spec.max_local_epochs < 2:
         raise JobBuildError(f"max_local_epochs must be at least 2 for uniform_random, got {spec.max_local_epochs}")
     _check_sampling(spec)
+    if spec.data_site_arg is not None and spec.data is None:
+        raise JobBuildError(
+            f"data_site_arg {spec.data_site_arg!r} names a constructor parameter of your data module: it needs --data"
+        )
     if spec.model is not None or spec.data is not None or spec.script is not None:
         _check_user_code(spec)
     if spec.devices > 1:

@@ -3,11 +3,13 @@ algorithm and server rule need from them, refused before anything is written whe
 
 Knowable here: settings that have no effect with a user model (`NO_EFFECT_WITH_MODEL`); whether the data
 class defines ``train_dataloader`` and can be built from ``--data-args`` (each site adds ``site`` and
-``num_sites``); whether the shipped packages import with nothing but themselves and the installed packages, as
-on a site (`site_import_problem`); whether the model (built with ``--model-args``) has what the client
-algorithm declares it needs (`lightning_modules.protocols`); and which optimizer its
-``configure_optimizers()`` returns, when it returns one without a trainer. A ``configure_optimizers`` that needs the
-trainer is skipped here: the site refuses the same problem when the round starts, with the site's name.
+``num_sites``, and its name as ``--data-site-arg``), without one constant for a parameter that names the site;
+whether two constructions of the model with the job seed give the same weights (`construction_problem`); whether
+the shipped packages import with nothing but themselves and the installed packages, as on a site
+(`site_import_problem`); whether the model (built with ``--model-args``) has what the client algorithm declares it
+needs (`lightning_modules.protocols`); and which optimizer its ``configure_optimizers()`` returns, when it returns
+one without a trainer. A ``configure_optimizers`` that needs the trainer is skipped here: the site refuses the same
+problem when the round starts, with the site's name.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ def check_user_job(spec: Any, module: pl.LightningModule) -> None:
         ignored_setting_problem(spec)
         or data_problem(spec)
         or site_import_problem(spec)
+        or construction_problem(spec, module)
         or algorithm_problem(spec, module)
     )
     if problem:
@@ -84,7 +87,44 @@ def data_problem(spec: Any) -> str | None:
     if spec.data is None:  # --script without --data: the user's script brings its own data
         return None
     data_class = user_class(spec.data, pl.LightningDataModule, "data")
-    return training_data_problem(spec.data, data_class) or data_args_problem(spec.data, data_class, spec.data_args)
+    return training_data_problem(spec.data, data_class) or data_args_problem(
+        spec.data, data_class, spec.data_args, spec.data_site_arg
+    )
+
+
+def construction_problem(spec: Any, module: pl.LightningModule) -> str | None:
+    """A second construction with the job seed, compared with the builder's first (``module``): the seed reaches
+    torch's, numpy's and Python's global generators, so weights that still differ come from a source it does not
+    reach, and the server and every site would start from different models."""
+    from lightning_modules.own_model import build_user_module
+
+    again = build_user_module(spec.model, spec.model_args, seed=spec.seed).state_dict()
+    first = module.state_dict()
+    differing = [name for name in first.keys() | again.keys() if not same_entry(first.get(name), again.get(name))]
+    if not differing:
+        return None
+    return (
+        f"model {spec.model!r}: two constructions with --seed {spec.seed} gave different initial weights "
+        f"{sorted(differing)[:3]}: the constructor draws from a source the job seed does not reach (an unseeded "
+        "generator such as numpy.random.default_rng(), the clock, os.urandom, torch.empty), so the server and every "
+        "site would start from different models; seed that source from a constructor argument (--model-args)"
+    )
+
+
+def same_entry(a: Any, b: Any) -> bool:
+    """Two state_dict entries are the same tensor, bit for bit (NaN where the other has NaN counts as equal)."""
+    import torch
+
+    if a is None or b is None:
+        return a is b
+    if torch.equal(a, b):
+        return True
+    return (
+        a.shape == b.shape
+        and a.is_floating_point()
+        and torch.equal(a.isnan(), b.isnan())
+        and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+    )
 
 
 def algorithm_problem(spec: Any, module: pl.LightningModule) -> str | None:

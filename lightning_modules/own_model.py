@@ -14,7 +14,9 @@ lets NVFlare's ``flare.patch`` load the global weights and send the result, and 
    model fine-tuned K epochs on the data module's ``train_dataloader`` (lightning_modules/finetune.py).
 
 Data modules learn which site they run on: a constructor that takes ``site`` (and ``num_sites``) gets them, so one
-class can shard a public dataset in simulation and read the site's own files in a real deployment.
+class can shard a public dataset in simulation and read the site's own files in a real deployment; a parameter that
+names the site otherwise (``site_name``) gets it with ``--data-site-arg site_name``. A constant for a parameter that
+names the site is refused (`SITE_PARAMETER_NAMES`): every site would load the same site's data.
 """
 
 from __future__ import annotations
@@ -68,19 +70,38 @@ def user_class(path: str, base: type, what: str) -> type:
 
 
 def build_user_module(path: str, args: Mapping[str, Any] | None = None, seed: int | None = None) -> pl.LightningModule:
-    """The user's module built with ``args``; with ``seed``, torch's generator is seeded right before the
-    constructor (and restored after it), so the server and every site build the same initial weights from the job's
-    ``--seed`` whether or not the constructor seeds itself."""
-    import torch
-
+    """The user's module built with ``args``; with ``seed``, torch's, numpy's and Python's global generators are
+    seeded right before the constructor (`seeded_global_generators`), so the server and every site build the same
+    initial weights from the job's ``--seed`` whether or not the constructor seeds itself."""
     cls = user_class(path, pl.LightningModule, "model")
     try:
-        with torch.random.fork_rng(devices=[]):
-            if seed is not None:
-                torch.manual_seed(seed)
+        with seeded_global_generators(seed):
             return cls(**dict(args or {}))
     except TypeError as exc:
         raise UserCodeError(f"model {path!r}: bad model_args {dict(args or {})}: {exc}") from None
+
+
+@contextlib.contextmanager
+def seeded_global_generators(seed: int | None) -> Iterator[None]:
+    """Inside: torch's (CPU), numpy's and Python's global generators seeded with ``seed`` (``None``: as they were);
+    after: all three restored, so the caller's random streams are the same whether or not it built a model. A
+    published constructor may draw its initial weights from any of the three (``np.random.randn`` is common)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    numpy_state, python_state = np.random.get_state(), random.getstate()
+    with torch.random.fork_rng(devices=[]):
+        try:
+            if seed is not None:
+                torch.manual_seed(seed)
+                np.random.seed(seed % 2**32)  # numpy takes 32-bit seeds; the job's seed may be larger
+                random.seed(seed)
+            yield
+        finally:
+            np.random.set_state(numpy_state)
+            random.setstate(python_state)
 
 
 def seeded_user_module(model: str, model_args: Mapping[str, Any] | None = None, seed: int = 0) -> pl.LightningModule:
@@ -91,29 +112,90 @@ def seeded_user_module(model: str, model_args: Mapping[str, Any] | None = None, 
 
 #: Constructor parameters of a data module that every site supplies itself (`build_user_data`).
 SUPPLIED_BY_THE_SITE = ("site", "num_sites")
+#: Data-module constructor parameters taken to name the site whose data the module loads (exact names): a constant
+#: for one in ``--data-args`` would give every site the same site's data, so it is refused; ``--data-site-arg NAME``
+#: makes every site pass its own name to the parameter ``NAME`` instead.
+SITE_PARAMETER_NAMES = ("site", "site_name", "site_id", "client", "client_name", "client_id")
+_NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
-def data_args_problem(path: str, cls: type, args: Mapping[str, Any] | None) -> str | None:
+def data_args_problem(path: str, cls: type, args: Mapping[str, Any] | None, site_arg: str | None = None) -> str | None:
     """Why ``cls(**args)`` cannot be called at a site (which adds ``site`` and ``num_sites`` when the constructor
-    takes them): required arguments ``args`` lacks, or names the constructor does not take."""
+    takes them, and its name as ``site_arg``), or would load the same site's data at every site: a bad
+    ``site_arg``, a constant for a parameter that names the site, required arguments ``args`` lacks, names the
+    constructor does not take, a site-named parameter that no site passes."""
+    return (
+        site_arg_problem(path, cls, site_arg)
+        or constant_site_problem(path, args, site_arg)
+        or signature_problem(path, cls, args, site_arg)
+        or unset_site_problem(path, cls, args, site_arg)
+    )
+
+
+def site_arg_problem(path: str, cls: type, site_arg: str | None) -> str | None:
+    """``--data-site-arg`` must name a parameter of the constructor that is not ``num_sites``."""
+    named = [name for name, p in inspect.signature(cls).parameters.items() if p.kind in _NAMED]
+    if site_arg is None or (site_arg in named and site_arg != "num_sites"):
+        return None
+    return (
+        f"--data-site-arg {site_arg!r} is not a parameter of {cls.__name__}({', '.join(named)}) ({path!r}): name "
+        "the constructor parameter that takes the site's name"
+    )
+
+
+def constant_site_problem(path: str, args: Mapping[str, Any] | None, site_arg: str | None) -> str | None:
+    """A ``--data-args`` value for the parameter ``site_arg`` names, or for one named like the site: one value for
+    every site, so every site would load that site's data."""
+    for name, value in (args or {}).items():
+        if name == site_arg:
+            why, hint = f"--data-site-arg gives {name} each site's own name", ""
+        elif name == "site":
+            why, hint = "each site passes its own name to site", ""
+        elif name in SITE_PARAMETER_NAMES:
+            why = "a parameter named like the site picks the site's data"
+            hint = f" and give --data-site-arg {name}" if site_arg is None else ""
+        else:
+            continue
+        return (
+            f"data {path!r}: --data-args gives {name!r} one value ({value!r}) for every site, but {why}: leave it "
+            f"out of --data-args{hint}"
+        )
+    return None
+
+
+def signature_problem(path: str, cls: type, args: Mapping[str, Any] | None, site_arg: str | None) -> str | None:
+    """Required constructor arguments that neither ``args`` nor the site gives, or names it does not take."""
     parameters = inspect.signature(cls).parameters
-    given = set(args or {}) | {name for name in SUPPLIED_BY_THE_SITE if name in parameters}
+    given = set(args or {}) | {name for name in (*SUPPLIED_BY_THE_SITE, site_arg) if name in parameters}
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-    missing = [
-        name
-        for name, p in parameters.items()
-        if p.default is inspect.Parameter.empty
-        and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-        and name not in given
-    ]
+    missing = [n for n, p in parameters.items() if p.default is p.empty and p.kind in _NAMED and n not in given]
     unknown = [] if takes_any else sorted(set(args or {}) - set(parameters))
     if missing:
+        site_like = next((name for name in missing if name in SITE_PARAMETER_NAMES), "NAME")
         return (
             f"data {path!r}: data_args {dict(args or {})} lack the required constructor argument(s) {missing} of "
-            f"{cls.__name__}; give them in --data-args (each site supplies only {list(SUPPLIED_BY_THE_SITE)})"
+            f"{cls.__name__}; give them in --data-args, except one that names the site: --data-site-arg {site_like} "
+            f"passes each site's name to it (every site supplies {list(SUPPLIED_BY_THE_SITE)} itself)"
         )
     if unknown:
         return f"data {path!r}: data_args {unknown} are not constructor arguments of {cls.__name__}: {list(parameters)}"
+    return None
+
+
+def unset_site_problem(path: str, cls: type, args: Mapping[str, Any] | None, site_arg: str | None) -> str | None:
+    """A data module that learns no site (no ``site`` parameter, no ``site_arg``) but has a parameter named like
+    the site, left at its default: every site would load the default site's data."""
+    parameters = inspect.signature(cls).parameters
+    if "site" in parameters or site_arg is not None:
+        return None
+    for name in SITE_PARAMETER_NAMES:
+        parameter = parameters.get(name)
+        if parameter is not None and parameter.kind in _NAMED and name not in (args or {}):
+            return (
+                f"data {path!r}: {cls.__name__}'s parameter {name!r} (default {parameter.default!r}) names the site "
+                f"whose data it loads, but no site passes it, so every site would load the same data: give "
+                f"--data-site-arg {name}"
+            )
     return None
 
 
@@ -129,20 +211,26 @@ def naming_the_site(site: str) -> Iterator[None]:
 
 
 def build_user_data(
-    path: str, args: Mapping[str, Any] | None = None, site: str = "local", num_sites: int | None = None
+    path: str,
+    args: Mapping[str, Any] | None = None,
+    site: str = "local",
+    num_sites: int | None = None,
+    site_arg: str | None = None,
 ) -> pl.LightningDataModule:
-    """The data module, told its site (and the number of sites) when its constructor takes them."""
+    """The data module, told its site (and the number of sites) when its constructor takes them; ``site_arg``
+    (``--data-site-arg``) names one more parameter that gets the site's name."""
     with naming_the_site(site):
         cls = user_class(path, pl.LightningDataModule, "data")
-        kwargs = dict(args or {})
-        parameters = inspect.signature(cls).parameters
-        if "site" in parameters:
-            kwargs.setdefault("site", site)
-        if "num_sites" in parameters and num_sites is not None:
-            kwargs.setdefault("num_sites", num_sites)
-        problem = data_args_problem(path, cls, args)
+        problem = data_args_problem(path, cls, args, site_arg)
         if problem:
             raise UserCodeError(problem)
+        kwargs = dict(args or {})
+        parameters = inspect.signature(cls).parameters
+        for name in ("site", site_arg):
+            if name in parameters:
+                kwargs[name] = site
+        if "num_sites" in parameters and num_sites is not None:
+            kwargs.setdefault("num_sites", num_sites)
         try:
             data = cls(**kwargs)
         except TypeError as exc:
@@ -193,7 +281,8 @@ class UserSite:
         self.args, self.site = args, site
         with naming_the_site(site):  # the job's --seed, as the server's persistor builds it
             self.module = build_user_module(args.model, json_arg(args.model_args), seed=args.seed)
-        self.data = build_user_data(args.data, json_arg(args.data_args), site, args.num_sites)
+        site_arg = getattr(args, "data_site_arg", None)
+        self.data = build_user_data(args.data, json_arg(args.data_args), site, args.num_sites, site_arg)
         extra = {"meta_source": meta_source} if meta_source is not None else {}
         self.callback = FederatedAlgorithm(
             args.client,
