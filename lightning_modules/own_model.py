@@ -112,10 +112,11 @@ def seeded_user_module(model: str, model_args: Mapping[str, Any] | None = None, 
 
 #: Constructor parameters of a data module that every site supplies itself (`build_user_data`).
 SUPPLIED_BY_THE_SITE = ("site", "num_sites")
-#: Data-module constructor parameters taken to name the site whose data the module loads (exact names): a constant
-#: for one in ``--data-args`` would give every site the same site's data, so it is refused; ``--data-site-arg NAME``
-#: makes every site pass its own name to the parameter ``NAME`` instead.
-SITE_PARAMETER_NAMES = ("site", "site_name", "site_id", "client", "client_name", "client_id")
+#: Data-module constructor parameters taken to name the site whose data the module loads (exact names; not a bare
+#: ``client``, which often means something else, e.g. a database client): a constant for one in ``--data-args``
+#: would give every site the same site's data, so it is refused; ``--data-site-arg NAME`` makes every site pass its
+#: own name to the parameter ``NAME`` instead.
+SITE_PARAMETER_NAMES = ("site", "site_name", "site_id", "client_name", "client_id")
 _NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 

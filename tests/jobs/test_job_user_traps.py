@@ -152,7 +152,7 @@ def test_a_constant_for_the_parameter_named_by_data_site_arg_is_refused(root):
         spec(root, data_site_arg="site_name", data_args=args)
 
 
-@pytest.mark.parametrize("name", ["site", "client"])
+@pytest.mark.parametrize("name", ["site", "client_name"])
 def test_a_constant_for_a_site_named_parameter_is_refused_even_when_supplied_or_taken_by_kwargs(root, name):
     with pytest.raises(JobBuildError, match=rf"gives '{name}' one value"):
         spec(root, data="trapcode.m:TakesSite", data_args={name: "site-2"})
