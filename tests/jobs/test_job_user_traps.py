@@ -1,4 +1,4 @@
-"""Two silent traps for a user's own code (issue 39, item 8), each refused or fixed:
+"""Two silent traps for a user's own code, each refused or fixed:
 
 (a) a data module that takes the site under another name (``site_name``): a constant for it in ``--data-args`` made
     every site load site-1's files; ``--data-site-arg site_name`` passes each site's own name, and a constant for a
