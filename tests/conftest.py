@@ -29,3 +29,17 @@ def fashion_mnist() -> None:
         if os.environ.get("CI"):
             raise
         pytest.skip(f"Fashion-MNIST not installed: {exc}")
+
+
+@pytest.fixture(autouse=True)
+def restore_torch_threads():
+    """Every test leaves torch's intra-op thread count as it found it. In-process training is bit-identical to the
+    simulator's only at the same thread count: a benchmark function called in process (dp_overhead pins 1 thread)
+    once left the rest of the suite on 1 thread, and the engine-equivalence and thread-independence tests failed
+    after it, though each passed alone."""
+    import torch  # once per session; nearly every test session imports it anyway
+
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
