@@ -245,7 +245,7 @@ def finetune_site(epochs: int, samples: int, state_root: Path) -> Any:
     ``finetune_epochs`` = ``epochs``."""
     import numpy as np
 
-    from controllers.in_process import site_args
+    from benchmarks.in_process import site_args
     from jobs.spec import JobSpec
     from lightning_modules.site import build_site_round
 

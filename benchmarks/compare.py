@@ -5,7 +5,7 @@
     python -m benchmarks.compare --out runs/compare --report-only     # rewrite report.md + plots from finished cells
 
 A *cell* is one federation: (algorithm, partition, participation, seed). Every cell is a `jobs.spec.JobSpec`
-run by `controllers.in_process.run_in_process`, i.e. the round engine the NVFlare controller drives and the
+run by `benchmarks.in_process.run_in_process`, i.e. the round engine the NVFlare controller drives and the
 Lightning site round the client script runs (``tests/e2e/test_e2e_engine_equivalence.py`` checks that the two give
 bit-identical global models), without NVFlare's processes and polling. Cells run in parallel on every core, each
 finished cell is written to ``<out>/cells/<cell>.json`` at once and never recomputed (kill and rerun to resume), and
@@ -41,6 +41,7 @@ import numpy as np
 
 from benchmarks.partition_specs import HELP as PARTITION_HELP
 from benchmarks.partition_specs import argparse_partition, partition_settings
+from benchmarks.site_stats import ranking_notes
 
 #: Algorithms by label: the committed job's client and server settings (jobs/presets.py) unless given here.
 #: FedAvgM and the robust rules run with FedAvg clients; robust rules assume one Byzantine site.
@@ -342,7 +343,7 @@ def run_cell(cell: Cell, protocol: Protocol, threads: int) -> dict[str, Any]:
     """One federation; the JSON-able result written to ``cells/<key>.json``."""
     import torch
 
-    from controllers.in_process import quiet_lightning, run_in_process
+    from benchmarks.in_process import quiet_lightning, run_in_process
 
     torch.set_num_threads(threads)
     spec = cell_spec(cell, protocol)
@@ -399,7 +400,7 @@ class MissingSiteScores(RuntimeError):
 
 def builtin_site_sizes(spec: Any) -> dict[str, dict[str, int]]:
     """Per built-in site: its training, validation and test samples (the shard and the seeded hold-outs)."""
-    from controllers.in_process import site_args
+    from benchmarks.in_process import site_args
     from data_prep import SiteDataConfig
     from data_prep.sites import partition_sites
     from data_prep.splits import holdout_size
@@ -424,8 +425,8 @@ def personal_site_scores(spec: Any, state_root: Path, final: Any) -> dict[str, A
 def local_only_cell(cell: Cell, protocol: Protocol, spec: Any) -> dict[str, Any]:
     """The local-only baseline of a personalization grid: every site alone for the federation's total local epochs
     (benchmarks.personalization.local_only_scores); no federation, no round records."""
+    from benchmarks.in_process import quiet_lightning
     from benchmarks.personalization import local_only_scores
-    from controllers.in_process import quiet_lightning
 
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="fedalg_local_") as state_root, quiet_lightning():
@@ -655,21 +656,6 @@ def load_cells(out: Path) -> dict[tuple[str, float], dict[str, list[dict[str, An
 
 def _pct(pair: tuple[float, float]) -> str:
     return f"{100 * pair[0]:.1f} ± {100 * pair[1]:.1f}"
-
-
-def ranking_notes(summaries: Sequence[Summary]) -> dict[str, str]:
-    """'best' / 'tie' / '' per algorithm by final accuracy: a gap below either side's seed std is a tie."""
-    best = max(summaries, key=lambda s: s.final[0])
-    notes = {}
-    for s in summaries:
-        gap = best.final[0] - s.final[0]
-        if s is best:
-            notes[s.algorithm] = "best"
-        elif s.seeds > 1 and gap <= max(best.final[1], s.final[1]):
-            notes[s.algorithm] = "tie"
-        else:
-            notes[s.algorithm] = ""
-    return notes
 
 
 def spread_text(spread: float) -> str:

@@ -9,8 +9,9 @@ times, and the table shows medians; the ratio is median private / median plain.
 
 Models: ``lenet5`` (the built-in classifier on 28x28 images), ``cnn_transformer`` (the genomics consortium's model
 with ``attention="linear"``, 127 SNPs, the DP-SGD-ready variant; its non-private row uses the same variant, so the
-ratio is DP-SGD's cost alone) and ``cnn_transformer_large`` (the same DP-SGD-ready model at the size a GPU is for:
-``benchmarks.gpu.LARGE_SNP_MODEL``, d_model 256, 4 layers of 8 heads, patch 16, at ``--snps`` SNPs, default 10,000).
+ratio is DP-SGD's cost alone) and ``cnn_transformer_large`` (the same DP-SGD-ready model at the size a GPU is
+for: ``benchmarks.snp_model.LARGE_SNP_MODEL``, d_model 256, 4 layers of 8 heads, patch 16, at ``--snps`` SNPs,
+default 10,000).
 
 ``--noise`` measures the noise alone, in one process: the milliseconds per step of drawing one step's Gaussian noise
 for every trainable parameter of each model, three ways, interleaved: from torch's global generator (what DP-SGD
@@ -37,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gpu import LARGE_SNP_MODEL
+from benchmarks.snp_model import LARGE_SNP_MODEL
 
 MODELS = ("lenet5", "cnn_transformer", "cnn_transformer_large")
 #: Models timed when ``--models`` is not given (cnn_transformer_large is for a GPU).
@@ -302,7 +303,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
-        from controllers.in_process import quiet_lightning
+        from benchmarks.in_process import quiet_lightning
 
         with quiet_lightning():
             result = measure_one(

@@ -6,7 +6,7 @@
 
 A *cell* is (algorithm, split, seed). Federated cells are jobs built from the consortium's own classes by import
 path (``examples/genomics``: ``genomics.model:SnpClassifier`` and ``genomics.data:SnpSites``), run by the round
-engine with the sites' Lightning rounds in this process (`controllers.in_process.run_in_process`, the code
+engine with the sites' Lightning rounds in this process (`benchmarks.in_process.run_in_process`, the code
 path the NVFlare jobs run). Two baselines per split and seed use the same model, optimizer and data:
 
 - ``local``: every site trains alone on its own share for as many epochs as the federation's rounds;
@@ -24,7 +24,6 @@ import argparse
 import functools
 import json
 import statistics
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -49,8 +48,8 @@ from benchmarks.compare import (
 )
 from benchmarks.partition_specs import HELP as PARTITION_HELP
 from benchmarks.partition_specs import argparse_partition, partition_settings
+from benchmarks.snp_model import examples_importable
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 MODEL, DATA = "genomics.model:SnpClassifier", "genomics.data:SnpSites"
 #: The splits of the committed table (any name of benchmarks/partition_specs.py runs: dir0.3, qty0.4, ...).
 SPLITS = ("iid", "dir1.0", "dir0.1", "population")
@@ -192,12 +191,6 @@ def data_args(protocol: Protocol, split: str, seed: int) -> dict[str, Any]:
     return args
 
 
-def examples_importable() -> None:
-    """The consortium's package (examples/genomics) importable as ``genomics``, as a job ships it."""
-    if str(EXAMPLES) not in sys.path:
-        sys.path.insert(0, str(EXAMPLES))
-
-
 def cell_spec(cell: Cell, protocol: Protocol) -> Any:
     from jobs.spec import JobSpec
 
@@ -241,7 +234,7 @@ def run_cell(cell: Cell, protocol: Protocol, threads: int) -> dict[str, Any]:
 
 
 def _federated(cell: Cell, protocol: Protocol) -> dict[str, Any]:
-    from controllers.in_process import quiet_lightning, run_in_process
+    from benchmarks.in_process import quiet_lightning, run_in_process
 
     spec = cell_spec(cell, protocol)
     counters: list[CountingTransport] = []
@@ -295,7 +288,7 @@ def _baseline(cell: Cell, protocol: Protocol) -> dict[str, Any]:
     import torch
     from torch.utils.data import ConcatDataset, DataLoader
 
-    from controllers.in_process import quiet_lightning
+    from benchmarks.in_process import quiet_lightning
 
     sites = _data_modules(cell, protocol)
     scores, tests = {}, []
@@ -403,8 +396,8 @@ def memory_rows(protocol: Protocol) -> list[list[str]]:
     from aggregators import build_rule
     from aggregators.compose import compose
     from benchmarks.client_algorithms import algorithm_state_bytes
+    from benchmarks.in_process import initial_params, quiet_lightning, site_rounds
     from controllers.engine import RoundEngine
-    from controllers.in_process import initial_params, quiet_lightning, site_rounds
     from jobs.spec import companion_rules
 
     rows = []

@@ -35,19 +35,6 @@ ALGORITHMS = {"fedavg": {}, "scaffold": {"client": "scaffold", "server": "scaffo
 PERSONAL = ("fedper", "fedbn", "fedrep", "ditto", "finetune")
 #: The share of every built-in site's shard held out as its validation split in personalization runs.
 SITE_VAL_FRACTION = 0.2
-#: The genomics ``cnn_transformer`` at the size a GPU is for (benchmarks/results/gpu.md measured FedAvg and SCAFFOLD
-#: with it): 10,000 SNPs in patches of 16, d_model 256, 4 layers of 8 heads, 5 classes. The step-cost benchmarks
-#: (``benchmarks.step_overhead``, ``benchmarks.dp_overhead``) build it as ``cnn_transformer_large``, ``--snps``
-#: changing only the SNP count.
-LARGE_SNP_MODEL: dict[str, Any] = {
-    "arch": "cnn_transformer",
-    "n_snps": 10_000,
-    "num_classes": 5,
-    "d_model": 256,
-    "layers": 4,
-    "heads": 8,
-    "patch": 16,
-}
 
 
 def case_specs(quick: bool, rounds: int | None = None) -> dict[str, dict[str, Any]]:
@@ -86,7 +73,7 @@ def algorithm_settings(settings: dict[str, Any], algorithm: str) -> dict[str, An
 def run_case(name: str, settings: dict[str, Any], algorithm: str, precision: str) -> dict[str, Any]:
     """One run's row; `benchmarks.compare.IncompleteFederation` when it did not complete its rounds."""
     from benchmarks.compare import require_rounds
-    from controllers.in_process import quiet_lightning, run_in_process
+    from benchmarks.in_process import quiet_lightning, run_in_process
     from jobs.spec import JobSpec
     from lightning_modules.state_store import ClientStateStore
 

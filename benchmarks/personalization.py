@@ -39,15 +39,6 @@ from typing import Any
 #: The local-only baseline's label in every personalization grid.
 LOCAL = "local"
 
-#: The pre-registered default recommendation, fixed before any held-out setting was run (the independent review's
-#: 7-site Dirichlet 0.3 grid, the quantity-skew settings): the method every site runs by default and the settings it
-#: runs with. Chosen from the committed settings only (benchmarks/results/personalization.md, 8 settings, 3 seeds):
-#: FedRep had the best personalized mean site accuracy in 4 of them (Fashion-MNIST Dirichlet 0.1, 1000 Genomes
-#: Dirichlet 0.1, simulated cohort iid and Dirichlet 0.1) and was within the seed spread of the best in the other 4,
-#: the best record of the five methods. ``keep="best"`` lets each site fall back to its local-only model
-#: (``local_baseline``) or the global model when its validation split says FedRep's personal model is worse. The
-#: reports check this one recommendation in every setting; they never pick a method after the fact.
-PREREGISTERED_DEFAULT: Mapping[str, Any] = {"method": "fedrep", "keep": "best", "local_baseline": True}
 #: Accuracy metric the sites' validation_step logs (built-in classifier and the genomics model alike).
 METRIC = "val_accuracy"
 
@@ -119,7 +110,7 @@ def personal_params(spec: Any, state_root: Path, site: str, final: Mapping[str, 
 def site_scores(spec: Any, state_root: Path, final: Mapping[str, Any]) -> dict[str, dict[str, float]]:
     """After ``spec``'s federation (its client state still under ``state_root``): per site, the final global model's
     and the personalized model's accuracy on the site's validation split (module docstring)."""
-    from controllers.in_process import site_rounds
+    from benchmarks.in_process import site_rounds
 
     scores: dict[str, dict[str, float]] = {"global": {}, "personal": {}}
     for name, site in site_rounds(spec, state_root).items():
@@ -137,7 +128,7 @@ def local_only_scores(spec: Any, state_root: Path) -> dict[str, float]:
     federation's total local epochs), scored on the site's validation split."""
     from dataclasses import replace
 
-    from controllers.in_process import initial_params, site_rounds
+    from benchmarks.in_process import initial_params, site_rounds
 
     alone = replace(spec, finetune_epochs=spec.num_rounds * spec.epochs)
     initial = initial_params(alone)
@@ -188,7 +179,7 @@ def gain_tie_lose(differences: Mapping[str, tuple[float, float]]) -> tuple[int, 
 @dataclass(frozen=True)
 class MethodSummary:
     """One method in one setting, over its seeds (``final``: the personalized mean over sites, as
-    `benchmarks.compare.ranking_notes` reads it)."""
+    `benchmarks.site_stats.ranking_notes` reads it)."""
 
     algorithm: str
     seeds: int
@@ -258,7 +249,7 @@ def keeps_local_entries(settings: Mapping[str, Any]) -> bool:
 
 def setting_table(summaries: Sequence[MethodSummary], marked: set[str]) -> list[str]:
     """One row per method: global, personalized (best in bold, ties marked) and the gain/tie/lose counts."""
-    from benchmarks.compare import ranking_notes
+    from benchmarks.site_stats import ranking_notes
 
     notes = ranking_notes([s for s in summaries if s.seeds > 0])
     lines = [

@@ -216,7 +216,7 @@ def site_splits(spec: Any) -> list[tuple[Records, Records]]:
     it). The validation split is the site's held-out share: the same distribution as its training split, never
     trained on."""
     if spec.model is None:
-        from controllers.in_process import site_args
+        from benchmarks.in_process import site_args
         from data_prep import SiteDataConfig, site_split
         from data_prep.site_config import seed_index
         from lightning_modules.site import validation_indices
@@ -316,7 +316,7 @@ def federation_scores(
     """Run ``spec``'s federation in process; its final model's loss and phi on the audit set, its test accuracy;
     with ``personal``, also every site's personal model's loss, phi and correctness on the audit set (sites x
     records; `benchmarks.personalization.personal_params`), and the global model's correctness."""
-    from controllers.in_process import quiet_lightning, run_in_process
+    from benchmarks.in_process import quiet_lightning, run_in_process
 
     started = time.monotonic()
     extra: dict[str, Any] = {}
@@ -361,7 +361,7 @@ def personal_modules(spec: Any, state_root: Path, final: Mapping[str, np.ndarray
     from benchmarks.personalization import finetuned, personal_params
 
     if spec.finetune_epochs:
-        from controllers.in_process import site_rounds
+        from benchmarks.in_process import site_rounds
 
         return [finetuned(site, final, spec.num_rounds).eval() for site in site_rounds(spec, state_root).values()]
     modules = []

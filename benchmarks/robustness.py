@@ -14,7 +14,7 @@ the cells on disk: a markdown table of final accuracies (mean ± std over the se
 attack-adaptive targets, and a plot.
 
 Every federation is a `jobs.build.JobSpec` (FedAvg clients, the rule under test, the attack) run by
-`controllers.in_process.run_in_process`: the same round engine as the NVFlare controller (site sampling,
+`benchmarks.in_process.run_in_process`: the same round engine as the NVFlare controller (site sampling,
 validation that rejects bad results by site, failure handling) and the same Lightning site round as the client
 script, with only NVFlare's messaging left out. The numbers are therefore those the job gives under
 ``nvflare simulator`` (``tests/e2e/test_e2e_engine_equivalence.py`` checks the two paths bit for bit); the simulator
@@ -54,7 +54,7 @@ import torch
 from aggregators import AggregationError, ClientUpdate, RoundContext, build_rule
 from aggregators.attack_adaptive import SHIPPED_CHECKPOINT
 from benchmarks.compare import mean_std, require_rounds, run_cells, same_protocol
-from controllers.in_process import quiet_lightning, run_in_process
+from benchmarks.in_process import quiet_lightning, run_in_process
 from jobs.build import JobSpec
 from lightning_modules.attacks import AttackConfig
 

@@ -149,3 +149,20 @@ def target_check(kept: RunScores, local: RunScores, tolerance: float = TOLERANCE
     )
     count = sum(len(by_run) for by_run in differences.values())
     return TargetCheck(not misses and mean_kept >= mean_local, mean_kept, mean_local, tuple(misses), count)
+
+
+def ranking_notes(summaries: Sequence[Any]) -> dict[str, str]:
+    """'best' / 'tie' / '' per algorithm by final accuracy (each summary has ``algorithm``, ``seeds`` and ``final``,
+    its (mean, std) over seeds): a gap below either side's seed std is a tie. The comparison grid's and the
+    personalization reports' one ranking rule."""
+    best = max(summaries, key=lambda s: s.final[0])
+    notes = {}
+    for s in summaries:
+        gap = best.final[0] - s.final[0]
+        if s is best:
+            notes[s.algorithm] = "best"
+        elif s.seeds > 1 and gap <= max(best.final[1], s.final[1]):
+            notes[s.algorithm] = "tie"
+        else:
+            notes[s.algorithm] = ""
+    return notes

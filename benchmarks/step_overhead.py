@@ -60,7 +60,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from aggregators import meta_keys
-from benchmarks.gpu import LARGE_SNP_MODEL
+from benchmarks.snp_model import LARGE_SNP_MODEL
 from lightning_modules.algorithms import CLIENT_ALGORITHMS, ClientAlgorithm, build_client_algorithm
 from lightning_modules.algorithms.base import trainable_parameters
 from lightning_modules.classifier import FLClassifier
@@ -454,7 +454,7 @@ def make_loader(spec: ModelSpec, settings: Settings, num_steps: int) -> DataLoad
 def new_module(spec: ModelSpec, settings: Settings) -> pl.LightningModule:
     """A fresh module of ``spec``; the genotype model with plain SGD (``optimizer="sgd"``), as the built-in one."""
     if spec.genotypes:
-        from benchmarks.genomics import examples_importable
+        from benchmarks.snp_model import examples_importable
 
         examples_importable()
         from genomics.model import SnpClassifier

@@ -5,7 +5,7 @@ Both ways of running a federation drive this class, so a benchmark table comes f
 - `controllers.fedalg_controller.FedAlgController` (NVFlare) gives it a transport that calls
   ``send_model_and_wait`` and a host that saves the model through the persistor, writes the rule-state checkpoint
   and appends ``round_metrics.jsonl``;
-- `InProcessTransport` runs sites as plain callables in this process (``controllers/in_process.py`` plugs in
+- `InProcessTransport` runs sites as plain callables in this process (``benchmarks/in_process.py`` plugs in
   the same Lightning site round as the NVFlare client script; the robustness benchmark uses it).
 
 What the engine guarantees, whatever the rule does:
@@ -40,12 +40,12 @@ import numpy as np
 
 from aggregators import AggregationRule, ClientUpdate, RoundContext, meta_keys
 from aggregators.deltas import agreed_param_keys, leaked_local_keys, param_keys_problems, shared_entries
+from aggregators.sampling import clients_per_round_count, clients_per_round_problem, select_round_sites
 from aggregators.validation import meta_problems, num_samples_problems, param_problems
 from aggregators.wire import RoundInfo
 from controllers.budget import end_of_budget_message, required_sites, spent_budget
 from controllers.checkpoint import params_digest
 from controllers.rejection import Rejection
-from controllers.sampling import clients_per_round_count, clients_per_round_problem, select_round_sites
 
 LOG = logging.getLogger("fedalg.engine")
 Params = dict[str, np.ndarray]
@@ -490,7 +490,7 @@ class RoundEngine:
         # Sites out of privacy budget are not sampled; the rule's population (its rates, SCAFFOLD's N) is unchanged.
         population = tuple(site for site in population if site not in self.out_of_budget)
         count = clients_per_round_count(self.clients_per_round, len(population))
-        # The one site selection (controllers/sampling.py): the rule's own, else the seeded sampling.
+        # The one site selection (aggregators/sampling.py): the rule's own, else the seeded sampling.
         return self._call(
             "select_sites", lambda: select_round_sites(self.rule, population, count, state, self.seed, round_num)
         )

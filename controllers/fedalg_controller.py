@@ -29,10 +29,10 @@ from nvflare.app_common.workflows.model_controller import ModelController
 
 from aggregators import AggregationRule, ClientUpdate, build_rule, meta_keys
 from aggregators.compose import compose
+from aggregators.sampling import clients_per_round_problem
 from controllers.adapters import result_site
 from controllers.checkpoint import append_metrics, load_resume_point, save_rule_state, save_updates
 from controllers.engine import Host, RoundEngine, SiteResult, scalar_meta
-from controllers.sampling import clients_per_round_problem
 from jobs.settings import DataSettings, JobBuildError, RoundSettings, check_settings
 
 __all__ = ["METRICS_FILE", "STATE_FILE", "FedAlgController", "scalar_meta", "to_numpy_params"]

@@ -29,6 +29,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from aggregators.bundle import CLIENT_CONTEXT, SERVER_CONTEXT
+
 #: Server rules the sum workflow computes: FedAvg (server_lr 1) is the weighted mean NVFlare's aggregator forms.
 SUM_RULES = ("fedavg",)
 #: FedOpt's server optimizers: every site takes the step on the decrypted mean (controllers/he_fedopt.py).
@@ -71,7 +73,6 @@ HE_COMPONENTS = (
     "nvflare.app_opt.he.model_shareable_generator.HEModelShareableGenerator",
     "nvflare.app_opt.he.model_serialize_filter.HEModelSerializeFilter",
 )
-SERVER_CONTEXT, CLIENT_CONTEXT = "server_context.tenseal", "client_context.tenseal"
 
 
 def secure_aggregation_problem(spec: Any) -> str | None:

@@ -232,7 +232,7 @@ def advisories(spec: JobSpec) -> list[str]:
 
 def sampled_sites(spec: JobSpec) -> int:
     """Sites trained per round (the controller's own resolution of ``clients_per_round``)."""
-    from controllers.sampling import clients_per_round_count
+    from aggregators.sampling import clients_per_round_count
 
     return clients_per_round_count(spec.clients_per_round, spec.num_sites)
 

@@ -2,7 +2,7 @@
 
 ``jobs/client.py`` calls `SiteRound.fit` once per received model, connecting the round's Trainer to NVFlare
 with ``flare.patch`` (NVFlare's FLCallback loads the global weights and sends the result); the in-process runner
-(``controllers/in_process.py``) calls `SiteRound.train` with the global state_dict and the server meta, and
+(``benchmarks/in_process.py``) calls `SiteRound.train` with the global state_dict and the server meta, and
 gets the result back as numpy arrays + meta. Both go through the same steps, so both give the same bits:
 
 1. seed torch and the shuffling from (job seed, site, round) (`round_seed`), so reruns, one-process and

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("aggregators", "controllers", "data_prep", "jobs", "lightning_modules")
+PACKAGES = ("aggregators", "benchmarks", "controllers", "data_prep", "examples", "jobs", "lightning_modules")
 
 
 def module_name(path: Path, root: Path) -> str:

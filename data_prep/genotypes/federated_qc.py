@@ -409,7 +409,7 @@ def export_qc_job(
     from nvflare.job_config.api import FedJob
     from nvflare.job_config.script_runner import FrameworkType, ScriptRunner
 
-    from jobs.assembly import APP_PACKAGES, inside_directory
+    from aggregators.bundle import APP_PACKAGES, inside_directory
 
     output_dir = Path(output_dir).resolve()
     job = FedJob(name=name, min_clients=num_sites)

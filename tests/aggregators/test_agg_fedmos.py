@@ -11,8 +11,8 @@ import pytest
 
 from aggregators import AggregationError, ClientUpdate, RoundContext, build_rule
 from aggregators.fedmos import FedMoS, data_shares, select_adaptive, select_uniform, stratified_urns
+from aggregators.sampling import sample_sites, select_round_sites
 from controllers.checkpoint import load_rule_state, save_rule_state
-from controllers.sampling import sample_sites, select_round_sites
 
 SITES = ("a", "b", "c", "d")
 COUNTS = {"a": 40, "b": 30, "c": 20, "d": 10}

@@ -148,7 +148,7 @@ def test_overview_neither_ranks_nor_gives_a_spread_to_single_seed_values():
 def test_a_federation_that_records_fewer_rounds_than_planned_fails_its_cell_and_the_command_exits_1(
     tmp_path, monkeypatch, capsys
 ):
-    import controllers.in_process as in_process
+    import benchmarks.in_process as in_process
 
     def stops_after_one_round(spec, state_root, *, run_id, wrap_transport, **_):
         wrap_transport(None)
@@ -168,7 +168,7 @@ def test_a_federation_in_which_no_round_aggregated_fails_its_cell_and_the_comman
 ):
     """The round engine records failed rounds too: all its rounds, none aggregated, is the initial model's flat
     curve, never a table entry."""
-    import controllers.in_process as in_process
+    import benchmarks.in_process as in_process
 
     failed = {"stage": "round", "status": "failed", "failure": "rule 'fedavg': no valid result"}
 

@@ -37,7 +37,7 @@ def test_the_noise_table_times_every_way_of_drawing_against_the_global_generator
 
 
 def test_the_large_genotype_model_takes_its_snp_count_and_the_dp_ready_attention():
-    from benchmarks.gpu import LARGE_SNP_MODEL
+    from benchmarks.snp_model import LARGE_SNP_MODEL
 
     module, dataset = build("cnn_transformer_large", 4, snps=40)
     x, y = dataset.tensors

@@ -41,7 +41,7 @@ def test_a_federation_in_which_no_round_aggregated_fails_its_cell_and_the_comman
 ):
     """The round engine records failed rounds too: a federation none of whose rounds updated the global model is no
     table entry (its curve would be the initial model's)."""
-    import controllers.in_process as in_process
+    import benchmarks.in_process as in_process
 
     def never_aggregates(spec, state_root, *, run_id, **_):
         failed = {"stage": "round", "status": "failed", "failure": "rule 'fedavg': no valid result"}

@@ -3,7 +3,7 @@ updated no global model is named with the reason and makes the command exit 1, a
 
 from __future__ import annotations
 
-import controllers.in_process as in_process
+import benchmarks.in_process as in_process
 from benchmarks import gpu
 
 

@@ -319,8 +319,8 @@ def test_a_tiny_grid_writes_its_section_plot_and_json_and_reaches_the_budget(tmp
 
 
 def test_built_in_site_records_are_what_each_site_trains_and_validates_on(tmp_path):
+    from benchmarks.in_process import site_rounds
     from benchmarks.privacy import site_splits
-    from controllers.in_process import site_rounds
     from jobs.spec import spec_from_values
 
     spec = spec_from_values(

@@ -42,7 +42,7 @@ def test_the_pool_starts_the_longest_methods_first(tmp_path, monkeypatch):
 
 
 def _site_data(spec):
-    from controllers.in_process import site_args
+    from benchmarks.in_process import site_args
     from data_prep import SiteDataConfig
     from data_prep.sites import partition_sites
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from aggregators import AggregationResult, AggregationRule, build_rule, meta_keys
+from aggregators.sampling import sample_sites
 from controllers.engine import (
     Host,
     InProcessTransport,
@@ -21,7 +22,6 @@ from controllers.engine import (
     non_finite_state_keys,
     validate_result,
 )
-from controllers.sampling import sample_sites
 
 SITES = ("site-1", "site-2", "site-3")
 GLOBAL = {"w": np.array([[1.0, -2.0], [0.5, 4.0]], np.float32), "b": np.array([0.25, -1.0], np.float32)}

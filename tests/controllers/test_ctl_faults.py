@@ -1,7 +1,7 @@
 """Fault injection: real Lightning sites (SCAFFOLD, digits MLP) under the round engine, one fault at a time.
 
 Each test names the fault, the outcome we require, and checks it; docs/reliability.md lists them with the result.
-The federation runs in process (controllers/in_process.py: the engine the NVFlare controller drives, the client
+The federation runs in process (benchmarks/in_process.py: the engine the NVFlare controller drives, the client
 script's site round); faults are injected between the sites and the engine, or into the sites' state files.
 Throughout: the global model never absorbs a non-finite value, every round is recorded, and the job never ends
 because of one site.
@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from aggregators import meta_keys
+from benchmarks.in_process import quiet_lightning, run_in_process
 from controllers.engine import SiteResult
-from controllers.in_process import quiet_lightning, run_in_process
 from jobs.spec import JobSpec
 from lightning_modules.state_store import ClientStateStore
 

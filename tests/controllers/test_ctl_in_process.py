@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from aggregators import meta_keys
-from controllers.in_process import initial_params, quiet_lightning, run_in_process, site_rounds
+from benchmarks.in_process import initial_params, quiet_lightning, run_in_process, site_rounds
 from jobs.build import JobSpec
 
 SPEC = JobSpec(

@@ -82,7 +82,7 @@ def test_without_a_personal_model_no_personal_column():
 
 
 def test_a_ditto_site_sends_its_personal_models_scores(tmp_path):
-    from controllers.in_process import site_args
+    from benchmarks.in_process import site_args
     from jobs.spec import JobSpec
     from lightning_modules.site import build_site_round
     from lightning_modules.state_store import ClientStateStore
@@ -103,7 +103,7 @@ def test_a_ditto_site_sends_its_personal_models_scores(tmp_path):
 def test_a_fedper_site_scores_its_trained_module_with_its_own_head(tmp_path):
     # Partial sharing: the personal model is the module the site trained (shared entries + its own head), scored
     # on the same split as the received model, before the result (without the head) is sent.
-    from controllers.in_process import site_args
+    from benchmarks.in_process import site_args
     from jobs.spec import JobSpec
     from lightning_modules.personal_scores import single_process_trainer, validation_scores
     from lightning_modules.site import build_site_round

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from aggregators import AggregationResult, AggregationRule, meta_keys
+from aggregators.sampling import sample_sites, select_round_sites
 from controllers import engine as engine_module
 from controllers.engine import Host, InProcessTransport, RoundEngine
-from controllers.sampling import sample_sites, select_round_sites
 
 SITES = ("site-1", "site-2", "site-3")
 GLOBAL = {"w": np.array([1.0, -2.0], np.float32)}

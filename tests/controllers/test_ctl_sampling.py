@@ -1,4 +1,4 @@
-"""``controllers.sampling``: how many sites train in a round and which ones (seeded, order independent)."""
+"""``aggregators.sampling``: how many sites train in a round and which ones (seeded, order independent)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from controllers.sampling import clients_per_round_count, sample_sites
+from aggregators.sampling import clients_per_round_count, sample_sites
 
 SITES = [f"site-{i}" for i in range(1, 11)]
 

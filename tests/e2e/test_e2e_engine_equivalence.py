@@ -1,7 +1,7 @@
 """The NVFlare controller path and the in-process engine give bit-identical global models.
 
 The same `JobSpec` runs twice: exported and run with the real ``nvflare simulator`` (``FedAlgController`` +
-``jobs/client.py``), and in this process through ``controllers.in_process.run_in_process`` (the same round engine,
+``jobs/client.py``), and in this process through ``benchmarks.in_process.run_in_process`` (the same round engine,
 the same site round of ``lightning_modules/site.py``, no NVFlare). Every round's global model must have the same
 SHA-256 (keys, dtypes, shapes and bytes), and so must the final persisted model: benchmark numbers computed in
 process are the numbers the job gives. Cases: FedAvg (momentum, 2 local epochs), SCAFFOLD with partial
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.in_process import quiet_lightning, run_in_process
 from controllers.checkpoint import params_digest
-from controllers.in_process import quiet_lightning, run_in_process
 from jobs.build import JobSpec, export_job
 
 pytestmark = pytest.mark.slow

@@ -74,7 +74,7 @@ def test_a_dp_sgd_job_trains_one_round_from_per_site_vcf_files(tmp_path, monkeyp
     34 s at 7, most of it the job spec's check that imports the user code as a site would, in a subprocess."""
     pytest.importorskip("opacus")
     pytest.importorskip("cyvcf2")
-    from controllers.in_process import quiet_lightning, run_in_process
+    from benchmarks.in_process import quiet_lightning, run_in_process
     from data_prep.genotypes import GenotypeData
     from data_prep.genotypes.simulate import cohort_table, split_people, write_sites
     from jobs.presets import EXAMPLES

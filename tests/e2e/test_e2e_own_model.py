@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.in_process import quiet_lightning, run_in_process
 from controllers import report
-from controllers.in_process import quiet_lightning, run_in_process
 from jobs.spec import JobSpec
 
 REPO = Path(__file__).resolve().parents[2]

@@ -14,8 +14,8 @@ import dataclasses
 import numpy as np
 import pytest
 
+from benchmarks.in_process import initial_params
 from controllers.checkpoint import load_updates
-from controllers.in_process import initial_params
 from jobs.build import PRESETS, export_job
 
 pytestmark = pytest.mark.slow

@@ -1,6 +1,6 @@
 """The documented quick settings still learn, and the hand-shortened job the README warns about does not.
 
-Each job runs in process (`controllers.in_process`: the simulator's round engine and client rounds, no NVFlare) from
+Each job runs in process (`benchmarks.in_process`: the simulator's round engine and client rounds, no NVFlare) from
 the command line the user is given: the Makefile's ``demo-quick`` builder line with its ``QUICK_ARGS``, and the
 README's builder line of the custom-model example. One torch thread, as ``make demo-quick`` runs its sites
 (OMP_NUM_THREADS=1), so the in-process curve is the simulator's (measured: 0.337 after round 1, 0.681 after round 5).
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from controllers.in_process import quiet_lightning, run_in_process
+from benchmarks.in_process import quiet_lightning, run_in_process
 from jobs.build import build_parser
 from jobs.presets import PRESETS
 from jobs.spec import JobSpec, spec_from_values

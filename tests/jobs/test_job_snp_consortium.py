@@ -94,7 +94,7 @@ def test_the_committed_job_ships_both_packages_and_builds_the_seeded_model(tmp_p
 
 
 def test_one_round_trains_in_process_and_moves_the_batchnorm_statistics(tmp_path):
-    from controllers.in_process import initial_params, quiet_lightning, run_in_process
+    from benchmarks.in_process import initial_params, quiet_lightning, run_in_process
     from jobs.presets import PRESETS
 
     spec = dataclasses.replace(PRESETS["snp_consortium"], name="consortium_one_round", num_rounds=1)

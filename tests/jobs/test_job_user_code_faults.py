@@ -111,7 +111,7 @@ def test_the_server_and_every_site_build_the_same_initial_model_from_the_job_see
 
 
 def test_two_runners_built_with_the_same_seed_start_from_the_same_model(user_package):
-    from controllers.in_process import initial_params
+    from benchmarks.in_process import initial_params
     from jobs.spec import importable
 
     with importable([Path(user_package)]):

@@ -112,7 +112,7 @@ def spec(root: Path, **settings) -> JobSpec:
 
 def site_rows(job: JobSpec, tmp_path: Path) -> list[float]:
     """What every site's data module loaded, built as the client script builds it from the job's command line."""
-    from controllers.in_process import site_rounds
+    from benchmarks.in_process import site_rounds
 
     return [site.data.rows for site in site_rounds(job, tmp_path).values()]
 
@@ -198,7 +198,7 @@ def scramble(draw: int) -> None:
 
 
 def test_the_server_the_sites_and_the_in_process_runner_build_a_numpy_model_alike(root, tmp_path):
-    from controllers.in_process import initial_params, site_rounds
+    from benchmarks.in_process import initial_params, site_rounds
     from lightning_modules.own_model import seeded_user_module
 
     job = spec(root, model="trapcode.m:NumpyInit", data="trapcode.m:TakesSite")

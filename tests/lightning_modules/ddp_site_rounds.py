@@ -102,7 +102,7 @@ class TinyValData(TinyData):
 
 
 def run(case: str, devices: int, state_root: Path) -> dict:
-    from controllers.in_process import initial_params, quiet_lightning, run_in_process
+    from benchmarks.in_process import initial_params, quiet_lightning, run_in_process
     from jobs.spec import JobSpec
     from lightning_modules import state_store
     from lightning_modules.personalization.partial_sharing import STORE_NAME

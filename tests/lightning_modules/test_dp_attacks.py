@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from controllers.in_process import site_args
+from benchmarks.in_process import site_args
 from jobs.spec import JobSpec
 from lightning_modules import privacy
 from lightning_modules.site import build_site_round, round_seed

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from controllers.in_process import site_args
+from benchmarks.in_process import site_args
 from jobs.settings import JobBuildError
 from jobs.spec import JobSpec
 from lightning_modules.finetune import finetune_seed, finetuned_copy

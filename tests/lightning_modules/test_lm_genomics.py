@@ -88,7 +88,7 @@ def test_a_real_site_with_a_different_snp_set_is_refused_by_name(tmp_path) -> No
 def test_ancestry_proportions_are_learned_federated_on_a_simulated_cohort(tmp_path, monkeypatch) -> None:
     """The second task (deconvolution): the sites score the mean absolute error of the proportions, and it falls."""
     pytest.importorskip("msprime")
-    from controllers.in_process import quiet_lightning, run_in_process
+    from benchmarks.in_process import quiet_lightning, run_in_process
     from jobs.spec import JobSpec
 
     monkeypatch.setenv("FEDALG_CACHE_DIR", str(tmp_path / "cache"))

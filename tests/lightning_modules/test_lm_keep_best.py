@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from aggregators import meta_keys
-from controllers.in_process import initial_params, quiet_lightning, site_rounds
+from benchmarks.in_process import initial_params, quiet_lightning, site_rounds
 from jobs.build import JobSpec
 from jobs.settings import JobBuildError
 from lightning_modules.federated import CANDIDATE_SECONDS
@@ -178,7 +178,7 @@ def test_a_user_module_reports_its_own_metric_names_and_an_unlogged_keep_metric_
         data_args={"source": "1kg", "split": "iid", "batch_size": 256, "test_fraction": 0.2},
         local_baseline=True, keep="best", keep_metric="val_accuracy",
     )  # fmt: skip
-    from controllers.in_process import site_args
+    from benchmarks.in_process import site_args
     from lightning_modules.own_model import UserSite
 
     site = UserSite(site_args(spec), "site-1", ClientStateStore(tmp_path, "site-1"))  # one site: the slow part

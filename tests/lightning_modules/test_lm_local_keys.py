@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from aggregators import meta_keys
-from controllers.in_process import initial_params, quiet_lightning, site_rounds
+from benchmarks.in_process import initial_params, quiet_lightning, site_rounds
 from jobs.build import JobBuildError, JobSpec
 from lightning_modules.algorithms.base import trainable_parameters
 from lightning_modules.models import BatchNormCNN
@@ -197,7 +197,7 @@ def test_module_of_another_job_is_refused_by_the_site(tmp_path):
 
 
 def test_scaffold_in_process_runs_on_the_shared_entries(tmp_path):
-    from controllers.in_process import run_in_process
+    from benchmarks.in_process import run_in_process
 
     spec = dataclasses.replace(SPEC, name="sc", client="scaffold", server="scaffold", max_test_samples=50)
     result = run_in_process(spec, tmp_path, run_id="r")

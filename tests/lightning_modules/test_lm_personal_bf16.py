@@ -1,6 +1,6 @@
 """FedPer, FedBN and FedRep sites under ``precision="bf16-mixed"`` with AdamW, on CPU (bf16 autocast runs there).
 
-A two-site, two-round federation through the in-process engine (`controllers.in_process.run_in_process`,
+A two-site, two-round federation through the in-process engine (`benchmarks.in_process.run_in_process`,
 the client script's own site round and Trainer) with the built-in BatchNorm CNN of ``jobs/fedbn`` as a user module
 trained with AdamW (``personal_bf16_models.py``). For each method:
 

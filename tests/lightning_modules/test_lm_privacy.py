@@ -375,7 +375,7 @@ def test_site_scores_leave_a_dp_site_only_when_the_job_releases_them_unaccounted
 
 @pytest.mark.parametrize("released", [False, True])
 def test_a_dp_site_keeps_its_validation_scores_unless_the_job_names_the_unaccounted_release(tmp_path, released):
-    from controllers.in_process import site_args
+    from benchmarks.in_process import site_args
     from jobs.spec import JobSpec
     from lightning_modules.classifier import FLClassifier
     from lightning_modules.site import build_site_round

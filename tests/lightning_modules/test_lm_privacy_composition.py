@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("opacus")
 
 from aggregators import meta_keys
-from controllers.in_process import quiet_lightning, run_in_process
+from benchmarks.in_process import quiet_lightning, run_in_process
 from jobs.presets import EXAMPLES
 from jobs.spec import JobSpec
 from lightning_modules.privacy.accountant import Segment, epsilon

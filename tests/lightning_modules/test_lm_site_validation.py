@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from aggregators import meta_keys
-from controllers.in_process import initial_params, quiet_lightning, run_in_process, site_args, site_rounds
+from benchmarks.in_process import initial_params, quiet_lightning, run_in_process, site_args, site_rounds
 from jobs.build import JobSpec
 from jobs.client import build_parser
 from jobs.spec import client_script_args

@@ -15,6 +15,9 @@ uses, piece by piece:
 So the global model of every round is bit-identical to the simulator's (``tests/e2e/test_e2e_engine_equivalence.py``
 checks FedAvg, SCAFFOLD with partial participation and the median), at a fraction of the time: no processes, no
 polling. The robustness benchmark runs its grid through here.
+
+It reads a job's build-time settings (`jobs`) and drives the server's round engine (`controllers`), which are
+independent of each other, so it lives on the layer above both (docs/design.md, "Layers").
 """
 
 from __future__ import annotations

@@ -1,0 +1,122 @@
+"""The bundle's packages form layers: a module imports only from its own package or from a lower layer.
+
+The order (docs/design.md, "Layers"), bottom first:
+
+=====  ===============================  ==================================================================
+layer  packages                         what lives there
+=====  ===============================  ==================================================================
+0      ``aggregators``                  rules' math, typed hparams, the wire messages, every meta key, and
+                                        what build time, server and sites agree on (`aggregators.bundle`)
+1      ``data_prep``                    datasets, partitions, site data configuration, genotype files
+2      ``lightning_modules``            the site's runtime: client algorithms, the Lightning callback, state
+3      ``controllers`` | ``jobs`` |     server runtime | build time (settings, spec, NVFlare assembly) |
+       ``examples``                     users' own models; each independent of the other two
+4      ``benchmarks``                   harnesses over everything below, incl. the in-process federation
+=====  ===============================  ==================================================================
+
+Packages on one layer do not import each other: ``jobs`` (build time) and ``controllers`` (server runtime) are
+independent, so neither can drag the other into a process that needs only one. The graph is the one
+``tests/test_import_graph.py`` reads with ``ast``: every import counts, deferred or under ``TYPE_CHECKING``.
+`PENDING` lists, edge by edge, the imports that still cross the order; the test fails on any other crossing and on a
+pending entry that no longer exists, so the list can only shrink.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import pytest
+
+from tests.test_import_graph import REPO, bundle_modules, import_graph
+
+#: Bottom first; packages in one tuple share a layer and must not import each other.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("aggregators",),
+    ("data_prep",),
+    ("lightning_modules",),
+    ("controllers", "jobs", "examples"),
+    ("benchmarks",),
+)
+#: Top-level folders with Python files that are not packages of the bundle.
+NOT_LAYERED = {
+    "tests": "the suite imports every layer",
+    "scripts": "the docs build's hook, run by mkdocs",
+}
+#: Crossings not yet removed, each ``importer -> imported``. Build time names the server's NVFlare components when it
+#: writes a job's config through NVFlare's job API, which takes component instances, not import paths.
+PENDING: frozenset[str] = frozenset(
+    {
+        "controllers.fedalg_controller -> jobs.settings",
+        "jobs.assembly -> controllers.evaluator",
+        "jobs.assembly -> controllers.fedalg_controller",
+        "jobs.fedopt_final -> controllers.he_fedopt",
+        "jobs.provision.loopback -> controllers.report",
+        "jobs.secure_aggregation -> controllers.he_fedopt",
+        "jobs.secure_aggregation -> controllers.secure_aggregation",
+    }
+)
+
+
+def layer_of(packages: Sequence[Sequence[str]] = LAYERS) -> dict[str, int]:
+    return {package: level for level, members in enumerate(packages) for package in members}
+
+
+def crossings(graph: Mapping[str, set[str]], layers: Sequence[Sequence[str]] = LAYERS) -> list[str]:
+    """Every import from one package into another that is not on a lower layer, as ``importer -> imported``."""
+    level = layer_of(layers)
+    found = []
+    for importer, imported in graph.items():
+        source = importer.split(".")[0]
+        for target in imported:
+            package = target.split(".")[0]
+            if package != source and level[package] >= level[source]:
+                found.append(f"{importer} -> {target}")
+    return sorted(found)
+
+
+def layered_modules(root: Path = REPO) -> dict[str, Path]:
+    return bundle_modules(root, packages=[package for layer in LAYERS for package in layer])
+
+
+def test_every_package_has_a_layer() -> None:
+    """A new top-level package must be placed in the order (or named as not part of the bundle)."""
+    folders = {path.parent.relative_to(REPO).parts[0] for path in REPO.glob("*/**/*.py")}
+    folders = {folder for folder in folders if not folder.startswith(".")}
+    assert folders - set(NOT_LAYERED) == set(layer_of()), "place every package in LAYERS"
+
+
+def test_imports_follow_the_layers() -> None:
+    found = set(crossings(import_graph(layered_modules())))
+    assert not found - PENDING, "imports against the layer order:\n" + "\n".join(sorted(found - PENDING))
+    assert not PENDING - found, "no longer imported, remove from PENDING:\n" + "\n".join(sorted(PENDING - found))
+
+
+# --- the checker itself, on synthetic packages, so that a silent checker cannot pass the test above ---
+
+
+def _graph(tmp_path: Path, files: Mapping[str, str], packages: Sequence[str]) -> dict[str, set[str]]:
+    for relative, source in files.items():
+        path = tmp_path / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(source, encoding="utf-8")
+    return import_graph(bundle_modules(tmp_path, packages=packages))
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        # downward imports, at module level or deferred, are allowed
+        ({"low/__init__.py": "", "top/a.py": "def f():\n    from low import x\n"}, []),
+        # an upward import, even deferred into a function, crosses
+        ({"low/a.py": "def f():\n    import top.b\n", "top/b.py": ""}, ["low.a -> top.b"]),
+        # packages on one layer are independent: a sideways import crosses, as a circle would not need to
+        ({"left/a.py": "from right.b import y\n", "right/b.py": "y = 1\n"}, ["left.a -> right.b"]),
+        # a relative import stays inside its package
+        ({"top/__init__.py": "", "top/a.py": "from . import b\n", "top/b.py": ""}, []),
+    ],
+)
+def test_the_checker_finds_exactly_the_crossings(tmp_path: Path, files: Mapping[str, str], expected: list[str]) -> None:
+    layers = (("low",), ("left", "right"), ("top",))
+    graph = _graph(tmp_path, files, [package for layer in layers for package in layer])
+    assert crossings(graph, layers) == expected
