@@ -260,16 +260,20 @@ def sort_filter_tasks(job_dir: Path) -> None:
         config.write_text(json.dumps(content, indent=4))
 
 
-def export_job(spec: JobSpec, output_dir: Path) -> Path:
-    """Write ``output_dir/<spec.name>/`` (replacing an older export of the same name) and return its path.
+def export_job(spec: JobSpec, output_dir: Path, resource_spec: dict[str, dict[str, Any]] | None = None) -> Path:
+    """Write ``output_dir/<spec.name>/`` (replacing an older export of the same name) and return its path;
+    ``resource_spec``: what each site must grant the job, into meta.json (`jobs.provision.resources`).
 
     The job is written to a scratch folder beside the target first and moved into place only when complete, so
     a job that fails to assemble or export leaves ``output_dir`` as it was.
     """
+    from jobs.provision.resources import add_resource_spec
+
     output_dir = Path(output_dir).resolve()
     target = output_dir / spec.name
     with inside_directory(JOBS_DIR):
         job = build_job(spec)
+    add_resource_spec(job, resource_spec or {})
     output_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=output_dir, prefix=f".{spec.name}.") as scratch:
         with inside_directory(JOBS_DIR):

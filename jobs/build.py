@@ -21,6 +21,7 @@ from pathlib import Path
 from jobs.assembly import APP_PACKAGES, CLIENT_SCRIPT, JOBS_DIR, add_tracking, build_job, export_job, inside_directory
 from jobs.committed import _diff_trees, check_presets
 from jobs.presets import PRESETS
+from jobs.provision.resources import site_resources_arg
 from jobs.settings import (
     CLIENT,
     JOB_GROUPS,
@@ -82,6 +83,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--check", action="store_true", help="with --presets: only report differences, exit 1 on any")
     parser.add_argument("--output-dir", type=Path, default=JOBS_DIR, help="where job folders are written")
     parser.add_argument("--name", help="job folder name (default: <client>_<server>)")
+    parser.add_argument(
+        "--site-resources",
+        type=site_resources_arg,
+        default={},
+        metavar="[SITE:]gpus=N,cpus=N,mem_gb=N;...",
+        help="what each site's machine must grant the job (GPUs, CPUs, memory in GiB), written as NVFlare's "
+        "resource_spec into meta.json for its Docker, Kubernetes and Slurm launchers; an entry without SITE: is "
+        "every site's (docs/deployment.md). Default: none, meta.json as before",
+    )
     choices_help = {
         "client": "client algorithm: " + ", ".join(sorted(CLIENT_ALGORITHMS)),
         "server": "server aggregation rule: " + ", ".join(sorted(RULES)),
@@ -98,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_presets(args.check, args.output_dir)
         values = {f.name: getattr(args, f.name) for f in dataclasses.fields(JobSpec) if f.name != "name"}
         spec = spec_from_values(args.name or f"{args.client}_{args.server}", values)
-        print(f"exported {export_job(spec, args.output_dir)}")
+        print(f"exported {export_job(spec, args.output_dir, args.site_resources)}")
         for note in advisories(spec):
             print(f"note: {note}", file=sys.stderr)
     except (JobBuildError, ValueError) as exc:
