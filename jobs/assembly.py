@@ -206,7 +206,8 @@ def site_requirements(spec: JobSpec) -> str:
     and the dependencies it declares, plus where the user's model and data come from (shipped or installed)."""
     import tomllib
 
-    project = tomllib.loads((JOBS_DIR.parent / "pyproject.toml").read_text())["project"]
+    pyproject = tomllib.loads((JOBS_DIR.parent / "pyproject.toml").read_text())
+    project = pyproject["project"]
     lines = [
         "# What every site (and the server) must have installed to run this job.",
         f"# {project['name']} is this bundle (not on PyPI): pip install <its repository> installs it and the rest.",
@@ -233,9 +234,22 @@ def site_requirements(spec: JobSpec) -> str:
         lines.append(f"# Shipped with the job in app/custom/ (nothing to install): {', '.join(shipped)}")
     user_modules = sorted({path.partition(":")[0] for path in (spec.model, spec.data) if path})
     unshipped = [m for m in user_modules if m.split(".")[0] not in shipped]
-    if unshipped:
-        lines.append(f"# Must be importable on every site (install the package): {', '.join(unshipped)}")
+    bundled = [m for m in unshipped if installed_with_bundle(m, pyproject)]
+    if bundled:
+        lines.append(f"# Installed with {project['name']} above (nothing to ship or install): {', '.join(bundled)}")
+    others = [m for m in unshipped if m not in bundled]
+    if others:
+        lines.append(f"# Must be importable on every site (install the package): {', '.join(others)}")
     return "\n".join(lines) + "\n"
+
+
+def installed_with_bundle(module: str, pyproject: dict[str, Any]) -> bool:
+    """Whether ``module``'s top-level package is one the bundle installs (pyproject's package patterns: the
+    genomics examples are, so a job that uses them carries no copy)."""
+    import fnmatch
+
+    patterns = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    return any(fnmatch.fnmatchcase(module.split(".")[0], pattern) for pattern in patterns)
 
 
 def write_site_requirements(job_folder: Path, spec: JobSpec) -> None:

@@ -13,7 +13,9 @@ from typing import Any
 
 from jobs.spec import JobSpec
 
-#: The example packages travel with the repository; named absolutely, so the presets validate from any directory.
+#: The example packages' folders, named absolutely (tests and benchmarks ship them from here). The presets ship
+#: none of them: the bundle installs ``genomics`` and ``genomics_consortium`` (pyproject.toml), so every site that
+#: installs it imports them, and the committed snp_* jobs carry no copy.
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 SNP_JOB = {
@@ -21,7 +23,6 @@ SNP_JOB = {
     "model_args": {"arch": "cnn_transformer", "n_snps": 127, "num_classes": 5, "lr": 1e-3},
     "data": "genomics.data:SnpSites",
     "data_args": {"source": "1kg", "split": "dirichlet", "alpha": 0.1, "batch_size": 128},
-    "ship": str(EXAMPLES / "genomics"),
     "num_rounds": 10,
 }
 
@@ -60,19 +61,18 @@ PRESET_SETTINGS: dict[str, dict[str, Any]] = {
     "fednova": dict(server="fednova", pattern="uniform_random", max_local_epochs=3),
     "fedatt": dict(server="fedatt", server_args={"epsilon": 1.0, "noise": 0.0001}),
     "fedadp": dict(server="fedadp", server_args={"alpha": 5.0}),
-    # The genomics consortium (docs/genomics.md): its own cnn_transformer and data module by import path, shipped in
-    # the job (custom/genomics/); 1000 Genomes panel, Dirichlet 0.1 over super-populations, AdamW.
+    # The genomics consortium (docs/genomics.md): its own cnn_transformer and data module by import path, installed
+    # with the bundle (not copied into the job); 1000 Genomes panel, Dirichlet 0.1 over super-populations, AdamW.
     "snp_scaffold": dict(client="scaffold", server="scaffold", **SNP_JOB),
     "snp_fedavg": dict(**SNP_JOB),
     # A model in the consortium's own architecture (examples/genomics_consortium: per-haploblock embeddings, Conv1d +
-    # BatchNorm1d, transformer encoder, focal loss, AdamW with cosine warm restarts) on the same data module, shipped
-    # beside it; FedAvg, whose clients are correct with AdamW as they are. Not tuned.
+    # BatchNorm1d, transformer encoder, focal loss, AdamW with cosine warm restarts) on the same data module, both
+    # installed with the bundle; FedAvg, whose clients are correct with AdamW as they are. Not tuned.
     "snp_consortium": dict(
         model="genomics_consortium.model:HaploblockClassifier",
         model_args={"n_snps": 127, "num_classes": 5},
         data=SNP_JOB["data"],
         data_args=SNP_JOB["data_args"],
-        ship=f"{EXAMPLES / 'genomics'},{EXAMPLES / 'genomics_consortium'}",
         num_rounds=10,
     ),
     # Partial sharing (docs/personalization.md): FedBN keeps every BatchNorm entry at its site (the small BatchNorm

@@ -7,21 +7,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-REPO = Path(__file__).resolve().parents[2]
-EXAMPLES = REPO / "examples"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def examples_importable():
-    sys.path.insert(0, str(EXAMPLES))  # as the job ships them: genomics and genomics_consortium side by side
-    yield
-    sys.path.remove(str(EXAMPLES))
 
 
 def test_the_focal_loss_is_the_cross_entropy_at_gamma_0_and_down_weights_easy_examples():
@@ -79,13 +67,18 @@ def test_the_optimizer_is_adamw_with_cosine_warm_restarts_every_step():
     assert schedule["interval"] == "step" and schedule["scheduler"].T_0 == 4
 
 
-def test_the_committed_job_ships_both_packages_and_builds_the_seeded_model(tmp_path):
+def test_the_committed_job_carries_no_copy_of_the_installed_examples_and_builds_the_seeded_model(tmp_path):
+    """The bundle installs both example packages, so the job ships neither (no copy of them in the repository) and
+    its site requirements say where they come from; the sites import them from the bundle's install."""
     from jobs.assembly import export_job
     from jobs.presets import PRESETS
 
     job = export_job(PRESETS["snp_consortium"], tmp_path)
     custom = job / "app" / "custom"
-    assert (custom / "genomics_consortium" / "model.py").is_file() and (custom / "genomics" / "data.py").is_file()
+    assert [p.name for p in custom.iterdir() if p.is_dir()] == []  # no package folder copied into the job
+    requirements = (custom / "site_requirements.txt").read_text()
+    assert "# Installed with nvflare-noniid above (nothing to ship or install): genomics.data, " in requirements
+    assert "Must be importable" not in requirements and "Shipped with the job" not in requirements
     server = json.loads((job / "app" / "config" / "config_fed_server.json").read_text())
     model = server["components"][0]["args"]["model"]
     assert model["args"]["model"] == "genomics_consortium.model:HaploblockClassifier" and model["args"]["seed"] == 0

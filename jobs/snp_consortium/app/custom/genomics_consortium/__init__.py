@@ -1,9 +1,0 @@
-"""A model in the genomics consortium's architecture, written here from its published description (not its code).
-
-    nvflare simulator jobs/snp_consortium -w /tmp/ws -n 3      # the committed job: FedAvg, AdamW, 1000 Genomes panel
-
-``model.py``: ``HaploblockClassifier``, a cnn_transformer over haploblocks (per-block embeddings, Conv1d +
-BatchNorm1d, a transformer encoder, focal loss, AdamW with cosine warm restarts, seeded construction). The data
-comes from the sibling example package ``genomics`` (``genomics.data:SnpSites``), so a job ships both folders.
-See docs/genomics.md, "The consortium's architecture".
-"""
