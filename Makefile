@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_JOBS ?= scaffold
 
-.PHONY: docs setup demo demo-quick demo-compare poc bench bench-he bench-agg bench-algorithms bench-genomics bench-latency bench-niid pretrain-attention bench-robust compare test test-fast lint format jobs check-jobs clean
+.PHONY: docs setup demo demo-quick demo-compare poc deploy bench bench-he bench-agg bench-algorithms bench-genomics bench-latency bench-niid pretrain-attention bench-robust compare test test-fast lint format jobs check-jobs clean
 
 setup: $(VENV)/.setup-done
 
@@ -40,6 +40,18 @@ POC_WS ?= /tmp/fedalg-loopback
 poc: setup
 	rm -rf $(POC_WS)
 	$(PY) -m jobs.provision.loopback $(POC_JOB) --workspace $(POC_WS)
+
+# Runtime kits for containers and clusters (docs/deployment.md, section 11): provision jobs/provision/project.yml,
+# then `nvflare deploy prepare` every server and site kit for RUNTIME (docker, k8s or slurm) with the bundle's config
+# in jobs/provision/runtimes/ (or DEPLOY_CONFIG), into $(DEPLOY_WS)/$(RUNTIME)/<participant>/.
+RUNTIME ?= docker
+DEPLOY_WS ?= /tmp/fedalg-deploy
+DEPLOY_PROJECT ?= jobs/provision/project.yml
+deploy: setup
+	rm -rf $(DEPLOY_WS)
+	$(VENV)/bin/nvflare provision -p $(DEPLOY_PROJECT) -w $(DEPLOY_WS)/provision
+	$(PY) -m jobs.provision.deploy --runtime $(RUNTIME) $(if $(DEPLOY_CONFIG),--config $(DEPLOY_CONFIG)) \
+		--kits $(DEPLOY_WS)/provision --out $(DEPLOY_WS)/$(RUNTIME)
 
 bench: setup
 	$(PY) -m benchmarks.step_overhead
