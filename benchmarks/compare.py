@@ -449,8 +449,8 @@ def require_rounds(rounds: Sequence[Any], planned: int) -> None:
     rounds none of which updated the global model (the round engine records failed rounds too, so such a federation
     would report the initial model's flat curve). Some failed rounds are not an error: a federation under attack
     may reject every result of a round. The check is the one made of simulator runs
-    (`controllers.report.completion_problems`)."""
-    from controllers.report import completion_problems  # here: this module's own imports stay those of the harness
+    (`aggregators.run_records.completion_problems`)."""
+    from aggregators.run_records import completion_problems  # here: this module's own imports stay those of the harness
 
     if len(rounds) < planned:
         raise IncompleteFederation(f"{len(rounds)} round record(s) of {planned} planned")

@@ -29,6 +29,9 @@ from nvflare.app_common.workflows.model_controller import ModelController
 
 from aggregators import AggregationRule, ClientUpdate, build_rule, meta_keys
 from aggregators.compose import compose
+
+# The metrics files every reader of a run finds (``FINAL_SCORES_FILE``: the final global model scored by every site).
+from aggregators.run_records import FINAL_SCORES_FILE, METRICS_FILE
 from aggregators.sampling import clients_per_round_problem
 from controllers.adapters import result_site
 from controllers.checkpoint import append_metrics, load_resume_point, save_rule_state, save_updates
@@ -37,9 +40,6 @@ from jobs.settings import DataSettings, JobBuildError, RoundSettings, check_sett
 
 __all__ = ["METRICS_FILE", "STATE_FILE", "FedAlgController", "scalar_meta", "to_numpy_params"]
 
-METRICS_FILE = Path("metrics") / "round_metrics.jsonl"
-#: The final global model scored by every site (``final_site_eval``): ``{"round": n, "sites": {site: {metric: v}}}``.
-FINAL_SCORES_FILE = Path("metrics") / "final_site_scores.json"
 STATE_FILE = "server_state.pt"
 #: The job's declared defaults (jobs/settings.py): the controller's defaults are read from them, never repeated.
 ROUND_DEFAULTS = RoundSettings()

@@ -8,7 +8,7 @@ Reads the ``metrics/round_metrics.jsonl`` the controller writes into the server'
 it (`RUN_DIR_LAYOUTS`): a simulator workspace (``-w``; the recipe's SimEnv result), a job result downloaded
 from a POC or provisioned server (``<job id>/`` or its ``workspace/``), or the server's run folder itself. A job
 that did not run every configured round, or in which no round aggregated, makes it exit 1 with the reason; for a
-run that stopped early it adds how the run ended as NVFlare's logs record it (`controllers.run_outcome`: a
+run that stopped early it adds how the run ended as NVFlare's logs record it (`aggregators.run_outcome`: a
 fatal error, on which ``nvflare simulator`` exits 2; a shutdown without one, on which it exits 0; a log cut off
 by a kill; a deployment's job status) and the first error any participant logged. ``make demo`` fails with it.
 That check comes before the plot, so without matplotlib (a site install) the reason is still printed; the missing
@@ -38,52 +38,23 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from controllers.run_outcome import how_it_ended
-from data_prep.optional import require
+from aggregators.run_outcome import how_it_ended
 
-RUN_DIR = Path("server") / "simulate_job"
-METRICS_FILE = Path("metrics") / "round_metrics.jsonl"
-METRICS = RUN_DIR / METRICS_FILE
-FINAL_SCORES = RUN_DIR / "metrics" / "final_site_scores.json"
-#: Where the server's run folder (``metrics/``, ``app_server/``) lies under the folder a user names, in the order
-#: looked at. The controller writes ``<run folder>/metrics/round_metrics.jsonl``; NVFlare puts the run folder at
-#: ``<workspace>/server/simulate_job`` in the simulator (``-w``, and the recipe's SimEnv under
-#: ``<workspace_root>/<job name>``), at ``<server workspace>/<job id>`` on a POC or provisioned server, and a job
-#: result downloaded by the admin (``download_job_result``, the recipe's PocEnv/ProdEnv) is
-#: ``<transfer>/<job id>/`` with the run folder as ``workspace/`` beside ``meta.json``.
-RUN_DIR_LAYOUTS = (
-    (RUN_DIR, "a simulator workspace"),
-    (Path("workspace"), "a downloaded job result <transfer>/<job id>"),
-    (Path(), "its workspace/ or a server's run folder <server workspace>/<job id>"),
+# The run's files and the finished-run check live in the bottom layer (the exported jobs' runner and the loopback
+# driver read runs too); the report's readers and tests also name them here.
+from aggregators.run_records import (  # noqa: F401
+    FINAL_SCORES,
+    METRICS,
+    METRICS_FILE,
+    RUN_DIR,
+    RUN_DIR_LAYOUTS,
+    completion_problems,
+    find_run_dir,
+    finished_records,
+    load_records,
+    stopped_early,
 )
-
-
-def find_run_dir(folder: Path) -> Path:
-    """The server's run folder of the run in ``folder`` (any of `RUN_DIR_LAYOUTS`, or the metrics file
-    itself); otherwise one line naming every place looked at and the runs one level down, if any."""
-    if folder.is_file() and folder.name == METRICS_FILE.name:
-        return folder.parent.parent
-    if not folder.exists():
-        raise FileNotFoundError(f"no metrics in {folder}: it does not exist")
-    for relative, _ in RUN_DIR_LAYOUTS:
-        if (folder / relative / METRICS_FILE).is_file():
-            return folder / relative
-    looked = ", ".join(f"{folder / relative / METRICS_FILE} ({kind})" for relative, kind in RUN_DIR_LAYOUTS)
-    below = sorted(
-        {
-            path.relative_to(folder).parts[0]
-            for relative, _ in RUN_DIR_LAYOUTS
-            for path in folder.glob(f"*/{relative}/{METRICS_FILE}")
-        }
-    )
-    hint = f"; it holds runs: {', '.join(str(folder / b) for b in below)}: name one" if below else ""
-    raise FileNotFoundError(f"no metrics in {folder}: looked for {looked}{hint}")
-
-
-def load_records(workspace: Path) -> list[dict[str, Any]]:
-    """The round records of the run in ``workspace`` (any layout `find_run_dir` reads)."""
-    path = find_run_dir(workspace) / METRICS_FILE
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+from data_prep.optional import require
 
 
 def site_state_store(workspace: Path, site: str) -> Any:
@@ -93,50 +64,6 @@ def site_state_store(workspace: Path, site: str) -> Any:
 
     run_id = next(r.get("run_id") for r in load_records(workspace) if r.get("stage") in ("initial", "resumed"))
     return ClientStateStore(workspace / site / "client_state" / run_id, site)
-
-
-def completion_problems(records: Sequence[dict[str, Any]]) -> list[str]:
-    """Why the metrics show an unfinished or useless run: rounds missing, or no round that aggregated. What ended
-    it is not in the metrics: `controllers.run_outcome.how_it_ended` reads that from the run's logs."""
-    if not records:
-        return ["the metrics file is empty: the server stopped before its first round"]
-    rounds = [r for r in records if r.get("stage") == "round"]
-    problems = []
-    if stopped_early(records):
-        problems.append(f"the job stopped after round {_rounds_done(records)} of {records[0]['num_rounds']}")
-    if rounds and not any(r.get("status", "aggregated") == "aggregated" for r in rounds):
-        reason = rounds[-1].get("failure") or "no valid result"
-        problems.append(f"no round updated the global model (last failure: {reason})")
-    return problems
-
-
-def stopped_early(records: Sequence[dict[str, Any]]) -> bool:
-    """Whether the run ended before its last round (no records at all, or rounds missing)."""
-    if not records:
-        return True
-    expected = records[0].get("num_rounds")
-    return isinstance(expected, int) and _rounds_done(records) < expected
-
-
-def _rounds_done(records: Sequence[dict[str, Any]]) -> int:
-    return max((r["round"] + 1 for r in records if r.get("stage") == "round"), default=0)
-
-
-def finished_records(workspace: Path, log_tail: str = "") -> list[dict[str, Any]]:
-    """The metrics of a run that completed its rounds; otherwise an error with the reasons and how the run ended
-    (for scripts that run ``nvflare simulator`` themselves: its exit code alone does not say whether every round
-    ran). ``log_tail``: appended to the error."""
-    try:
-        run_dir = find_run_dir(workspace)
-    except FileNotFoundError as exc:
-        raise RuntimeError(f"{exc}\n{log_tail}".rstrip()) from exc
-    records = load_records(run_dir)
-    problems = completion_problems(records)
-    if stopped_early(records):
-        problems.append(f"how it ended: {how_it_ended(workspace, run_dir)}")
-    if problems:
-        raise RuntimeError(f"the job in {workspace} did not finish: {'; '.join(problems)}\n{log_tail}".rstrip())
-    return records
 
 
 def failed_rounds(records: Sequence[dict[str, Any]]) -> list[str]:

@@ -39,11 +39,9 @@ from nvflare.app_common.app_constant import AppConstants
 from nvflare.app_common.app_event_type import AppEventType
 
 from aggregators import meta_keys
+from aggregators.run_records import METRICS_FILE  # the same file as the bundle's controller writes
 from aggregators.types import ClientUpdate
 from controllers.engine import site_eval_summary
-
-#: Where the records go in the server's run folder (the same file as the bundle's controller writes).
-METRICS_FILE = Path("metrics") / "round_metrics.jsonl"
 
 
 class SampleCountWeight(DXOFilter):

@@ -51,7 +51,6 @@ PENDING: frozenset[str] = frozenset(
         "jobs.assembly -> controllers.evaluator",
         "jobs.assembly -> controllers.fedalg_controller",
         "jobs.fedopt_final -> controllers.he_fedopt",
-        "jobs.provision.loopback -> controllers.report",
         "jobs.secure_aggregation -> controllers.he_fedopt",
         "jobs.secure_aggregation -> controllers.secure_aggregation",
     }

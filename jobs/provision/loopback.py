@@ -324,9 +324,9 @@ def leftover_processes(deployment: Deployment) -> list[int]:
 def job_problems(meta: Mapping[str, Any], result: Path) -> list[str]:
     """Why a finished job did not do its work (empty: it did): NVFlare's status, then the server's metrics in the
     downloaded ``result``, whose round records must reach the planned rounds with one that aggregated
-    (`controllers.report.completion_problems`, the check ``controllers.report`` makes of simulator runs): a
+    (`aggregators.run_records.completion_problems`, the check ``controllers.report`` makes of simulator runs): a
     controller that stops early still ends in ``FINISHED:COMPLETED``."""
-    from controllers.report import completion_problems
+    from aggregators.run_records import completion_problems
 
     status = str(meta.get("status", ""))
     problems = [] if status.startswith("FINISHED:COMPLETED") else [f"job status is {status or 'unknown'}"]
