@@ -8,15 +8,14 @@ installed bundle's client, `jobs.client.main`.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from aggregators.bundle import APP_PACKAGES, inside_directory
 from jobs.secure_aggregation import add_sum_site_filters, add_sum_workflow
 from jobs.settings import dataset_num_classes, is_private
 from jobs.spec import JobSpec, client_script_args, companion_rules, model_arch_args, shipped_folders
@@ -28,7 +27,6 @@ CLIENT_SCRIPT = "client.py"
 SITE_SCRIPT = JOBS_DIR / "site_script" / CLIENT_SCRIPT
 #: Written into every exported job's app/custom/: what the sites must have installed.
 REQUIREMENTS_FILE = "site_requirements.txt"
-APP_PACKAGES = ("aggregators", "controllers", "data_prep", "jobs", "lightning_modules")
 #: Seconds a site waits after each task before asking the server for the next one, and between asks while the
 #: server has none (NVFlare's ``server.task_request_interval``, sent to the sites with every answer). NVFlare's 2 s
 #: default is waited by every site after every round; the exported jobs use `task_request_interval`.
@@ -37,17 +35,6 @@ TASK_REQUEST_INTERVAL = 0.25
 #: NVFlare's 2 s default gives 80 sites. Larger federations get longer intervals, never longer than NVFlare's.
 MAX_IDLE_REQUESTS_PER_S = 40
 NVFLARE_TASK_REQUEST_INTERVAL = 2.0
-
-
-@contextlib.contextmanager
-def inside_directory(directory: Path) -> Iterator[None]:
-    # NVFlare writes the script path as given into the job config, so it must be relative to the job's custom/.
-    previous = Path.cwd()
-    os.chdir(directory)
-    try:
-        yield
-    finally:
-        os.chdir(previous)
 
 
 def build_job(spec: JobSpec) -> Any:
