@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_JOBS ?= scaffold
 
-.PHONY: docs setup demo demo-quick demo-compare poc deploy bench bench-he bench-agg bench-algorithms bench-genomics bench-latency bench-niid pretrain-attention bench-robust compare test test-fast lint format jobs check-jobs clean
+.PHONY: docs setup demo demo-quick demo-compare poc deploy bench bench-he bench-agg bench-algorithms bench-genomics bench-latency bench-niid pretrain-attention bench-robust compare test test-fast test-slow test-e2e lint format jobs check-jobs clean
 
 setup: $(VENV)/.setup-done
 
@@ -111,8 +111,18 @@ compare: setup
 test: setup lint
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest --durations=30
 
+# The test pyramid (tiers assigned in tests/conftest.py; times in docs/results.md, "Test tiers"):
+#   test-fast - unit and contract tests: no simulator, no training subprocess, no multi-process run (minutes)
+#   test-slow - the slow tests outside tests/e2e: in-process training, client processes, SimEnv
+#   test-e2e  - tests/e2e: `nvflare simulator` and provisioned loopback deployments
 test-fast: setup
-	$(PY) -m pytest -m "not slow" --ignore=tests/e2e
+	$(PY) -m pytest -m "not slow" --ignore=tests/e2e --durations=15
+
+test-slow: setup
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -m "slow and not e2e" --ignore=tests/e2e --durations=15
+
+test-e2e: setup
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest tests/e2e --durations=15
 
 lint: setup
 	$(PY) -m ruff check .

@@ -43,3 +43,63 @@ def restore_torch_threads():
     yield
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
+
+
+# The test pyramid. `make test-fast` runs the unit and contract tests (`-m "not slow"`, tests/e2e not collected);
+# `make test` (CI) runs every tier. Tiers are assigned here, centrally, so that a test file needs no marker of its
+# own: everything under tests/e2e is `e2e` (and `slow`), and the tests named in SLOW_TESTS are `slow`.
+E2E_DIR = "tests/e2e/"
+#: Tests outside tests/e2e that start the simulator or a training subprocess, run several processes, or train long
+#: enough in process to take over ~5 s on the development machine: node-id of a test file, of a test (every
+#: parameter of it) or of one parametrized case, with why it is slow. tests/test_test_tiers.py checks that each
+#: still names a test.
+SLOW_TESTS: dict[str, str] = {
+    "tests/jobs/test_job_recipe.py::test_recipe_runs_in_simenv_and_streams_tensorboard_curves": "NVFlare SimEnv run",
+    "tests/jobs/test_job_site_imports.py::test_the_client_set_up_path_imports_no_optional_package": "client process",
+    "tests/jobs/test_job_filter_order.py::test_the_he_job_exports_the_same_under_two_hash_seeds": "two builders",
+    "tests/jobs/test_job_quick_setting.py::test_make_demo_quick_learns": "5 in-process rounds on Fashion-MNIST",
+    "tests/jobs/test_job_quick_setting.py::test_the_hand_shortened_demo_stays_at_chance": "in-process rounds",
+    "tests/jobs/test_job_quick_setting.py::test_the_readme_custom_model_job_learns": "in-process rounds",
+    "tests/jobs/test_job_own_model.py::test_the_jobs_thin_client_script_runs_the_users_script_shipped_beside_it": (
+        "a client process training"
+    ),
+}
+#: A test in the fast tier slower than this is named at the end of the session (mark it slow above).
+FAST_TIER_LIMIT_S = 5.0
+
+
+def tier_markers(nodeid: str, slow_tests: dict[str, str] = SLOW_TESTS) -> set[str]:
+    """The tier markers of the test ``nodeid``: ``{"e2e", "slow"}`` under tests/e2e, ``{"slow"}`` when an entry of
+    ``slow_tests`` names its file, the test or this parametrized case, else none. An entry ``f.py::test_a`` does not
+    name ``f.py::test_ab``."""
+    if nodeid.startswith(E2E_DIR):
+        return {"e2e", "slow"}
+    test = nodeid.split("[", 1)[0]
+    file = nodeid.split("::", 1)[0]
+    return {"slow"} if nodeid in slow_tests or test in slow_tests or file in slow_tests else set()
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        for name in sorted(tier_markers(item.nodeid)):
+            item.add_marker(name)
+
+
+#: (seconds, node-id) of the tests whose call took over FAST_TIER_LIMIT_S in this session.
+_over_limit: list[tuple[float, str]] = []
+
+
+def pytest_runtest_logreport(report) -> None:
+    if report.when == "call" and report.duration > FAST_TIER_LIMIT_S:
+        _over_limit.append((report.duration, report.nodeid))
+
+
+def pytest_terminal_summary(terminalreporter, config) -> None:
+    """In a fast-tier session, the tests that took too long for it: the tier stays fast only if they move out."""
+    if "not slow" in (config.getoption("markexpr", "") or "") and _over_limit:
+        terminalreporter.section(
+            f"fast tier: tests over {FAST_TIER_LIMIT_S:g} s (add them to tests/conftest.py SLOW_TESTS)"
+        )
+        for seconds, nodeid in sorted(_over_limit, reverse=True):
+            terminalreporter.write_line(f"{seconds:6.1f} s  {nodeid}")
