@@ -49,7 +49,6 @@ def _launcher(kit: Path) -> dict:
     return {c["id"]: c for c in resources["components"]}
 
 
-@pytest.mark.slow
 def test_every_runtime_prepares_every_participant(
     provisioned: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -190,7 +189,7 @@ def test_bad_site_resources_are_refused(text: str) -> None:
         parse_site_resources(text)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # builds a job in process (imports torch, Lightning, NVFlare's job API): 5-16 s here
 def test_the_builder_writes_site_resources_into_meta_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from jobs import build
 
