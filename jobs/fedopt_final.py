@@ -56,8 +56,8 @@ def saved_mean(model_file: Path, context: Path | None, shapes: dict[str, tuple[i
 
 def final_model(job_dir: Path, model_file: Path, context: Path | None, state_dir: Path, site: str) -> dict[str, Any]:
     """x_T as numpy arrays (module docstring)."""
-    from controllers.he_fedopt import SiteOptimizer
     from jobs.secure_aggregation import job_model_shapes
+    from lightning_modules.site_optimizer import SiteOptimizer
     from lightning_modules.state_store import ClientStateStore
 
     rule, rule_args, last_round = job_rule(job_dir)
@@ -69,7 +69,7 @@ def final_model(job_dir: Path, model_file: Path, context: Path | None, state_dir
 def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
-    from controllers.he_fedopt import SiteOptimizerError
+    from lightning_modules.site_optimizer import SiteOptimizerError
 
     parser = argparse.ArgumentParser(prog="python -m jobs.fedopt_final", description=__doc__.splitlines()[0])
     parser.add_argument("model", type=Path, help="the downloaded app_server/FL_global_model.pt")

@@ -82,7 +82,7 @@ def secure_aggregation_problem(spec: Any) -> str | None:
         return None
     who = f"secure_aggregation '{mode}'"
     if spec.server in SITE_STEP_RULES:
-        from controllers.he_fedopt import site_optimizer_problem
+        from lightning_modules.site_optimizer import site_optimizer_problem
 
         problem = site_optimizer_problem(spec)
         if problem:

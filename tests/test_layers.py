@@ -6,9 +6,11 @@ The order (docs/design.md, "Layers"), bottom first:
 layer  packages                         what lives there
 =====  ===============================  ==================================================================
 0      ``aggregators``                  rules' math, typed hparams, the wire messages, every meta key, and
-                                        what build time, server and sites agree on (`aggregators.bundle`)
+                                        what the layers above agree on: site sampling, the installed
+                                        packages and HE context names, a run's files and how it ended
 1      ``data_prep``                    datasets, partitions, site data configuration, genotype files
-2      ``lightning_modules``            the site's runtime: client algorithms, the Lightning callback, state
+2      ``lightning_modules``            the site's runtime: client algorithms, the Lightning callback, state,
+                                        the FedOpt step the sites take under secure aggregation
 3      ``controllers`` | ``jobs`` |     server runtime | build time (settings, spec, NVFlare assembly) |
        ``examples``                     users' own models; each independent of the other two
 4      ``benchmarks``                   harnesses over everything below, incl. the in-process federation
@@ -50,7 +52,6 @@ PENDING: frozenset[str] = frozenset(
         "controllers.fedalg_controller -> jobs.settings",
         "jobs.assembly -> controllers.evaluator",
         "jobs.assembly -> controllers.fedalg_controller",
-        "jobs.fedopt_final -> controllers.he_fedopt",
         "jobs.secure_aggregation -> controllers.he_fedopt",
         "jobs.secure_aggregation -> controllers.secure_aggregation",
     }
