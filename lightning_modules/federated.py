@@ -14,7 +14,12 @@ Where each hook of `lightning_modules.algorithms.base.ClientAlgorithm` runs:
 - ``on_batch``: Lightning's ``on_train_batch_start``, with the batch ``training_step`` receives (the algorithms that
   evaluate the task loss at other weights take their batch from here, not from the module's ``training_step``);
 - ``correct_gradients``: Lightning's ``on_before_optimizer_step``, i.e. after backward (and after gradient
-  accumulation) and before gradient clipping and the optimizer step;
+  accumulation) and before gradient clipping and the optimizer step. It adds the algorithm's gradient term to
+  ``.grad``, so a callback placed after this one sees the corrected gradient. The one fused fast path: a term
+  linear in the weights (FedProx, FedDyn; ``ClientAlgorithm.linear_term``) is folded into a plain SGD step
+  (one pass on the weights instead of two on ``.grad``) when no later callback and no module hook overrides
+  ``on_before_optimizer_step`` (`lightning_modules.algorithms.kernels.gradient_observers`); ``fuse_plain_sgd=False``
+  turns it off;
 - ``after_step``: a post-step hook on the module's optimizer (``torch.optim.Optimizer.register_step_post_hook``), so
   it runs once per step that was taken, whatever optimizer the module configures;
 - ``loss_terms`` (MOON): only a module can add to its own loss. A module used with such an algorithm calls
@@ -50,6 +55,7 @@ from aggregators import meta_keys
 from aggregators.fednova import normalizer_l1
 from aggregators.wire import FedNovaReport
 from lightning_modules.algorithms.base import ClientAlgorithm, ClientAlgorithmError, check_server_meta
+from lightning_modules.algorithms.kernels import fold_linear_term_, gradient_observers
 from lightning_modules.fl_callback import MetaSource, nvflare_meta_source
 from lightning_modules.personalization.partial_sharing import LocalEntries, local_entries_for
 from lightning_modules.protocols import (  # sgd_step_settings: also imported from here by its users
@@ -158,6 +164,8 @@ class FederatedAlgorithm(pl.Callback):
         meta_source: where the server meta of the round comes from (NVFlare's received model by default).
         local_keys: state_dict names that never leave the site (``--local-keys`` as the job builder resolved them:
             FedPer's head, FedBN's BatchNorm entries, FedRep's head; docs/personalization.md, "Partial sharing").
+        fuse_plain_sgd: allow the one fused fast path (module docstring); False: every correction goes to
+            ``.grad``, also where nobody watches it.
     """
 
     def __init__(
@@ -171,6 +179,7 @@ class FederatedAlgorithm(pl.Callback):
         meta_source: MetaSource = nvflare_meta_source,
         local_keys: str | Sequence[str] | None = None,
         privacy: Any = None,
+        fuse_plain_sgd: bool = True,
     ) -> None:
         if isinstance(algorithm, str):
             from lightning_modules.algorithms import build_client_algorithm
@@ -200,6 +209,9 @@ class FederatedAlgorithm(pl.Callback):
         self.candidates: Any = None
         self._reset_round()
         self._step_hook: Any = None
+        #: The fused fast path (module docstring); blocked while ``_gradient_observers`` names anyone.
+        self.fuse_plain_sgd = fuse_plain_sgd
+        self._gradient_observers: list[str] = []
 
     def _reset_round(self) -> None:
         self._round_started = False
@@ -249,6 +261,7 @@ class FederatedAlgorithm(pl.Callback):
             if self.privacy is not None:  # after the algorithm copied what it keeps: no copy carries Opacus's hooks
                 self.privacy.start_round(trainer, pl_module, meta)
             self._trained_round = meta.get(meta_keys.ROUND)
+            self._gradient_observers = gradient_observers(trainer, pl_module, self)  # NVFlare's handlers are set now
             self._round_started = True
 
     def _start_round(self, pl_module: pl.LightningModule, meta: Mapping[str, Any]) -> None:
@@ -272,7 +285,18 @@ class FederatedAlgorithm(pl.Callback):
     ) -> None:
         if self.privacy is not None:  # the noisy gradient first: the algorithm's correction is post-processing
             self.privacy.privatize()
-        self.algorithm.correct_gradients(pl_module, optimizer)
+        if not self._fold_linear_term(pl_module, optimizer):
+            self.algorithm.correct_gradients(pl_module, optimizer)
+
+    def _fold_linear_term(self, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> bool:
+        """The fused fast path: the algorithm's whole correction is a linear term (it keeps the base
+        ``correct_gradients``), nobody watches the gradient, and the coming step is plain SGD (kernels.py)."""
+        if not self.fuse_plain_sgd or self._gradient_observers:
+            return False
+        if type(self.algorithm).correct_gradients is not ClientAlgorithm.correct_gradients:
+            return False
+        term = self.algorithm.linear_term()
+        return term is not None and fold_linear_term_(pl_module, optimizer, term)
 
     def after_optimizer_step(self, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
         """Runs once per optimizer step taken (a post-step hook on the module's optimizer)."""

@@ -12,7 +12,10 @@ Lightning callback) drives on any LightningModule:
   refuses accumulation);
 - ``loss_terms``      inside the module's ``training_step`` (via ``algorithm_loss``): extra differentiable terms (MOON);
   only an algorithm that adds a term overrides it, and the module must then call ``algorithm_loss``;
-- ``correct_gradients`` in ``on_before_optimizer_step``, after backward and before the optimizer moves the weights;
+- ``correct_gradients`` in ``on_before_optimizer_step``, after backward and before the optimizer moves the weights:
+  the algorithm's correction as a gradient term added to ``.grad``; it never moves a weight. An algorithm whose
+  term is linear in the parameters declares it instead (``linear_term``): the base ``correct_gradients`` adds it,
+  and the callback may fold it into a plain SGD step (kernels.py, the one fused fast path);
 - ``after_step``      right after each optimizer step (post-step parameter corrections, step/lr bookkeeping);
 - ``on_round_end``    returns the namespaced meta to send to the server with the model.
 
@@ -33,6 +36,7 @@ from aggregators import meta_keys
 from aggregators.wire import round_meta_problems
 from lightning_modules.algorithms.errors import ClientAlgorithmError
 from lightning_modules.algorithms.hparams import HParams
+from lightning_modules.algorithms.kernels import LinearTerm, add_linear_term_
 from lightning_modules.state_store import ClientStateStore
 
 LOG = logging.getLogger(__name__)
@@ -95,8 +99,17 @@ class ClientAlgorithm:
         """Extra loss added to the task loss in ``training_step``; ``None`` adds nothing."""
         return None
 
+    def linear_term(self) -> LinearTerm | None:
+        """The gradient term c * (p - target) this algorithm adds at every step, when that is its whole correction
+        (FedProx, FedDyn); ``None``: none, or a correction of another form (then override `correct_gradients`)."""
+        return None
+
     def correct_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Edit ``.grad`` of the trainable parameters after backward, before ``optimizer.step``."""
+        """Add the algorithm's gradient term to ``.grad`` of the trainable parameters after backward, before
+        ``optimizer.step``; never move a weight (a callback watching the gradient must see the term)."""
+        term = self.linear_term()
+        if term is not None:
+            add_linear_term_(term)
 
     def after_step(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Called right after every optimizer step."""

@@ -70,6 +70,7 @@ from lightning_modules.algorithms.base import (
 )
 from lightning_modules.algorithms.fedprox import FedProx
 from lightning_modules.algorithms.hparams import HParams, hparam
+from lightning_modules.algorithms.kernels import LinearTerm
 from lightning_modules.algorithms.task_gradient import task_gradient
 from lightning_modules.state_store import StateStoreError
 
@@ -240,8 +241,8 @@ class Ditto(ClientAlgorithm):
         self._batch = batch
         self.global_part.on_batch(module, batch)
 
-    def correct_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.global_part.correct_gradients(module, optimizer)
+    def linear_term(self) -> LinearTerm | None:
+        return self.global_part.linear_term()  # the global part's (FedProx's mu * (w - w^t)); v_i moves in after_step
 
     @torch.no_grad()
     def after_step(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -71,7 +71,7 @@ from lightning_modules.algorithms.base import (
     trainable_parameters,
 )
 from lightning_modules.algorithms.hparams import HParams, hparam
-from lightning_modules.algorithms.kernels import pull_before_plain_sgd_step_
+from lightning_modules.algorithms.kernels import LinearTerm
 
 AlphaWeighting = Literal["uniform", "samples"]
 Tensors = dict[str, torch.Tensor]
@@ -181,8 +181,8 @@ class FedDyn(ClientAlgorithm):
             self.alpha_k = alpha
         self.h_local = load_run_state(self, self._params, self._run_id, "FedDyn state H_k")
         # The gradient term alpha_k * (theta - (theta_server - H_k)) only ever needs theta_server - H_k: keep that one
-        # fp32 tensor per parameter, the point the term pulls theta towards (one pass per plain SGD step, see
-        # kernels.py; two on .grad otherwise).
+        # fp32 tensor per parameter, the point the term pulls theta towards (two passes on .grad; one when the
+        # callback folds the term into a plain SGD step, kernels.py).
         self.pull_target = {name: p.detach().to(torch.float32) - self.h_local[name] for name, p in self._params.items()}
 
     # -- per step ------------------------------------------------------------------------------------------------
@@ -191,25 +191,10 @@ class FedDyn(ClientAlgorithm):
         """H_k - theta_server per parameter (a fresh copy; the algorithm keeps its negation, ``pull_target``)."""
         return {name: -target for name, target in self.pull_target.items()}
 
-    @torch.no_grad()
-    def correct_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        # Plain SGD step: theta - lr * (g + alpha_k * (theta - target)) = lerp(theta, target, lr * alpha_k) - lr * g.
-        if pull_before_plain_sgd_step_(
-            module, optimizer, self._params, self.pull_target, self.alpha_k, require_all_grads=True
-        ):
-            return
-        params, targets = list(self._params.values()), list(self.pull_target.values())
-        if all(p.grad is not None and p.grad.dtype == p.dtype == torch.float32 for p in params):
-            grads = [p.grad for p in params]
-            torch._foreach_add_(grads, params, alpha=self.alpha_k)
-            torch._foreach_add_(grads, targets, alpha=-self.alpha_k)
-            return
-        for p, target in zip(params, targets, strict=True):  # general path: missing grads, other dtypes
-            term = (p.detach().to(torch.float32) - target).mul_(self.alpha_k)
-            if p.grad is None:
-                p.grad = term.to(p.dtype)
-            else:
-                p.grad.add_(term.to(p.grad.dtype))
+    def linear_term(self) -> LinearTerm:
+        # alpha_k * (theta - (theta_server - H_k)), added to .grad by the base correct_gradients; also to a
+        # parameter with no task gradient in this step (the regulariser depends on it).
+        return LinearTerm(self._params, self.pull_target, self.alpha_k, every_parameter=True)
 
     # -- round end -----------------------------------------------------------------------------------------------
     def on_round_end(self, module: nn.Module) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from torch import nn
 from aggregators import meta_keys
 from lightning_modules.algorithms.base import ClientAlgorithm, trainable_parameters
 from lightning_modules.algorithms.hparams import HParams, hparam
-from lightning_modules.algorithms.kernels import pull_before_plain_sgd_step_
+from lightning_modules.algorithms.kernels import LinearTerm
 
 DEFAULT_MU = 0.01
 
@@ -78,24 +78,12 @@ class FedProx(ClientAlgorithm):
         # w_t: detached float32 copies (never views of the live weights, never buffers).
         self.anchor = {name: p.detach().to(torch.float32).clone() for name, p in self._params.items()}
 
-    @torch.no_grad()
-    def correct_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def linear_term(self) -> LinearTerm | None:
+        # mu * (w - w_t), added to .grad by the base correct_gradients. A parameter outside this step's graph (no
+        # grad) does not move, so its w - w_t stays 0: only parameters with a gradient get the term.
         if self.mu == 0:
-            return
-        # Plain SGD step: w - lr * (g + mu * (w - w_t)) = lerp(w, w_t, lr * mu) - lr * g, one pass on the weights
-        # instead of two on the gradient (kernels.py says when this is exact).
-        if pull_before_plain_sgd_step_(module, optimizer, self._params, self.anchor, self.mu, require_all_grads=False):
-            return
-        # A parameter outside this step's graph (no grad) does not move, so its w - w_t stays 0.
-        pairs = [(p, self.anchor[name]) for name, p in self._params.items() if p.grad is not None]
-        if all(p.grad.dtype == p.dtype == torch.float32 for p, _ in pairs):
-            # grad += mu * w - mu * w_t as two fused in-place passes: no temporaries (see benchmarks/).
-            grads = [p.grad for p, _ in pairs]
-            torch._foreach_add_(grads, [p for p, _ in pairs], alpha=self.mu)
-            torch._foreach_add_(grads, [anchor for _, anchor in pairs], alpha=-self.mu)
-            return
-        for p, anchor in pairs:
-            p.grad.add_((p.detach().to(torch.float32) - anchor).mul_(self.mu).to(p.grad.dtype))
+            return None  # bit for bit FedAvg's local training
+        return LinearTerm(self._params, self.anchor, self.mu, every_parameter=False)
 
     def on_round_end(self, module: nn.Module) -> dict[str, Any]:
         return {meta_keys.FEDPROX_MU: self.mu}

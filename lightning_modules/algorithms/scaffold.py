@@ -10,11 +10,16 @@ Per local step (paper: y <- y - eta * (g_i(y) - c_i + c)), where c - c_i is appl
   NIID-Bench and NVFlare do it;
 - ``"grad"``: c - c_i is added to ``.grad`` before the optimizer step, so momentum, weight decay, gradient clipping
   and an adaptive optimizer's moments act on it too;
-- ``"auto"`` (default): ``"grad"`` with the ``gradients`` estimator, ``"step"`` with the ``displacement`` one.
+- ``"auto"`` (default): ``"grad"`` with the ``gradients`` estimator and wherever the step is a plain SGD step
+  (``torch.optim.SGD`` without momentum or weight decay, in a Lightning fit with clipping off: the
+  ``plain_sgd_step_lrs`` of kernels.py), so the correction is a gradient term a callback watching ``.grad`` sees;
+  ``"step"`` with the ``displacement`` estimator otherwise (SGD with momentum or weight decay, as before).
 
-With vanilla SGD ``"step"`` and ``"grad"`` are the paper's update. With momentum rho they differ: the gradient is
-amplified by about 1/(1 - rho) by the momentum buffer while a post-step correction is not ("step"), or the correction
-is amplified too ("grad"); neither is the paper's algorithm, which assumes plain SGD.
+With vanilla SGD ``"step"`` and ``"grad"`` are the paper's update (equal in real arithmetic; in float32 they round
+differently, so a plain-SGD job trained before ``"auto"`` meant ``"grad"`` there differs in the last bits). With
+momentum rho they differ: the gradient is amplified by about 1/(1 - rho) by the momentum buffer while a post-step
+correction is not ("step"), or the correction is amplified too ("grad"); neither is the paper's algorithm, which
+assumes plain SGD.
 
 End of round (K = optimizer steps actually taken, eta_k = the learning rate step k applied, g_k = the raw stochastic
 gradient of step k, before c - c_i is added), Option II, with the estimate of c_i+ picked by ``estimator``:
@@ -38,7 +43,7 @@ optimizer sees y's corrected gradient g_k + c - c_i, an estimate of the global g
 local steps are those of Adam(W) on the (estimated) global objective, with Adam's per-coordinate scaling of the
 corrected gradient. Under SGD with momentum or coupled weight decay the two estimators differ (the displacement also
 holds the momentum amplification and lambda * y; the raw gradient holds neither), which is why SGD keeps the
-displacement by default: committed jobs and results stay bit-identical. AdamW's decoupled weight decay is not part of
+displacement by default (committed SGD jobs keep their controls). AdamW's decoupled weight decay is not part of
 any gradient, so neither estimator sees it.
 
 What the literature says, as far as we could check. SCAFFOLD's analysis and experiments are for SGD local steps. The
@@ -83,7 +88,7 @@ from lightning_modules.algorithms.base import (
     trainable_parameters,
 )
 from lightning_modules.algorithms.hparams import HParams
-from lightning_modules.algorithms.kernels import add_in_own_dtype_
+from lightning_modules.algorithms.kernels import add_in_own_dtype_, plain_sgd_step_lrs
 from lightning_modules.algorithms.task_gradient import task_gradient
 
 LOG = logging.getLogger(__name__)
@@ -119,12 +124,13 @@ def resolve_estimator(estimator: Estimator, optimizer: torch.optim.Optimizer) ->
     return "displacement" if isinstance(optimizer, torch.optim.SGD) else "gradients"
 
 
-def resolve_correction(correction: Correction, estimator: Estimator) -> Correction:
+def resolve_correction(correction: Correction, estimator: Estimator, plain_sgd: bool = False) -> Correction:
     """``"auto"``: into ``.grad`` with the gradients estimator (an adaptive optimizer's moments see the corrected
-    gradient), after the step with the displacement estimator (as before, so SGD jobs stay bit-identical)."""
+    gradient) and for a plain SGD step (the same update as after it, stated as a gradient term); after the step
+    with the displacement estimator under SGD with momentum or weight decay (as before)."""
     if correction != "auto":
         return correction
-    return "grad" if estimator == "gradients" else "step"
+    return "grad" if estimator == "gradients" or plain_sgd else "step"
 
 
 def gradients_control(weighted_gradients: Mapping[str, torch.Tensor], lr_sum: Mapping[str, float]) -> Tensors:
@@ -229,7 +235,8 @@ class Scaffold(ClientAlgorithm):
     def _resolve(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Fix this round's estimator and correction mode from the optimizer; refuse what cannot be right."""
         self.used_estimator = resolve_estimator(self.estimator, optimizer)
-        self.used_correction = resolve_correction(self.correction, self.used_estimator)
+        plain_sgd = plain_sgd_step_lrs(module, optimizer) is not None
+        self.used_correction = resolve_correction(self.correction, self.used_estimator, plain_sgd)
         self.accumulates_gradients = self.option == "II" and self.used_estimator == "gradients"
         if self.used_correction == "grad" and not self.accumulates_gradients and clips_gradients(module):
             raise ClientAlgorithmError(

@@ -1,10 +1,16 @@
-"""Per-step kernels: when the FedProx/FedDyn term is folded into a plain SGD step (and when not), the folded step
-equals the gradient form in real Lightning fits, and the fused SCAFFOLD add equals the per-tensor loop bit for bit."""
+"""Every client correction is a gradient term, and the one fused fast path is the callback's.
+
+A callback placed after `FederatedAlgorithm` sees, in ``on_before_optimizer_step``, the task gradient plus the
+algorithm's term in closed form (FedProx, FedDyn, SCAFFOLD with their defaults, under the plain SGD step where the
+fused path exists), and ``correct_gradients`` never moves a weight. When nobody watches, the callback folds the
+FedProx/FedDyn term into a plain SGD step (and only then), the folded step equals the gradient form in real
+Lightning fits, and the fused SCAFFOLD add equals the per-tensor loop bit for bit."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -13,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from aggregators import meta_keys
 from lightning_modules import FederatedAlgorithm, FLClassifier
-from lightning_modules.algorithms import ClientAlgorithm, kernels
+from lightning_modules.algorithms import ClientAlgorithm, build_client_algorithm, kernels
 from lightning_modules.algorithms.feddyn import FedDyn
 from lightning_modules.algorithms.fedprox import FedProx
 from lightning_modules.state_store import ClientStateStore
@@ -41,20 +47,29 @@ class LerpSpy:
         monkeypatch.setattr(torch, "_foreach_lerp_", spy)
 
 
-def fit(algorithm: ClientAlgorithm, meta: dict[str, Any], *, momentum: float = 0.0, **trainer_kw: Any) -> nn.Module:
+def new_module(momentum: float = 0.0) -> FLClassifier:
+    args = {"in_features": IN_FEATURES, "hidden_sizes": (16,)}
+    return FLClassifier(arch="mlp", num_classes=NUM_CLASSES, arch_args=args, lr=0.2, momentum=momentum, init_seed=11)
+
+
+def fit(
+    algorithm: ClientAlgorithm,
+    meta: dict[str, Any],
+    *,
+    momentum: float = 0.0,
+    around: tuple[pl.Callback, pl.Callback] | None = None,
+    fuse_plain_sgd: bool = True,
+    **trainer_kw: Any,
+) -> nn.Module:
+    """A 10-step fit; ``around``: callbacks placed before and after the algorithm's."""
     gen = torch.Generator().manual_seed(3)
     x = torch.rand(40, IN_FEATURES, generator=gen)
     y = torch.randint(0, NUM_CLASSES, (40,), generator=gen)
     loader = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(5))
-    module = FLClassifier(
-        arch="mlp",
-        num_classes=NUM_CLASSES,
-        arch_args={"in_features": IN_FEATURES, "hidden_sizes": (16,)},
-        lr=0.2,
-        momentum=momentum,
-        init_seed=11,
+    module = new_module(momentum)
+    callback = FederatedAlgorithm(
+        algorithm, num_samples=40, site="site-1", meta_source=lambda: dict(meta), fuse_plain_sgd=fuse_plain_sgd
     )
-    callback = FederatedAlgorithm(algorithm, num_samples=40, site="site-1", meta_source=lambda: dict(meta))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
@@ -63,7 +78,7 @@ def fit(algorithm: ClientAlgorithm, meta: dict[str, Any], *, momentum: float = 0
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[callback],
+        callbacks=[around[0], callback, around[1]] if around else [callback],
         **trainer_kw,
     )
     trainer.fit(module, loader)
@@ -165,3 +180,124 @@ def test_add_in_own_dtype_is_the_per_tensor_loop_bit_for_bit():
     expected = [t.clone().add_(term.to(t.dtype), alpha=-0.37) for t, term in zip(tensors, terms, strict=True)]
     kernels.add_in_own_dtype_(tensors, terms, alpha=-0.37)
     assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(tensors, expected, strict=True))
+
+
+# -- every correction a gradient term -------------------------------------------------------------------------------
+class Gradients(pl.Callback):
+    """Records every step's weights and gradients in ``on_before_optimizer_step`` (before or after the algorithm)."""
+
+    def __init__(self) -> None:
+        self.weights: list[dict[str, torch.Tensor]] = []
+        self.grads: list[dict[str, torch.Tensor]] = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        params = dict(pl_module.named_parameters())
+        self.weights.append({name: p.detach().clone() for name, p in params.items()})
+        self.grads.append({name: p.grad.detach().clone() for name, p in params.items()})
+
+
+def controls(net: nn.Module) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(1)
+    return {n: rng.standard_normal(tuple(p.shape)).astype(np.float32) for n, p in net.named_parameters()}
+
+
+MU, ALPHA = 0.7, 0.3
+C_GLOBAL = controls(new_module())
+ROUND_META = {meta_keys.ROUND: 0, meta_keys.RUN_ID: "run-a"}
+DEFAULTS = {  # name: (client args, server meta); H_k = 0 and c_i = 0 in the site's first round
+    "fedprox": ({"mu": MU}, ROUND_META),
+    "feddyn": ({}, {**ROUND_META, meta_keys.FEDDYN_ALPHA: ALPHA}),
+    "scaffold": ({}, {**ROUND_META, meta_keys.SCAFFOLD_CTRL_GLOBAL: C_GLOBAL}),
+}
+
+
+def bound(name: str, tmp_path) -> ClientAlgorithm:
+    algorithm = build_client_algorithm(name, **DEFAULTS[name][0])
+    algorithm.bind("site-1", ClientStateStore(tmp_path / name, "site-1"))
+    return algorithm
+
+
+def closed_form_term(name: str, weights: dict[str, torch.Tensor], received: dict[str, torch.Tensor]) -> dict:
+    if name == "scaffold":  # c - c_i
+        return {n: torch.from_numpy(C_GLOBAL[n]) for n in weights}
+    coefficient = MU if name == "fedprox" else ALPHA  # mu * (w - w_t); alpha * (theta - theta_server + H_k)
+    return {n: coefficient * (w - received[n]) for n, w in weights.items()}
+
+
+@pytest.mark.parametrize("name", list(DEFAULTS))
+def test_a_callback_after_the_algorithm_sees_the_task_gradient_plus_the_term(tmp_path, name):
+    before, after = Gradients(), Gradients()
+    fit(bound(name, tmp_path), DEFAULTS[name][1], around=(before, after))
+    assert len(after.grads) == len(before.grads) == STEPS
+    received = before.weights[0]  # nothing moves before the first step
+    for step, (weights, task, seen) in enumerate(zip(before.weights, before.grads, after.grads, strict=True)):
+        assert all(torch.equal(weights[n], after.weights[step][n]) for n in weights)  # nothing moved in between
+        term = closed_form_term(name, weights, received)
+        for n in task:
+            torch.testing.assert_close(seen[n], task[n] + term[n], atol=1e-6, rtol=0)
+        if step:  # the weights have left the received model: the term is not zero
+            assert max(term[n].abs().max().item() for n in term) > 1e-4
+
+
+@pytest.mark.parametrize("name", list(DEFAULTS))
+def test_correct_gradients_adds_the_term_and_never_moves_a_weight(tmp_path, name):
+    """On a module attached to a trainer with a plain SGD optimizer: where the fused path would apply."""
+    net = new_module()
+    net.trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    algorithm = bound(name, tmp_path)
+    algorithm.on_round_start(net, DEFAULTS[name][1])
+    received = {n: p.detach().clone() for n, p in net.named_parameters()}
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(0.25)
+            p.grad = torch.full_like(p, 0.5)
+    moved = {n: p.detach().clone() for n, p in net.named_parameters()}
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    assert kernels.plain_sgd_step_lrs(net, optimizer) == [0.1]
+    algorithm.correct_gradients(net, optimizer)
+    term = closed_form_term(name, moved, received)
+    for n, p in net.named_parameters():
+        assert torch.equal(p.detach(), moved[n])
+        torch.testing.assert_close(p.grad, 0.5 + term[n], atol=1e-6, rtol=0)
+
+
+class Silent(pl.Callback):
+    observes_gradients = False  # overrides the hook without reading .grad: the fused path stays available
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        pass
+
+
+class Watching(pl.LightningModule):
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        pass
+
+
+def test_gradient_observers_are_the_later_callbacks_and_the_module_hook():
+    from nvflare.app_opt.lightning.algorithm import _AlgorithmHandlerManager
+    from nvflare.app_opt.lightning.api import FLCallback
+
+    nvflare = FLCallback.__new__(FLCallback)  # its constructor talks to NVFlare's client API; only the hook matters
+    nvflare._algorithm_handler_manager = _AlgorithmHandlerManager()
+    driver, early, late = FederatedAlgorithm("fedavg"), Gradients(), Gradients()
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer.callbacks = [early, driver, Silent(), nvflare]
+    assert kernels.gradient_observers(trainer, new_module(), driver) == []  # NVFlare's handlers are all off
+    assert kernels.gradient_observers(trainer, Watching(), driver) == ["Watching.on_before_optimizer_step"]
+    trainer.callbacks = [early, driver, late]
+    assert kernels.gradient_observers(trainer, new_module(), driver) == ["Gradients"]
+    nvflare._algorithm_handler_manager._handlers = {"fedprox": object()}  # NVFlare's built-in FedProx switched on
+    trainer.callbacks = [driver, nvflare]
+    assert kernels.gradient_observers(trainer, new_module(), driver) == ["FLCallback"]
+    trainer.callbacks = [late]  # a driver not in the list (called by hand): every callback may watch
+    assert kernels.gradient_observers(trainer, new_module(), driver) == ["Gradients"]
+
+
+def test_a_watching_callback_turns_the_fold_off_and_fuse_plain_sgd_false_too(tmp_path, monkeypatch):
+    spy = LerpSpy(monkeypatch)
+    fit(FedProx(mu=0.7), {meta_keys.ROUND: 0}, around=(Gradients(), Gradients()))
+    assert spy.calls == 0
+    fit(FedProx(mu=0.7), {meta_keys.ROUND: 0}, fuse_plain_sgd=False)
+    assert spy.calls == 0
+    fit(FedProx(mu=0.7), {meta_keys.ROUND: 0}, around=(Gradients(), Silent()))
+    assert spy.calls == STEPS
