@@ -75,6 +75,16 @@ MOON_TEMPERATURE = "moon.temperature"
 MOON_NUM_NEGATIVES = "moon.num_negatives"
 MOON_HISTORY_MODELS = "moon.history_models"
 
+# Ditto (Li et al. 2021), client -> server (for the logs): the pull lam of the personal model towards the received
+# global model, and the personal steps taken this round (the local-only baseline matches the site's compute with them).
+DITTO_LAM = "ditto.lam"
+DITTO_PERSONAL_STEPS = "ditto.personal_steps"
+
+# APFL (Deng, Kamani, Mahdavi 2020), client -> server: the site's mixing weight alpha after the round (learned from the
+# site's data: withheld under DP, where APFL is refused anyway) and the personal steps taken this round.
+APFL_ALPHA = "apfl.alpha"
+APFL_PERSONAL_STEPS = "apfl.personal_steps"
+
 # Sample-level DP-SGD at the site (lightning_modules/privacy/), client -> server: the site's epsilon over every DP-SGD
 # step it has taken in this run (its ledger), at delta, and what it was computed from (the last noise multiplier and
 # sample rate, the cumulative steps, the clipping norm C); ``privacy.withheld``: the names of the data-dependent

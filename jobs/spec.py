@@ -346,18 +346,9 @@ def _check_finetune(spec: JobSpec) -> None:
         raise JobBuildError(f"{why}: the bundle's site loop fine-tunes; a --script runs its own loop instead")
     if spec.devices > 1:
         raise JobBuildError(f"{why}: the fine-tuned copy trains in one process; use devices 1")
-    if spec.client == "ditto":
-        raise JobBuildError(
-            f"{why} with client 'ditto': Ditto's v_i is already the site's personal model, and both would be "
-            "reported as personal_*; choose one"
-        )
-    if spec.local_keys or spec.client == "fedrep":
-        # The copy is taken from the received model, whose local entries are the initial ones, not the site's own:
-        # it would fine-tune a model that is neither the global nor the site's personal one.
-        raise JobBuildError(
-            f"{why} with local_keys (FedPer/FedBN) or client 'fedrep': the site's personal model is already its "
-            "trained module with its own local entries, scored as personal_*; choose one"
-        )
+    collision = personal_collision(spec)
+    if collision:
+        raise JobBuildError(collision)
     if spec.model is None and not spec.site_val_fraction:
         raise JobBuildError(f"{why} needs a validation split to score the fine-tuned copy on: set site_val_fraction")
     if spec.model is not None:
@@ -432,22 +423,46 @@ def _check_candidates(spec: JobSpec) -> None:
     if not spec.local_baseline and personal_method(spec) is None:
         raise JobBuildError(
             "keep best with the global model as the only candidate: add --local-baseline or a personal method "
-            "(finetune_epochs, client ditto or fedrep, local_keys)"
+            f"(finetune_epochs, client {' or '.join(_personal_clients())}, local_keys)"
         )
     if spec.model is None and spec.keep_metric not in BUILTIN_VAL_METRICS:
         raise JobBuildError(f"keep_metric {spec.keep_metric!r}: the built-in model logs {list(BUILTIN_VAL_METRICS)}")
 
 
+def _active_personal_methods(spec: JobSpec) -> list[Any]:
+    """The personalization methods the job turns on, asked of their declarations
+    (lightning_modules/personalization/methods.py), never of their names."""
+    from lightning_modules.algorithms import CLIENT_ALGORITHMS
+    from lightning_modules.personalization.methods import active_methods
+
+    return active_methods(CLIENT_ALGORITHMS[spec.client], spec.finetune_epochs, bool(spec.local_keys))
+
+
+def personal_collision(spec: JobSpec) -> str | None:
+    """Why the job's personal methods cannot run together (two personal models, one set of personal_* scores)."""
+    from lightning_modules.personalization.methods import collision
+
+    return collision(_active_personal_methods(spec))
+
+
 def personal_method(spec: JobSpec) -> str | None:
-    """The setting that gives the job's sites a personal model (``None``: none): Ditto, local fine-tuning, or
-    partial sharing (FedPer/FedBN's local_keys, FedRep's head), whose personal model is the trained module with the
-    site's own entries."""
-    if spec.client in ("ditto", "fedrep"):
+    """The setting that gives the job's sites a personal model (``None``: none): a client algorithm that declares
+    one (Ditto, APFL, FedRep's head), local fine-tuning, or partial sharing (FedPer/FedBN's local_keys), whose
+    personal model is the trained module with the site's own entries."""
+    from lightning_modules.algorithms import CLIENT_ALGORITHMS
+
+    if CLIENT_ALGORITHMS[spec.client].personal_model is not None:
         return f"client '{spec.client}'"
     if spec.finetune_epochs:
         return f"finetune_epochs {spec.finetune_epochs}"
     # By now local_keys holds the resolved names, which can be many: the count names the setting in one short line.
     return f"local_keys ({len(spec.local_keys.split(','))} entries kept at the site)" if spec.local_keys else None
+
+
+def _personal_clients() -> list[str]:
+    from lightning_modules.algorithms import CLIENT_ALGORITHMS
+
+    return [name for name, cls in CLIENT_ALGORITHMS.items() if cls.personal_model is not None]
 
 
 def has_validation_split(spec: JobSpec) -> bool:

@@ -28,7 +28,8 @@ Where each hook of `lightning_modules.algorithms.base.ClientAlgorithm` runs:
 - the global model's scores on the site's validation split, when ``trainer.validate`` runs before ``trainer.fit``
   (NVFlare's FLCallback loads the received weights for it): sent as ``eval.<metric>`` meta;
 - the site's personal model (docs/personalization.md, "Scores at the sites"), at the end of the fit, after the round's
-  local work and before NVFlare sends the result: an algorithm's ``personal_weights`` (Ditto's v_i) scored by
+  local work and before NVFlare sends the result: the ``personal_weights`` of an algorithm that declares
+  a personal model of kind ``weights`` (Ditto's v_i, APFL's mixed model) scored by
   ``personal_scorer``, and scores the site round handed over (`FederatedAlgorithm.add_personal_scores`: local
   fine-tuning), sent as ``eval.personal_<metric>`` meta;
 - ``on_round_end``: at the end of the fit; its meta, the round's step count, mean training loss, the trainable keys
@@ -348,8 +349,9 @@ class FederatedAlgorithm(pl.Callback):
 
     def _personal_weights(self, pl_module: pl.LightningModule) -> Mapping[str, torch.Tensor] | None:
         """What the algorithm's personal model loads into a copy of the trained module (``None``: it has none)."""
-        provider = getattr(self.algorithm, "personal_weights", None)
-        weights = provider(pl_module) if callable(provider) else None
+        # Declared, not guessed: only an algorithm whose personal model is of kind "weights" returns any (base.py).
+        declared = self.algorithm.personal_model
+        weights = self.algorithm.personal_weights(pl_module) if declared and declared.kind == "weights" else None
         if weights is None and self.local_entries:
             # Partial sharing (FedPer, FedBN, FedRep): the personal model is the trained module itself, its shared
             # entries with the site's own local ones; no weights to load into the scored copy.

@@ -34,6 +34,7 @@ from torch import nn
 
 from aggregators import meta_keys
 from aggregators.wire import round_meta_problems
+from lightning_modules.algorithms.capabilities import DPSGD, PersonalModel, Released, declared_dp_sgd
 from lightning_modules.algorithms.errors import ClientAlgorithmError
 from lightning_modules.algorithms.hparams import HParams
 from lightning_modules.algorithms.kernels import LinearTerm, add_linear_term_
@@ -71,6 +72,17 @@ class ClientAlgorithm:
     needs_task_loss: ClassVar[bool] = False
     needs_representation: ClassVar[bool] = False
     needs_plain_sgd: ClassVar[bool] = False
+    #: Capabilities (capabilities.py), read by the tables derived from the registry. ``dp_sgd``: whether the
+    #: outputs can be accounted under sample-level DP-SGD and why (privacy/dp_sgd.py; `dp_sgd_problem` for a
+    #: refusal that depends on a setting); ``released``: the items of ``sent_meta`` with their privacy status
+    #: (privacy/release.py: a key no algorithm declares is withheld under DP).
+    dp_sgd: ClassVar[DPSGD] = DPSGD(True, "plain DP-SGD")
+    released: ClassVar[tuple[Released, ...]] = ()
+    #: The site's personal model this algorithm keeps (capabilities.PersonalModel), ``None``: none. Kind
+    #: ``weights``: its own, returned by `personal_weights` (Ditto, APFL); ``module``: the trained module with the
+    #: site's local entries (FedRep's head). lightning_modules/personalization/methods.py makes it a method of
+    #: the personalization axis, and the job builder refuses methods whose personal models would collide.
+    personal_model: ClassVar[PersonalModel | None] = None
     #: The checked values (set by `use_hparams`).
     hyperparameters: HParams = HParams()
 
@@ -117,6 +129,19 @@ class ClientAlgorithm:
     def on_round_end(self, module: nn.Module) -> dict[str, Any]:
         """Namespaced meta for the server; called once at the end of local training."""
         return {}
+
+    def personal_weights(self, module: nn.Module) -> Mapping[str, torch.Tensor] | None:
+        """The personal model's weights (fp32, keyed like the trainable parameters) the site loads into a copy of
+        its module and scores, once a round has started; ``None``: none yet. Only algorithms whose
+        ``personal_model`` is of kind ``weights`` override it."""
+        return None
+
+    def dp_sgd_problem(self) -> str | None:
+        """Why this instance's outputs cannot be accounted under DP-SGD, or ``None`` (the class's ``dp_sgd``;
+        an algorithm whose answer depends on a setting overrides it: SCAFFOLD's option I). Read from the instance's
+        own class: a subclass that does not declare ``dp_sgd`` is refused."""
+        declared = declared_dp_sgd(type(self))
+        return None if declared.composes else declared.why
 
     def proximal_coefficient(self) -> float:
         """mu of a proximal term mu * (w - w_t) this algorithm adds to every gradient (0: none)."""

@@ -51,7 +51,6 @@ personal model is scored on the site's validation split after the round (``eval.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -60,25 +59,17 @@ import torch
 from torch import nn
 
 from aggregators import meta_keys
-from lightning_modules.algorithms.base import (
-    RUN_ID_KEY,
-    ClientAlgorithm,
-    ClientAlgorithmError,
-    save_run_state,
-    settle_state,
-    trainable_parameters,
-)
+from lightning_modules.algorithms.base import ClientAlgorithm, ClientAlgorithmError, settle_state, trainable_parameters
+from lightning_modules.algorithms.capabilities import DPSGD, PersonalModel, Released
 from lightning_modules.algorithms.fedprox import FedProx
 from lightning_modules.algorithms.hparams import HParams, hparam
 from lightning_modules.algorithms.kernels import LinearTerm
 from lightning_modules.algorithms.task_gradient import task_gradient
-from lightning_modules.state_store import StateStoreError
-
-LOG = logging.getLogger(__name__)
+from lightning_modules.personalization.personal_state import load_personal, save_personal
 
 DEFAULT_LAM = 0.1
-LAM_KEY = "ditto.lam"
-PERSONAL_STEPS_KEY = "ditto.personal_steps"
+LAM_KEY = meta_keys.DITTO_LAM
+PERSONAL_STEPS_KEY = meta_keys.DITTO_PERSONAL_STEPS
 #: The global parts Ditto composes with, and why the others are refused (module docstring).
 GLOBAL_CLIENTS = ("fedavg", "fedprox")
 REFUSED_GLOBAL_CLIENTS = {
@@ -158,6 +149,13 @@ class Ditto(ClientAlgorithm):
     sent_meta: ClassVar[tuple[str, ...]] = (LAM_KEY, PERSONAL_STEPS_KEY)
     hparams_class: ClassVar[type[HParams]] = DittoHParams
     needs_task_loss: ClassVar[bool] = True
+    personal_model: ClassVar[PersonalModel | None] = PersonalModel("weights", "Ditto's v_i")
+    dp_sgd: ClassVar[DPSGD] = DPSGD(
+        False, "Ditto trains the personal model v_i on the data outside DP-SGD, and its scores leave the site"
+    )
+    released: ClassVar[tuple[Released, ...]] = (
+        Released("ditto.*", "Ditto's settings (Ditto itself is refused under DP)", "public"),
+    )
     lam: float
     personal_lr: float | None
     global_client: str
@@ -208,33 +206,7 @@ class Ditto(ClientAlgorithm):
 
     def _load_personal(self) -> Tensors:
         """v_i as this site left it, or the received model for the entries it cannot trust (with a warning)."""
-        fresh = {name: w.clone() for name, w in self.received.items()}
-        if self.state_store is None:
-            raise ClientAlgorithmError(f"{self.site}: ditto has no state store bound; v_i would be lost")
-        try:
-            stored = self.state_store.load(self.name)
-        except StateStoreError as exc:
-            self._warn_restart(sorted(fresh), f"its file cannot be used ({exc})")
-            return fresh
-        if stored is None:
-            LOG.info("%s: ditto personal model starts as the received global model (first participation)", self.site)
-            return fresh
-        if stored.state.get(RUN_ID_KEY) != self._run_id:
-            writer = stored.state.get(RUN_ID_KEY)
-            self._warn_restart(sorted(fresh), f"{stored.path} was written by another run ({writer})")
-            return fresh
-        personal, bad = usable_entries(stored.state, self.received)
-        if bad:
-            self._warn_restart(bad, f"{stored.path} holds them missing, mis-shaped or non-finite")
-        return {name: personal.get(name, w).to(w.device) for name, w in fresh.items()}
-
-    def _warn_restart(self, keys: list[str], why: str) -> None:
-        LOG.warning(
-            "%s: ditto personal model entries %s restart from the received global model: %s",
-            self.site,
-            keys[:10] + (["..."] if len(keys) > 10 else []),
-            why,
-        )
+        return load_personal(self, self.received, self._run_id, "ditto personal model")
 
     # -- per step ------------------------------------------------------------------------------------------------
     def on_batch(self, module: nn.Module, batch: Any) -> None:
@@ -261,28 +233,9 @@ class Ditto(ClientAlgorithm):
     def on_round_end(self, module: nn.Module) -> dict[str, Any]:
         meta = self.global_part.on_round_end(module)
         if self.personal is not None:
-            save_run_state(self, self.personal, self._run_id, self._round)
+            save_personal(self, self.personal, self._run_id, self._round)
         return {**meta, LAM_KEY: self.lam, PERSONAL_STEPS_KEY: self._steps}
 
     def personal_weights(self, module: nn.Module) -> Tensors | None:
         """v_i, the site's personal model (trainable parameters, fp32), once a round has started."""
         return self.personal
-
-
-def usable_entries(state: Mapping[str, Any], reference: Mapping[str, torch.Tensor]) -> tuple[Tensors, list[str]]:
-    """The entries of ``state`` that are fp32 tensors of the reference's shapes and finite, and the names of the
-    reference's entries that are not."""
-    usable: Tensors = {}
-    bad = []
-    for name, ref in reference.items():
-        value = state.get(name)
-        if (
-            isinstance(value, torch.Tensor)
-            and value.dtype == torch.float32
-            and tuple(value.shape) == tuple(ref.shape)
-            and bool(torch.isfinite(value).all())
-        ):
-            usable[name] = value
-        else:
-            bad.append(name)
-    return usable, sorted(bad)

@@ -70,6 +70,7 @@ from lightning_modules.algorithms.base import (
     settle_state,
     trainable_parameters,
 )
+from lightning_modules.algorithms.capabilities import DPSGD, Released
 from lightning_modules.algorithms.hparams import HParams, hparam
 from lightning_modules.algorithms.kernels import LinearTerm
 
@@ -139,6 +140,12 @@ class FedDyn(ClientAlgorithm):
     sent_meta: ClassVar[tuple[str, ...]] = (meta_keys.FEDDYN_ALPHA_K, meta_keys.FEDDYN_PARAM_KEYS)
     local_update: ClassVar[str] = "drift"  # not a local gradient: FedNova cannot normalise it
     hparams_class: ClassVar[type[HParams]] = FedDynHParams
+    dp_sgd: ClassVar[DPSGD] = DPSGD(
+        True, "its linear and quadratic terms are added to the noisy gradient: post-processing"
+    )
+    released: ClassVar[tuple[Released, ...]] = (
+        Released("feddyn.*", "FedDyn's alpha_k (settings and n_i) and its parameter names", "public"),
+    )
     alpha_weighting: AlphaWeighting
     population_size: int | None
     total_samples: int | None

@@ -52,6 +52,7 @@ from torch import nn
 
 from aggregators import meta_keys
 from lightning_modules.algorithms.base import ClientAlgorithm, ClientAlgorithmError, trainable_parameters
+from lightning_modules.algorithms.capabilities import DPSGD, Released
 from lightning_modules.algorithms.hparams import HParams, hparam
 from lightning_modules.algorithms.task_gradient import task_gradient
 
@@ -122,6 +123,12 @@ class FedMoS(ClientAlgorithm):
     sent_meta: ClassVar[tuple[str, ...]] = (meta_keys.FEDMOS_A, meta_keys.FEDMOS_MU)
     local_update: ClassVar[str] = "drift"  # not a local gradient: FedNova cannot normalise it
     hparams_class: ClassVar[type[HParams]] = FedMoSHParams
+    dp_sgd: ClassVar[DPSGD] = DPSGD(
+        False, "FedMoS takes a second gradient of the data at the previous iterate, outside DP-SGD's clipping and noise"
+    )
+    released: ClassVar[tuple[Released, ...]] = (
+        Released("fedmos.*", "FedMoS's settings (FedMoS itself is refused under DP)", "public"),
+    )
     a: float
     mu: float
     estimator: Estimator

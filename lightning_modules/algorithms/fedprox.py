@@ -41,6 +41,7 @@ from torch import nn
 
 from aggregators import meta_keys
 from lightning_modules.algorithms.base import ClientAlgorithm, trainable_parameters
+from lightning_modules.algorithms.capabilities import DPSGD, Released
 from lightning_modules.algorithms.hparams import HParams, hparam
 from lightning_modules.algorithms.kernels import LinearTerm
 
@@ -63,6 +64,8 @@ class FedProx(ClientAlgorithm):
     sent_meta: ClassVar[tuple[str, ...]] = (meta_keys.FEDPROX_MU,)
     local_update: ClassVar[str] = "proximal"
     hparams_class: ClassVar[type[HParams]] = FedProxHParams
+    dp_sgd: ClassVar[DPSGD] = DPSGD(True, "mu (w - w_t) is added to the noisy gradient: post-processing")
+    released: ClassVar[tuple[Released, ...]] = (Released(meta_keys.FEDPROX_MU, "FedProx's mu (a setting)", "public"),)
     mu: float
 
     def __init__(self, mu: float = FedProxHParams.mu) -> None:

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from lightning_modules.algorithms.base import ClientAlgorithm, local_keys_of
+from lightning_modules.algorithms.capabilities import DPSGD, PersonalModel
 from lightning_modules.algorithms.hparams import HParams, hparam
 
 DEFAULT_HEAD_EPOCHS = 10
@@ -72,6 +73,13 @@ class FedRep(ClientAlgorithm):
     name: ClassVar[str] = "fedrep"
     local_update: ClassVar[str] = "drift"
     hparams_class: ClassVar[type[HParams]] = FedRepHParams
+    dp_sgd: ClassVar[DPSGD] = DPSGD(
+        False,
+        "FedRep's head phase freezes the body, and per-sample clipping over frozen parts is not accounted here",
+    )
+    personal_model: ClassVar[PersonalModel | None] = PersonalModel(
+        "module", "FedRep's trained module with the site's own head"
+    )
     #: The head is the site's local entries; without --local-keys the module must declare one (fl_head_keys).
     needs_head: ClassVar[bool] = True
     head_epochs: int

@@ -61,6 +61,7 @@ from lightning_modules.algorithms.base import (
     refuse_non_finite_state,
     settle_state,
 )
+from lightning_modules.algorithms.capabilities import DPSGD, Released
 from lightning_modules.algorithms.hparams import NOT_REPORTED, HParams, hparam
 from lightning_modules.state_store import StateStoreError
 
@@ -151,6 +152,12 @@ class Moon(ClientAlgorithm):
     )
     default_arch_args: ClassVar[Mapping[str, Any]] = {"projection_dim": DEFAULT_PROJECTION_DIM}
     hparams_class: ClassVar[type[HParams]] = MoonHParams
+    dp_sgd: ClassVar[DPSGD] = DPSGD(
+        True, "its contrastive term is part of each sample's loss, so it is clipped and noised with it"
+    )
+    released: ClassVar[tuple[Released, ...]] = (
+        Released("moon.*", "MOON's settings and how many past models it contrasted with", "public"),
+    )
     mu: float
     temperature: float
     history_size: int

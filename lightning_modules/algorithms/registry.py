@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from aggregators.registry import unknown_setting_problem
+from lightning_modules.algorithms.apfl import APFL
 from lightning_modules.algorithms.base import ClientAlgorithm, ClientAlgorithmError
 from lightning_modules.algorithms.ditto import Ditto
 from lightning_modules.algorithms.feddyn import FedDyn
@@ -23,6 +24,7 @@ CLIENT_ALGORITHMS[FedMoS.name] = FedMoS
 CLIENT_ALGORITHMS[Moon.name] = Moon
 CLIENT_ALGORITHMS[FedRep.name] = FedRep
 CLIENT_ALGORITHMS[Ditto.name] = Ditto
+CLIENT_ALGORITHMS[APFL.name] = APFL
 
 
 def declared_hparams(algorithm_cls: type[ClientAlgorithm]) -> type[HParams] | None:

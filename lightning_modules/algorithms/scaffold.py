@@ -87,6 +87,7 @@ from lightning_modules.algorithms.base import (
     settle_state,
     trainable_parameters,
 )
+from lightning_modules.algorithms.capabilities import DPSGD, Released
 from lightning_modules.algorithms.hparams import HParams
 from lightning_modules.algorithms.kernels import add_in_own_dtype_, plain_sgd_step_lrs
 from lightning_modules.algorithms.task_gradient import task_gradient
@@ -190,6 +191,17 @@ class Scaffold(ClientAlgorithm):
     sent_meta: ClassVar[tuple[str, ...]] = (meta_keys.SCAFFOLD_CTRL_DIFF,)
     local_update: ClassVar[str] = "drift"  # not a local gradient: FedNova cannot normalise it
     hparams_class: ClassVar[type[HParams]] = ScaffoldHParams
+    dp_sgd: ClassVar[DPSGD] = DPSGD(
+        True, "Option II: the correction c - c_i and the new control are post-processing (Option I refused)"
+    )
+    released: ClassVar[tuple[Released, ...]] = (
+        Released(
+            meta_keys.SCAFFOLD_CTRL_DIFF,
+            "SCAFFOLD Option II's control change: from x, y_i and the lrs",
+            "post-processing",
+        ),
+        Released("scaffold.ctrl.*_norm", "norms of SCAFFOLD's controls (Option II)", "post-processing"),
+    )
     option: Option
     estimator: Estimator
     correction: Correction
@@ -204,6 +216,14 @@ class Scaffold(ClientAlgorithm):
         self._params: dict[str, nn.Parameter] = {}
         self._round = 0
         self._run_id = ""
+
+    def dp_sgd_problem(self) -> str | None:
+        if self.option == "I":
+            return (
+                "with option I sends a control computed from a full gradient of the site's data, an unprotected "
+                "release: use option II (the default), which is post-processing of the DP-trained model"
+            )
+        return None
 
     @property
     def needs_task_loss(self) -> bool:  # type: ignore[override]

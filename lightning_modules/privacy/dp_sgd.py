@@ -34,7 +34,9 @@ from torch import nn
 
 from aggregators import meta_keys
 from lightning_modules.algorithms.base import ClientAlgorithm
+from lightning_modules.algorithms.capabilities import declared_dp_sgd
 from lightning_modules.algorithms.errors import ClientAlgorithmError
+from lightning_modules.algorithms.registry import CLIENT_ALGORITHMS
 from lightning_modules.privacy.accountant import AccountantUnavailable, noise_for_budget
 from lightning_modules.privacy.config import PRIVACY_EXTRA, PrivacyConfig
 from lightning_modules.privacy.ledger import Ledger, privacy_meta, read_ledger, segments_text, write_ledger
@@ -43,20 +45,10 @@ from lightning_modules.privacy.secret import SECURE_NOISE, is_secret, secret_gen
 from lightning_modules.state_store import ClientStateStore
 
 #: Client algorithms whose extra terms are post-processing of the DP-SGD output or inside the per-sample loss
-#: (docs/privacy.md, "Composition"); every other algorithm is refused under DP.
-COMPOSES = {
-    "fedavg": "plain DP-SGD",
-    "scaffold": "Option II: the correction c - c_i and the new control are post-processing (Option I refused)",
-    "fedprox": "mu (w - w_t) is added to the noisy gradient: post-processing",
-    "feddyn": "its linear and quadratic terms are added to the noisy gradient: post-processing",
-    "moon": "its contrastive term is part of each sample's loss, so it is clipped and noised with it",
-}
-#: Why the others cannot be accounted (yet).
-REFUSED = {
-    "fedmos": "FedMoS takes a second gradient of the data at the previous iterate, outside DP-SGD's clipping and noise",
-    "ditto": "Ditto trains the personal model v_i on the data outside DP-SGD, and its scores leave the site",
-    "fedrep": "FedRep's head phase freezes the body, and per-sample clipping over frozen parts is not accounted here",
-}
+#: (docs/privacy.md, "Composition"), and why the others cannot be accounted (yet): derived from each algorithm's own
+#: ``dp_sgd`` declaration (lightning_modules/algorithms/capabilities.py).
+COMPOSES = {name: declared_dp_sgd(cls).why for name, cls in CLIENT_ALGORITHMS.items() if declared_dp_sgd(cls).composes}
+REFUSED = {name: declared_dp_sgd(cls).why for name, cls in CLIENT_ALGORITHMS.items() if name not in COMPOSES}
 PRECISIONS = ("32-true", "32", "bf16-mixed")
 
 
@@ -65,16 +57,14 @@ class PrivacyBudgetExhausted(ClientAlgorithmError):
 
 
 def algorithm_problem(algorithm: ClientAlgorithm) -> str | None:
-    """Why ``algorithm``'s outputs cannot be accounted under sample-level DP-SGD, or ``None``."""
-    if algorithm.name == "scaffold" and getattr(algorithm, "option", "II") == "I":
-        return (
-            "client 'scaffold' with option I sends a control computed from a full gradient of the site's data, an "
-            "unprotected release: use option II (the default), which is post-processing of the DP-trained model"
-        )
-    if algorithm.name in COMPOSES:
+    """Why ``algorithm``'s outputs cannot be accounted under sample-level DP-SGD, or ``None``: its class's ``dp_sgd``,
+    or a refusal of one of its settings (`ClientAlgorithm.dp_sgd_problem`)."""
+    problem = algorithm.dp_sgd_problem()
+    if problem is None:
         return None
-    why = REFUSED.get(algorithm.name, "its extra computations on the data are not accounted")
-    return f"client '{algorithm.name}' cannot run under DP-SGD: {why}; use one of {sorted(COMPOSES)}"
+    if declared_dp_sgd(type(algorithm)).composes:  # the class composes; one of its settings does not
+        return f"client '{algorithm.name}' {problem}"
+    return f"client '{algorithm.name}' cannot run under DP-SGD: {problem}; use one of {sorted(COMPOSES)}"
 
 
 def _owner_problem(module: nn.Module, is_root: bool) -> str | None:

@@ -8,32 +8,28 @@ stated here and in the docs. The rest (training loss and accuracy, scores on the
 this table does not know) is **withheld** under DP by default: dropped from the result before it is sent, its key
 listed in ``privacy.withheld``.
 
-`RELEASED` lists every item a site of this bundle can send, with its status; a test checks that every meta key
-the bundle's client algorithms send appears in it, and docs/privacy.md shows the same table.
+`RELEASED` lists every item a site of this bundle can send, with its status: the items every site sends, then
+those each registered client algorithm declares on its class (``released``,
+lightning_modules/algorithms/capabilities.py), then the withheld ones. A test checks that every meta key the
+bundle's client algorithms send appears in it, and docs/privacy.md shows the same table.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from typing import Any, Literal
+from typing import Any
 
 from aggregators import meta_keys
+from lightning_modules.algorithms.capabilities import Released, Status
+from lightning_modules.algorithms.registry import CLIENT_ALGORITHMS
 
-#: ``dp``: DP-SGD's output; ``post-processing``: computed from DP outputs and public values only; ``public``: a
-#: function of the job's settings and the site's sample count; ``withheld``: data-dependent, unprotected, dropped.
-Status = Literal["dp", "post-processing", "public", "withheld"]
+__all__ = ["RELEASED", "SITE_SCORES", "Item", "Status", "release", "status_of", "unaccounted_keys"]
 
+#: One released item (a meta key or pattern, what it is, its status); declared by the algorithms as ``Released``.
+Item = Released
 
-@dataclass(frozen=True)
-class Item:
-    pattern: str  # a meta key, or an fnmatch pattern over meta keys; ``<weights>`` for the model itself
-    what: str
-    status: Status
-
-
-RELEASED: tuple[Item, ...] = (
+SENT_BY_EVERY_SITE: tuple[Item, ...] = (
     Item("<weights>", "the trainable parameters after local DP-SGD training", "dp"),
     Item("<buffers>", "non-trainable entries: none may depend on the data (BatchNorm is refused under DP)", "public"),
     Item(
@@ -45,17 +41,11 @@ RELEASED: tuple[Item, ...] = (
     Item(meta_keys.TRAINED_ROUND, "the round the result was trained in", "public"),
     Item(meta_keys.FIT_SECONDS, "wall seconds of the fit: timing, set by n_i and the hardware", "public"),
     Item("privacy.*", "epsilon, delta, sigma, q, steps, C: functions of the settings and n_i", "public"),
-    Item(
-        meta_keys.SCAFFOLD_CTRL_DIFF, "SCAFFOLD Option II's control change: from x, y_i and the lrs", "post-processing"
-    ),
-    Item("scaffold.ctrl.*_norm", "norms of SCAFFOLD's controls (Option II)", "post-processing"),
-    Item(meta_keys.FEDPROX_MU, "FedProx's mu (a setting)", "public"),
-    Item("feddyn.*", "FedDyn's alpha_k (settings and n_i) and its parameter names", "public"),
-    Item("moon.*", "MOON's settings and how many past models it contrasted with", "public"),
     Item("fednova.*", "FedNova's tau and ||a||_1: the step count and the lr schedule", "public"),
-    Item("fedmos.*", "FedMoS's settings (FedMoS itself is refused under DP)", "public"),
-    Item("ditto.*", "Ditto's settings (Ditto itself is refused under DP)", "public"),
     Item("attack.*", "simulated attacks (experiments): whether and how this site attacked", "public"),
+)
+#: Data-dependent items no epsilon covers, withheld under DP (the catch-all last).
+WITHHELD: tuple[Item, ...] = (
     Item(meta_keys.TRAIN_LOSS, "mean training loss: computed on the data outside DP", "withheld"),
     Item("train.*", "the module's own round metrics (training accuracy, ...): computed on the data", "withheld"),
     Item(
@@ -66,6 +56,10 @@ RELEASED: tuple[Item, ...] = (
         "withheld",
     ),
     Item("*", "anything else (a user's algorithm's meta): unknown, so withheld", "withheld"),
+)
+#: Every item, in the order `status_of` matches them: each algorithm's own items before the withheld ones.
+RELEASED: tuple[Item, ...] = (
+    SENT_BY_EVERY_SITE + tuple(item for cls in CLIENT_ALGORITHMS.values() for item in cls.released) + WITHHELD
 )
 
 
