@@ -104,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.presets and args.site_resources:  # the committed jobs ask for nothing; a job's option, not theirs
+            raise JobBuildError("--site-resources applies to one job (--client/--server), not to --presets")
         if args.presets:
             return _run_presets(args.check, args.output_dir)
         values = {f.name: getattr(args, f.name) for f in dataclasses.fields(JobSpec) if f.name != "name"}

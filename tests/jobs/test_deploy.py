@@ -197,6 +197,8 @@ def test_the_builder_writes_site_resources_into_meta_json(tmp_path: Path, capsys
     with pytest.raises(SystemExit) as refused:
         build.main([*base, "--site-resources", "gpus=one"])
     assert refused.value.code == 2 and "--site-resources" in capsys.readouterr().err and not any(tmp_path.iterdir())
+    assert build.main(["--presets", "--check", "--site-resources", "gpus=1"]) == 2  # not silently ignored
+    assert "--site-resources applies to one job" in capsys.readouterr().err
     assert build.main([*base, "--site-resources", "gpus=1,mem_gb=16"]) == 0
     meta = json.loads((tmp_path / "gpu_job" / "meta.json").read_text())
     assert meta["resource_spec"] == {"@default": {"num_of_gpus": 1, "memory": "16Gi"}}
