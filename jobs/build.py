@@ -1,6 +1,7 @@
 """The one job builder of the bundle: a client algorithm × a server rule → an NVFlare job folder.
 
     python -m jobs.build --client fedavg --server fedavg --name my_job --output-dir /tmp/jobs
+    python -m jobs.build --client fedavg --server fedavg   # into ./fl_jobs/fedavg_fedavg (relative to where you are)
     python -m jobs.build --presets                # re-export every committed jobs/<name>/ folder
     python -m jobs.build --presets --check        # fail if a committed folder differs from what is generated
 
@@ -72,6 +73,11 @@ __all__ = [  # the builder's public names, importable from here as before the sp
 ]
 
 
+#: Where a job is written without --output-dir: a folder of the current directory, never the repository's own
+#: jobs/ (which holds the committed jobs that --presets regenerates and checks).
+DEFAULT_OUTPUT_DIR = "fl_jobs"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The builder's options: a few of its own, then one per job setting (`jobs.settings`)."""
     from aggregators import RULES
@@ -81,7 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(prog="python -m jobs.build", description=__doc__.splitlines()[0])
     parser.add_argument("--presets", action="store_true", help="export every preset into jobs/ (the committed jobs)")
     parser.add_argument("--check", action="store_true", help="with --presets: only report differences, exit 1 on any")
-    parser.add_argument("--output-dir", type=Path, default=JOBS_DIR, help="where job folders are written")
+    parser.add_argument(
+        "--output-dir",
+        type=Path,
+        help=f"where job folders are written (default: ./{DEFAULT_OUTPUT_DIR}, relative to the current directory; "
+        "with --presets: the repository's jobs/, where the committed jobs live)",
+    )
     parser.add_argument("--name", help="job folder name (default: <client>_<server>)")
     parser.add_argument(
         "--site-resources",
@@ -107,10 +118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.presets and args.site_resources:  # the committed jobs ask for nothing; a job's option, not theirs
             raise JobBuildError("--site-resources applies to one job (--client/--server), not to --presets")
         if args.presets:
-            return _run_presets(args.check, args.output_dir)
+            return _run_presets(args.check, args.output_dir or JOBS_DIR)
         values = {f.name: getattr(args, f.name) for f in dataclasses.fields(JobSpec) if f.name != "name"}
         spec = spec_from_values(args.name or f"{args.client}_{args.server}", values)
-        print(f"exported {export_job(spec, args.output_dir, args.site_resources)}")
+        print(f"exported {export_job(spec, args.output_dir or Path(DEFAULT_OUTPUT_DIR), args.site_resources)}")
         for note in advisories(spec):
             print(f"note: {note}", file=sys.stderr)
     except (JobBuildError, ValueError) as exc:

@@ -1,609 +1,93 @@
-"""Every job-level setting, declared once: type, default, help text, allowed values and ranges.
+"""The job settings on the command line: ``python -m jobs.build`` and every site's client script ``jobs/client.py``.
 
-Each group of settings is a frozen dataclass whose fields carry their own metadata (help, bounds, where the
-setting is used). Everything else is derived from these declarations:
+The settings themselves are declared once in `aggregators.job_settings` (the bottom layer, which the server's
+controller reads too), on the one declaration of `aggregators.hparams` that server rules and client algorithms use;
+they are re-exported here unchanged. This module adds what only a command line needs: one option per setting in an
+argument group per settings group (`add_arguments`), the parsers of JSON and number-or-none values, and argument
+parsers whose errors are one line.
 
-- `jobs.spec.JobSpec` (the flat spec of a job, used by ``python -m jobs.build`` and the recipe) inherits
-  every group, so a setting is a field of the spec without being written again;
-- the options of ``python -m jobs.build`` and of the client script ``jobs/client.py`` (`add_arguments`);
-- the command line the builder hands every site's client script (`jobs.spec.client_script_args`);
-- the per-value checks (`setting_problem`): type, finiteness, ranges, ``Literal`` options.
-
-This module imports only the standard library, so the client script can use it on a site before (and without)
-importing torch, Lightning or NVFlare's job API.
+This module imports only the standard library and the bottom layer, so the client script can use it on a site
+before (and without) importing torch, Lightning or NVFlare's job API.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
-import math
 import sys
-import types
-import typing
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal, NoReturn
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NoReturn
 
-#: Where a setting is used. ``client``: part of the job and of every site's client command line; ``server``: part
-#: of the job, used by the server components only; ``site``: chosen on the site, never by the job (client script).
-CLIENT, SERVER, SITE = "client", "server", "site"
-
-
-class JobBuildError(ValueError):
-    """The requested job cannot be built (unknown names, a meaningless combination, bad settings)."""
-
-
-def setting(
-    default: Any,
-    help: str,
-    *,
-    side: str = CLIENT,
-    ge: float | None = None,
-    gt: float | None = None,
-    le: float | None = None,
-    lt: float | None = None,
-    registry: str | None = None,
-    exported_when: Callable[[Any], bool] | None = None,
-) -> Any:
-    """A settings field. ``registry`` (``"module:NAME"``) names the dict whose keys are the allowed values, looked
-    up only when a job is validated (it imports torch); ``exported_when`` drops the option from the client command
-    line when it returns False for the spec (keeps committed jobs unchanged for settings added later)."""
-    metadata = {
-        "help": help,
-        "side": side,
-        "bounds": (ge, gt, le, lt),
-        "registry": registry,
-        "exported_when": exported_when,
-    }
-    if isinstance(default, dict):
-        return field(default_factory=dict, metadata=metadata)
-    return field(default=default, metadata=metadata)
-
-
-def _site_validation(spec: Any) -> bool:
-    return spec.site_val_fraction > 0
-
-
-def _site_test(spec: Any) -> bool:
-    return spec.site_test_fraction > 0
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# The groups. Field order is the order of the client command line (kept stable: committed jobs are diffed).
-# --------------------------------------------------------------------------------------------------------------------
-@dataclass(frozen=True, kw_only=True)
-class DataSettings:
-    """Data and its split. In simulation every site derives its shard from these; provisioned sites use their own
-    data, configured on the site (docs/deployment.md)."""
-
-    dataset: Literal["fashion_mnist", "mnist", "digits"] = setting("fashion_mnist", "dataset")
-    scheme: Literal["iid", "dirichlet", "shards", "quantity", "label_quantity", "small_sites"] = setting(
-        "dirichlet",
-        "how labels are split across sites (label_quantity: #C=k dealt as NIID-Bench deals it; small_sites: IID "
-        "labels, the first round(alpha x sites) sites hold 50..150 samples each, the others share the rest)",
-    )
-    alpha: float = setting(
-        0.5,
-        "Dirichlet concentration for dirichlet/quantity (smaller = more skewed); for small_sites the share of "
-        "small sites, in (0, 1)",
-        gt=0,
-    )
-    classes_per_site: int = setting(2, "labels per site for the shards and label_quantity schemes (#C=k)", ge=1)
-    num_sites: int = setting(3, "number of sites the data is split into (= clients the job needs)", ge=1)
-    max_train_samples: int | None = setting(None, "use a seeded subset of the training set (quick runs)", ge=1)
-    max_test_samples: int | None = setting(
-        None, "evaluate the global model on the first n test samples", side=SERVER, ge=1
-    )
-    seed: int = setting(0, "seeds the split, the initial model, the shuffling and the site sampling", ge=0)
-    site_val_fraction: float = setting(
-        0.0,
-        "share of every built-in site's training shard held out (seeded per site) to score the received global "
-        "model before each round's training, sent as eval.* meta (site_eval in round_metrics.jsonl); 0 = none. "
-        "Built-in datasets only: with --model your data module's val_dataloader is the split",
-        ge=0,
-        lt=0.5,
-        exported_when=_site_validation,
-    )
-    site_test_fraction: float = setting(
-        0.0,
-        "share of every built-in site's training shard held out (seeded per site, disjoint from the validation "
-        "split) as the site's TEST split: reporting only, never trained or selected on (eval.global_test_*, "
-        "eval.personal_test_*, eval.local_test_*, eval.kept_test_*); the training part is what is left; each site "
-        "needs at least 10 test samples; 0 = none. Built-in datasets only: with --model your data module's "
-        "test_dataloader (and your module's test_step) is the split",
-        ge=0,
-        lt=0.5,
-        exported_when=_site_test,
-    )
-    partition_seed: int | None = setting(
-        None,
-        "seeds the site data alone: the partition over the sites, the max_train_samples subset and every site's "
-        "validation and test hold-outs (none = --seed); fix it and vary --seed to vary training over fixed site data",
-        ge=0,
-    )
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelSettings:
-    arch: str = setting(
-        "lenet5", "model: lenet5, simple_cnn (28x28 images) or mlp (digits)", registry="lightning_modules.models:MODELS"
-    )
-    arch_args: dict[str, Any] = setting(
-        {}, 'model constructor arguments, a JSON object (e.g. {"projection_dim":256} for MOON\'s head)'
-    )
-
-
-def _own_model(spec: Any) -> bool:
-    return spec.model is not None
-
-
-def _own_script(spec: Any) -> bool:
-    return spec.script is not None
-
-
-@dataclass(frozen=True, kw_only=True)
-class UserCodeSettings:
-    """Your own LightningModule and LightningDataModule by import path, instead of the built-in models and
-    datasets (docs/own_model.md)."""
-
-    model: str | None = setting(
-        None,
-        "your LightningModule, 'package.module:Class' (replaces --arch and the built-in datasets; needs --data)",
-        exported_when=_own_model,
-    )
-    model_args: dict[str, Any] = setting({}, "your model's constructor arguments, a JSON object")
-    data: str | None = setting(
-        None,
-        "your LightningDataModule, 'package.module:Class' (train_dataloader; val_dataloader for site evaluation)",
-        exported_when=_own_model,
-    )
-    data_args: dict[str, Any] = setting({}, "your data module's constructor arguments, a JSON object")
-    data_site_arg: str | None = setting(
-        None,
-        "the constructor parameter of your data module that names the site whose data it loads, when it is not "
-        "called 'site' (e.g. site_name): each site passes its own name (site-1, ...) to it. A constant for such a "
-        "parameter in --data-args is refused: every site would load the same site's data",
-    )
-    script: str | None = setting(
-        None,
-        "your own Lightning training script (a .py file), copied into the job and run at every site instead of the "
-        "bundle's site loop; it attaches lightning_modules.federated.job_algorithm() (docs/own_model.md). Needs "
-        "--model (the server builds the initial global model from it); --data becomes optional",
-        exported_when=_own_script,
-    )
-    ship: str = setting(
-        "",
-        "comma-separated package folders copied into the job's custom/ so that the server and the sites can import "
-        "your classes without installing them (NVFlare's bring-your-own-code); each needs an __init__.py, and every "
-        "package of yours that a shipped one imports must be shipped too",
-        side=SERVER,
-    )
-
-
-def _not_constant(spec: Any) -> bool:
-    return spec.pattern != "constant"
-
-
-def _has_local_keys(spec: Any) -> bool:
-    return bool(spec.local_keys)
-
-
-def _finetunes(spec: Any) -> bool:
-    return spec.finetune_epochs > 0
-
-
-def _keeps_best(spec: Any) -> bool:
-    return spec.keep != "last"
-
-
-@dataclass(frozen=True, kw_only=True)
-class LocalTrainingSettings:
-    """The local optimizer (SGD) and how long each site trains per round."""
-
-    epochs: int = setting(1, "local epochs per round (pattern constant)", ge=1)
-    pattern: Literal["constant", "uniform_random"] = setting(
-        "constant",
-        "local epochs per site and round: constant (= --epochs) or uniform_random (seeded draw from "
-        "[2, --max-local-epochs] per site and round, FedNova's heterogeneous-work setting)",
-        exported_when=_not_constant,
-    )
-    max_local_epochs: int = setting(
-        10, "upper bound (inclusive) of the uniform_random pattern", ge=1, exported_when=_not_constant
-    )
-    batch_size: int = setting(64, "local batch size", ge=1)
-    lr: float = setting(0.05, "local SGD learning rate", gt=0)
-    momentum: float = setting(0.0, "local SGD momentum (0 = vanilla SGD, what SCAFFOLD's analysis assumes)", ge=0, lt=1)
-    weight_decay: float = setting(0.0, "local SGD weight decay", ge=0)
-    finetune_epochs: int = setting(
-        0,
-        "local fine-tuning (docs/personalization.md): every round each site trains a copy of the received global "
-        "model this many epochs on its training split and scores it on its validation split (eval.personal_*); the "
-        "copy never leaves the site. 0 = off. Needs a validation split (--site-val-fraction, or your data module's "
-        "val_dataloader)",
-        ge=0,
-        exported_when=_finetunes,
-    )
-    local_baseline: bool = setting(
-        False,
-        "every site also trains a local-only model (lightning_modules/local_baseline.py): the federation's initial "
-        "model and optimizer, trained on the site's training split alone, each round as many optimizer steps as the "
-        "site's own training took (federated fit + Ditto's personal steps + fine-tuning), kept in the site's "
-        "private state store, never sent; scored as eval.local_* on the validation and test splits. Needs a "
-        "validation or a test split (--site-val-fraction/--site-test-fraction, or your module's "
-        "validation_step/test_step with val_dataloader/test_dataloader)",
-    )
-    keep: Literal["last", "best"] = setting(
-        "last",
-        "last: sites keep nothing of their own (as before); best: every round each site keeps the candidate "
-        "(0 global received, 1 personal/fine-tuned, 2 local-only) with the best validation --keep-metric (ties to "
-        "the earlier one) in its private state store and reports all candidates on its TEST split "
-        "(eval.{global,personal,local,kept}_test_*, eval.kept_candidate, eval.kept_minus_local_test_accuracy[_se]; "
-        "lightning_modules/keep_best.py). Needs a validation and a test split, and a personal method or "
-        "--local-baseline",
-        exported_when=_keeps_best,
-    )
-    keep_metric: str = setting(
-        "val_loss",
-        "with --keep best: the validation metric that selects (a name the sites' validation logs; lower is better "
-        "when it contains loss or error, higher otherwise)",
-        exported_when=_keeps_best,
-    )
-
-
-def _several_devices(spec: Any) -> bool:
-    return spec.devices > 1
-
-
-@dataclass(frozen=True, kw_only=True)
-class PrecisionSettings:
-    """Numerics and devices of each site's training."""
-
-    precision: Literal["32-true", "bf16-mixed"] = setting(
-        "32-true", "Lightning precision (fp16 GradScaler and bf16-true are refused: docs/deployment.md)"
-    )
-    devices: int = setting(
-        1,
-        "processes per site: more than 1 trains every site with Lightning DDP (one process per GPU, or CPU "
-        "processes), launched by NVFlare with torchrun; jobs with --model only (docs/own_model.md)",
-        ge=1,
-        exported_when=_several_devices,
-    )
-
-
-@dataclass(frozen=True, kw_only=True)
-class ClientAlgorithmSettings:
-    client: str = setting(
-        "fedavg", "client algorithm", registry="lightning_modules.algorithms.registry:CLIENT_ALGORITHMS"
-    )
-    client_args: dict[str, Any] = setting({}, 'client algorithm hyperparameters, a JSON object (e.g. {"mu":0.01})')
-    local_keys: str = setting(
-        "",
-        "state_dict entries that never leave the site (partial sharing, docs/personalization.md): comma-separated "
-        "globs over the model's state_dict names (e.g. 'net.classifier.*': FedPer) or the word batchnorm (every "
-        "BatchNorm entry: FedBN); with --client fedrep, the head. The builder resolves them against the job's model "
-        "and writes the explicit names into the job. Like every personal method (ditto, fedrep, fine-tuning), needs "
-        "a validation split (--site-val-fraction, or your data module's val_dataloader)",
-        exported_when=_has_local_keys,
-    )
-
-
-@dataclass(frozen=True, kw_only=True)
-class RoundSettings:
-    """The server: its rule, the rounds and which sites take part in each."""
-
-    server: str = setting("fedavg", "server aggregation rule", side=SERVER, registry="aggregators.registry:RULES")
-    server_args: dict[str, Any] = setting(
-        {},
-        'server rule hyperparameters, a JSON object (e.g. {"alpha":0.01}: FedDyn\'s alpha is a server argument, sent '
-        "to the sites every round, never in --client-args)",
-        side=SERVER,
-    )
-    num_rounds: int = setting(10, "federated rounds", side=SERVER, ge=1)
-    clients_per_round: int | float | None = setting(
-        None,
-        "sites per round: none = all, an integer count in [1, num_sites], or a fraction in (0, 1] written with a "
-        "dot (0.5, 1.0)",
-        side=SERVER,
-        gt=0,
-    )
-    min_responses: int | None = setting(
-        None,
-        "results a round waits for: none = every sampled site; fewer ends the round as soon as that many arrived "
-        "(later ones are dropped), so a site that drops out cannot stall the job",
-        side=SERVER,
-        ge=1,
-    )
-    min_accepted: int = setting(
-        1,
-        "valid results a round needs to update the global model (fewer: the model stays unchanged that round)",
-        side=SERVER,
-        ge=1,
-    )
-    train_timeout: int = setting(
-        0,
-        "seconds a round waits for results (0 = forever); at the timeout the round aggregates what arrived",
-        side=SERVER,
-        ge=0,
-    )
-    save_client_updates: bool = setting(
-        False, "also save every accepted client model per round (audits, tests)", side=SERVER
-    )
-    resume_from: str | None = setting(
-        None,
-        "continue a stopped job: a previous run's server app folder holding server_state.pt and the global model "
-        "(e.g. <workspace>/server/simulate_job/app_server)",
-        side=SERVER,
-    )
-    final_site_eval: bool = setting(
-        False,
-        "after the last round every site scores the final global model on its own validation split "
-        "(<run dir>/metrics/final_site_scores.json, a site x metric table; jobs with --model only)",
-        side=SERVER,
-    )
-
-
-@dataclass(frozen=True, kw_only=True)
-class AttackSettings:
-    """Simulated attacks of malicious sites (robustness experiments; default: none)."""
-
-    attack: Literal["none", "sign_flip", "scale", "gaussian", "label_flip"] = setting(
-        "none", "what the malicious sites do"
-    )
-    attack_strength: float | None = setting(None, "attack strength (none = the attack's default)")
-    attack_start_round: int = setting(0, "first round (0-based) the malicious sites attack", ge=0)
-    malicious_fraction: float = setting(
-        0.0,
-        "share of sites that attack, drawn with the seed (ignored if malicious_sites is set)",
-        side=SERVER,
-        ge=0,
-        le=1,
-    )
-    malicious_sites: str = setting("", "comma-separated malicious site names, e.g. site-2,site-5")
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrackingSettings:
-    """Where the server writes the sites' training curves (train_loss, train_accuracy per round) with NVFlare's
-    receivers (jobs/tracking.py; docs/deployment.md, "Experiment tracking")."""
-
-    tracking: Literal["tensorboard", "mlflow", "wandb", "none"] = setting(
-        "tensorboard",
-        "experiment tracker on the server: tensorboard (event files in <run dir>/tb_events/), mlflow, wandb (the "
-        "server installs the 'tracking' extra) or none",
-        side=SERVER,
-    )
-    tracking_uri: str | None = setting(
-        None,
-        "with --tracking mlflow: the MLflow tracking URI (none = an SQLite file <run dir>/mlflow.db on the server, "
-        "no tracking server)",
-        side=SERVER,
-    )
-    tracking_project: str = setting(
-        "nvflare-noniid", "with --tracking mlflow or wandb: the MLflow experiment or W&B project", side=SERVER
-    )
-    wandb_mode: Literal["offline", "online"] = setting(
-        "offline", "with --tracking wandb: offline writes run files on the server, no account needed", side=SERVER
-    )
-
-
-def is_private(spec: Any) -> bool:
-    """Whether the job runs DP-SGD at its sites (a noise multiplier or a target epsilon is set)."""
-    return spec.dp_noise_multiplier is not None or spec.dp_target_epsilon is not None
-
-
-@dataclass(frozen=True, kw_only=True)
-class PrivacySettings:
-    """Sample-level DP-SGD at every site (docs/privacy.md): on when dp_noise_multiplier or dp_target_epsilon is set;
-    needs the 'privacy' extra (Opacus) at the sites and the builder."""
-
-    dp_noise_multiplier: float | None = setting(
-        None,
-        "DP-SGD noise multiplier sigma: Gaussian noise of std sigma * C on every step's sum of clipped per-sample "
-        "gradients (none: calibrated to --dp-target-epsilon)",
-        ge=0,
-        exported_when=is_private,
-    )
-    dp_max_grad_norm: float | None = setting(
-        None,
-        "DP-SGD clipping norm C of every per-sample gradient (all trainable parameters together)",
-        gt=0,
-        exported_when=is_private,
-    )
-    dp_delta: float = setting(
-        1e-5, "DP-SGD delta of the reported (epsilon, delta)", gt=0, lt=1, exported_when=is_private
-    )
-    dp_target_epsilon: float | None = setting(
-        None,
-        "each site's privacy budget: without --dp-noise-multiplier, sigma is calibrated so that the planned rounds "
-        "spend it; a site whose next round would exceed it stops training",
-        gt=0,
-        exported_when=is_private,
-    )
-    dp_release_site_scores: bool = setting(
-        False,
-        "UNACCOUNTED RELEASE under DP-SGD: send each site's validation scores (eval.*, and the final model's scores "
-        "of --final-site-eval) to the server; they are computed on the site's data outside DP-SGD and no epsilon "
-        "covers them (default: they stay at the site, in its log)",
-        exported_when=is_private,
-    )
-
-
-@dataclass(frozen=True, kw_only=True)
-class SecureAggregationSettings:
-    """Secure aggregation with NVFlare's homomorphic-encryption components (docs/deployment.md, "Secure aggregation
-    (HE)"): the sites encrypt their weighted results with the provisioned TenSEAL CKKS context, the server only adds
-    ciphertexts, the sites decrypt the sum. Sum-type work only; the checks are in jobs/secure_aggregation.py."""
-
-    secure_aggregation: Literal["none", "he", "plain"] = setting(
-        "none",
-        "none: the bundle's controller and rules on plaintext updates; he: NVFlare's ScatterAndGather with its HE "
-        "encryptor, accumulating aggregator and decryptor (FedAvg, or FedOpt with its step taken at the sites; "
-        "provisioned kits with HEBuilder, not the simulator); plain: the same NVFlare workflow without encryption "
-        "(the baseline HE's cost is measured against; runs in the simulator)",
-        side=SERVER,
-    )
-
-
-@dataclass(frozen=True, kw_only=True)
-class SiteSettings:
-    """Chosen by each site for itself, never written into a job (client script only)."""
-
-    data_dir: str | None = setting(None, "directory with the dataset files (default: where installed)", side=SITE)
-    accelerator: str = setting("auto", "Lightning accelerator: auto, cpu, gpu", side=SITE)
-
-
-#: The groups that make up a job, in client command-line order.
-JOB_GROUPS: tuple[type, ...] = (
-    DataSettings,
-    ModelSettings,
-    UserCodeSettings,
-    LocalTrainingSettings,
-    PrecisionSettings,
-    ClientAlgorithmSettings,
-    RoundSettings,
+from aggregators.hparams import REAL, Kind, allowed_text, declared_fields, field_bounds
+from aggregators.job_settings import (
+    ATTACK_FIELDS,
+    CLIENT,
+    JOB_GROUPS,
+    JSON_FIELDS,
+    NUM_CLASSES,
+    SERVER,
+    SITE,
     AttackSettings,
-    TrackingSettings,
+    ClientAlgorithmSettings,
+    DataSettings,
+    JobBuildError,
+    LocalTrainingSettings,
+    ModelSettings,
+    PrecisionSettings,
     PrivacySettings,
+    RoundSettings,
     SecureAggregationSettings,
+    SiteSettings,
+    TrackingSettings,
+    UserCodeSettings,
+    check_settings,
+    dataset_num_classes,
+    is_private,
+    registry_problem,
+    setting,
+    setting_fields,
+    setting_problem,
 )
-#: Options the builder renders in its own way at the end of the client command line (resolved sites, JSON).
-ATTACK_FIELDS = frozenset(f.name for f in dataclasses.fields(AttackSettings))
-JSON_FIELDS = frozenset({"arch_args", "client_args", "server_args", "model_args", "data_args"})
 
-# All datasets shipped here have ten classes (data_prep/datasets.py).
-NUM_CLASSES = {"fashion_mnist": 10, "mnist": 10, "digits": 10}
-
-
-def dataset_num_classes(dataset: str) -> int:
-    """Number of classes of a dataset, known without loading it (the server builds its model before any data)."""
-    try:
-        return NUM_CLASSES[dataset]
-    except KeyError:
-        raise JobBuildError(f"unknown dataset '{dataset}'; choose one of {sorted(NUM_CLASSES)}") from None
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Reading the declarations
-# --------------------------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Kind:
-    """A field's type, read from its annotation: base types, ``None`` allowed, ``Literal`` options."""
-
-    types: tuple[type, ...]
-    optional: bool = False
-    choices: tuple[str, ...] | None = None
-
-
-def _kind(hint: Any) -> Kind:
-    origin = typing.get_origin(hint)
-    if origin is Literal:
-        return Kind((str,), choices=tuple(typing.get_args(hint)))
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(hint)
-        rest = [a for a in args if a is not type(None)]
-        optional = len(rest) < len(args)
-        if len(rest) == 1:
-            inner = _kind(rest[0])
-            return Kind(inner.types, optional, inner.choices)
-        return Kind(tuple(typing.get_origin(a) or a for a in rest), optional)
-    return Kind((origin or hint,))
-
-
-def setting_fields(groups: Sequence[type] = JOB_GROUPS) -> Iterator[tuple[dataclasses.Field, Kind]]:
-    """Every field of ``groups`` with its kind, in declaration order."""
-    for group in groups:
-        hints = typing.get_type_hints(group)
-        for spec_field in dataclasses.fields(group):
-            yield spec_field, _kind(hints[spec_field.name])
-
-
-def _bounds_text(bounds: tuple[float | None, ...]) -> str:
-    ge, gt, le, lt = bounds
-    low = f"[{ge}" if ge is not None else f"({gt}" if gt is not None else None
-    high = f"{le}]" if le is not None else f"{lt})" if lt is not None else None
-    if low and high:
-        return f"in {low}, {high}"
-    if low:
-        return f">= {ge}" if ge is not None else f"> {gt}"
-    if high:
-        return f"<= {le}" if le is not None else f"< {lt}"
-    return ""
-
-
-def allowed_text(kind: Kind, bounds: tuple[float | None, ...]) -> str:
-    """What a field accepts, in words (the error messages and ``--help``)."""
-    ge, gt, le, lt = bounds
-    if kind.choices is not None:
-        text = f"one of {list(kind.choices)}"
-    elif kind.types == (int,) and ge is not None and gt is le is lt is None:
-        text = f"at least {ge:g} (an integer)"
-    elif kind.types == (int,):
-        text = f"an integer {_bounds_text(bounds)}".rstrip()
-    elif float in kind.types:
-        text = f"a finite number {_bounds_text(bounds)}".rstrip()
-    elif kind.types == (dict,):
-        text = "a JSON object"
-    elif kind.types == (bool,):
-        text = "true or false"
-    else:
-        text = "text"
-    return f"{text} or none" if kind.optional else text
-
-
-def _in_bounds(value: float, bounds: tuple[float | None, ...]) -> bool:
-    ge, gt, le, lt = bounds
-    return (
-        (ge is None or value >= ge)
-        and (gt is None or value > gt)
-        and (le is None or value <= le)
-        and (lt is None or value < lt)
-    )
-
-
-def setting_problem(spec_field: dataclasses.Field, kind: Kind, value: Any) -> str | None:
-    """One line naming the setting, the value and what is allowed, or ``None`` when the value is fine."""
-    name, bounds = spec_field.name, spec_field.metadata.get("bounds", (None,) * 4)
-    if value is None:
-        return None if kind.optional else f"{name} must be {allowed_text(kind, bounds)}, got None"
-    if kind.choices is not None:
-        return None if value in kind.choices else f"unknown {name} {value!r}; choose one of {list(kind.choices)}"
-    is_number = isinstance(value, int | float) and not isinstance(value, bool)
-    if kind.types == (int,):
-        fits = isinstance(value, int) and not isinstance(value, bool)
-    elif float in kind.types:  # float and int | float: any finite real number
-        fits = is_number and math.isfinite(value)
-    else:
-        fits = isinstance(value, kind.types)
-    if not fits or (is_number and not _in_bounds(value, bounds)):
-        return f"{name} must be {allowed_text(kind, bounds)}, got {value!r}"
-    return None
-
-
-def registry_problem(spec_field: dataclasses.Field, value: Any) -> str | None:
-    """Names outside a registry (client algorithms, rules, models), with the valid ones; imports the registry."""
-    where = spec_field.metadata.get("registry")
-    if where is None:
-        return None
-    module, attribute = where.split(":")
-    valid = getattr(importlib.import_module(module), attribute)
-    return None if value in valid else f"unknown {spec_field.name} {value!r}; choose one of {sorted(valid)}"
-
-
-def check_settings(values: Any, groups: Sequence[type] = JOB_GROUPS, *, registries: bool = True) -> None:
-    """Raise `JobBuildError` for the first field of ``values`` (an object with the fields as attributes)
-    that its declaration refuses."""
-    for spec_field, kind in setting_fields(groups):
-        if not hasattr(values, spec_field.name):
-            continue
-        value = getattr(values, spec_field.name)
-        problem = setting_problem(spec_field, kind, value)
-        if problem is None and registries:
-            problem = registry_problem(spec_field, value)
-        if problem:
-            raise JobBuildError(problem)
+__all__ = [  # the declarations, importable from here as before they moved to the bottom layer
+    "ATTACK_FIELDS",
+    "CLIENT",
+    "JOB_GROUPS",
+    "JSON_FIELDS",
+    "NUM_CLASSES",
+    "SERVER",
+    "SITE",
+    "AttackSettings",
+    "ClientAlgorithmSettings",
+    "ClientArgumentParser",
+    "DataSettings",
+    "JobBuildError",
+    "Kind",
+    "LocalTrainingSettings",
+    "ModelSettings",
+    "OneLineErrorParser",
+    "PrecisionSettings",
+    "PrivacySettings",
+    "RoundSettings",
+    "SecureAggregationSettings",
+    "SiteSettings",
+    "TrackingSettings",
+    "UserCodeSettings",
+    "add_arguments",
+    "allowed_text",
+    "check_settings",
+    "compact_json",
+    "dataset_num_classes",
+    "flag",
+    "is_private",
+    "parse_json_object",
+    "parse_number_or_none",
+    "registry_problem",
+    "setting",
+    "setting_fields",
+    "setting_problem",
+]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -654,12 +138,19 @@ def _optional(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 
 
 def _parser_type(kind: Kind) -> Callable[[str], Any]:
-    if kind.types == (dict,):
+    if kind.base is dict:
         return parse_json_object
-    if len(kind.types) > 1:
+    if kind.base is REAL:  # an integer count or a fraction: the text decides which
         return parse_number_or_none
-    base = kind.types[0] if kind.types[0] in (int, float) else str
+    base = kind.base if kind.base in (int, float) else str
     return _optional(base) if kind.optional else base
+
+
+def group_description(group: type) -> str | None:
+    """The first paragraph of a settings group's docstring (its own: a dataclass without one gets its signature as
+    ``__doc__``, which is no description)."""
+    own = group.__dict__.get("__doc__") or ""
+    return None if own.startswith(group.__name__ + "(") else own.strip().split("\n\n")[0] or None
 
 
 def add_arguments(
@@ -670,28 +161,26 @@ def add_arguments(
     json_as_text: bool = False,
     choices_help: Mapping[str, str] | None = None,
 ) -> None:
-    """Add one option per field of ``groups`` used on ``sides``, in an argument group per settings group.
+    """Add one option per field of ``groups`` used on ``sides``, in an argument group per settings group (titled
+    with the group's ``title``, described by its docstring).
 
     ``json_as_text``: JSON settings stay text (the client script parses them itself). Options are not checked by
     argparse beyond their type: `check_settings` checks values, so every entry point words errors alike.
     """
     for group in groups:
-        title = group.__name__.removesuffix("Settings")
-        arguments = parser.add_argument_group(title.lower(), (group.__doc__ or "").strip().split("\n\n")[0] or None)
-        hints = typing.get_type_hints(group)
-        for spec_field in dataclasses.fields(group):
+        arguments = parser.add_argument_group(group.title, group_description(group))
+        for spec_field, kind in declared_fields(group):
             if spec_field.metadata["side"] not in sides:
                 continue
-            kind = _kind(hints[spec_field.name])
             default = spec_field.default if spec_field.default is not dataclasses.MISSING else {}
             description = (choices_help or {}).get(spec_field.name) or spec_field.metadata["help"]
-            if kind.types == (bool,):
+            if kind.base is bool:
                 arguments.add_argument(flag(spec_field.name), action="store_true", help=description)
                 continue
-            if kind.types == (dict,) and json_as_text:
+            if kind.base is dict and json_as_text:
                 arguments.add_argument(flag(spec_field.name), default="{}", help=f"{description} (default: {{}})")
                 continue
-            allowed = allowed_text(kind, spec_field.metadata["bounds"])
+            allowed = allowed_text(kind, field_bounds(spec_field))
             arguments.add_argument(
                 flag(spec_field.name),
                 type=_parser_type(kind),

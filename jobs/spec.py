@@ -68,7 +68,7 @@ class JobSpec(
         # Whole numbers given for float settings (lr=1) are floats, so the recipe and the CLI export the same text.
         for spec_field, kind in setting_fields():
             value = getattr(self, spec_field.name)
-            if kind.types == (float,) and isinstance(value, int) and not isinstance(value, bool):
+            if kind.base is float and isinstance(value, int) and not isinstance(value, bool):
                 object.__setattr__(self, spec_field.name, float(value))
         validate_spec(self)
         # Resolved once, here, against the job's model: the sites and the server get the same explicit names.

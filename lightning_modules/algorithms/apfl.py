@@ -126,15 +126,8 @@ class APFL(ClientAlgorithm):
     personal_lr: float | None
     alpha_lr: float | None
 
-    def __init__(
-        self,
-        alpha: float = APFLHParams.alpha,
-        adaptive: bool = APFLHParams.adaptive,
-        personal_lr: float | None = APFLHParams.personal_lr,
-        alpha_lr: float | None = APFLHParams.alpha_lr,
-    ) -> None:
-        self.use_hparams(APFLHParams(alpha=alpha, adaptive=adaptive, personal_lr=personal_lr, alpha_lr=alpha_lr))
-        self.site_alpha = alpha  # alpha_i: the site's own, learned, persisted
+    def init_state(self) -> None:
+        self.site_alpha = self.alpha  # alpha_i: the site's own, learned, persisted
         self.personal: Tensors | None = None
         self._params: dict[str, nn.Parameter] = {}
         self._pending: tuple[Tensors, float] | None = None  # g and <v - w, g> of the current batch

@@ -25,6 +25,7 @@ The base class is plain local SGD, i.e. the FedAvg client: every hook does nothi
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -89,6 +90,27 @@ class ClientAlgorithm:
     #: Set by `bind`: the site this algorithm runs on and where it may persist state between rounds.
     site: str = "local"
     state_store: ClientStateStore | None = None
+
+    #: What help() and inspect show as the constructor's keywords: the declared fields (set for every subclass).
+    __signature__ = inspect.signature(HParams)
+
+    def __init__(self, **hparams: Any) -> None:
+        """Built from the hyperparameter dataclass, as a server rule is its dataclass: ``hparams_class(**hparams)``
+        checks every value (an undeclared key is a TypeError), `use_hparams` makes each an attribute, then
+        `init_state` sets up the working state. A subclass declares ``hparams_class`` and overrides `init_state`; it
+        never restates its fields in a constructor."""
+        self.use_hparams(self.hparams_class(**hparams))
+        self.init_state()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # help() and inspect show the declared fields as the constructor's keywords; a class with a constructor of
+        # its own (a user's algorithm) keeps that constructor's signature.
+        cls.__signature__ = None if "__init__" in vars(cls) else inspect.signature(cls.hparams_class)
+
+    def init_state(self) -> None:
+        """The working state the hooks keep between calls, set before the first round (the hyperparameters are
+        attributes by now). FedAvg's local SGD keeps none."""
 
     def use_hparams(self, hyperparameters: HParams) -> None:
         """Keep the checked hyperparameters and expose each as an attribute (``self.mu``), which the hooks read."""

@@ -161,15 +161,10 @@ class Ditto(ClientAlgorithm):
     global_client: str
     mu: float
 
-    def __init__(
-        self,
-        lam: float = DittoHParams.lam,
-        personal_lr: float | None = DittoHParams.personal_lr,
-        global_client: str = DittoHParams.global_client,
-        mu: float = DittoHParams.mu,
-    ) -> None:
-        self.use_hparams(DittoHParams(lam=lam, personal_lr=personal_lr, global_client=global_client, mu=mu))
-        self.global_part: ClientAlgorithm = FedProx(mu) if global_client == "fedprox" else ClientAlgorithm()
+    def init_state(self) -> None:
+        self.global_part: ClientAlgorithm = (
+            FedProx(mu=self.mu) if self.global_client == "fedprox" else ClientAlgorithm()
+        )
         self.local_update = self.global_part.local_update  # what FedNova normalises: the global part's update
         self._params: dict[str, nn.Parameter] = {}
         self.received: Tensors = {}

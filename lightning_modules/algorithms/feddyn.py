@@ -150,15 +150,7 @@ class FedDyn(ClientAlgorithm):
     population_size: int | None
     total_samples: int | None
 
-    def __init__(
-        self,
-        alpha_weighting: AlphaWeighting = FedDynHParams.alpha_weighting,
-        population_size: int | None = FedDynHParams.population_size,
-        total_samples: int | None = FedDynHParams.total_samples,
-    ) -> None:
-        self.use_hparams(
-            FedDynHParams(alpha_weighting=alpha_weighting, population_size=population_size, total_samples=total_samples)
-        )
+    def init_state(self) -> None:
         self._params: dict[str, nn.Parameter] = {}
         self._round = 0
         self._run_id = ""

@@ -133,10 +133,7 @@ class FedMoS(ClientAlgorithm):
     mu: float
     estimator: Estimator
 
-    def __init__(
-        self, a: float = FedMoSHParams.a, mu: float = FedMoSHParams.mu, estimator: Estimator = FedMoSHParams.estimator
-    ) -> None:
-        self.use_hparams(FedMoSHParams(a=a, mu=mu, estimator=estimator))
+    def init_state(self) -> None:
         self._params: dict[str, nn.Parameter] = {}
         self._batch: Any = None
         self.steps = 0

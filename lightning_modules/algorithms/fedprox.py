@@ -68,8 +68,7 @@ class FedProx(ClientAlgorithm):
     released: ClassVar[tuple[Released, ...]] = (Released(meta_keys.FEDPROX_MU, "FedProx's mu (a setting)", "public"),)
     mu: float
 
-    def __init__(self, mu: float = FedProxHParams.mu) -> None:
-        self.use_hparams(FedProxHParams(mu=mu))
+    def init_state(self) -> None:
         self._params: dict[str, nn.Parameter] = {}
         self.anchor: dict[str, torch.Tensor] = {}
 

@@ -84,8 +84,7 @@ class FedRep(ClientAlgorithm):
     needs_head: ClassVar[bool] = True
     head_epochs: int
 
-    def __init__(self, head_epochs: int = FedRepHParams.head_epochs) -> None:
-        self.use_hparams(FedRepHParams(head_epochs=head_epochs))
+    def init_state(self) -> None:
         self._head: frozenset[str] = frozenset()
         self._first_epoch = 0
 

@@ -4,8 +4,10 @@ Every client algorithm declares its hyperparameters as a frozen, keyword-only da
 (the algorithm's ``hparams_class``), exactly as a server rule declares its own: fields typed ``float``, ``int``,
 ``bool``, ``str`` or ``Literal[...]`` (optionally ``| None``), numbers given with `hparam` (range and note),
 rules across fields in ``check_together``. A bad value is refused with the one wording of both sides, raised as a
-`ClientAlgorithmError`. The same declaration tells the registry which keys an algorithm takes
-(``client_args`` with any other key is refused before anything is built) and gives ``ClientAlgorithm.hparams()``.
+`ClientAlgorithmError`. The algorithm is built from it, as a server rule is its dataclass: ``ClientAlgorithm``'s
+constructor takes the fields as keywords and builds the dataclass (no algorithm restates its fields in a constructor
+of its own). The same declaration tells the registry which keys an algorithm takes (``client_args`` with any other
+key is refused before anything is built) and gives ``ClientAlgorithm.hparams()``.
 """
 
 from __future__ import annotations

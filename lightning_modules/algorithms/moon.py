@@ -163,16 +163,7 @@ class Moon(ClientAlgorithm):
     history_size: int
     on_bad_history: BadHistoryAction
 
-    def __init__(
-        self,
-        mu: float = MoonHParams.mu,
-        temperature: float = MoonHParams.temperature,
-        history_size: int = MoonHParams.history_size,
-        on_bad_history: BadHistoryAction = MoonHParams.on_bad_history,
-    ) -> None:
-        self.use_hparams(
-            MoonHParams(mu=mu, temperature=temperature, history_size=history_size, on_bad_history=on_bad_history)
-        )
+    def init_state(self) -> None:
         self.global_model: nn.Module | None = None
         self.negatives: list[nn.Module] = []
         self.history_models = 0

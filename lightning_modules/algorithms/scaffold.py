@@ -206,13 +206,7 @@ class Scaffold(ClientAlgorithm):
     estimator: Estimator
     correction: Correction
 
-    def __init__(
-        self,
-        option: Option = ScaffoldHParams.option,
-        estimator: Estimator = ScaffoldHParams.estimator,
-        correction: Correction = ScaffoldHParams.correction,
-    ) -> None:
-        self.use_hparams(ScaffoldHParams(option=option, estimator=estimator, correction=correction))
+    def init_state(self) -> None:
         self._params: dict[str, nn.Parameter] = {}
         self._round = 0
         self._run_id = ""

@@ -1,22 +1,36 @@
-"""One hyperparameter declaration for server rules and client algorithms (aggregators/hparams.py): every registered
+"""One declaration for server rules, client algorithms and job settings (aggregators/hparams.py): every registered
 rule and every registered client algorithm declares its settings as fields, the registries take the accepted keys
 from that declaration, and a bad value of any field is refused with the one wording
 
     <name>: hyperparameter '<field>' must be <allowed> (<note>), got <value>
 
-as an ``AggregationError`` for a rule and a ``ClientAlgorithmError`` for a client algorithm."""
+as an ``AggregationError`` for a rule and a ``ClientAlgorithmError`` for a client algorithm. The job settings
+(aggregators/job_settings.py) are read by the same reader and checker and say what is allowed in the same words
+(``<setting> must be <allowed>, got <value>``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 import re
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, ClassVar
 
 import pytest
 
 from aggregators import RULES, AggregationError, build_rule
-from aggregators.hparams import HParams, Kind, declared_fields, kind_of, refusal
+from aggregators.hparams import (
+    REAL,
+    HParams,
+    Kind,
+    allowed_text,
+    declared_fields,
+    field_bounds,
+    hparam,
+    kind_of,
+    refusal,
+)
+from aggregators.job_settings import JOB_GROUPS, JobBuildError, SiteSettings, check_settings, setting
 from aggregators.registry import rule_settings
 from lightning_modules.algorithms import CLIENT_ALGORITHMS, ClientAlgorithmError, build_client_algorithm
 
@@ -26,6 +40,8 @@ def _bad_values(spec_field: dataclasses.Field, kind: Kind) -> list[Any]:
     interval on each bounded side."""
     if kind.choices is not None:
         return ["nope", 3]
+    if kind.base is dict:
+        return [[1], "{}"]
     if kind.base is bool:
         return ["true", 1]
     if kind.base is str:
@@ -36,7 +52,7 @@ def _bad_values(spec_field: dataclasses.Field, kind: Kind) -> list[Any]:
         return [1.5, True, "2", *outside]
     outside = [low if low_open else low - 1] if math.isfinite(low) else []
     outside += [high if high_open else high + 1] if math.isfinite(high) else []
-    return [math.nan, math.inf, True, "0.1", *outside]
+    return [math.nan, math.inf, True, "0.1", *outside, *([] if kind.optional else [None])]
 
 
 def _cases(declarations: dict[str, type]) -> list[tuple[str, str, Any]]:
@@ -109,3 +125,65 @@ def test_a_field_type_outside_the_declaration_is_a_programming_error():
         kind_of(dict[str, int])
     with pytest.raises(TypeError, match="one type"):
         kind_of(int | str | None)
+
+
+@pytest.mark.parametrize(
+    ("spec_field", "kind", "value"),
+    [
+        pytest.param(spec_field, kind, value, id=f"{spec_field.name}={value!r}")
+        for group in (*JOB_GROUPS, SiteSettings)
+        for spec_field, kind in declared_fields(group)
+        for value in _bad_values(spec_field, kind)
+    ],
+)
+def test_every_job_setting_is_checked_and_worded_by_the_one_declaration(spec_field, kind, value):
+    with pytest.raises(JobBuildError) as info:
+        check_settings(SimpleNamespace(**{spec_field.name: value}), (*JOB_GROUPS, SiteSettings), registries=False)
+    if kind.choices is not None and value is not None:
+        assert str(info.value) == f"unknown {spec_field.name} {value!r}; choose one of {list(kind.choices)}"
+    else:
+        allowed = allowed_text(kind, field_bounds(spec_field))
+        assert str(info.value) == f"{spec_field.name} must be {allowed}, got {value!r}"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _ProbeHParams(HParams):
+    name: ClassVar[str] = "probe"
+    count: int = hparam(1, low=1)
+    share: float = hparam(0.0, low=0, high=1, high_open=True)
+    seed: int | None = hparam(None, low=0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _ProbeSettings:
+    count: int = setting(1, "a count", low=1)
+    share: float = setting(0.0, "a share", low=0, high=1, high_open=True)
+    seed: int | None = setting(None, "a seed", low=0)
+
+
+@pytest.mark.parametrize(
+    ("field_name", "value", "allowed"),
+    [
+        ("count", 0, "a positive integer"),
+        ("count", 2.0, "a positive integer"),
+        ("share", 1.0, "a finite number in [0, 1)"),
+        ("share", math.nan, "a finite number in [0, 1)"),
+        ("seed", -1, "an integer >= 0 or none"),
+    ],
+)
+def test_a_setting_declared_alike_is_refused_alike_as_a_hyperparameter_and_as_a_job_setting(field_name, value, allowed):
+    """The same type and interval, declared with `hparam` and with `setting`: one checker, one text of what is
+    allowed (before, the job side said 'at least 1 (an integer)' where the rule side said 'a positive integer')."""
+    with pytest.raises(ValueError) as as_hparam:
+        _ProbeHParams(**{field_name: value})
+    with pytest.raises(JobBuildError) as as_setting:
+        check_settings(SimpleNamespace(**{field_name: value}), (_ProbeSettings,))
+    assert str(as_hparam.value) == refusal("probe", field_name, allowed, value)
+    assert str(as_setting.value) == f"{field_name} must be {allowed}, got {value!r}"
+
+
+def test_the_job_settings_kinds_come_from_the_one_reader():
+    kinds = {f.name: kind for group in JOB_GROUPS for f, kind in declared_fields(group)}
+    assert kinds["clients_per_round"] == Kind(REAL, None, True)  # a count or a fraction, kept as given
+    assert kinds["client_args"] == Kind(dict) and kinds["num_rounds"] == Kind(int)
+    assert kind_of(dict[str, Any]) == Kind(dict)

@@ -44,13 +44,24 @@ def test_every_algorithm_declares_a_frozen_dataclass_named_after_it(name):
 def test_the_constructor_takes_exactly_the_declared_fields_with_their_defaults(name):
     algorithm_cls = CLIENT_ALGORITHMS[name]
     hparams_cls = algorithm_cls.hparams_class
-    if algorithm_cls.__init__ is object.__init__:  # FedAvg's local SGD: no constructor, no settings
-        assert hparams_cls.names() == ()
-        return
-    parameters = list(inspect.signature(algorithm_cls.__init__).parameters.values())[1:]
+    parameters = list(inspect.signature(algorithm_cls).parameters.values())
     assert [p.name for p in parameters] == list(hparams_cls.names())
     defaults = hparams_cls()
     assert {p.name: p.default for p in parameters} == {n: getattr(defaults, n) for n in hparams_cls.names()}
+    # The signature is what the constructor takes: every declared field by keyword, and nothing else.
+    built = algorithm_cls(**{n: getattr(defaults, n) for n in hparams_cls.names()})
+    assert built.hyperparameters == defaults
+    with pytest.raises(TypeError, match="undeclared"):
+        algorithm_cls(undeclared=1)
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_an_algorithm_is_built_from_its_dataclass_without_restating_its_fields(name):
+    """As a server rule is its dataclass: the base constructor builds ``hparams_class``; a constructor of the
+    algorithm's own would restate every field (and drift from the declaration)."""
+    algorithm_cls = CLIENT_ALGORITHMS[name]
+    own = [klass.__name__ for klass in algorithm_cls.__mro__[:-2] if "__init__" in vars(klass)]
+    assert own == [], f"{name}: {own} define __init__; declare hparams_class and override init_state instead"
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)
@@ -116,7 +127,7 @@ def test_whole_numbers_become_floats_so_json_1_and_1_0_train_alike():
 
 def test_shared_checks_word_the_interval():
     error = ClientAlgorithmError
-    with pytest.raises(error, match=r"^x: hyperparameter 'a' must be a number in \(0, 1\] \(why\), got 0$"):
+    with pytest.raises(error, match=r"^x: hyperparameter 'a' must be a finite number in \(0, 1\] \(why\), got 0$"):
         check_number("x", "a", 0, 0, 1, low_open=True, note="why", error=error)
     with pytest.raises(error, match=r"^x: hyperparameter 'b' must be a finite number > 0, got -1$"):
         check_number("x", "b", -1, 0, low_open=True, error=error)

@@ -138,13 +138,13 @@ def test_momentum_is_per_round():
 
 @pytest.mark.parametrize("a", [0, -0.1, 1.5, float("nan"), True, "0.1"])
 def test_bad_a_is_rejected(a):
-    with pytest.raises(ClientAlgorithmError, match="'a' must be a number in \\(0, 1\\]"):
+    with pytest.raises(ClientAlgorithmError, match="'a' must be a finite number in \\(0, 1\\]"):
         FedMoS(a=a)
 
 
 @pytest.mark.parametrize("mu", [1, 1.0, -0.01, float("inf"), None])
 def test_bad_mu_is_rejected(mu):
-    with pytest.raises(ClientAlgorithmError, match="'mu' must be a number in \\[0, 1\\)"):
+    with pytest.raises(ClientAlgorithmError, match="'mu' must be a finite number in \\[0, 1\\)"):
         FedMoS(mu=mu)
 
 
