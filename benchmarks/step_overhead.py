@@ -18,7 +18,12 @@ Variants, all on the same model (same ``init_seed``), the same batch and the sam
   ``on_before_optimizer_step`` → ``before_optimizer_step``, ``on_train_batch_end`` → ``after_train_batch``,
   ``on_train_end`` → ``finish_round``); the receive/send plumbing of ``FLCallback`` is left out (not per step);
 - a reference row: no client algorithm attached at all (no callback hooks, no loss-term call): what the callback's
-  own per-step bookkeeping costs.
+  own per-step bookkeeping costs;
+- with ``--compare-paths``, the other way each algorithm can apply its correction, timed beside its default
+  (`PATH_VARIANTS`): FedProx and FedDyn in the gradient form (``FederatedAlgorithm(fuse_plain_sgd=False)``, what
+  they cost when a callback watches the gradient; their default row is the callback's fused plain-SGD step) and
+  SCAFFOLD with its post-step correction (``correction="step"``, the default under plain SGD before its
+  correction became a gradient term).
 
 Drift (a shared machine, turbo, thermal state) is cancelled by interleaving at the finest grain: in each of
 ``--rounds`` fits every variant takes one optimizer step per cycle, in a freshly shuffled (seeded) order every cycle
@@ -44,6 +49,7 @@ import math
 import os
 import platform
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -52,6 +58,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -79,6 +86,12 @@ NVFLARE_BUILTINS = ("scaffold", "fedprox")
 PRECISIONS = ("32-true", "bf16-mixed")
 #: Models timed when ``--models`` is not given (cnn_transformer_large is for a GPU).
 DEFAULT_MODELS = ("lenet5", "mlp10m")
+#: ``--compare-paths``: row -> (client algorithm, client arguments, FederatedAlgorithm arguments).
+PATH_VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    "fedprox [gradient form]": ("fedprox", {}, {"fuse_plain_sgd": False}),
+    "feddyn [gradient form]": ("feddyn", {}, {"fuse_plain_sgd": False}),
+    "scaffold [correction=step]": ("scaffold", {"correction": "step"}, {}),
+}
 
 
 @dataclass(frozen=True)
@@ -144,6 +157,8 @@ class Settings:
     reference: bool = True
     #: Client algorithms to time (the baseline always): ``None`` for every one in CLIENT_ALGORITHMS.
     algorithms: tuple[str, ...] | None = None
+    #: Also time the `PATH_VARIANTS` of the selected algorithms.
+    compare_paths: bool = False
 
     def selected(self, name: str) -> bool:
         return name == BASELINE or self.algorithms is None or name in self.algorithms
@@ -266,10 +281,13 @@ class Ours(Variant):
     """One of our client algorithms, driven through the hooks of its `FederatedAlgorithm` callback."""
 
     impl = "ours"
+    #: FederatedAlgorithm arguments (a `PATH_VARIANTS` row sets them; subclasses that skip __init__ keep none).
+    callback_args: Mapping[str, Any] = MappingProxyType({})
 
     def __init__(self, row: str, settings: Settings) -> None:
         super().__init__(row, settings)
-        self.algorithm_cls = CLIENT_ALGORITHMS[row]
+        self.name, self.client_args, self.callback_args = PATH_VARIANTS.get(row, (row, {}, {}))
+        self.algorithm_cls = CLIENT_ALGORITHMS[self.name]
         missing = [key for key in self.algorithm_cls.required_server_meta if key not in _meta_builders(settings)]
         if missing:
             raise _Skip(f"the benchmark does not know how to build server meta {missing}")
@@ -280,16 +298,19 @@ class Ours(Variant):
             )
 
     def start(self, trainer: pl.Trainer, module: pl.LightningModule, state_root: Path) -> None:
-        algorithm = build_client_algorithm(self.row, **hparams_for(self.algorithm_cls, self.settings))
-        algorithm.bind(SITE, ClientStateStore(state_root / self.row, SITE))
+        args = {**hparams_for(self.algorithm_cls, self.settings), **self.client_args}
+        algorithm = build_client_algorithm(self.name, **args)
+        algorithm.bind(SITE, ClientStateStore(state_root / re.sub(r"\W+", "_", self.row), SITE))
         self.start_callback(trainer, module, algorithm, server_meta_for(self.algorithm_cls, module, self.settings))
 
     def start_callback(
         self, trainer: pl.Trainer, module: pl.LightningModule, algorithm: ClientAlgorithm, meta: Mapping[str, Any]
     ) -> None:
         """The callback's round start (server meta checked, ``on_round_start``), with the live optimizer."""
-        self.algorithm, self.module = algorithm, module
-        self.callback = FederatedAlgorithm(algorithm, num_samples=1, meta_source=lambda: dict(meta))
+        self.algorithm, self.module, self.trainer = algorithm, module, trainer
+        self.callback = FederatedAlgorithm(
+            algorithm, num_samples=1, meta_source=lambda: dict(meta), **self.callback_args
+        )
         self.optimizer = trainer.optimizers[0]
         self.callback.on_train_epoch_start(trainer, module)
 
@@ -298,7 +319,7 @@ class Ours(Variant):
         self.algorithm.on_batch(module, batch)  # as the callback's on_train_batch_start does (FedMoS, Ditto keep it)
 
     def before_optimizer_step(self, optimizer: Any) -> None:
-        self.callback.on_before_optimizer_step(None, self.module, optimizer)  # type: ignore[arg-type]
+        self.callback.on_before_optimizer_step(self.trainer, self.module, optimizer)
 
     def after_train_batch(self, module: pl.LightningModule) -> None:
         self.callback.after_optimizer_step(module, self.optimizer)
@@ -345,7 +366,12 @@ class Interleaver(pl.Callback):
     Per step: ``on_train_batch_start`` picks the variant and activates it, then starts the clock (so the switch is
     not timed); the variant's NVFlare hooks run from ``on_before_optimizer_step`` / ``on_train_batch_end`` as
     NVFlare's ``FLCallback`` would run them; the clock stops at the end of ``on_train_batch_end``.
+
+    It reads no gradient itself (``observes_gradients``), so a variant's callback may take the fused plain-SGD
+    step as it would in a job (lightning_modules/algorithms/kernels.py, ``gradient_observers``).
     """
+
+    observes_gradients = False
 
     def __init__(
         self, variants: Sequence[Variant], schedule: Sequence[int], state_root: Path, synchronize: bool
@@ -392,10 +418,11 @@ def build_variants(settings: Settings, skipped: dict[str, str]) -> list[Variant]
     """Fresh variants for one fit; those that cannot be built are recorded in ``skipped`` (key -> reason)."""
     variants: list[Variant] = []
     for name in filter(settings.selected, CLIENT_ALGORITHMS):
-        try:
-            variants.append(Ours(name, settings))
-        except _Skip as skip:
-            skipped[f"ours:{name}"] = str(skip)
+        for row in [name, *(row for row, spec in PATH_VARIANTS.items() if settings.compare_paths and spec[0] == name)]:
+            try:
+                variants.append(Ours(row, settings))
+            except _Skip as skip:
+                skipped[f"ours:{row}"] = str(skip)
     variants += [NVFlareBuiltin(name, settings) for name in NVFLARE_BUILTINS if settings.selected(name)]
     if settings.reference:
         variants.append(LightningDefault(REFERENCE_ROW, settings))
@@ -564,6 +591,8 @@ def benchmark_model(spec: ModelSpec, settings: Settings, progress: Callable[[str
     rows: list[Row] = []
     row_names = [*CLIENT_ALGORITHMS, *(n for n in NVFLARE_BUILTINS if n not in CLIENT_ALGORITHMS)]
     row_names = list(filter(settings.selected, row_names))
+    if settings.compare_paths:  # each path variant right after its algorithm's row
+        row_names = [r for name in row_names for r in (name, *(v for v, s in PATH_VARIANTS.items() if s[0] == name))]
     if settings.reference:
         row_names.append(REFERENCE_ROW)
     for name in row_names:
@@ -583,7 +612,7 @@ def benchmark_model(spec: ModelSpec, settings: Settings, progress: Callable[[str
                 reference = times.get(f"reference:{REFERENCE_ROW}")
                 if reference is not None:
                     _, row.lightning_ratio, row.lightning_range = _ratio_stats(times[key], reference)
-        if name not in CLIENT_ALGORITHMS and name != REFERENCE_ROW:
+        if name not in CLIENT_ALGORITHMS and name not in PATH_VARIANTS and name != REFERENCE_ROW:
             notes.append("not in CLIENT_ALGORITHMS yet")
         row.note = "; ".join(notes)
         rows.append(row)
@@ -709,6 +738,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--device", choices=("auto", "cpu", "gpu"), default="auto", help="auto: a CUDA GPU when present, else CPU"
     )
     parser.add_argument("--no-reference", action="store_true", help="leave out the Lightning-default reference row")
+    parser.add_argument(
+        "--compare-paths",
+        action="store_true",
+        help="also time the other way each selected algorithm can apply its correction: "
+        + "; ".join(f"'{row}'" for row in PATH_VARIANTS)
+        + " (FedProx/FedDyn's default rows use the fused plain-SGD step, nobody watching the gradient)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="also write the markdown report to this file")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows and settings as JSON here")
     parser.add_argument(
@@ -755,6 +791,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         precision=args.precision,
         reference=not args.no_reference,
         algorithms=None if args.algorithms is None else tuple(args.algorithms),
+        compare_paths=args.compare_paths,
     )
 
     started = time.perf_counter()

@@ -89,3 +89,22 @@ def test_the_snp_count_resizes_only_genotype_models_and_bad_options_are_refused(
         with pytest.raises(SystemExit):
             step_overhead.parse_args(["--device", "cpu", *bad])
         assert says in capsys.readouterr().err
+
+
+def test_compare_paths_times_each_path_and_the_fused_row_really_folds(tmp_path, monkeypatch):
+    """The FedProx row takes the callback's fused plain-SGD step (one lerp per step), its gradient-form row never."""
+    import json
+
+    import torch
+
+    lerps = []
+    real = torch._foreach_lerp_
+    monkeypatch.setattr(torch, "_foreach_lerp_", lambda *args, **kw: lerps.append(1) or real(*args, **kw))
+    out = tmp_path / "rows.json"
+    argv = ["--device", "cpu", "--algorithms", "fedprox", "scaffold", "--compare-paths", "--no-reference"]
+    argv += ["--steps", "2", "--rounds", "1", "--warmup", "1", "--batch-size", "4", "--threads", "1"]
+    assert step_overhead.main([*argv, "--models", "lenet5", "--json", str(out)]) == 0
+    rows = {row["algorithm"]: row for row in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["fedavg", "scaffold", "scaffold [correction=step]", "fedprox", "fedprox [gradient form]"]
+    assert all(row["ours_ratio"] > 0 for row in rows.values())
+    assert len(lerps) == 3  # fedprox's 2 kept + 1 warm-up steps; none from its gradient form or SCAFFOLD
