@@ -59,6 +59,7 @@ class FedAvg(RuleHParams, AggregationRule):
     server_lr: float = hparam(1.0, low=0, low_open=True, note="eta_g; 1 is the paper's FedAvg")
 
     name: ClassVar[str] = "fedavg"
+    translation_equivariant: ClassVar[str | None] = "server_lr = 1"  # x + sum_i p_i (y_i - x) = sum_i p_i y_i
 
     def aggregate_params(
         self, global_params: Mapping[str, np.ndarray], updates: Sequence[ClientUpdate], context: RoundContext

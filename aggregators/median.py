@@ -38,6 +38,7 @@ class Median(RuleHParams, AggregationRule):
     """Coordinate-wise median of the client updates (stateless, no hyperparameters)."""
 
     name: ClassVar[str] = "median"
+    translation_equivariant: ClassVar[str | None] = ""  # coordinate-wise order statistics of the y_i
 
     def aggregate_params(
         self, global_params: Mapping[str, np.ndarray], updates: Sequence[ClientUpdate], context: RoundContext

@@ -94,6 +94,9 @@ class AggregationRule(ServerState):
     needs_linear_local_solver: ClassVar[bool] = False
     #: Identical client models give exactly that model (a weighted-mean-type rule); the contract tests check it.
     mean_type: ClassVar[bool] = True
+    #: The result does not depend on the global model x, rule(x, {y_i}) = rule(0, {y_i}), under the settings named
+    #: here (``None``: it does): such a rule may run as an NVFlare ModelAggregator (controllers/nvflare_aggregator.py).
+    translation_equivariant: ClassVar[str | None] = None
 
     def select_sites(
         self, population: Sequence[str], count: int, state: Mapping[str, Any], seed: int, round_num: int

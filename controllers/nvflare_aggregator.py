@@ -38,7 +38,7 @@ import numpy as np
 from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
 from nvflare.app_common.aggregators.model_aggregator import ModelAggregator
 
-from aggregators import AggregationError, ClientUpdate, RoundContext, build_rule
+from aggregators import RULES, AggregationError, ClientUpdate, RoundContext, build_rule
 from controllers.adapters import Rejection, result_site
 from controllers.checkpoint import save_updates
 from controllers.engine import RoundEngine, SiteResult, aggregate_problems
@@ -82,12 +82,10 @@ LOCAL_KEYS_REFUSAL = (
 class RuleAggregator(ModelAggregator):
     """A rule of `aggregators.RULES` as an NVFlare ``ModelAggregator`` (module docstring)."""
 
-    #: Rules whose result does not depend on the global model, with the settings under which that holds.
+    #: Rules whose result does not depend on the global model, with the settings under which that holds: derived
+    #: from each rule's own ``translation_equivariant`` declaration (aggregators/types.py).
     EQUIVARIANT: ClassVar[dict[str, str]] = {
-        "fedavg": "server_lr = 1",
-        "median": "",
-        "trimmed_mean": "",
-        "krum": "",
+        name: cls.translation_equivariant for name, cls in RULES.items() if cls.translation_equivariant is not None
     }
 
     def __init__(
@@ -198,8 +196,8 @@ def _check_usable(rule: Any, name: str) -> None:
         )
     if getattr(rule, "broadcast_keys", ()) or set(rule.required_meta) - {"train.num_samples"}:
         raise AggregationError(f"rule '{name}' needs broadcast or extra meta, which NVFlare's FedAvg does not carry")
-    if name == "fedavg" and getattr(rule, "server_lr", 1.0) != 1.0:
+    if getattr(rule, "server_lr", 1.0) != 1.0:  # the setting its declaration names (FedAvg's "server_lr = 1")
         raise AggregationError(
-            f"rule 'fedavg' with server_lr={rule.server_lr} needs the global model; as an NVFlare ModelAggregator "
+            f"rule '{name}' with server_lr={rule.server_lr} needs the global model; as an NVFlare ModelAggregator "
             "only server_lr = 1 is exact"
         )
