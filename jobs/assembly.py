@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from aggregators.bundle import APP_PACKAGES, inside_directory
+from jobs.job_record import write_job_entry
 from jobs.secure_aggregation import add_sum_site_filters, add_sum_workflow
 from jobs.settings import dataset_num_classes, is_private
 from jobs.spec import JobSpec, client_script_args, companion_rules, model_arch_args, shipped_folders
@@ -281,6 +282,7 @@ def export_job(spec: JobSpec, output_dir: Path, resource_spec: dict[str, dict[st
             job.export_job(scratch)
         sort_filter_tasks(Path(scratch) / spec.name)
         write_site_requirements(Path(scratch) / spec.name, spec)
+        write_job_entry(Path(scratch) / spec.name, spec)  # job_spec.json + job.py: the recipe path (jobs.job_entry)
         if target.exists():
             shutil.rmtree(target)
         os.replace(Path(scratch) / spec.name, target)

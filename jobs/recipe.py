@@ -9,6 +9,10 @@ NVFlare execution environment.
     run = recipe.execute(PocEnv(num_clients=3))                 # POC deployment on this machine
     run = recipe.execute(ProdEnv(startup_kit_location="/path/to/admin@org/"))   # provisioned sites
     recipe.export("/tmp/jobs")                                  # a job folder, as `python -m jobs.build` writes
+    recipe = FedAlgRecipe.from_spec(spec)                       # any `jobs.spec.JobSpec`, e.g. a job folder's own
+
+Every exported job folder carries ``job.py``, which builds this recipe from the settings the folder recorded
+(`jobs.job_entry`): ``python jobs/scaffold/job.py --env sim|poc|prod``.
 
 The recipe is a thin wrapper: its job is exactly what `jobs.build.build_job` builds from a
 `jobs.build.JobSpec` with the same settings, so recipes, the CLI builder and the committed ``jobs/<name>/``
@@ -19,13 +23,15 @@ valid choices included.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 from nvflare.recipe.spec import ExecEnv, Recipe
 
-from jobs.assembly import write_site_requirements
+from jobs.assembly import sort_filter_tasks, write_site_requirements
 from jobs.build import JOBS_DIR, JobBuildError, JobSpec, build_job, inside_directory
+from jobs.job_record import write_job_entry
 from jobs.spec import spec_from_values
 
 
@@ -81,11 +87,21 @@ class FedAlgRecipe(Recipe):
             job = build_job(self.spec)
         super().__init__(job)
 
+    @classmethod
+    def from_spec(cls, spec: JobSpec) -> FedAlgRecipe:
+        """The recipe of an existing spec (e.g. one a job folder recorded, `jobs.job_record.recorded_spec`)."""
+        settings = {f.name: getattr(spec, f.name) for f in dataclasses.fields(JobSpec)}
+        del settings["num_sites"]  # the recipe's min_clients
+        return cls(min_clients=spec.num_sites, **settings)
+
     def export(self, job_dir: str, *args: Any, **kwargs: Any) -> None:
         target = str(Path(job_dir).resolve())  # relative to the caller's directory, before changing into jobs/
         with inside_directory(JOBS_DIR):
             super().export(target, *args, **kwargs)
+        # What jobs.assembly.export_job adds to NVFlare's export, so that both write the same folder (HE filters!).
+        sort_filter_tasks(Path(target) / self.spec.name)
         write_site_requirements(Path(target) / self.spec.name, self.spec)
+        write_job_entry(Path(target) / self.spec.name, self.spec)
 
     def run(self, env: ExecEnv, *args: Any, **kwargs: Any) -> Any:
         with inside_directory(JOBS_DIR):

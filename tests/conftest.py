@@ -54,7 +54,13 @@ E2E_DIR = "tests/e2e/"
 #: parameter of it) or of one parametrized case, with why it is slow. tests/test_test_tiers.py checks that each
 #: still names a test.
 SLOW_TESTS: dict[str, str] = {
-    "tests/jobs/test_job_recipe.py::test_recipe_runs_in_simenv_and_streams_tensorboard_curves": "NVFlare SimEnv run",
+    "tests/jobs/test_recipe_job_entry.py::test_job_py_runs_in_simenv_and_streams_tensorboard_curves": "SimEnv run",
+    "tests/jobs/test_recipe_job_entry.py::test_report_reads_the_recipe_run_and_names_it_under_the_workspace_root": (
+        "the SimEnv run"
+    ),
+    "tests/jobs/test_recipe_job_entry.py::test_the_folder_and_its_job_py_train_bit_identical_models": (
+        "SimEnv and nvflare simulator runs"
+    ),
     "tests/jobs/test_job_site_imports.py::test_the_client_set_up_path_imports_no_optional_package": "client process",
     "tests/jobs/test_job_filter_order.py::test_the_he_job_exports_the_same_under_two_hash_seeds": "two builders",
     "tests/jobs/test_job_quick_setting.py::test_make_demo_quick_learns": "5 in-process rounds on Fashion-MNIST",

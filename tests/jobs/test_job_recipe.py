@@ -1,5 +1,5 @@
 """``jobs.recipe.FedAlgRecipe``: the NVFlare 2.9 recipe exports what the builder exports, refuses what the builder
-refuses, and runs in ``SimEnv`` (small: 3 sites, 2 rounds), where it also streams TensorBoard curves to the server."""
+refuses. Its runs in ``SimEnv`` (through a job folder's job.py) are tested in test_recipe_job_entry.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-from nvflare.recipe import SimEnv
 
 from jobs.build import PRESETS, JobBuildError, JobSpec, export_job
 from jobs.recipe import FedAlgRecipe
@@ -69,33 +68,3 @@ def test_recipe_export_to_a_relative_folder_lands_relative_to_the_caller(tmp_pat
 def test_recipe_refuses_what_the_builder_refuses(kwargs, match):
     with pytest.raises(JobBuildError, match=match):
         FedAlgRecipe(**kwargs)
-
-
-def test_recipe_runs_in_simenv_and_streams_tensorboard_curves(tmp_path):
-    recipe = FedAlgRecipe(
-        name="recipe_sim",
-        client="scaffold",
-        server="scaffold",
-        num_rounds=2,
-        min_clients=3,
-        dataset="digits",
-        arch="mlp",
-    )
-
-    run = recipe.execute(SimEnv(num_clients=3, workspace_root=str(tmp_path / "sim")))
-    workspace = Path(run.get_result())
-
-    server = workspace / "server" / "simulate_job"
-    records = [json.loads(line) for line in (server / "metrics" / "round_metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in records if r["stage"] == "round"] == [0, 1]
-    assert all(r["aggregated"] == ["site-1", "site-2", "site-3"] for r in records if r["stage"] == "round")
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    for site in ("site-1", "site-2", "site-3"):
-        events = EventAccumulator(str(server / "tb_events" / site))
-        events.Reload()
-        assert {"train_loss", "train_accuracy"} <= set(events.Tags()["scalars"]), site
-        losses = events.Scalars("train_loss")
-        assert [e.step for e in losses] == [0, 1]
-        logged = {r["round"]: r["site_train_loss"][site] for r in records if r["stage"] == "round"}
-        assert [e.value for e in losses] == pytest.approx([logged[0], logged[1]], rel=1e-6)

@@ -1,0 +1,177 @@
+"""``python jobs/<name>/job.py``: a job folder run with NVFlare's recipe API (NVFlare 2.9's ``python job.py``).
+
+    python jobs/scaffold/job.py                                   # SimEnv: the simulator, one process per site
+    python jobs/scaffold/job.py --env poc                         # PocEnv: a POC deployment on this machine
+    python jobs/scaffold/job.py --env prod --startup-kit KIT      # ProdEnv: submit as the admin of a provisioned kit
+    python jobs/scaffold/job.py --export --export-dir /tmp/jobs   # NVFlare's own option: write the job folder
+
+The folder's own record of its settings (`jobs.job_record`) builds `jobs.recipe.FedAlgRecipe`, so
+``nvflare simulator <job>`` and ``python <job>/job.py`` run one definition: the recipe's job is the folder's job,
+file for file (tested). Bad input (an unknown ``--env``, ``--env prod`` without a kit, a folder that is not an admin
+startup kit or is one of another project) is refused in one line before anything starts. A run ends with where its
+result is and the report command for it; the exit code is 1 when not every round ran.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from jobs.job_record import JOB_SCRIPT, recorded_spec
+from jobs.settings import JobBuildError, OneLineErrorParser
+from jobs.spec import JobSpec
+
+#: The project the bundle provisions (``jobs/provision/project.yml``): the default a startup kit must belong to.
+PROJECT_FILE = Path(__file__).resolve().parent / "provision" / "project.yml"
+#: Where an admin startup kit names its project and user (NVFlare's provisioning writes it).
+ADMIN_CONFIG = Path("startup") / "fed_admin.json"
+ENVS = ("sim", "poc", "prod")
+
+
+def build_parser(spec: JobSpec, folder: str) -> OneLineErrorParser:
+    """``job.py``'s options (``folder``: the job folder's name, for the usage line)."""
+    parser = OneLineErrorParser(
+        prog=f"python {folder}/{JOB_SCRIPT}",
+        description=f"Run the job {spec.name!r} ({spec.client} clients, {spec.server} server, {spec.num_sites} sites, "
+        f"{spec.num_rounds} rounds) with NVFlare's recipe API. The number of sites is the job's: its data are "
+        "split for that many. NVFlare's own --export [--export-dir DIR] writes the job folder instead of running it.",
+    )
+    parser.add_argument(
+        "--env",
+        choices=ENVS,
+        default="sim",
+        help="sim: NVFlare's simulator in this process tree (SimEnv; like nvflare simulator); poc: a POC deployment "
+        "on this machine (PocEnv: prepares, starts, submits, waits, stops); prod: submit to a provisioned "
+        "deployment as the admin of --startup-kit (ProdEnv) and wait for the result (default: sim)",
+    )
+    parser.add_argument(
+        "--workspace",
+        type=Path,
+        default=Path("/tmp/nvflare/simulation"),
+        help="sim: the workspace root; the run lands in WORKSPACE/<job name> (default: SimEnv's %(default)s)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="sim: processes running the sites (default: one per site, so every site keeps its process; "
+        "nvflare simulator's -t)",
+    )
+    parser.add_argument(
+        "--startup-kit",
+        type=Path,
+        help="prod: the admin's startup kit folder, the one holding startup/fed_admin.json "
+        "(<provision workspace>/<project>/prod_NN/<admin e-mail>)",
+    )
+    parser.add_argument(
+        "--project",
+        default=None,
+        help="prod: the project the startup kit must belong to (default: jobs/provision/project.yml's name)",
+    )
+    return parser
+
+
+def bundle_project() -> str:
+    """The project name of the bundle's provisioning file."""
+    import yaml
+
+    return str(yaml.safe_load(PROJECT_FILE.read_text())["name"])
+
+
+def admin_kit(kit: Path, project: str) -> str:
+    """The admin user of the startup kit ``kit``, checked to be an admin kit of ``project``; one line otherwise."""
+    config_path = kit / ADMIN_CONFIG
+    try:
+        admin = json.loads(config_path.read_text())["admin"]
+        kit_project, username = admin["project_name"], admin["username"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise JobBuildError(
+            f"--startup-kit {kit}: not an admin startup kit (expected {config_path} with admin.project_name and "
+            f"admin.username, as nvflare provision writes for an admin: <workspace>/<project>/prod_NN/<admin>): "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    if kit_project != project:
+        raise JobBuildError(
+            f"--startup-kit {kit}: a kit of project {kit_project!r}, expected project {project!r} "
+            f"(--project; default: {PROJECT_FILE.name}'s name): use that project's admin kit"
+        )
+    return str(username)
+
+
+def check_args(args: Any, spec: JobSpec) -> None:
+    """Refuse settings that do not fit ``--env`` before anything starts (one line each)."""
+    if args.env == "prod" and args.startup_kit is None:
+        raise JobBuildError(
+            "--startup-kit: --env prod needs the admin's startup kit folder (holding startup/fed_admin.json)"
+        )
+    if args.env != "prod" and (args.startup_kit is not None or args.project is not None):
+        raise JobBuildError(f"--startup-kit/--project: only for --env prod, got --env {args.env}")
+    if args.env != "sim" and args.threads is not None:
+        raise JobBuildError(f"--threads: only for --env sim, got --env {args.env}")
+    if args.threads is not None and args.threads < 1:
+        raise JobBuildError(f"--threads must be at least 1, got {args.threads}")
+    if args.env == "sim" and spec.secure_aggregation == "he":
+        raise JobBuildError(
+            "--env sim: this job aggregates under homomorphic encryption, which needs kits provisioned with NVFlare's "
+            "HEBuilder: use --env poc (provisions them) or --env prod with such a kit"
+        )
+
+
+def make_env(args: Any, spec: JobSpec) -> Any:
+    """NVFlare's execution environment for ``args.env``."""
+    from nvflare.recipe import PocEnv, ProdEnv, SimEnv
+
+    if args.env == "sim":
+        return SimEnv(num_clients=spec.num_sites, num_threads=args.threads, workspace_root=str(args.workspace))
+    if args.env == "poc":
+        # The POC's processes start python3 from PATH: the one with this bundle installed must come first.
+        os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+        return PocEnv(num_clients=spec.num_sites, use_he=spec.secure_aggregation == "he")
+    username = admin_kit(args.startup_kit, args.project or bundle_project())
+    return ProdEnv(startup_kit_location=str(args.startup_kit.resolve()), username=username)
+
+
+def main(job_folder: Path, argv: Sequence[str] | None = None) -> int:
+    """Run the job recorded in ``job_folder`` in the environment the command line names; 0 when its rounds all ran."""
+    from jobs.recipe import FedAlgRecipe  # imports nvflare.recipe, which takes --export/--export-dir off sys.argv
+
+    try:
+        spec = recorded_spec(Path(job_folder))
+    except JobBuildError as exc:
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    args = build_parser(spec, Path(job_folder).name).parse_args(argv)
+    try:
+        check_args(args, spec)
+        env = make_env(args, spec)
+        recipe = FedAlgRecipe.from_spec(spec)
+    except (JobBuildError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    try:
+        run = recipe.execute(env)
+    except RuntimeError as exc:  # SimEnv: the simulator exited non-zero; ProdEnv: the submission failed
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return report_result(env.get_job_result(spec.name)) if args.env == "sim" else 1
+    # PocEnv would delete its workspace, and the downloaded result in it, when it stops: keep it.
+    return report_result(run.get_result(clean_up=False) if args.env == "poc" else run.get_result())
+
+
+def report_result(result: str | None) -> int:
+    """Print where the run's result is and whether every round ran (the simulator exits 0 on some aborts)."""
+    from aggregators.run_records import finished_records
+
+    if result is None:
+        print("error: no result: the job did not finish (see the environment's logs)", file=sys.stderr)
+        return 1
+    try:
+        finished_records(Path(result))
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"result: {result}\nsummary: python -m controllers.report {result}")
+    return 0
