@@ -29,6 +29,7 @@ from nvflare.app_common.workflows.model_controller import ModelController
 
 from aggregators import AggregationRule, ClientUpdate, build_rule, meta_keys
 from aggregators.compose import compose
+from aggregators.job_settings import DataSettings, JobBuildError, RoundSettings, check_settings
 
 # The metrics files every reader of a run finds (``FINAL_SCORES_FILE``: the final global model scored by every site).
 from aggregators.run_records import FINAL_SCORES_FILE, METRICS_FILE
@@ -36,12 +37,12 @@ from aggregators.sampling import clients_per_round_problem
 from controllers.adapters import result_site
 from controllers.checkpoint import append_metrics, load_resume_point, save_rule_state, save_updates
 from controllers.engine import Host, RoundEngine, SiteResult, scalar_meta
-from jobs.settings import DataSettings, JobBuildError, RoundSettings, check_settings
 
 __all__ = ["METRICS_FILE", "STATE_FILE", "FedAlgController", "scalar_meta", "to_numpy_params"]
 
 STATE_FILE = "server_state.pt"
-#: The job's declared defaults (jobs/settings.py): the controller's defaults are read from them, never repeated.
+#: The job's declared defaults (aggregators/job_settings.py): the controller's defaults are read from them, never
+#: repeated.
 ROUND_DEFAULTS = RoundSettings()
 SEED_DEFAULT = DataSettings().seed
 #: Seconds between the server's checks whether a round's results are all in (NVFlare's ``task_check_period``).
@@ -74,7 +75,7 @@ class FedAlgController(ModelController):
     """Federated rounds driven by an aggregation rule from `aggregators.RULES`.
 
     The arguments that are job settings (all but ``evaluator_id``, ``companions``, ``persistor_id`` and
-    ``task_check_period``) default to, and are checked against, their one declaration in ``jobs/settings.py``
+    ``task_check_period``) default to, and are checked against, their one declaration in ``aggregators/job_settings.py``
     (`check_round_settings`): a bad value is refused when NVFlare builds the controller, with one line naming
     the setting, the value and what is allowed, never at the first round.
 
@@ -299,13 +300,13 @@ class FedAlgController(ModelController):
         print(message, flush=True)
 
 
-#: Job settings (jobs/settings.py) the controller takes under another name.
+#: Job settings (aggregators/job_settings.py) the controller takes under another name.
 CONTROLLER_NAMES = {"server": "rule (job setting 'server')", "server_args": "rule_args (job setting 'server_args')"}
 
 
 def check_round_settings(**values: Any) -> None:
-    """Refuse the controller's settings, given by their names in ``jobs/settings.py`` (``server`` is the rule,
-    ``server_args`` its arguments), with the builder's one-line `jobs.settings.JobBuildError` (a
+    """Refuse the controller's settings, given by their names in ``aggregators/job_settings.py`` (``server`` is the
+    rule, ``server_args`` its arguments), with the builder's one-line `aggregators.job_settings.JobBuildError` (a
     ``ValueError``) naming the setting, the value and what is allowed.
 
     Each value is checked against its declaration (type, finiteness, range), then what can be checked without the

@@ -49,7 +49,6 @@ NOT_LAYERED = {
 #: writes a job's config through NVFlare's job API, which takes component instances, not import paths.
 PENDING: frozenset[str] = frozenset(
     {
-        "controllers.fedalg_controller -> jobs.settings",
         "jobs.assembly -> controllers.evaluator",
         "jobs.assembly -> controllers.fedalg_controller",
         "jobs.secure_aggregation -> controllers.he_fedopt",
