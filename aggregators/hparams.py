@@ -127,13 +127,11 @@ def interval_text(low: float, high: float, low_open: bool = False, high_open: bo
 
 
 def integer_text(low: float, high: float, low_open: bool = False, high_open: bool = False) -> str:
-    """What an integer setting accepts, in words: ``an integer``, ``a positive integer``, ``an integer >= 0``."""
+    """What an integer setting accepts, in words: ``an integer``, ``an integer >= 1``, ``an integer in [0, 9]``."""
     if math.isinf(high):
         if math.isinf(low):
             return "an integer"
-        return (
-            "a positive integer" if (low, low_open) == (1, False) else f"an integer {'>' if low_open else '>='} {low:g}"
-        )
+        return f"an integer {'>' if low_open else '>='} {low:g}"
     return "an integer " + interval_text(low, high, low_open, high_open).removeprefix("a finite number ")
 
 

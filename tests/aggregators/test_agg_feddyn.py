@@ -282,9 +282,9 @@ def test_a_population_total_smaller_than_the_sites_own_count_is_refused_by_site_
         ({"alpha": math.inf}, "feddyn: hyperparameter 'alpha' must be a finite number > 0 "),
         ({"alpha": "0.01"}, "feddyn: hyperparameter 'alpha' must be a finite number"),
         ({"alpha": True}, "feddyn: hyperparameter 'alpha' must be a finite number"),
-        ({"population_size": 0}, "feddyn: hyperparameter 'population_size' must be a positive integer"),
-        ({"population_size": 2.5}, "feddyn: hyperparameter 'population_size' must be a positive integer"),
-        ({"population_size": True}, "feddyn: hyperparameter 'population_size' must be a positive integer"),
+        ({"population_size": 0}, "feddyn: hyperparameter 'population_size' must be an integer >= 1"),
+        ({"population_size": 2.5}, "feddyn: hyperparameter 'population_size' must be an integer >= 1"),
+        ({"population_size": True}, "feddyn: hyperparameter 'population_size' must be an integer >= 1"),
         ({"mu": 1.0}, "bad hyperparameters for rule 'feddyn'"),
     ],
 )

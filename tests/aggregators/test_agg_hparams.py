@@ -164,8 +164,8 @@ class _ProbeSettings:
 @pytest.mark.parametrize(
     ("field_name", "value", "allowed"),
     [
-        ("count", 0, "a positive integer"),
-        ("count", 2.0, "a positive integer"),
+        ("count", 0, "an integer >= 1"),
+        ("count", 2.0, "an integer >= 1"),
         ("share", 1.0, "a finite number in [0, 1)"),
         ("share", math.nan, "a finite number in [0, 1)"),
         ("seed", -1, "an integer >= 0 or none"),
@@ -173,7 +173,8 @@ class _ProbeSettings:
 )
 def test_a_setting_declared_alike_is_refused_alike_as_a_hyperparameter_and_as_a_job_setting(field_name, value, allowed):
     """The same type and interval, declared with `hparam` and with `setting`: one checker, one text of what is
-    allowed (before, the job side said 'at least 1 (an integer)' where the rule side said 'a positive integer')."""
+    allowed (before, the job side said 'at least 1 (an integer)' where the rule side said 'a positive integer' and
+    the engine 'an integer >= 1')."""
     with pytest.raises(ValueError) as as_hparam:
         _ProbeHParams(**{field_name: value})
     with pytest.raises(JobBuildError) as as_setting:

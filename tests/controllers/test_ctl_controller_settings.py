@@ -38,12 +38,12 @@ def test_defaults_are_the_declared_ones():
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
-        ({"min_responses": 0}, "min_responses must be a positive integer or none, got 0"),
+        ({"min_responses": 0}, "min_responses must be an integer >= 1 or none, got 0"),
         ({"train_timeout": -5}, "train_timeout must be an integer >= 0, got -5"),
-        ({"num_rounds": 0}, "num_rounds must be a positive integer, got 0"),
-        ({"num_rounds": True}, "num_rounds must be a positive integer, got True"),
+        ({"num_rounds": 0}, "num_rounds must be an integer >= 1, got 0"),
+        ({"num_rounds": True}, "num_rounds must be an integer >= 1, got True"),
         ({"seed": -1}, "seed must be an integer >= 0, got -1"),
-        ({"min_accepted": 2.0}, "min_accepted must be a positive integer, got 2.0"),
+        ({"min_accepted": 2.0}, "min_accepted must be an integer >= 1, got 2.0"),
         ({"clients_per_round": float("nan")}, "clients_per_round must be a finite number > 0 or none, got nan"),
         (
             {"clients_per_round": 1.5},

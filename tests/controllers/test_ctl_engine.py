@@ -128,7 +128,7 @@ def test_min_accepted_below_one_or_not_an_integer_is_refused(value):
 def test_controller_refuses_min_accepted_zero_at_construction():
     from controllers.fedalg_controller import FedAlgController
 
-    with pytest.raises(ValueError, match=r"^min_accepted must be at least 1 \(an integer\), got 0$"):
+    with pytest.raises(ValueError, match=r"^min_accepted must be an integer >= 1, got 0$"):
         FedAlgController(min_accepted=0)
 
 

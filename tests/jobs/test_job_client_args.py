@@ -30,7 +30,7 @@ def test_every_committed_job_command_line_parses_back_to_its_settings(name):
     ("argv", "message"),
     [
         (["--lr", "nan"], "lr must be a finite number > 0, got nan"),
-        (["--epochs", "0"], "epochs must be a positive integer, got 0"),
+        (["--epochs", "0"], "epochs must be an integer >= 1, got 0"),
         (["--momentum", "1"], "momentum must be a finite number in [0, 1), got 1.0"),
         (["--client-args", "[1]"], "--client-args: expected a JSON object"),
     ],

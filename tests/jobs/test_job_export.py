@@ -53,7 +53,7 @@ def test_exported_job_wires_our_controller_rule_and_sample_weights(tmp_path):
         ({"dataset": "cifar10"}, "unknown dataset 'cifar10'"),
         ({"arch": "mlp"}, "does not fit dataset"),
         ({"precision": "16-mixed"}, "unknown precision '16-mixed'"),
-        ({"num_rounds": 0}, "num_rounds must be at least 1"),
+        ({"num_rounds": 0}, "num_rounds must be an integer >= 1"),
     ],
 )
 def test_bad_specs_fail_at_build_time(overrides, message):

@@ -133,7 +133,7 @@ def test_shared_checks_word_the_interval():
         check_number("x", "b", -1, 0, low_open=True, error=error)
     with pytest.raises(error, match=r"^x: hyperparameter 'c' must be an integer >= 2, got 2.0$"):
         check_int("x", "c", 2.0, 2, error=error)
-    with pytest.raises(error, match=r"^x: hyperparameter 'd' must be a positive integer, got True$"):
+    with pytest.raises(error, match=r"^x: hyperparameter 'd' must be an integer >= 1, got True$"):
         check_int("x", "d", True, 1, error=error)
     with pytest.raises(error, match=r"^x: hyperparameter 'e' must be one of \['p', 'q'\], got \['p'\]$"):
         check_choice("x", "e", ["p"], ("p", "q"), error=error)

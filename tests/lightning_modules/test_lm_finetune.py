@@ -77,7 +77,7 @@ def test_the_sent_model_is_bit_identical_with_and_without_finetuning(tmp_path):
 @pytest.mark.parametrize(
     "settings, words",
     [
-        ({"finetune_epochs": -1}, "finetune_epochs must be at least 0"),
+        ({"finetune_epochs": -1}, "finetune_epochs must be an integer >= 0"),
         ({"finetune_epochs": 2}, "needs a validation split"),
         ({"finetune_epochs": 2, "site_val_fraction": 0.2, "client": "ditto"}, "Ditto's v_i is already"),
     ],
