@@ -69,6 +69,9 @@ SLOW_TESTS: dict[str, str] = {
     "tests/jobs/test_job_own_model.py::test_the_jobs_thin_client_script_runs_the_users_script_shipped_beside_it": (
         "a client process training"
     ),
+    "tests/benchmarks/test_bench_genotype_io.py::test_the_benchmark_measures_every_format_the_loader_and_the_step": (
+        "harmonises every format twice, each in a new process"
+    ),
 }
 #: A test in the fast tier slower than this is named at the end of the session (mark it slow above).
 FAST_TIER_LIMIT_S = 5.0
