@@ -23,8 +23,9 @@ How (``--finetune-epochs K``, K >= 1; 0 = off):
   costs K epochs per round on top of the round: ``benchmarks/client_algorithms.py`` reports the added seconds.
 
 Refused when the job is built: without a validation split (nothing to score the copy on), with ``--script`` (the
-user's own loop), with ``--devices`` > 1 (the copy trains in one process) and with ``--client ditto`` (the site
-would have two personal models).
+user's own loop), with ``--devices`` > 1 (the copy trains in one process) and beside any other personal method
+(a client algorithm that declares a personal model, ``--local-keys``): the site would have two personal models and
+one set of ``personal_*`` scores (lightning_modules/personalization/methods.py, ``collision``).
 """
 
 from __future__ import annotations

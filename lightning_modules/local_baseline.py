@@ -9,7 +9,8 @@ Every site trains, beside the federation, its own **local-only model**:
   client algorithm, no DP-SGD: the model never leaves the site, so it is what the site would train on its own);
 - **compute-matched** per round: it takes exactly as many optimizer steps as the site's own training took that
   round (`matched_steps`): the federated fit's optimizer steps (``train.num_steps``, FedRep's head phase
-  included), plus Ditto's personal steps (``ditto.personal_steps``), plus the local fine-tuning's steps. So a site
+  included), plus the personal steps of Ditto or APFL (``ditto.personal_steps``, ``apfl.personal_steps``: the
+  ``steps_key`` of their declared personal model), plus the local fine-tuning's steps. So a site
   running Ditto or FedRep, which do about twice FedAvg's gradient work, gives its local-only model twice the steps
   too. Matched are optimizer steps, i.e. batches of the same batch size: a Ditto personal step costs a second
   backward pass on the same batch, counted as one step;
@@ -35,7 +36,7 @@ import numpy as np
 import pytorch_lightning as pl
 
 from aggregators import meta_keys
-from lightning_modules.algorithms.ditto import PERSONAL_STEPS_KEY
+from lightning_modules.algorithms.registry import CLIENT_ALGORITHMS
 from lightning_modules.personal_scores import own_random_stream, single_process_trainer
 from lightning_modules.state_store import ClientStateStore
 
@@ -48,10 +49,19 @@ def local_seed(seed: int, site_index: int, round_num: int) -> int:
     return int(np.random.SeedSequence([seed, site_index, round_num, 4]).generate_state(1)[0])
 
 
+#: Where a client algorithm reports its personal training's steps (its ``personal_model.steps_key``: Ditto, APFL).
+PERSONAL_STEPS_KEYS = tuple(
+    cls.personal_model.steps_key
+    for cls in CLIENT_ALGORITHMS.values()
+    if cls.personal_model and cls.personal_model.steps_key
+)
+
+
 def matched_steps(meta: Mapping[str, Any], extra_steps: int = 0) -> int:
-    """Optimizer steps the site's own training took this round: the federated fit's, Ditto's personal steps, and
-    ``extra_steps`` (local fine-tuning's)."""
-    return int(meta.get(meta_keys.NUM_STEPS, 0) or 0) + int(meta.get(PERSONAL_STEPS_KEY, 0) or 0) + int(extra_steps)
+    """Optimizer steps the site's own training took this round: the federated fit's, the personal steps of an
+    algorithm that declares them (Ditto's, APFL's), and ``extra_steps`` (local fine-tuning's)."""
+    personal = sum(int(meta.get(key, 0) or 0) for key in PERSONAL_STEPS_KEYS)
+    return int(meta.get(meta_keys.NUM_STEPS, 0) or 0) + personal + int(extra_steps)
 
 
 class LocalBaseline:

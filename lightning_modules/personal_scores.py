@@ -11,8 +11,10 @@ by side with the gain per site.
 
 The personal model is whatever the method on provides, never sent to the server:
 
-- a client algorithm with ``personal_weights(module) -> {name: tensor} | None`` (Ditto: v_i): the site's module,
-  copied, with those entries loaded, scored by the callback's ``personal_scorer`` at the end of the round;
+- a client algorithm that declares a personal model of kind ``weights`` (``personal_model``,
+  lightning_modules/algorithms/capabilities.py) and returns it from ``personal_weights(module)`` (Ditto's v_i,
+  APFL's mixture): the site's module, copied, with those entries loaded, scored by the callback's
+  ``personal_scorer`` at the end of the round;
 - a model the site round builds itself (local fine-tuning: the copy fine-tuned from the received model), whose scores
   the round hands to the callback with `lightning_modules.federated.FederatedAlgorithm.add_personal_scores`.
 

@@ -111,7 +111,9 @@ class APFL(ClientAlgorithm):
     hparams_class: ClassVar[type[HParams]] = APFLHParams
     sent_meta: ClassVar[tuple[str, ...]] = (meta_keys.APFL_ALPHA, meta_keys.APFL_PERSONAL_STEPS)
     needs_task_loss: ClassVar[bool] = True
-    personal_model: ClassVar[PersonalModel | None] = PersonalModel("weights", "APFL's mixture alpha v_i + (1-alpha) w")
+    personal_model: ClassVar[PersonalModel | None] = PersonalModel(
+        "weights", "APFL's mixture alpha v_i + (1-alpha) w", steps_key=meta_keys.APFL_PERSONAL_STEPS
+    )
     dp_sgd: ClassVar[DPSGD] = DPSGD(
         False, "APFL trains v_i and alpha on the data outside DP-SGD, and alpha and the personal scores leave the site"
     )

@@ -62,10 +62,13 @@ PERSONAL_KINDS = ("weights", "module", "copy")
 @dataclass(frozen=True)
 class PersonalModel:
     """The site's personal model an algorithm keeps (``ClientAlgorithm.personal_model``): its kind (one of
-    `PERSONAL_KINDS`) and what it is, in words for the refusals (``"Ditto's v_i"``)."""
+    `PERSONAL_KINDS`), what it is, in words for the refusals (``"Ditto's v_i"``), and the meta key of the optimizer
+    steps its personal training took in the round, if any: the local-only baseline's matched compute counts them
+    (lightning_modules/local_baseline.py)."""
 
     kind: str
     what: str
+    steps_key: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in PERSONAL_KINDS:

@@ -149,7 +149,9 @@ class Ditto(ClientAlgorithm):
     sent_meta: ClassVar[tuple[str, ...]] = (LAM_KEY, PERSONAL_STEPS_KEY)
     hparams_class: ClassVar[type[HParams]] = DittoHParams
     needs_task_loss: ClassVar[bool] = True
-    personal_model: ClassVar[PersonalModel | None] = PersonalModel("weights", "Ditto's v_i")
+    personal_model: ClassVar[PersonalModel | None] = PersonalModel(
+        "weights", "Ditto's v_i", steps_key=meta_keys.DITTO_PERSONAL_STEPS
+    )
     dp_sgd: ClassVar[DPSGD] = DPSGD(
         False, "Ditto trains the personal model v_i on the data outside DP-SGD, and its scores leave the site"
     )

@@ -13,6 +13,7 @@ from torch.utils.data import TensorDataset
 from jobs.spec import JobBuildError, JobSpec
 from lightning_modules.algorithms import ClientAlgorithm, ClientAlgorithmError, build_client_algorithm
 from lightning_modules.algorithms.apfl import ALPHA_ENTRY, APFL, alpha_gradient, mixed_model, next_alpha, personal_step_
+from lightning_modules.local_baseline import matched_steps
 from lightning_modules.privacy.dp_sgd import algorithm_problem
 from lightning_modules.state_store import ClientStateStore
 from tests.lightning_modules.test_lm_ditto import RUN, Tiny, fit_round
@@ -46,6 +47,7 @@ def test_two_steps_by_hand(tmp_path):
     # the personal model after the round: 0.708 * 0.68 + 0.292 * 0.28
     assert apfl.personal_weights(module)["net.weight"].item() == pytest.approx(0.5632, abs=1e-6)
     assert meta["apfl.personal_steps"] == 2
+    assert matched_steps(meta) == 4  # the local-only baseline gets the global and the personal steps
 
 
 def reference_round(w0, v0, alpha, batches, lr, epochs, adaptive=True):
