@@ -25,6 +25,7 @@ from lightning_modules.algorithms import CLIENT_ALGORITHMS, ClientAlgorithm, Cli
 from lightning_modules.algorithms.base import RUN_ID_KEY
 from lightning_modules.algorithms.feddyn import FedDyn
 from lightning_modules.state_store import ClientStateStore, StateStoreError
+from tests.helpers import fit_under, small_mlp, toy_loader, weights
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
@@ -397,34 +398,10 @@ class AuthorsExplicitLoss(ClientAlgorithm):
 def fit(
     algorithm: ClientAlgorithm, server_meta: Mapping[str, Any], momentum: float, weight_decay: float, **trainer_kw: Any
 ):
-    gen = torch.Generator().manual_seed(3)
-    x = torch.rand(40, IN_FEATURES, generator=gen)
-    y = torch.randint(0, NUM_CLASSES, (40,), generator=gen)
-    loader = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(5))
-    module = FLClassifier(
-        arch="mlp",
-        num_classes=NUM_CLASSES,
-        arch_args={"in_features": IN_FEATURES, "hidden_sizes": (16,)},
-        lr=0.2,
-        momentum=momentum,
-        weight_decay=weight_decay,
-        init_seed=11,
-    )
-    callback = FederatedAlgorithm(algorithm, num_samples=40, site="site-1", meta_source=lambda: dict(server_meta))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[callback],
-        **trainer_kw,
-    )
-    theta_s = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    trainer.fit(module, loader)
-    return module, theta_s
+    loader = toy_loader(IN_FEATURES, NUM_CLASSES)
+    module = small_mlp(IN_FEATURES, NUM_CLASSES, momentum=momentum, weight_decay=weight_decay)
+    theta_s = weights(module)
+    return fit_under(algorithm, module, loader, server_meta, max_epochs=2, **trainer_kw), theta_s
 
 
 @pytest.mark.parametrize(("momentum", "weight_decay"), [(0.0, 0.0), (0.9, 1e-2)])

@@ -10,17 +10,17 @@ from typing import Any
 
 import numpy as np
 import pytest
-import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from aggregators import RULES, meta_keys
 from jobs.build import _check_composition
-from lightning_modules import FederatedAlgorithm, FLClassifier
+from lightning_modules import FLClassifier
 from lightning_modules.algorithms import ClientAlgorithm, ClientAlgorithmError, build_client_algorithm
 from lightning_modules.algorithms.fedmos import FedMoS
+from tests.helpers import fit_under, small_mlp, toy_loader
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
@@ -177,43 +177,16 @@ def test_fedmos_composes_with_fedavg_and_fedmos_rules():
 IN_FEATURES, NUM_CLASSES, LR = 12, 4, 0.2
 
 
-def make_data() -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(3)
-    return torch.rand(40, IN_FEATURES, generator=gen), torch.randint(0, NUM_CLASSES, (40,), generator=gen)
-
-
 def make_loader() -> DataLoader:
-    return DataLoader(
-        TensorDataset(*make_data()), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(5)
-    )
+    return toy_loader(IN_FEATURES, NUM_CLASSES)
 
 
 def make_module(**kw: Any) -> FLClassifier:
-    return FLClassifier(
-        arch="mlp",
-        num_classes=NUM_CLASSES,
-        arch_args={"in_features": IN_FEATURES, "hidden_sizes": (16,)},
-        lr=LR,
-        init_seed=11,
-        **kw,
-    )
+    return small_mlp(IN_FEATURES, NUM_CLASSES, lr=LR, **kw)
 
 
 def fit(module: FLClassifier, algorithm: ClientAlgorithm, **trainer_kw: Any) -> FLClassifier:
-    callback = FederatedAlgorithm(algorithm, num_samples=40, site="site-1", meta_source=lambda: {meta_keys.ROUND: 0})
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[callback],
-        **trainer_kw,
-    )
-    trainer.fit(module, make_loader())
-    return module
+    return fit_under(algorithm, module, make_loader(), {meta_keys.ROUND: 0}, **trainer_kw)
 
 
 def reference_fit(a: float, mu: float) -> dict[str, torch.Tensor]:

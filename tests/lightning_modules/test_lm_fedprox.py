@@ -11,16 +11,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-import pytorch_lightning as pl
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from aggregators import RULES, meta_keys
 from jobs.build import PRESETS, JobSpec, _check_composition
-from lightning_modules import FederatedAlgorithm, FLClassifier
 from lightning_modules.algorithms import ClientAlgorithm, ClientAlgorithmError, build_client_algorithm
 from lightning_modules.algorithms.fedprox import FedProx
+from tests.helpers import fit_under, small_mlp, toy_loader, weights
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
@@ -188,38 +186,10 @@ class ExplicitProxLoss(ClientAlgorithm):
 
 def fit(algorithm: ClientAlgorithm, *, momentum: float = 0.0, weight_decay: float = 0.0, epochs: int = 2, **kw):
     """Two epochs of FLClassifier (mlp) on 40 random samples, shuffled by a fixed generator; returns the module."""
-    gen = torch.Generator().manual_seed(3)
-    x = torch.rand(40, IN_FEATURES, generator=gen)
-    y = torch.randint(0, NUM_CLASSES, (40,), generator=gen)
-    loader = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(5))
+    loader = toy_loader(IN_FEATURES, NUM_CLASSES)
     torch.manual_seed(0)
-    module = FLClassifier(
-        arch="mlp",
-        num_classes=NUM_CLASSES,
-        arch_args={"in_features": IN_FEATURES, "hidden_sizes": (16,)},
-        lr=0.2,
-        momentum=momentum,
-        weight_decay=weight_decay,
-        init_seed=11,
-    )
-    callback = FederatedAlgorithm(algorithm, num_samples=40, site="site-1", meta_source=lambda: {meta_keys.ROUND: 0})
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=epochs,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[callback],
-        **kw,
-    )
-    trainer.fit(module, loader)
-    return module
-
-
-def weights(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+    module = small_mlp(IN_FEATURES, NUM_CLASSES, momentum=momentum, weight_decay=weight_decay)
+    return fit_under(algorithm, module, loader, {meta_keys.ROUND: 0}, max_epochs=epochs, **kw)
 
 
 @pytest.mark.parametrize(("momentum", "weight_decay"), [(0.0, 0.0), (0.9, 1e-2)])

@@ -15,7 +15,6 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from aggregators import meta_keys
 from lightning_modules import FederatedAlgorithm, FLClassifier
@@ -23,6 +22,7 @@ from lightning_modules.algorithms import ClientAlgorithm, build_client_algorithm
 from lightning_modules.algorithms.feddyn import FedDyn
 from lightning_modules.algorithms.fedprox import FedProx
 from lightning_modules.state_store import ClientStateStore
+from tests.helpers import fit_under, small_mlp, toy_loader, weights
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
@@ -48,8 +48,7 @@ class LerpSpy:
 
 
 def new_module(momentum: float = 0.0) -> FLClassifier:
-    args = {"in_features": IN_FEATURES, "hidden_sizes": (16,)}
-    return FLClassifier(arch="mlp", num_classes=NUM_CLASSES, arch_args=args, lr=0.2, momentum=momentum, init_seed=11)
+    return small_mlp(IN_FEATURES, NUM_CLASSES, momentum=momentum)
 
 
 def fit(
@@ -62,31 +61,12 @@ def fit(
     **trainer_kw: Any,
 ) -> nn.Module:
     """A 10-step fit; ``around``: callbacks placed before and after the algorithm's."""
-    gen = torch.Generator().manual_seed(3)
-    x = torch.rand(40, IN_FEATURES, generator=gen)
-    y = torch.randint(0, NUM_CLASSES, (40,), generator=gen)
-    loader = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(5))
+    loader = toy_loader(IN_FEATURES, NUM_CLASSES)
+    callback_args = {"fuse_plain_sgd": fuse_plain_sgd}
     module = new_module(momentum)
-    callback = FederatedAlgorithm(
-        algorithm, num_samples=40, site="site-1", meta_source=lambda: dict(meta), fuse_plain_sgd=fuse_plain_sgd
+    return fit_under(
+        algorithm, module, loader, meta, max_epochs=2, around=around, callback_args=callback_args, **trainer_kw
     )
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[around[0], callback, around[1]] if around else [callback],
-        **trainer_kw,
-    )
-    trainer.fit(module, loader)
-    return module
-
-
-def weights(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
 def feddyn(tmp_path, name: str) -> FedDyn:
@@ -230,9 +210,9 @@ def test_a_callback_after_the_algorithm_sees_the_task_gradient_plus_the_term(tmp
     fit(bound(name, tmp_path), DEFAULTS[name][1], around=(before, after))
     assert len(after.grads) == len(before.grads) == STEPS
     received = before.weights[0]  # nothing moves before the first step
-    for step, (weights, task, seen) in enumerate(zip(before.weights, before.grads, after.grads, strict=True)):
-        assert all(torch.equal(weights[n], after.weights[step][n]) for n in weights)  # nothing moved in between
-        term = closed_form_term(name, weights, received)
+    for step, (at_step, task, seen) in enumerate(zip(before.weights, before.grads, after.grads, strict=True)):
+        assert all(torch.equal(at_step[n], after.weights[step][n]) for n in at_step)  # nothing moved in between
+        term = closed_form_term(name, at_step, received)
         for n in task:
             torch.testing.assert_close(seen[n], task[n] + term[n], atol=1e-6, rtol=0)
         if step:  # the weights have left the received model: the term is not zero

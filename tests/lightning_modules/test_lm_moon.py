@@ -13,19 +13,18 @@ from typing import Any
 
 import numpy as np
 import pytest
-import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from aggregators import RULES, meta_keys
 from jobs.build import PRESETS, JobBuildError, JobSpec, _check_composition, export_job, model_arch_args
-from lightning_modules import FederatedAlgorithm, FLClassifier
+from lightning_modules import FLClassifier
 from lightning_modules.algorithms import ClientAlgorithm, ClientAlgorithmError, build_client_algorithm
 from lightning_modules.algorithms.moon import Moon, contrastive_loss
 from lightning_modules.models import build_model
 from lightning_modules.state_store import ClientStateStore, StateStoreError
+from tests.helpers import fit_under, toy_loader, weights
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
@@ -358,27 +357,7 @@ class ExplicitMoon(ClientAlgorithm):
 
 
 def fit(module: FLClassifier, algorithm: ClientAlgorithm, round_num: int = 0, **trainer_kw: Any) -> FLClassifier:
-    gen = torch.Generator().manual_seed(3)
-    x, y = torch.rand(40, IN_FEATURES, generator=gen), torch.randint(0, NUM_CLASSES, (40,), generator=gen)
-    loader = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(5))
-    callback = FederatedAlgorithm(algorithm, num_samples=40, site=SITE, meta_source=lambda: meta(round_num))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[callback],
-        **trainer_kw,
-    )
-    trainer.fit(module, loader)
-    return module
-
-
-def weights(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return fit_under(algorithm, module, toy_loader(IN_FEATURES, NUM_CLASSES), meta(round_num), site=SITE, **trainer_kw)
 
 
 def test_fit_matches_an_explicit_second_forward_reference_in_round_two(tmp_path):
