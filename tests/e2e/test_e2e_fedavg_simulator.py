@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from controllers.checkpoint import RoundCapture, load_updates
-from jobs.build import JobSpec, export_job
 
 NUM_ROUNDS = 3
 SITES = ("site-1", "site-2", "site-3")
@@ -23,32 +22,15 @@ THREAD_MODES = {"threads-3": 3, "default-single-thread": None}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, fashion_mnist, simulate) -> dict[str, tuple[Path, object]]:
+def runs(fashion_mnist, shared_specs, simulated) -> dict[str, tuple[Path, object]]:
     """The same job under ``-t 3`` (one process per site) and the default ``-t 1`` (a process per client-round)."""
-    return {mode: _simulate(tmp_path_factory, simulate, mode, threads) for mode, threads in THREAD_MODES.items()}
+    assert shared_specs["fedavg"].num_rounds == NUM_ROUNDS
+    return {mode: simulated(shared_specs["fedavg"], threads) for mode, threads in THREAD_MODES.items()}
 
 
 @pytest.fixture(params=list(THREAD_MODES))
 def simulation(request, runs) -> tuple[Path, object]:
     return runs[request.param]
-
-
-def _simulate(tmp_path_factory, simulate, mode: str, threads: int | None) -> tuple[Path, object]:
-    root = tmp_path_factory.mktemp(mode)
-    spec = JobSpec(
-        name="e2e_fedavg",
-        num_rounds=NUM_ROUNDS,
-        max_train_samples=3000,
-        max_test_samples=2000,
-        epochs=2,
-        momentum=0.9,
-        lr=0.02,
-        save_client_updates=True,
-    )
-    job_dir = export_job(spec, root / "jobs")
-    workspace = root / "ws"
-    completed = simulate(job_dir, workspace, num_clients=len(SITES), threads=threads)
-    return workspace, completed
 
 
 def _capture(workspace: Path, round_num: int) -> RoundCapture:

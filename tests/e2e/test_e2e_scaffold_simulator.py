@@ -15,7 +15,6 @@ import torch
 from aggregators import meta_keys
 from controllers import report
 from controllers.checkpoint import load_updates
-from jobs.build import JobSpec, export_job
 
 NUM_ROUNDS = 3
 SITES = ("site-1", "site-2", "site-3")
@@ -23,25 +22,16 @@ THREAD_MODES = {"threads-3": 3, "default-single-thread": None}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, fashion_mnist, simulate) -> dict[str, Path]:
-    spec = JobSpec(
-        name="e2e_scaffold",
-        client="scaffold",
-        server="scaffold",
-        num_rounds=NUM_ROUNDS,
-        clients_per_round=2,
-        max_train_samples=3000,
-        max_test_samples=2000,
-        save_client_updates=True,
-    )
+def runs(fashion_mnist, shared_specs, simulated) -> dict[str, Path]:
+    spec = shared_specs["scaffold-partial"]
+    assert (spec.num_rounds, spec.clients_per_round, spec.save_client_updates) == (NUM_ROUNDS, 2, True)
     workspaces = {}
     for mode, threads in THREAD_MODES.items():
-        root = tmp_path_factory.mktemp(mode)
-        completed = simulate(export_job(spec, root / "jobs"), root / "ws", num_clients=len(SITES), threads=threads)
-        assert (root / "ws" / "server" / "simulate_job" / "app_server" / "server_state.pt").is_file(), (
+        workspace, completed = simulated(spec, threads)
+        assert (workspace / "server" / "simulate_job" / "app_server" / "server_state.pt").is_file(), (
             completed.stdout[-4000:] + completed.stderr[-4000:]
         )
-        workspaces[mode] = root / "ws"
+        workspaces[mode] = workspace
     return workspaces
 
 
