@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import pytorch_lightning as pl
 import torch
 
 from aggregators import meta_keys
@@ -17,6 +16,7 @@ from lightning_modules import FederatedAlgorithm, FLClassifier
 from lightning_modules.algorithms import CLIENT_ALGORITHMS, build_client_algorithm
 from lightning_modules.personalization.partial_sharing import STORE_NAME
 from lightning_modules.state_store import ClientStateStore
+from tests.helpers import quiet_trainer
 
 META = {meta_keys.ROUND: 0, meta_keys.RUN_ID: "run", meta_keys.SCAFFOLD_CTRL_GLOBAL: {}, meta_keys.FEDDYN_ALPHA: 0.1}
 
@@ -29,15 +29,7 @@ def fit(name: str, root, round_num: int = 0) -> tuple[FLClassifier, dict]:
     meta = {**META, meta_keys.ROUND: round_num}
     callback = FederatedAlgorithm(algorithm, num_samples=48, site="site-1", meta_source=lambda: meta)
     data = torch.utils.data.TensorDataset(torch.rand(48, 64), torch.arange(48) % 10)
-    trainer = pl.Trainer(
-        max_epochs=1,
-        accelerator="cpu",
-        callbacks=[callback],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(1, [callback])
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=16))
     return module, callback.last_meta
 

@@ -18,6 +18,7 @@ from lightning_modules.algorithms import ClientAlgorithmError, build_client_algo
 from lightning_modules.algorithms.ditto import Ditto, ditto_step_
 from lightning_modules.federated import FederatedAlgorithm
 from lightning_modules.state_store import ClientStateStore
+from tests.helpers import quiet_trainer
 
 RUN = "run-a"
 
@@ -66,15 +67,7 @@ def fit_round(module, algorithm, store, data, round_num=0, confirmed=None, epoch
         num_samples=len(data),
         meta_source=lambda: round_meta(round_num, confirmed),
     )
-    trainer = pl.Trainer(
-        max_epochs=epochs,
-        accelerator="cpu",
-        callbacks=[callback],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(epochs, [callback])
     trainer.fit(module, train_dataloaders=DataLoader(data, batch_size=batch_size, shuffle=False))
     return callback.last_meta
 

@@ -20,6 +20,7 @@ from lightning_modules.algorithms import CLIENT_ALGORITHMS, build_client_algorit
 from lightning_modules.algorithms.base import ClientAlgorithmError
 from lightning_modules.federated import adds_loss_terms, algorithm_loss
 from lightning_modules.state_store import ClientStateStore
+from tests.helpers import quiet_trainer
 
 LR, MU, ALPHA, C = 0.05, 0.1, 0.2, 0.1
 N, BATCH = 48, 16
@@ -60,16 +61,7 @@ def server_meta() -> dict:
 
 
 def trainer(callback: pl.Callback, **kwargs) -> pl.Trainer:
-    return pl.Trainer(
-        max_epochs=1,
-        accelerator="cpu",
-        callbacks=[callback],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kwargs,
-    )
+    return quiet_trainer(1, [callback], **kwargs)
 
 
 def fit_user(tmp_path, name: str, optimizer: str = "sgd", args=None, meta=None) -> tuple[UserModule, dict]:

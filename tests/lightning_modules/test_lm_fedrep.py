@@ -26,6 +26,7 @@ from lightning_modules.federated import FederatedAlgorithm
 from lightning_modules.personalization.partial_sharing import local_entries_for
 from lightning_modules.site import LocalExchange
 from lightning_modules.state_store import ClientStateStore
+from tests.helpers import quiet_trainer
 
 HEAD = "head.weight,head.bias"
 
@@ -73,15 +74,7 @@ def fit_round(module, dataset, store, *, head_epochs, epochs=1, round_num=0, bat
         local_keys=local_keys,
     )
     exchange = LocalExchange({k: v.detach().numpy().copy() for k, v in module.state_dict().items()})
-    trainer = pl.Trainer(
-        max_epochs=epochs,
-        accelerator="cpu",
-        callbacks=[callback, exchange],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(epochs, [callback, exchange])
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False)
     trainer.fit(module, train_dataloaders=loader)
     return exchange.result, callback.last_meta

@@ -17,6 +17,7 @@ from lightning_modules import FederatedAlgorithm
 from lightning_modules.algorithms.base import RUN_ID_KEY
 from lightning_modules.federated import algorithm_loss
 from lightning_modules.state_store import ClientStateStore
+from tests.helpers import quiet_trainer
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
@@ -79,15 +80,7 @@ def fit_through_the_callback(tmp_path) -> tuple[MoonUser, dict]:
         "moon", algorithm_args={"mu": MU, "temperature": TAU}, site=SITE, state_store=store, meta_source=lambda: meta
     )
     module = MoonUser()
-    trainer = pl.Trainer(
-        max_epochs=1,
-        accelerator="cpu",
-        callbacks=[callback],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(1, [callback])
     trainer.fit(module, loader())
     return module, callback.last_meta
 

@@ -22,6 +22,7 @@ from lightning_modules.privacy.dp_sgd import DPSGD, PrivacyBudgetExhausted, pois
 from lightning_modules.privacy.ledger import LEDGER_NAME, LedgerError
 from lightning_modules.privacy.release import RELEASED, SITE_SCORES, release, status_of, unaccounted_keys
 from lightning_modules.state_store import ClientStateStore
+from tests.helpers import quiet_trainer
 
 SITE, RUN = "site-1", "run-a"
 
@@ -126,16 +127,7 @@ def fit(
         loader = poisson_loader(loader)
     store = privacy.state_store if privacy is not None else None
     callback = FederatedAlgorithm("fedavg", site=SITE, state_store=store, meta_source=lambda: meta, privacy=privacy)
-    trainer = pl.Trainer(
-        max_epochs=epochs,
-        callbacks=[callback],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        precision=precision,
-        accelerator="cpu",
-    )
+    trainer = quiet_trainer(epochs, [callback], precision=precision)
     trainer.fit(module, train_dataloaders=loader)
     return callback.last_meta
 

@@ -32,6 +32,7 @@ from lightning_modules.protocols import (
     optimizer_problem,
 )
 from lightning_modules.state_store import ClientStateStore
+from tests.helpers import quiet_trainer
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
@@ -64,15 +65,7 @@ def fit(module: pl.LightningModule, algorithm: ClientAlgorithm | str, rule: str,
         algorithm, site="site-1", state_store=ClientStateStore(tmp_path, "site-1"), meta_source=lambda: meta
     )
     data = torch.utils.data.TensorDataset(torch.rand(N, 6), torch.arange(N) % 3)
-    trainer = pl.Trainer(
-        max_epochs=1,
-        accelerator="cpu",
-        callbacks=[callback],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(1, [callback])
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=BATCH))
     return callback.last_meta
 

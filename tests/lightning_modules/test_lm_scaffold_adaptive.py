@@ -17,6 +17,7 @@ from lightning_modules import FederatedAlgorithm
 from lightning_modules.algorithms import ClientAlgorithmError, build_client_algorithm
 from lightning_modules.algorithms.scaffold import resolve_correction, resolve_estimator
 from lightning_modules.state_store import ClientStateStore
+from tests.helpers import quiet_trainer
 
 LRS = [0.1, 0.05, 0.02, 0.08]  # a schedule: the estimators must weight by the rates actually applied
 RNG = np.random.default_rng(3)
@@ -267,16 +268,7 @@ def test_in_a_fit_with_adamw_and_gradient_clipping_the_control_is_the_mean_uncli
     data = torch.utils.data.TensorDataset(
         torch.from_numpy(INPUTS.reshape(-1, 3)), torch.from_numpy(TARGETS.reshape(-1, 2))
     )
-    trainer = pl.Trainer(
-        max_epochs=1,
-        accelerator="cpu",
-        gradient_clip_val=0.01,
-        callbacks=[recorder, callback],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(1, [recorder, callback], gradient_clip_val=0.01)
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=5))
     assert (algorithm.used_estimator, algorithm.used_correction) == ("gradients", "grad") and len(recorder.seen) == 4
     diff = callback.last_meta[meta_keys.SCAFFOLD_CTRL_DIFF]

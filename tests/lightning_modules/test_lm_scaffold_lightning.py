@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import pytorch_lightning as pl
 import torch
 from torch import nn
 
@@ -12,6 +11,7 @@ from aggregators import meta_keys
 from lightning_modules import FederatedAlgorithm, FLClassifier
 from lightning_modules.algorithms import ClientAlgorithmError, build_client_algorithm
 from lightning_modules.state_store import ClientStateStore
+from tests.helpers import quiet_trainer
 
 LR = 0.05
 
@@ -26,17 +26,8 @@ def _fit(tmp_path, precision="32-true", accumulate=1, control=None, arch_with_bn
     meta = {meta_keys.SCAFFOLD_CTRL_GLOBAL: control or {}, meta_keys.ROUND: 0, meta_keys.RUN_ID: "run"}
     callback = FederatedAlgorithm(algorithm, num_samples=64, site="site-1", meta_source=lambda: meta)
     data = torch.utils.data.TensorDataset(torch.rand(64, 64), torch.randint(0, 10, (64,)))
-    trainer = pl.Trainer(
-        max_epochs=1,
-        accelerator="cpu",
-        precision=precision,
-        accumulate_grad_batches=accumulate,
-        limit_train_batches=batches,
-        callbacks=[callback],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+    trainer = quiet_trainer(
+        1, [callback], precision=precision, accumulate_grad_batches=accumulate, limit_train_batches=batches
     )
     x0 = {k: v.detach().clone() for k, v in module.state_dict().items()}
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=16))
@@ -85,16 +76,7 @@ def test_gradient_correction_with_gradient_clipping_is_refused_with_the_reason(t
     algorithm.bind("site-1", ClientStateStore(tmp_path, "site-1"))
     meta = {meta_keys.SCAFFOLD_CTRL_GLOBAL: {}, meta_keys.ROUND: 0, meta_keys.RUN_ID: "run"}
     callback = FederatedAlgorithm(algorithm, num_samples=16, site="site-1", meta_source=lambda: meta)
-    trainer = pl.Trainer(
-        max_epochs=1,
-        accelerator="cpu",
-        gradient_clip_val=1.0,
-        callbacks=[callback],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(1, [callback], gradient_clip_val=1.0)
     data = torch.utils.data.TensorDataset(torch.rand(16, 64), torch.randint(0, 10, (16,)))
     with pytest.raises(ClientAlgorithmError, match="site-1: scaffold with correction='grad' and gradient clipping"):
         trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=16))
