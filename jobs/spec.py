@@ -142,7 +142,7 @@ def job_local_keys(spec: JobSpec) -> tuple[str, ...]:
     from lightning_modules.algorithms import CLIENT_ALGORITHMS
     from lightning_modules.personalization.local_keys import LocalKeysError, declared_head_keys, resolve_local_keys
 
-    needs_head = getattr(CLIENT_ALGORITHMS[spec.client], "needs_head", False)
+    needs_head = CLIENT_ALGORITHMS[spec.client].needs_head
     if not spec.local_keys and not needs_head:
         return ()
     _check_partial_sharing(spec)

@@ -237,9 +237,9 @@ class FederatedAlgorithm(pl.Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         check_trainer_supports(self.algorithm, trainer, pl_module.automatic_optimization)
-        extra_epochs = getattr(self.algorithm, "extra_epochs", None)
-        if callable(extra_epochs) and trainer.max_epochs is not None:  # FedRep's head phase precedes the job's epochs
-            trainer.fit_loop.max_epochs = trainer.max_epochs + int(extra_epochs())
+        extra_epochs = self.algorithm.extra_epochs()  # FedRep's head phase precedes the job's epochs
+        if extra_epochs and trainer.max_epochs is not None:
+            trainer.fit_loop.max_epochs = trainer.max_epochs + int(extra_epochs)
         self._remove_step_hook()
         optimizer = trainer.optimizers[0]
         self._step_hook = optimizer.register_step_post_hook(lambda opt, *_: self.after_optimizer_step(pl_module, opt))

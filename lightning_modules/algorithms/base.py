@@ -84,6 +84,9 @@ class ClientAlgorithm:
     #: site's local entries (FedRep's head). lightning_modules/personalization/methods.py makes it a method of
     #: the personalization axis, and the job builder refuses methods whose personal models would collide.
     personal_model: ClassVar[PersonalModel | None] = None
+    #: Its personal model is a head the site keeps: the job's local keys, or without them the head the module
+    #: declares (``fl_head_keys()``); the builder resolves and checks it (FedRep).
+    needs_head: ClassVar[bool] = False
     #: The checked values (set by `use_hparams`).
     hyperparameters: HParams = HParams()
 
@@ -164,6 +167,10 @@ class ClientAlgorithm:
         own class: a subclass that does not declare ``dp_sgd`` is refused."""
         declared = declared_dp_sgd(type(self))
         return None if declared.composes else declared.why
+
+    def extra_epochs(self) -> int:
+        """Epochs the round's fit runs on top of the job's ``--epochs`` (FedRep's head phase); 0: none."""
+        return 0
 
     def proximal_coefficient(self) -> float:
         """mu of a proximal term mu * (w - w_t) this algorithm adds to every gradient (0: none)."""

@@ -143,7 +143,7 @@ def local_entries_for(
     another model.
     """
     keys = parse_local_keys(local_keys)
-    if not keys and getattr(algorithm, "needs_head", False):
+    if not keys and algorithm.needs_head:
         keys = declared_head_keys(module)
         if not keys:
             raise ClientAlgorithmError(
