@@ -17,7 +17,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -128,11 +129,24 @@ def make_env(args: Any, spec: JobSpec) -> Any:
     if args.env == "sim":
         return SimEnv(num_clients=spec.num_sites, num_threads=args.threads, workspace_root=str(args.workspace))
     if args.env == "poc":
-        # The POC's processes start python3 from PATH: the one with this bundle installed must come first.
-        os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+        poc_site_environment(os.environ)  # the POC's processes inherit this process's environment
         return PocEnv(num_clients=spec.num_sites, use_he=spec.secure_aggregation == "he")
     username = admin_kit(args.startup_kit, args.project or bundle_project())
     return ProdEnv(startup_kit_location=str(args.startup_kit.resolve()), username=username)
+
+
+def poc_site_environment(environ: MutableMapping[str, str]) -> None:
+    """What every POC process needs from its environment: ``python3`` (the kits' start scripts run it from PATH)
+    must be this interpreter, which has the bundle; and, unless ``$FEDALG_SITE_DATA`` names the sites' data already,
+    each site trains on its shard derived from the job's data settings, as in the simulator (a POC site is
+    provisioned, so `data_prep.site_config` would otherwise refuse to derive data it does not own)."""
+    from data_prep.site_config import SITE_DATA_ENV
+
+    environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{environ.get('PATH', '')}"
+    if not environ.get(SITE_DATA_ENV, "").strip():
+        config = Path(tempfile.mkdtemp(prefix="fedalg_poc_")) / "derive_site_data.json"
+        config.write_text(json.dumps({"derive": True}))
+        environ[SITE_DATA_ENV] = str(config)
 
 
 def main(job_folder: Path, argv: Sequence[str] | None = None) -> int:

@@ -203,3 +203,29 @@ def test_prod_submits_as_the_kits_admin_of_the_expected_project(project, kits, t
         job_entry.main(REPO / "jobs" / "fedavg", argv)
     (env,) = started
     assert (env.username, env.startup_kit_location) == ("admin@fedalg.org", str(kit.resolve()))
+
+
+def test_poc_sites_run_this_python_and_derive_their_shards_unless_their_data_is_set(tmp_path):
+    """A POC site is provisioned (startup/fed_client.json), so it refuses to derive data on its own; job.py --env poc
+    opts its sites in, as the simulator's, and leaves a site data setting the user made alone."""
+    from data_prep.site_config import SITE_DATA_ENV, SiteDataError, resolve_site_data
+    from data_prep.sites import SiteDataConfig, site_split
+
+    site = tmp_path / "site-2"
+    (site / "startup").mkdir(parents=True)
+    (site / "startup" / "fed_client.json").write_text("{}")
+    simulation = SiteDataConfig(dataset="digits", scheme="dirichlet", num_sites=3)
+    with pytest.raises(SiteDataError, match="no site-local training data"):
+        resolve_site_data("site-2", site, simulation, 10, environ={})
+
+    environ = {"PATH": "/usr/bin"}
+    job_entry.poc_site_environment(environ)
+    assert environ["PATH"] == f"{Path(sys.executable).parent}:/usr/bin"
+    data = resolve_site_data("site-2", site, simulation, 10, environ=environ)
+    expected_x, expected_y = site_split(simulation, "site-2")
+    np.testing.assert_array_equal(data.y, expected_y)
+    np.testing.assert_array_equal(data.x, expected_x)
+
+    own = {"PATH": "", SITE_DATA_ENV: "/data/site.npz"}
+    job_entry.poc_site_environment(own)
+    assert own[SITE_DATA_ENV] == "/data/site.npz"
