@@ -65,6 +65,7 @@ CLIENT_REFUSALS: dict[str, str] = {
     "server.last_aggregated), which NVFlare's ScatterAndGather does not send",
     "fedrep": "keeps its head at the site (partial sharing), which the sum workflow does not handle",
 }
+CLIENT_REFUSALS["apfl"] = CLIENT_REFUSALS["ditto"]  # its v_i and alpha: per-site state, confirmed the same way
 #: What NVFlare's HE components are called in the job's config (tests and the loopback driver look for them).
 HE_COMPONENTS = (
     "nvflare.app_opt.he.model_encryptor.HEModelEncryptor",
