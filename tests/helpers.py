@@ -1,6 +1,7 @@
 """The Lightning fit harness the client-algorithm tests share, in one place so that every test comparing two fits
 builds them the same way: a quiet one-device CPU Trainer, the small MLP classifier, a seeded toy loader, one fit under
-a client algorithm's callback, and a detached copy of a module's weights.
+a client algorithm's callback, a detached copy of a module's weights, the one-weight `Quadratic` of the
+closed-form client tests, and `FakeFlare`, NVFlare's client API fed from a list (the genotype QC site tests).
 
 Import it as ``from tests.helpers import ...`` (tests/conftest.py puts the repository first on the path)."""
 
@@ -15,6 +16,33 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_modules import FederatedAlgorithm, FLClassifier
+
+
+class Quadratic(nn.Module):
+    """The closed-form client tests' model: one scalar weight, a frozen parameter and a BatchNorm-like buffer
+    (neither may ever be touched)."""
+
+    def __init__(self, w0: float) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor([w0]))
+        self.frozen = nn.Parameter(torch.tensor([2.0]), requires_grad=False)
+        self.register_buffer("running_mean", torch.tensor([7.0]))
+
+
+class FakeFlare:
+    """NVFlare's client API as site_main uses it, fed with ``inbox``; what the site sends lands in ``sent``."""
+
+    def __init__(self, site: str, inbox: list[Any]) -> None:
+        self.site, self.inbox, self.sent = site, list(inbox), []
+
+    def install(self, monkeypatch: Any) -> None:
+        import nvflare.client as flare
+
+        monkeypatch.setattr(flare, "init", lambda *a, **k: None)
+        monkeypatch.setattr(flare, "get_site_name", lambda: self.site)
+        monkeypatch.setattr(flare, "is_running", lambda: bool(self.inbox))
+        monkeypatch.setattr(flare, "receive", lambda *a, **k: self.inbox.pop(0) if self.inbox else None)
+        monkeypatch.setattr(flare, "send", lambda model, *a, **k: self.sent.append(model))
 
 
 def quiet_trainer(max_epochs: int = 1, callbacks: Sequence[pl.Callback] = (), **trainer_kw: Any) -> pl.Trainer:

@@ -81,20 +81,25 @@ def test_without_a_personal_model_no_personal_column():
     assert "personal" not in report.format_table(history)
 
 
-def test_a_ditto_site_sends_its_personal_models_scores(tmp_path):
+def digits_site_round(tmp_path, **settings):
+    """Site-1 of a digits MLP job with ``settings`` and a 20 % validation split, on 60 seeded random samples; its
+    first round from its own initial weights: (the site round, what it sent, its meta)."""
     from benchmarks.in_process import site_args
     from jobs.spec import JobSpec
     from lightning_modules.site import build_site_round
     from lightning_modules.state_store import ClientStateStore
 
-    spec = JobSpec(name="d", dataset="digits", arch="mlp", site_val_fraction=0.2, client="ditto")
-    args = site_args(spec)
+    args = site_args(JobSpec(name="d", dataset="digits", arch="mlp", site_val_fraction=0.2, **settings))
     args.accelerator = "cpu"
     rng = np.random.default_rng(0)
     x, y = rng.random((60, 64), dtype=np.float32), rng.integers(0, 10, 60).astype(np.int64)
     site = build_site_round(args, "site-1", 0, x, y, 10, ClientStateStore(tmp_path, "site-1"))
     params = {k: v.numpy().copy() for k, v in site.module.state_dict().items()}
-    _, meta = site.train(0, params, {"server.round": 0, "server.run_id": "r"})
+    return (site, *site.train(0, params, {"server.round": 0, "server.run_id": "r"}))
+
+
+def test_a_ditto_site_sends_its_personal_models_scores(tmp_path):
+    _, _, meta = digits_site_round(tmp_path, client="ditto")
     assert {"eval.val_accuracy", "eval.personal_val_accuracy", "eval.personal_val_loss"} <= set(meta)
     # v_i after one epoch of personal steps is not the received model: its loss differs from the global one's.
     assert meta["eval.personal_val_loss"] != meta["eval.val_loss"]
@@ -103,20 +108,9 @@ def test_a_ditto_site_sends_its_personal_models_scores(tmp_path):
 def test_a_fedper_site_scores_its_trained_module_with_its_own_head(tmp_path):
     # Partial sharing: the personal model is the module the site trained (shared entries + its own head), scored
     # on the same split as the received model, before the result (without the head) is sent.
-    from benchmarks.in_process import site_args
-    from jobs.spec import JobSpec
     from lightning_modules.personal_scores import single_process_trainer, validation_scores
-    from lightning_modules.site import build_site_round
-    from lightning_modules.state_store import ClientStateStore
 
-    spec = JobSpec(name="p", dataset="digits", arch="mlp", site_val_fraction=0.2, local_keys="net.classifier.*")
-    args = site_args(spec)
-    args.accelerator = "cpu"
-    rng = np.random.default_rng(0)
-    x, y = rng.random((60, 64), dtype=np.float32), rng.integers(0, 10, 60).astype(np.int64)
-    site = build_site_round(args, "site-1", 0, x, y, 10, ClientStateStore(tmp_path, "site-1"))
-    params = {k: v.numpy().copy() for k, v in site.module.state_dict().items()}
-    sent, meta = site.train(0, params, {"server.round": 0, "server.run_id": "r"})
+    site, sent, meta = digits_site_round(tmp_path, local_keys="net.classifier.*")
     assert not any(key.startswith("net.classifier.") for key in sent)
     expected = validation_scores(
         site.module, single_process_trainer("32-true", "cpu"), dataloaders=site.validation_loader()

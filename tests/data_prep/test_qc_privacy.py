@@ -25,6 +25,7 @@ from data_prep.genotypes.federated_qc import (
     site_main,
 )
 from data_prep.genotypes.qc import MIN_SITE_PEOPLE, QcThresholds, check_site_size, genotype_counts, implied_people
+from tests.helpers import FakeFlare as InboxFlare
 
 SNPS = ("rs0", "rs1", "rs2")
 THRESHOLDS = QcThresholds(min_call_rate=0.9, min_maf=0.0)
@@ -145,24 +146,17 @@ def test_the_controller_writes_the_report_when_every_site_is_large_enough(tmp_pa
 # ---- the site -------------------------------------------------------------------------------------------------------
 
 
-class FakeFlare:
+class FakeFlare(InboxFlare):
     """The NVFlare client API as site_main uses it: one counts request, then one filter message."""
 
     def __init__(self, site: str) -> None:
-        self.site, self.sent = site, []
-        self.inbox = [
-            FLModel(params={"none": np.zeros(1)}, meta={"step": "qc_counts"}),
-            FLModel(params={"keep": np.ones(len(SNPS), np.int8)}, meta={"step": "qc_filter", "snps": list(SNPS)}),
-        ]
-
-    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        import nvflare.client as flare
-
-        monkeypatch.setattr(flare, "init", lambda *a, **k: None)
-        monkeypatch.setattr(flare, "get_site_name", lambda: self.site)
-        monkeypatch.setattr(flare, "is_running", lambda: bool(self.inbox))
-        monkeypatch.setattr(flare, "receive", lambda *a, **k: self.inbox.pop(0) if self.inbox else None)
-        monkeypatch.setattr(flare, "send", lambda model, *a, **k: self.sent.append(model))
+        super().__init__(
+            site,
+            [
+                FLModel(params={"none": np.zeros(1)}, meta={"step": "qc_counts"}),
+                FLModel(params={"keep": np.ones(len(SNPS), np.int8)}, meta={"step": "qc_filter", "snps": list(SNPS)}),
+            ],
+        )
 
 
 def write_npz(path: Path, genotypes: np.ndarray) -> Path:

@@ -28,6 +28,7 @@ from data_prep.genotypes.federated_qc import (
     to_wire,
 )
 from data_prep.genotypes.qc import QcThresholds, genotype_counts
+from tests.helpers import FakeFlare
 
 ts = pytest.importorskip("tenseal")
 secure_qc = pytest.importorskip("data_prep.genotypes.secure_qc")
@@ -200,22 +201,6 @@ def site_genotypes(seed: int, people: int) -> np.ndarray:
     genotypes = rng.binomial(2, freqs, size=(people, len(SNPS))).astype(np.int8)
     genotypes[rng.random(genotypes.shape) < np.linspace(0.0, 0.2, len(SNPS))] = M
     return genotypes
-
-
-class FakeFlare:
-    """NVFlare's client API as site_main uses it, fed with ``inbox``; what the site sends lands in ``sent``."""
-
-    def __init__(self, site: str, inbox: list[FLModel]) -> None:
-        self.site, self.inbox, self.sent = site, list(inbox), []
-
-    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        import nvflare.client as flare
-
-        monkeypatch.setattr(flare, "init", lambda *a, **k: None)
-        monkeypatch.setattr(flare, "get_site_name", lambda: self.site)
-        monkeypatch.setattr(flare, "is_running", lambda: bool(self.inbox))
-        monkeypatch.setattr(flare, "receive", lambda *a, **k: self.inbox.pop(0) if self.inbox else None)
-        monkeypatch.setattr(flare, "send", lambda model, *a, **k: self.sent.append(model))
 
 
 def write_site_files(folder: Path, genotypes: np.ndarray) -> None:

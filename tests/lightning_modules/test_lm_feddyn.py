@@ -25,7 +25,7 @@ from lightning_modules.algorithms import CLIENT_ALGORITHMS, ClientAlgorithm, Cli
 from lightning_modules.algorithms.base import RUN_ID_KEY
 from lightning_modules.algorithms.feddyn import FedDyn
 from lightning_modules.state_store import ClientStateStore, StateStoreError
-from tests.helpers import fit_under, small_mlp, toy_loader, weights
+from tests.helpers import Quadratic, fit_under, small_mlp, toy_loader, weights
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
@@ -37,16 +37,6 @@ DATA_AND_MODEL_FIELDS = {f.name for f in fields(JobSpec)} - {"name", "client", "
 # docs/algorithms.md, FedDyn: L_k = h_k/2 (theta - a_k)^2 with h = (1, 3), a = (0, 4); alpha = 1; m = |P| = 2.
 CURVATURE = {"site-1": 1.0, "site-2": 3.0, "site-3": 2.0}
 TARGET = {"site-1": 0.0, "site-2": 4.0, "site-3": -1.0}
-
-
-class Quadratic(nn.Module):
-    """One scalar weight, a frozen parameter and a BatchNorm-like buffer (neither may ever be touched)."""
-
-    def __init__(self, w0: float) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.tensor([w0]))
-        self.frozen = nn.Parameter(torch.tensor([2.0]), requires_grad=False)
-        self.register_buffer("running_mean", torch.tensor([7.0]))
 
 
 def make(tmp_path, site: str = "site-1", **hparams: Any) -> FedDyn:

@@ -18,7 +18,7 @@ from aggregators import RULES, meta_keys
 from jobs.build import PRESETS, JobSpec, _check_composition
 from lightning_modules.algorithms import ClientAlgorithm, ClientAlgorithmError, build_client_algorithm
 from lightning_modules.algorithms.fedprox import FedProx
-from tests.helpers import fit_under, small_mlp, toy_loader, weights
+from tests.helpers import Quadratic, fit_under, small_mlp, toy_loader, weights
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
@@ -28,16 +28,6 @@ pytestmark = [
 
 ETA = 0.1
 IN_FEATURES, NUM_CLASSES = 12, 4
-
-
-class Quadratic(nn.Module):
-    """One scalar weight, a frozen parameter and a BatchNorm-like buffer (neither may ever be touched)."""
-
-    def __init__(self, w0: float) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.tensor([w0]))
-        self.frozen = nn.Parameter(torch.tensor([2.0]), requires_grad=False)
-        self.register_buffer("running_mean", torch.tensor([7.0]))
 
 
 def prox_steps(algorithm: ClientAlgorithm, module: Quadratic, target: float, steps: int) -> list[float]:
