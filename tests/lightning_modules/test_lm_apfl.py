@@ -50,6 +50,17 @@ def test_two_steps_by_hand(tmp_path):
     assert matched_steps(meta) == 4  # the local-only baseline gets the global and the personal steps
 
 
+def test_alpha_is_clipped_inside_the_fit(tmp_path):
+    """The same two steps with alpha_lr 1: step 2 asks alpha = 0.5 + 2.08, which is clipped to 1 (v's step still
+    used alpha 0.5), so the personal model is v2 alone."""
+    data = TensorDataset(torch.tensor([[1.0], [2.0]]), torch.tensor([3.0, 0.0]))
+    module = Tiny(torch.tensor([[1.0]]), lr=0.1)
+    apfl = APFL(alpha=0.5, alpha_lr=1.0)
+    fit_round(module, apfl, ClientStateStore(tmp_path, "site-1"), data)
+    assert apfl.site_alpha == 1.0
+    assert apfl.personal_weights(module)["net.weight"].item() == pytest.approx(0.68, abs=1e-6)
+
+
 def reference_round(w0, v0, alpha, batches, lr, epochs, adaptive=True):
     """APFL's Algorithm 1 for one round in plain torch: SGD on w, and v, alpha through v_bar, both at iterate k."""
     w = {k: t.clone() for k, t in w0.items()}
