@@ -229,3 +229,14 @@ def test_poc_sites_run_this_python_and_derive_their_shards_unless_their_data_is_
     own = {"PATH": "", SITE_DATA_ENV: "/data/site.npz"}
     job_entry.poc_site_environment(own)
     assert own[SITE_DATA_ENV] == "/data/site.npz"
+
+
+def test_the_job_py_in_a_committed_folder_runs_its_folders_job(monkeypatch, capsys, started):
+    """The file itself, as ``python jobs/fedavg/job.py --env prod`` runs it: its folder's job, refused without a kit."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", ["job.py", "--env", "prod"])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_path(str(REPO / "jobs" / "fedavg" / JOB_SCRIPT), run_name="__main__")
+    assert exited.value.code == 2 and "--startup-kit: --env prod needs" in capsys.readouterr().err
+    assert started == []
