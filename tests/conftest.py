@@ -61,6 +61,7 @@ SLOW_TESTS: dict[str, str] = {
     "tests/jobs/test_recipe_job_entry.py::test_the_folder_and_its_job_py_train_bit_identical_models": (
         "SimEnv and nvflare simulator runs"
     ),
+    "tests/jobs/test_recipe_job_entry.py::test_every_committed_jobs_record_rebuilds_its_preset": "24 specs validated",
     "tests/jobs/test_job_site_imports.py::test_the_client_set_up_path_imports_no_optional_package": "client process",
     "tests/jobs/test_job_filter_order.py::test_the_he_job_exports_the_same_under_two_hash_seeds": "two builders",
     "tests/jobs/test_job_quick_setting.py::test_make_demo_quick_learns": "5 in-process rounds on Fashion-MNIST",

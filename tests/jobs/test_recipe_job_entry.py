@@ -240,3 +240,11 @@ def test_the_job_py_in_a_committed_folder_runs_its_folders_job(monkeypatch, caps
         runpy.run_path(str(REPO / "jobs" / "fedavg" / JOB_SCRIPT), run_name="__main__")
     assert exited.value.code == 2 and "--startup-kit: --env prod needs" in capsys.readouterr().err
     assert started == []
+
+
+def test_every_committed_jobs_record_rebuilds_its_preset():
+    """What each committed job.py builds its recipe from is the job's preset, setting for setting (the presets
+    check keeps job_spec.json equal to the preset's record; this closes the loop back to the spec)."""
+    from jobs.presets import PRESETS
+
+    assert [name for name in PRESETS if recorded_spec(REPO / "jobs" / name) != PRESETS[name]] == []
