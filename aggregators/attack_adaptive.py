@@ -92,6 +92,9 @@ class AttackAdaptive(RuleHParams, AggregationRule):
     random_attention_seed: int = 0
 
     name: ClassVar[str] = "attack_adaptive"
+    partial_sharing_refused: ClassVar[str | None] = (
+        "its attention model was trained on whole LeNet-5 updates; it cannot score part of a model"
+    )
 
     _loaded: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 

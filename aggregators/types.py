@@ -97,6 +97,9 @@ class AggregationRule(ServerState):
     #: The result does not depend on the global model x, rule(x, {y_i}) = rule(0, {y_i}), under the settings named
     #: here (``None``: it does): such a rule may run as an NVFlare ModelAggregator (controllers/nvflare_aggregator.py).
     translation_equivariant: ClassVar[str | None] = None
+    #: Why the rule cannot aggregate the shared entries alone (``None``: it can): the job builder refuses it with
+    #: partial sharing (``local_keys``: FedPer, FedBN, FedRep).
+    partial_sharing_refused: ClassVar[str | None] = None
 
     def select_sites(
         self, population: Sequence[str], count: int, state: Mapping[str, Any], seed: int, round_num: int

@@ -165,16 +165,13 @@ def job_local_keys(spec: JobSpec) -> tuple[str, ...]:
     return keys
 
 
-#: Server rules whose math does not hold on the shared entries alone, and why.
-PARTIAL_SHARING_REFUSED = {
-    "attack_adaptive": "its attention model was trained on whole LeNet-5 updates; it cannot score part of a model",
-}
-
-
 def _check_partial_sharing(spec: JobSpec) -> None:
     """Combinations where keeping entries at the sites does not hold."""
-    if spec.server in PARTIAL_SHARING_REFUSED:
-        raise JobBuildError(f"local_keys with server '{spec.server}': {PARTIAL_SHARING_REFUSED[spec.server]}")
+    from aggregators import RULES
+
+    refused = RULES[spec.server].partial_sharing_refused  # declared on the rule (aggregators/types.py)
+    if refused:
+        raise JobBuildError(f"local_keys with server '{spec.server}': {refused}")
     if spec.script is not None:
         raise JobBuildError(
             "local_keys (or a client that keeps a head) with --script: your own training script builds its own "

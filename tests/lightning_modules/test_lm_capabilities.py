@@ -135,3 +135,20 @@ def test_no_library_code_asks_a_client_algorithms_name_where_a_capability_answer
                 if (relative, function) not in NAMED_ON_PURPOSE:
                     offenders.append(f"{relative}:{line} ({function})")
     assert offenders == [], "declare a capability on the algorithm and ask it instead"
+
+
+def test_partial_sharing_is_refused_with_the_rules_own_declaration():
+    from jobs.spec import JobBuildError, JobSpec
+
+    refusing = {name: cls.partial_sharing_refused for name, cls in RULES.items() if cls.partial_sharing_refused}
+    assert set(refusing) == {"attack_adaptive"}
+    with pytest.raises(JobBuildError) as info:
+        JobSpec(
+            name="bad",
+            dataset="digits",
+            arch="mlp",
+            server="attack_adaptive",
+            server_args={"attention_model_path": "checkpoints/attention_lenet5.pt"},
+            local_keys="net.classifier.*",
+        )
+    assert str(info.value) == f"local_keys with server 'attack_adaptive': {refusing['attack_adaptive']}"
