@@ -53,26 +53,108 @@ E2E_DIR = "tests/e2e/"
 #: enough in process to take over ~5 s on the development machine: node-id of a test file, of a test (every
 #: parameter of it) or of one parametrized case, with why it is slow. tests/test_test_tiers.py checks that each
 #: still names a test.
+SLOW_BY_FILE: dict[str, dict[str, str]] = {
+    "tests/jobs/test_recipe_job_entry.py": {
+        "test_job_py_runs_in_simenv_and_streams_tensorboard_curves": "SimEnv run",
+        "test_report_reads_the_recipe_run_and_names_it_under_the_workspace_root": "the SimEnv run",
+        "test_the_folder_and_its_job_py_train_bit_identical_models": "SimEnv and nvflare simulator runs",
+        "test_every_committed_jobs_record_rebuilds_its_preset": "24 specs validated",
+    },
+    "tests/jobs/test_job_site_imports.py": {
+        "test_the_client_set_up_path_imports_no_optional_package": "client process",
+        "test_a_shipped_package_importing_an_unshipped_sibling_is_refused_naming_both": (
+            "two builds, each importing the user's code as a site would"
+        ),
+    },
+    "tests/jobs/test_job_filter_order.py": {
+        "test_the_he_job_exports_the_same_under_two_hash_seeds": "two builders",
+    },
+    "tests/jobs/test_job_quick_setting.py": {
+        "test_make_demo_quick_learns": "5 in-process rounds on Fashion-MNIST",
+        "test_the_hand_shortened_demo_stays_at_chance": "in-process rounds",
+        "test_the_readme_custom_model_job_learns": "in-process rounds",
+    },
+    "tests/jobs/test_job_own_model.py": {
+        "test_the_jobs_thin_client_script_runs_the_users_script_shipped_beside_it": "a client process training",
+        "test_the_example_exports_with_its_package_shipped_and_the_server_building_the_users_model": (
+            "builds that import the user's code as a site would"
+        ),
+        "test_what_the_algorithms_need_from_the_users_code_is_refused_at_build_time[fedmos-task-loss]": (
+            "a build importing the user's code"
+        ),
+        "test_what_the_algorithms_need_from_the_users_code_is_refused_at_build_time[moon-projection]": (
+            "a build importing the user's code"
+        ),
+        "test_a_users_own_script_travels_in_the_job_and_the_sites_get_its_file_name": (
+            "a build importing the user's code"
+        ),
+    },
+    "tests/benchmarks/test_bench_genotype_io.py": {
+        "test_the_benchmark_measures_every_format_the_loader_and_the_step": (
+            "harmonises every format twice, each in a new process"
+        ),
+    },
+    "tests/benchmarks/test_bench_round_overhead.py": {
+        "test_quick_round_overhead_run_reports_both_variants": "simulator",
+        "test_quick_startup_run_reports_the_client_path": "client processes",
+    },
+    "tests/benchmarks/test_bench_robustness.py": {
+        "test_quick_grid_writes_cells_table_and_plot": "a grid of federations",
+        "test_capture_pretrain_and_rerun_with_the_new_checkpoint": "federations",
+    },
+    "tests/benchmarks/test_bench_client_algorithms.py": {
+        "test_quick_mode_reports_every_variant_with_finite_ratios_and_memory": (
+            "times every client algorithm's training"
+        ),
+    },
+    "tests/benchmarks/test_bench_step_overhead.py": {
+        "test_quick_mode_prints_one_row_per_algorithm_with_finite_ratios": "times every client algorithm's steps",
+    },
+    "tests/jobs/test_job_snp_consortium.py": {
+        "test_one_round_trains_in_process_and_moves_the_batchnorm_statistics": "a genomics round in process",
+    },
+    "tests/jobs/test_job_user_code_faults.py": {
+        "test_the_server_and_every_site_build_the_same_initial_model_from_the_job_seed": "a build and three models",
+    },
+    "tests/aggregators/test_agg_dp_fedavg_accounting.py": {
+        "test_the_mechanism_the_rule_runs_costs_what_it_reports_and_the_uncentred_count_cost_more[200-20-100]": (
+            "privacy accounting of the largest case"
+        ),
+        "test_the_reported_epsilon_is_dp_accountings_rdp_and_not_below_its_pld[200-20-100-True]": (
+            "privacy accounting of the largest case"
+        ),
+        "test_the_reported_epsilon_is_dp_accountings_rdp_and_not_below_its_pld[200-20-100-False]": (
+            "privacy accounting of the largest case"
+        ),
+    },
+    "tests/lightning_modules/test_lm_site_validation.py": {
+        "test_in_process_rounds_carry_site_eval_for_every_site": "in-process rounds",
+        "test_training_is_deterministic_and_untouched_by_the_evaluation": "trains several times",
+    },
+    "tests/controllers/test_ctl_in_process.py": {
+        "test_reruns_are_bit_identical_and_every_round_aggregates": "two runs",
+    },
+    "tests/controllers/test_ctl_faults.py": {
+        "test_feddyn_server_sum_equals_the_sum_of_the_site_states_after_a_fault": "rounds with a fault, per fault",
+        "test_a_replayed_round_starts_from_the_committed_state_and_sends_the_same_diff": "rounds with a replay",
+    },
+    "tests/lightning_modules/test_lm_privacy_sum_workflow.py": {
+        "test_the_ledger_counts_every_round_of_the_job_and_sigma_covers_the_planned_rounds": "DP-SGD rounds",
+    },
+    "tests/lightning_modules/test_lm_privacy_composition.py": {
+        "test_dp_sgd_composes_with_the_client_algorithm": "DP-SGD training per client algorithm",
+    },
+    "tests/lightning_modules/test_state_store.py": {
+        "test_state_survives_a_fresh_process_using_the_default_root": "a fresh process",
+    },
+    "tests/lightning_modules/test_lm_keep_best.py": {
+        "test_a_user_module_reports_its_own_metric_names_and_an_unlogged_keep_metric_is_named": (
+            "site rounds with a user module"
+        ),
+    },
+}
 SLOW_TESTS: dict[str, str] = {
-    "tests/jobs/test_recipe_job_entry.py::test_job_py_runs_in_simenv_and_streams_tensorboard_curves": "SimEnv run",
-    "tests/jobs/test_recipe_job_entry.py::test_report_reads_the_recipe_run_and_names_it_under_the_workspace_root": (
-        "the SimEnv run"
-    ),
-    "tests/jobs/test_recipe_job_entry.py::test_the_folder_and_its_job_py_train_bit_identical_models": (
-        "SimEnv and nvflare simulator runs"
-    ),
-    "tests/jobs/test_recipe_job_entry.py::test_every_committed_jobs_record_rebuilds_its_preset": "24 specs validated",
-    "tests/jobs/test_job_site_imports.py::test_the_client_set_up_path_imports_no_optional_package": "client process",
-    "tests/jobs/test_job_filter_order.py::test_the_he_job_exports_the_same_under_two_hash_seeds": "two builders",
-    "tests/jobs/test_job_quick_setting.py::test_make_demo_quick_learns": "5 in-process rounds on Fashion-MNIST",
-    "tests/jobs/test_job_quick_setting.py::test_the_hand_shortened_demo_stays_at_chance": "in-process rounds",
-    "tests/jobs/test_job_quick_setting.py::test_the_readme_custom_model_job_learns": "in-process rounds",
-    "tests/jobs/test_job_own_model.py::test_the_jobs_thin_client_script_runs_the_users_script_shipped_beside_it": (
-        "a client process training"
-    ),
-    "tests/benchmarks/test_bench_genotype_io.py::test_the_benchmark_measures_every_format_the_loader_and_the_step": (
-        "harmonises every format twice, each in a new process"
-    ),
+    f"{file}::{test}": why for file, tests in SLOW_BY_FILE.items() for test, why in tests.items()
 }
 #: A test in the fast tier slower than this is named at the end of the session (mark it slow above).
 FAST_TIER_LIMIT_S = 5.0
