@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from controllers import in_process
+from benchmarks import in_process
 from jobs.spec import JobSpec
 from lightning_modules.personalization.partial_sharing import STORE_NAME
 from lightning_modules.state_store import ClientStateStore
