@@ -21,9 +21,9 @@ Variants, all on the same model (same ``init_seed``), the same batch and the sam
   own per-step bookkeeping costs;
 - with ``--compare-paths``, the other way each algorithm can apply its correction, timed beside its default
   (`PATH_VARIANTS`): FedProx and FedDyn in the gradient form (``FederatedAlgorithm(fuse_plain_sgd=False)``, what
-  they cost when a callback watches the gradient; their default row is the callback's fused plain-SGD step) and
-  SCAFFOLD with its post-step correction (``correction="step"``, the default under plain SGD before its
-  correction became a gradient term).
+  they cost when a callback watches the gradient; their default row is the callback's fused plain-SGD step), and
+  SCAFFOLD likewise (its default row applies c - c_i after a plain SGD step nobody watches, the gradient form adds
+  it to ``.grad``).
 
 Drift (a shared machine, turbo, thermal state) is cancelled by interleaving at the finest grain: in each of
 ``--rounds`` fits every variant takes one optimizer step per cycle, in a freshly shuffled (seeded) order every cycle
@@ -90,7 +90,7 @@ DEFAULT_MODELS = ("lenet5", "mlp10m")
 PATH_VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "fedprox [gradient form]": ("fedprox", {}, {"fuse_plain_sgd": False}),
     "feddyn [gradient form]": ("feddyn", {}, {"fuse_plain_sgd": False}),
-    "scaffold [correction=step]": ("scaffold", {"correction": "step"}, {}),
+    "scaffold [gradient form]": ("scaffold", {}, {"fuse_plain_sgd": False}),
 }
 
 

@@ -18,7 +18,8 @@ Where each hook of `lightning_modules.algorithms.base.ClientAlgorithm` runs:
   ``.grad``, so a callback placed after this one sees the corrected gradient. The one fused fast path: a term
   linear in the weights (FedProx, FedDyn; ``ClientAlgorithm.linear_term``) is folded into a plain SGD step
   (one pass on the weights instead of two on ``.grad``) when no later callback and no module hook overrides
-  ``on_before_optimizer_step`` (`lightning_modules.algorithms.kernels.gradient_observers`); ``fuse_plain_sgd=False``
+  ``on_before_optimizer_step`` (`lightning_modules.algorithms.kernels.gradient_observers`), and by the same decision
+  (``ClientAlgorithm.fused_step_allowed``) SCAFFOLD's c - c_i is applied after such a step; ``fuse_plain_sgd=False``
   turns it off;
 - ``after_step``: a post-step hook on the module's optimizer (``torch.optim.Optimizer.register_step_post_hook``), so
   it runs once per step that was taken, whatever optimizer the module configures;
@@ -263,6 +264,7 @@ class FederatedAlgorithm(pl.Callback):
                 self.privacy.start_round(trainer, pl_module, meta)
             self._trained_round = meta.get(meta_keys.ROUND)
             self._gradient_observers = gradient_observers(trainer, pl_module, self)  # NVFlare's handlers are set now
+            self.algorithm.fused_step_allowed = self.fuse_plain_sgd and not self._gradient_observers
             self._round_started = True
 
     def _start_round(self, pl_module: pl.LightningModule, meta: Mapping[str, Any]) -> None:
@@ -292,7 +294,7 @@ class FederatedAlgorithm(pl.Callback):
     def _fold_linear_term(self, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> bool:
         """The fused fast path: the algorithm's whole correction is a linear term (it keeps the base
         ``correct_gradients``), nobody watches the gradient, and the coming step is plain SGD (kernels.py)."""
-        if not self.fuse_plain_sgd or self._gradient_observers:
+        if not self.algorithm.fused_step_allowed:
             return False
         if type(self.algorithm).correct_gradients is not ClientAlgorithm.correct_gradients:
             return False

@@ -87,6 +87,11 @@ class ClientAlgorithm:
     #: Its personal model is a head the site keeps: the job's local keys, or without them the head the module
     #: declares (``fl_head_keys()``); the builder resolves and checks it (FedRep).
     needs_head: ClassVar[bool] = False
+    #: Set by `lightning_modules.federated.FederatedAlgorithm` every round: True when nobody watches the gradient
+    #: in ``on_before_optimizer_step`` and the callback's fused fast path is allowed (kernels.py), so a term that is
+    #: exact for a plain SGD step may be applied with the step instead of on ``.grad`` (SCAFFOLD's post-step
+    #: correction). False wherever nobody said so (a hand-driven algorithm, a watching callback).
+    fused_step_allowed: bool = False
     #: The checked values (set by `use_hparams`).
     hyperparameters: HParams = HParams()
 

@@ -23,7 +23,8 @@ number of passes they add on top of the optimizer's own update (``benchmarks/ste
   momentum, weight decay, clipping or no trainer, the term goes to ``.grad``. The weights after the step agree with
   the gradient form to rounding (tested at 1e-6). What the fold leaves different: ``.grad`` read AFTER the step
   (``on_train_batch_end``, an optimizer post-hook) holds the task gradient alone; ``FederatedAlgorithm(...,
-  fuse_plain_sgd=False)`` switches the fold off.
+  fuse_plain_sgd=False)`` switches the fold off. The same decision (``ClientAlgorithm.fused_step_allowed``, set by
+  the callback) lets SCAFFOLD apply its constant term c - c_i after a plain SGD step instead of on ``.grad``.
 - `foreach_by_dtype` groups tensors so that ``torch._foreach_*`` calls see matching dtypes and devices.
 """
 

@@ -10,16 +10,17 @@ Per local step (paper: y <- y - eta * (g_i(y) - c_i + c)), where c - c_i is appl
   NIID-Bench and NVFlare do it;
 - ``"grad"``: c - c_i is added to ``.grad`` before the optimizer step, so momentum, weight decay, gradient clipping
   and an adaptive optimizer's moments act on it too;
-- ``"auto"`` (default): ``"grad"`` with the ``gradients`` estimator and wherever the step is a plain SGD step
-  (``torch.optim.SGD`` without momentum or weight decay, in a Lightning fit with clipping off: the
-  ``plain_sgd_step_lrs`` of kernels.py), so the correction is a gradient term a callback watching ``.grad`` sees;
-  ``"step"`` with the ``displacement`` estimator otherwise (SGD with momentum or weight decay, as before).
+- ``"auto"`` (default): ``"grad"`` with the ``gradients`` estimator, and for a plain SGD step (``torch.optim.SGD``
+  without momentum or weight decay, in a Lightning fit with clipping off: ``plain_sgd_step_lrs`` of kernels.py)
+  whose gradient a callback watches, so that callback sees the term; ``"step"`` with the ``displacement`` estimator
+  otherwise: under a plain SGD step that nobody watches it is the callback's fused fast path (``fused_step_allowed``;
+  the same update, bit for bit what earlier releases trained), under SGD with momentum or weight decay NVFlare's
+  update rule, as before.
 
-With vanilla SGD ``"step"`` and ``"grad"`` are the paper's update (equal in real arithmetic; in float32 they round
-differently, so a plain-SGD job trained before ``"auto"`` meant ``"grad"`` there differs in the last bits). With
-momentum rho they differ: the gradient is amplified by about 1/(1 - rho) by the momentum buffer while a post-step
-correction is not ("step"), or the correction is amplified too ("grad"); neither is the paper's algorithm, which
-assumes plain SGD.
+With vanilla SGD ``"step"`` and ``"grad"`` are the paper's update (equal in real arithmetic; float32 rounds the two
+orders differently, in the last bits). With momentum rho they differ: the gradient is amplified by about 1/(1 - rho)
+by the momentum buffer while a post-step correction is not ("step"), or the correction is amplified too ("grad");
+neither is the paper's algorithm, which assumes plain SGD.
 
 End of round (K = optimizer steps actually taken, eta_k = the learning rate step k applied, g_k = the raw stochastic
 gradient of step k, before c - c_i is added), Option II, with the estimate of c_i+ picked by ``estimator``:
@@ -125,13 +126,14 @@ def resolve_estimator(estimator: Estimator, optimizer: torch.optim.Optimizer) ->
     return "displacement" if isinstance(optimizer, torch.optim.SGD) else "gradients"
 
 
-def resolve_correction(correction: Correction, estimator: Estimator, plain_sgd: bool = False) -> Correction:
+def resolve_correction(correction: Correction, estimator: Estimator, watched_plain_sgd: bool = False) -> Correction:
     """``"auto"``: into ``.grad`` with the gradients estimator (an adaptive optimizer's moments see the corrected
-    gradient) and for a plain SGD step (the same update as after it, stated as a gradient term); after the step
-    with the displacement estimator under SGD with momentum or weight decay (as before)."""
+    gradient) and for a plain SGD step whose gradient a callback watches (the same update as after the step, as a
+    gradient term it sees); after the step otherwise with the displacement estimator (as before: under plain SGD
+    that is the callback's fused fast path, under SGD with momentum or weight decay NVFlare's update rule)."""
     if correction != "auto":
         return correction
-    return "grad" if estimator == "gradients" or plain_sgd else "step"
+    return "grad" if estimator == "gradients" or watched_plain_sgd else "step"
 
 
 def gradients_control(weighted_gradients: Mapping[str, torch.Tensor], lr_sum: Mapping[str, float]) -> Tensors:
@@ -249,8 +251,8 @@ class Scaffold(ClientAlgorithm):
     def _resolve(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Fix this round's estimator and correction mode from the optimizer; refuse what cannot be right."""
         self.used_estimator = resolve_estimator(self.estimator, optimizer)
-        plain_sgd = plain_sgd_step_lrs(module, optimizer) is not None
-        self.used_correction = resolve_correction(self.correction, self.used_estimator, plain_sgd)
+        watched = plain_sgd_step_lrs(module, optimizer) is not None and not self.fused_step_allowed
+        self.used_correction = resolve_correction(self.correction, self.used_estimator, watched)
         self.accumulates_gradients = self.option == "II" and self.used_estimator == "gradients"
         if self.used_correction == "grad" and not self.accumulates_gradients and clips_gradients(module):
             raise ClientAlgorithmError(

@@ -281,3 +281,15 @@ def test_a_watching_callback_turns_the_fold_off_and_fuse_plain_sgd_false_too(tmp
     assert spy.calls == 0
     fit(FedProx(mu=0.7), {meta_keys.ROUND: 0}, around=(Gradients(), Silent()))
     assert spy.calls == STEPS
+
+
+def test_scaffold_unwatched_is_the_post_step_correction_bit_for_bit_and_watched_the_same_update(tmp_path):
+    """Nobody watching: the callback's fused path, what earlier releases trained (committed jobs keep their bits)."""
+    meta = DEFAULTS["scaffold"][1]
+    unwatched = weights(fit(bound("scaffold", tmp_path / "a"), meta))
+    post_step = build_client_algorithm("scaffold", correction="step")
+    post_step.bind("site-1", ClientStateStore(tmp_path / "b", "site-1"))
+    watched = weights(fit(bound("scaffold", tmp_path / "c"), meta, around=(Gradients(), Gradients())))
+    for key, value in weights(fit(post_step, meta)).items():
+        assert torch.equal(unwatched[key], value), key
+        torch.testing.assert_close(watched[key], value, atol=1e-6, rtol=0)
