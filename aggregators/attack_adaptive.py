@@ -92,6 +92,7 @@ class AttackAdaptive(RuleHParams, AggregationRule):
     random_attention_seed: int = 0
 
     name: ClassVar[str] = "attack_adaptive"
+    secure_sum: ClassVar[str] = "scores every individual update with its attention network"
     partial_sharing_refused: ClassVar[str | None] = (
         "its attention model was trained on whole LeNet-5 updates; it cannot score part of a model"
     )

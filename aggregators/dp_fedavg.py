@@ -222,6 +222,7 @@ class DPFedAvg(RuleHParams, AggregationRule):
     optimizer: AggregationRule = field(init=False, repr=False, compare=False)
 
     name: ClassVar[str] = "dp_fedavg"
+    secure_sum: ClassVar[str] = "clips every individual update at the server before it noises the sum"
     #: The noisy mean is divided by the expected number of sites, and noised: not the clients' common model.
     mean_type: ClassVar[bool] = False
 

@@ -84,6 +84,7 @@ class FedAdp(RuleHParams, AggregationRule):
     alpha: float = hparam(5.0, low=0, low_open=True, note="the Gompertz steepness")
 
     name: ClassVar[str] = "fedadp"
+    secure_sum: ClassVar[str] = "weights every site by the angle between its own update and the mean update"
 
     def init_state(self, global_params: Mapping[str, np.ndarray]) -> dict[str, Any]:
         return {"angles": {}, "counts": {}}

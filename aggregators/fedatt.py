@@ -56,6 +56,7 @@ class FedAtt(RuleHParams, AggregationRule):
     seed: int = hparam(0, low=0, note="seeds the noise together with the round index")
 
     name: ClassVar[str] = "fedatt"
+    secure_sum: ClassVar[str] = "weights every site by the distance of its own model to the global one, layer by layer"
     #: x + epsilon * sum_i alpha_i (y_i - x): a step of size epsilon towards the clients, plus noise.
     mean_type: ClassVar[bool] = False
 

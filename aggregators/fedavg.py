@@ -21,7 +21,7 @@ import numpy as np
 
 from aggregators.functional import by_site, is_float_array, sample_weights, weighted_average_params
 from aggregators.hparams import RuleHParams, hparam
-from aggregators.types import AggregationRule, ClientUpdate, Params, RoundContext
+from aggregators.types import SECURE_SUM, AggregationRule, ClientUpdate, Params, RoundContext
 
 
 def fedavg_params(
@@ -59,6 +59,7 @@ class FedAvg(RuleHParams, AggregationRule):
     server_lr: float = hparam(1.0, low=0, low_open=True, note="eta_g; 1 is the paper's FedAvg")
 
     name: ClassVar[str] = "fedavg"
+    secure_sum: ClassVar[str] = SECURE_SUM
     translation_equivariant: ClassVar[str | None] = "server_lr = 1"  # x + sum_i p_i (y_i - x) = sum_i p_i y_i
 
     def aggregate_params(

@@ -157,6 +157,9 @@ class FedDyn(RuleHParams, AggregationRule):
     population_size: int | None = hparam(None, low=1, note="m; unset: every site connected when the job started")
 
     name: ClassVar[str] = "feddyn"
+    secure_sum: ClassVar[str] = (
+        "keeps h from every round's updates and sends alpha to the sites; NVFlare's HE workflow keeps no server state"
+    )
     #: x = mean(y) - h / alpha: the correction h moves it off the clients' common model.
     mean_type: ClassVar[bool] = False
     required_meta: ClassVar[tuple[str, ...]] = (meta_keys.FEDDYN_ALPHA_K, meta_keys.FEDDYN_PARAM_KEYS)

@@ -146,6 +146,7 @@ class FedMoS(RuleHParams, AggregationRule):
     site_num_samples: dict[str, int] | None = field(default=None, metadata=CHECKED_TOGETHER)
 
     name: ClassVar[str] = "fedmos"
+    secure_sum: ClassVar[str] = "selects sites by data share and applies server momentum to the plaintext average"
     #: Server momentum carries earlier rounds into this one.
     mean_type: ClassVar[bool] = False
 

@@ -99,6 +99,10 @@ class FedNova(RuleHParams, AggregationRule):
     server_momentum: float = hparam(0.0, low=0, high=1, high_open=True, note="gmf; 0 = none")
 
     name: ClassVar[str] = "fednova"
+    secure_sum: ClassVar[str] = (
+        "normalises every site's update by its own tau_i and a_i at the server (a sum only if every site "
+        "pre-scaled its own update, which is not implemented)"
+    )
     required_meta: ClassVar[tuple[str, ...]] = (meta_keys.FEDNOVA_TAU, meta_keys.FEDNOVA_A_NORM)
     #: Client algorithms whose local update is not eta * G a (a drift that is not a local gradient) cannot compose.
     needs_linear_local_solver: ClassVar[bool] = True

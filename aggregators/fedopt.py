@@ -38,7 +38,14 @@ import numpy as np
 from aggregators.deltas import average_buffers, split_keys, trainable_keys
 from aggregators.functional import Weighting, by_site, sample_weights, weighted_sum
 from aggregators.hparams import RuleHParams, hparam, interval_text
-from aggregators.types import AggregationError, AggregationResult, AggregationRule, ClientUpdate, RoundContext
+from aggregators.types import (
+    SITE_STEP,
+    AggregationError,
+    AggregationResult,
+    AggregationRule,
+    ClientUpdate,
+    RoundContext,
+)
 
 CHUNK = 1 << 16  # elements per slice of a parameter: ~16 slices of 256 KiB stay in cache
 # Per variant: (server lr eta, beta1). Adam/Yogi/Adagrad follow Flower's and google-research/federated's
@@ -218,6 +225,7 @@ class FedAdam(FedOpt):
     """FedAdam (Algorithm 2 with Adam's second moment)."""
 
     name: ClassVar[str] = "fedadam"
+    secure_sum: ClassVar[str] = SITE_STEP
     variant: ClassVar[str] = "adam"
 
 
@@ -225,6 +233,7 @@ class FedYogi(FedOpt):
     """FedYogi (Algorithm 2 with Yogi's additive, sign-controlled second moment)."""
 
     name: ClassVar[str] = "fedyogi"
+    secure_sum: ClassVar[str] = SITE_STEP
     variant: ClassVar[str] = "yogi"
 
 
@@ -232,6 +241,7 @@ class FedAdagrad(FedOpt):
     """FedAdagrad (Algorithm 2 with the accumulated second moment)."""
 
     name: ClassVar[str] = "fedadagrad"
+    secure_sum: ClassVar[str] = SITE_STEP
     variant: ClassVar[str] = "adagrad"
 
 
@@ -239,6 +249,7 @@ class FedAvgM(FedOpt):
     """FedAvgM: server SGD with momentum ``beta1`` on the pseudo-gradient."""
 
     name: ClassVar[str] = "fedavgm"
+    secure_sum: ClassVar[str] = SITE_STEP
     variant: ClassVar[str] = "avgm"
 
 

@@ -68,6 +68,7 @@ class Krum(RuleHParams, AggregationRule):
     num_selected: int = hparam(1, low=1, note="m, the updates averaged; 1 is Krum")
 
     name: ClassVar[str] = "krum"
+    secure_sum: ClassVar[str] = "scores every individual update by its distances to the others"
     translation_equivariant: ClassVar[str | None] = ""  # distances between the y_i only
 
     def aggregate(

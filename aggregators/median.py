@@ -38,6 +38,7 @@ class Median(RuleHParams, AggregationRule):
     """Coordinate-wise median of the client updates (stateless, no hyperparameters)."""
 
     name: ClassVar[str] = "median"
+    secure_sum: ClassVar[str] = "takes the coordinate-wise median of the individual updates"
     translation_equivariant: ClassVar[str | None] = ""  # coordinate-wise order statistics of the y_i
 
     def aggregate_params(

@@ -158,6 +158,10 @@ class Scaffold(RuleHParams, AggregationRule):
     population_size: int | None = hparam(None, low=1, note="N; unset: every site connected when the job started")
 
     name: ClassVar[str] = "scaffold"
+    secure_sum: ClassVar[str] = (
+        "keeps the control c from every site's delta c_i, which travels beside the model; NVFlare's HE "
+        "aggregator sums the model only"
+    )
     required_meta: ClassVar[tuple[str, ...]] = (meta_keys.SCAFFOLD_CTRL_DIFF,)
     broadcast_keys: ClassVar[tuple[str, ...]] = (meta_keys.SCAFFOLD_CTRL_GLOBAL,)
 

@@ -53,6 +53,7 @@ class TrimmedMean(RuleHParams, AggregationRule):
     beta: float = hparam(0.1, low=0, high=0.5, high_open=True, note="the fraction trimmed on each side")
 
     name: ClassVar[str] = "trimmed_mean"
+    secure_sum: ClassVar[str] = "sorts the individual updates per coordinate to drop the extremes"
     translation_equivariant: ClassVar[str | None] = ""  # coordinate-wise order statistics of the y_i
 
     def aggregate_params(

@@ -76,6 +76,19 @@ class ServerState:
         return {}
 
 
+#: `AggregationRule.secure_sum` values of a rule that runs on the sum: the weighted mean itself, or a server
+#: optimizer every site applies to the decrypted mean.
+SECURE_SUM = "sum"
+SITE_STEP = "site_step"
+#: What a rule that declares no ``secure_sum`` of its own gets (a subclass may aggregate otherwise than its parent).
+UNDECLARED_SECURE_SUM = "declares no secure_sum of its own: that it is a weighted sum of the updates is not known"
+
+
+def declared_secure_sum(rule_cls: type) -> str:
+    """The rule's own ``secure_sum`` declaration (`SECURE_SUM`, `SITE_STEP` or a refusal), never inherited."""
+    return vars(rule_cls).get("secure_sum") or UNDECLARED_SECURE_SUM
+
+
 class AggregationRule(ServerState):
     """The base of every aggregation rule: what the round engine (``controllers/engine.py``) calls, with defaults.
 
@@ -100,6 +113,11 @@ class AggregationRule(ServerState):
     #: Why the rule cannot aggregate the shared entries alone (``None``: it can): the job builder refuses it with
     #: partial sharing (``local_keys``: FedPer, FedBN, FedRep).
     partial_sharing_refused: ClassVar[str | None] = None
+    #: How the rule runs under secure aggregation (jobs/secure_aggregation.py), where the server only ever holds the
+    #: weighted sum of the sites' encrypted updates: `SECURE_SUM` (the rule is that weighted mean), `SITE_STEP` (a
+    #: server optimizer that every site applies to the decrypted mean), or else why it cannot (what it needs of the
+    #: individual updates). Read from the class itself (`declared_secure_sum`), never inherited.
+    secure_sum: ClassVar[str] = ""
 
     def select_sites(
         self, population: Sequence[str], count: int, state: Mapping[str, Any], seed: int, round_num: int

@@ -24,6 +24,7 @@ setting that needs the individual updates at the server or a workflow other than
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -31,41 +32,47 @@ from typing import Any
 
 from aggregators.bundle import CLIENT_CONTEXT, SERVER_CONTEXT
 
-#: Server rules the sum workflow computes: FedAvg (server_lr 1) is the weighted mean NVFlare's aggregator forms.
-SUM_RULES = ("fedavg",)
-#: FedOpt's server optimizers: every site takes the step on the decrypted mean (controllers/he_fedopt.py).
-SITE_STEP_RULES = ("fedadam", "fedyogi", "fedadagrad", "fedavgm")
-#: Why every other rule cannot run on sums of ciphertexts (tests/jobs/test_job_secure_aggregation.py checks that each
-#: rule of aggregators.registry.RULES is either admitted or has its reason here).
-RULE_REFUSALS: dict[str, str] = {
-    "median": "takes the coordinate-wise median of the individual updates",
-    "trimmed_mean": "sorts the individual updates per coordinate to drop the extremes",
-    "krum": "scores every individual update by its distances to the others",
-    "attack_adaptive": "scores every individual update with its attention network",
-    "fedatt": "weights every site by the distance of its own model to the global one, layer by layer",
-    "fedadp": "weights every site by the angle between its own update and the mean update",
-    "fednova": "normalises every site's update by its own tau_i and a_i at the server (a sum only if every site "
-    "pre-scaled its own update, which is not implemented)",
-    "dp_fedavg": "clips every individual update at the server before it noises the sum",
-    "scaffold": "keeps the control c from every site's delta c_i, which travels beside the model; NVFlare's HE "
-    "aggregator sums the model only",
-    "feddyn": "keeps h from every round's updates and sends alpha to the sites; NVFlare's HE workflow keeps no server "
-    "state",
-    "fedmos": "selects sites by data share and applies server momentum to the plaintext average",
-}
-#: Client algorithms that need nothing from the server but the global model, and keep no state between rounds.
-SUM_CLIENTS = ("fedavg", "fedprox")
-CLIENT_REFUSALS: dict[str, str] = {
-    "scaffold": "needs the server's control c each round (SCAFFOLD's server state)",
-    "feddyn": "needs the server's alpha and h each round (FedDyn's server state)",
-    "fedmos": "needs the bundle's FedMoS server (momentum, selection by data share)",
-    "moon": "keeps per-site state that the bundle's controller confirms every round (server.run_id, "
-    "server.last_aggregated), which NVFlare's ScatterAndGather does not send",
-    "ditto": "keeps per-site state that the bundle's controller confirms every round (server.run_id, "
-    "server.last_aggregated), which NVFlare's ScatterAndGather does not send",
-    "fedrep": "keeps its head at the site (partial sharing), which the sum workflow does not handle",
-}
-CLIENT_REFUSALS["apfl"] = CLIENT_REFUSALS["ditto"]  # its v_i and alpha: per-site state, confirmed the same way
+#: The tables below are derived from what every registered rule and client algorithm declares
+#: (``AggregationRule.secure_sum``, ``ClientAlgorithm.secure_sum``), on first use: the client registry loads
+#: Lightning, which a job build without secure aggregation never needs.
+#:
+#: - ``SUM_RULES``: the rules the sum workflow computes (FedAvg, server_lr 1: the weighted mean NVFlare's aggregator
+#:   forms); ``SITE_STEP_RULES``: FedOpt's server optimizers, stepped at every site on the decrypted mean
+#:   (controllers/he_fedopt.py); ``RULE_REFUSALS``: why every other rule cannot run on sums of ciphertexts.
+#: - ``SUM_CLIENTS``: client algorithms that need nothing from the server but the global model and keep no state
+#:   between rounds; ``CLIENT_REFUSALS``: why every other one cannot.
+DERIVED_TABLES = ("SUM_RULES", "SITE_STEP_RULES", "RULE_REFUSALS", "SUM_CLIENTS", "CLIENT_REFUSALS")
+
+
+@functools.cache
+def _derived_tables() -> dict[str, Any]:
+    from aggregators.registry import RULES
+    from aggregators.types import SECURE_SUM, SITE_STEP, declared_secure_sum
+    from lightning_modules.algorithms.capabilities import declared_secure_sum as client_secure_sum
+    from lightning_modules.algorithms.registry import CLIENT_ALGORITHMS
+
+    rules = {name: declared_secure_sum(rule) for name, rule in RULES.items()}
+    clients = {name: client_secure_sum(algorithm) for name, algorithm in CLIENT_ALGORITHMS.items()}
+    return {
+        "SUM_RULES": tuple(name for name, how in rules.items() if how == SECURE_SUM),
+        "SITE_STEP_RULES": tuple(name for name, how in rules.items() if how == SITE_STEP),
+        "RULE_REFUSALS": {name: how for name, how in rules.items() if how not in (SECURE_SUM, SITE_STEP)},
+        "SUM_CLIENTS": tuple(name for name, why in clients.items() if why is None),
+        "CLIENT_REFUSALS": {name: why for name, why in clients.items() if why is not None},
+    }
+
+
+def steps_at_sites(server: str) -> bool:
+    """True for a FedOpt server optimizer that every site applies to the decrypted mean (``SITE_STEP_RULES``)."""
+    return server in _derived_tables()["SITE_STEP_RULES"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in DERIVED_TABLES:
+        return _derived_tables()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 #: What NVFlare's HE components are called in the job's config (tests and the loopback driver look for them).
 HE_COMPONENTS = (
     "nvflare.app_opt.he.model_encryptor.HEModelEncryptor",
@@ -82,24 +89,26 @@ def secure_aggregation_problem(spec: Any) -> str | None:
     if mode == "none":
         return None
     who = f"secure_aggregation '{mode}'"
-    if spec.server in SITE_STEP_RULES:
+    tables = _derived_tables()
+    if spec.server in tables["SITE_STEP_RULES"]:
         from lightning_modules.site_optimizer import site_optimizer_problem
 
         problem = site_optimizer_problem(spec)
         if problem:
             return f"{who} with server '{spec.server}': {problem}"
-    elif spec.server not in SUM_RULES:
-        reason = RULE_REFUSALS.get(spec.server, "is not a weighted sum of the updates")
-        allowed = ", ".join(SUM_RULES + SITE_STEP_RULES)
+    elif spec.server not in tables["SUM_RULES"]:
+        reason = tables["RULE_REFUSALS"].get(spec.server, "is not a weighted sum of the updates")
+        allowed = ", ".join(tables["SUM_RULES"] + tables["SITE_STEP_RULES"])
         return f"{who} with server '{spec.server}': the rule {reason}; allowed: {allowed}"
     elif spec.server_args:
         return (
             f"{who}: server_args: NVFlare's accumulating aggregator forms the plain weighted mean (server_lr 1) and "
             f"takes no rule arguments, got {spec.server_args}"
         )
-    if spec.client not in SUM_CLIENTS:
-        reason = CLIENT_REFUSALS.get(spec.client, "is not checked with the sum workflow")
-        return f"{who} with client '{spec.client}': the algorithm {reason}; allowed: {', '.join(SUM_CLIENTS)}"
+    if spec.client not in tables["SUM_CLIENTS"]:
+        reason = tables["CLIENT_REFUSALS"].get(spec.client, "is not checked with the sum workflow")
+        allowed = ", ".join(tables["SUM_CLIENTS"])
+        return f"{who} with client '{spec.client}': the algorithm {reason}; allowed: {allowed}"
     refusals = (
         (
             spec.script is not None,
@@ -174,7 +183,7 @@ def add_sum_workflow(job: Any, spec: Any, model_config: Mapping[str, Any]) -> No
         aggregator = InTimeAccumulateWeightedAggregator(expected_data_kind=DataKind.WEIGHTS)
     job.to_server(aggregator, id="aggregator")
     job.to_server(RoundRecorder(num_rounds=spec.num_rounds, secure_aggregation=spec.secure_aggregation), id="rounds")
-    if spec.server in SITE_STEP_RULES:  # the sites step; the server stops the job if they disagree
+    if steps_at_sites(spec.server):  # the sites step; the server stops the job if they disagree
         from controllers.he_fedopt import SiteOptimizerConsensus
 
         job.to_server(SiteOptimizerConsensus(), id="fedopt_consensus")
@@ -205,7 +214,7 @@ def add_sum_site_filters(job: Any, spec: Any) -> None:
 
         decryptor = HEModelDecryptor(tenseal_context_file=CLIENT_CONTEXT)
         job.to_clients(decryptor, tasks=["train", "validate"], filter_type=FilterType.TASK_DATA)
-    if spec.server in SITE_STEP_RULES:  # x_r from the mean after decryption; x_r's digest with the result
+    if steps_at_sites(spec.server):  # x_r from the mean after decryption; x_r's digest with the result
         from controllers.he_fedopt import SiteOptimizerDigest, SiteOptimizerStep
 
         rule = {"rule": spec.server, "rule_args": dict(spec.server_args)}

@@ -87,6 +87,11 @@ class ClientAlgorithm:
     #: Its personal model is a head the site keeps: the job's local keys, or without them the head the module
     #: declares (``fl_head_keys()``); the builder resolves and checks it (FedRep).
     needs_head: ClassVar[bool] = False
+    #: Why the algorithm cannot run in secure aggregation's sum workflow (jobs/secure_aggregation.py), or ``None``:
+    #: it needs nothing from the server but the global model and keeps no state between rounds. Read from the class
+    #: itself (capabilities.declared_secure_sum): undeclared, a class with a personal model keeps per-site state,
+    #: any other is refused.
+    secure_sum: ClassVar[str | None] = None
     #: Set by `lightning_modules.federated.FederatedAlgorithm` every round: True when nobody watches the gradient
     #: in ``on_before_optimizer_step`` and the callback's fused fast path is allowed (kernels.py), so a term that is
     #: exact for a plain SGD step may be applied with the step instead of on ``.grad`` (SCAFFOLD's post-step

@@ -52,6 +52,28 @@ def declared_dp_sgd(algorithm_cls: type) -> DPSGD:
     return vars(algorithm_cls).get("dp_sgd", UNDECLARED_DP_SGD)
 
 
+#: Why an algorithm that keeps state at the site between rounds cannot run in the secure-aggregation (sum) workflow:
+#: the bundle's controller confirms that state every round, NVFlare's ``ScatterAndGather`` does not.
+PER_SITE_STATE = (
+    "keeps per-site state that the bundle's controller confirms every round (server.run_id, "
+    "server.last_aggregated), which NVFlare's ScatterAndGather does not send"
+)
+#: What a class that declares no ``secure_sum`` of its own and keeps no personal model gets: refused (a subclass may
+#: need from the server what its parent did not).
+UNDECLARED_SECURE_SUM = "declares no secure_sum of its own: what it needs from the server is not known"
+
+
+def declared_secure_sum(algorithm_cls: type) -> str | None:
+    """Why the algorithm cannot run in the sum workflow of secure aggregation, or ``None``: it needs nothing from the
+    server but the global model and keeps no state between rounds. Read from the class itself, never inherited; a
+    class with a personal model and no declaration keeps per-site state (`PER_SITE_STATE`)."""
+    if "secure_sum" in vars(algorithm_cls):
+        return vars(algorithm_cls)["secure_sum"]
+    if getattr(algorithm_cls, "personal_model", None) is not None:
+        return PER_SITE_STATE
+    return UNDECLARED_SECURE_SUM
+
+
 #: What a personal model is: ``weights`` of the algorithm's own that `ClientAlgorithm.personal_weights` returns and
 #: the site loads into a copy of its module (Ditto's v_i, APFL's mixed model); ``module`` the trained module itself
 #: with the site's local entries (FedRep's head, FedPer/FedBN); ``copy`` a model the site round builds beside the

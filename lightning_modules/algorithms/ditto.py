@@ -60,7 +60,7 @@ from torch import nn
 
 from aggregators import meta_keys
 from lightning_modules.algorithms.base import ClientAlgorithm, ClientAlgorithmError, settle_state, trainable_parameters
-from lightning_modules.algorithms.capabilities import DPSGD, PersonalModel, Released
+from lightning_modules.algorithms.capabilities import DPSGD, PER_SITE_STATE, PersonalModel, Released
 from lightning_modules.algorithms.fedprox import FedProx
 from lightning_modules.algorithms.hparams import HParams, hparam
 from lightning_modules.algorithms.kernels import LinearTerm
@@ -152,6 +152,7 @@ class Ditto(ClientAlgorithm):
     personal_model: ClassVar[PersonalModel | None] = PersonalModel(
         "weights", "Ditto's v_i", steps_key=meta_keys.DITTO_PERSONAL_STEPS
     )
+    secure_sum: ClassVar[str | None] = PER_SITE_STATE
     dp_sgd: ClassVar[DPSGD] = DPSGD(
         False, "Ditto trains the personal model v_i on the data outside DP-SGD, and its scores leave the site"
     )

@@ -140,6 +140,7 @@ class FedDyn(ClientAlgorithm):
     sent_meta: ClassVar[tuple[str, ...]] = (meta_keys.FEDDYN_ALPHA_K, meta_keys.FEDDYN_PARAM_KEYS)
     local_update: ClassVar[str] = "drift"  # not a local gradient: FedNova cannot normalise it
     hparams_class: ClassVar[type[HParams]] = FedDynHParams
+    secure_sum: ClassVar[str | None] = "needs the server's alpha and h each round (FedDyn's server state)"
     dp_sgd: ClassVar[DPSGD] = DPSGD(
         True, "its linear and quadratic terms are added to the noisy gradient: post-processing"
     )

@@ -123,6 +123,7 @@ class FedMoS(ClientAlgorithm):
     sent_meta: ClassVar[tuple[str, ...]] = (meta_keys.FEDMOS_A, meta_keys.FEDMOS_MU)
     local_update: ClassVar[str] = "drift"  # not a local gradient: FedNova cannot normalise it
     hparams_class: ClassVar[type[HParams]] = FedMoSHParams
+    secure_sum: ClassVar[str | None] = "needs the bundle's FedMoS server (momentum, selection by data share)"
     dp_sgd: ClassVar[DPSGD] = DPSGD(
         False, "FedMoS takes a second gradient of the data at the previous iterate, outside DP-SGD's clipping and noise"
     )

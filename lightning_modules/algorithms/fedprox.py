@@ -64,6 +64,7 @@ class FedProx(ClientAlgorithm):
     sent_meta: ClassVar[tuple[str, ...]] = (meta_keys.FEDPROX_MU,)
     local_update: ClassVar[str] = "proximal"
     hparams_class: ClassVar[type[HParams]] = FedProxHParams
+    secure_sum: ClassVar[str | None] = None
     dp_sgd: ClassVar[DPSGD] = DPSGD(True, "mu (w - w_t) is added to the noisy gradient: post-processing")
     released: ClassVar[tuple[Released, ...]] = (Released(meta_keys.FEDPROX_MU, "FedProx's mu (a setting)", "public"),)
     mu: float

@@ -73,6 +73,9 @@ class FedRep(ClientAlgorithm):
     name: ClassVar[str] = "fedrep"
     local_update: ClassVar[str] = "drift"
     hparams_class: ClassVar[type[HParams]] = FedRepHParams
+    secure_sum: ClassVar[str | None] = (
+        "keeps its head at the site (partial sharing), which the sum workflow does not handle"
+    )
     dp_sgd: ClassVar[DPSGD] = DPSGD(
         False,
         "FedRep's head phase freezes the body, and per-sample clipping over frozen parts is not accounted here",

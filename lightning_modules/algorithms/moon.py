@@ -61,7 +61,7 @@ from lightning_modules.algorithms.base import (
     refuse_non_finite_state,
     settle_state,
 )
-from lightning_modules.algorithms.capabilities import DPSGD, Released
+from lightning_modules.algorithms.capabilities import DPSGD, PER_SITE_STATE, Released
 from lightning_modules.algorithms.hparams import NOT_REPORTED, HParams, hparam
 from lightning_modules.state_store import StateStoreError
 
@@ -152,6 +152,7 @@ class Moon(ClientAlgorithm):
     )
     default_arch_args: ClassVar[Mapping[str, Any]] = {"projection_dim": DEFAULT_PROJECTION_DIM}
     hparams_class: ClassVar[type[HParams]] = MoonHParams
+    secure_sum: ClassVar[str | None] = PER_SITE_STATE
     dp_sgd: ClassVar[DPSGD] = DPSGD(
         True, "its contrastive term is part of each sample's loss, so it is clipped and noised with it"
     )

@@ -193,6 +193,7 @@ class Scaffold(ClientAlgorithm):
     sent_meta: ClassVar[tuple[str, ...]] = (meta_keys.SCAFFOLD_CTRL_DIFF,)
     local_update: ClassVar[str] = "drift"  # not a local gradient: FedNova cannot normalise it
     hparams_class: ClassVar[type[HParams]] = ScaffoldHParams
+    secure_sum: ClassVar[str | None] = "needs the server's control c each round (SCAFFOLD's server state)"
     dp_sgd: ClassVar[DPSGD] = DPSGD(
         True, "Option II: the correction c - c_i and the new control are post-processing (Option I refused)"
     )

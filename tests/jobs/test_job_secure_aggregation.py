@@ -11,7 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from aggregators.fedavg import FedAvg
 from aggregators.registry import RULES
+from aggregators.types import UNDECLARED_SECURE_SUM, declared_secure_sum
+from jobs import secure_aggregation
 from jobs.build import JOBS_DIR, JobBuildError, JobSpec, export_job, main
 from jobs.secure_aggregation import (
     CLIENT_REFUSALS,
@@ -22,7 +25,8 @@ from jobs.secure_aggregation import (
     SUM_RULES,
     is_he_job,
 )
-from lightning_modules.algorithms import CLIENT_ALGORITHMS
+from lightning_modules.algorithms import CLIENT_ALGORITHMS, capabilities
+from lightning_modules.algorithms.fedprox import FedProx
 
 
 def _paths(config: object) -> list[str]:
@@ -43,6 +47,42 @@ def _configs(job_dir: Path) -> tuple[dict, dict]:
 def test_every_rule_is_admitted_or_refused_with_its_reason():
     assert set(RULE_REFUSALS) == set(RULES) - set(SUM_RULES) - set(SITE_STEP_RULES)
     assert set(CLIENT_REFUSALS) == set(CLIENT_ALGORITHMS) - set(SUM_CLIENTS)
+
+
+def test_what_runs_on_sums_is_what_the_classes_declare():
+    assert SUM_RULES == ("fedavg",)
+    assert SITE_STEP_RULES == ("fedadam", "fedyogi", "fedadagrad", "fedavgm")
+    assert SUM_CLIENTS == ("fedavg", "fedprox")
+    assert CLIENT_REFUSALS["apfl"] == capabilities.PER_SITE_STATE  # a personal model, no line of its own
+
+
+class ClippedFedAvg(FedAvg):
+    """A contributor's rule that clips every update before averaging: it needs the individual updates."""
+
+    name = "clipped_fedavg"
+
+
+class QuietFedProx(FedProx):
+    """A contributor's client that may need more from the server than FedProx did."""
+
+    name = "quiet_fedprox"
+
+
+def test_a_subclass_does_not_inherit_its_parents_admission():
+    assert declared_secure_sum(FedAvg) == "sum" and declared_secure_sum(ClippedFedAvg) == UNDECLARED_SECURE_SUM
+    assert capabilities.declared_secure_sum(FedProx) is None
+    assert capabilities.declared_secure_sum(QuietFedProx) == capabilities.UNDECLARED_SECURE_SUM
+
+
+def test_an_undeclared_rule_subclass_is_refused_at_build_time(monkeypatch):
+    monkeypatch.setitem(RULES, ClippedFedAvg.name, ClippedFedAvg)
+    secure_aggregation._derived_tables.cache_clear()
+    try:
+        with pytest.raises(JobBuildError, match="the rule declares no secure_sum of its own"):
+            JobSpec(name="he", server=ClippedFedAvg.name, secure_aggregation="he")
+    finally:
+        monkeypatch.undo()
+        secure_aggregation._derived_tables.cache_clear()
 
 
 @pytest.mark.parametrize("rule", sorted(RULE_REFUSALS))
