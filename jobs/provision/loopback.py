@@ -236,9 +236,11 @@ def installed_script_job(job_dir: Path, target: Path) -> Path:
     NVFlare then treats the job as non-BYOC, so the submitter needs no ``byoc`` right, and every component class must
     be on each participant's class allow-list (see `allow_bundle_classes`)."""
     import jobs
+    from jobs.job_record import JOB_SCRIPT, SPEC_FILE
 
     installed = Path(jobs.__file__).resolve().parent / "client.py"
-    shutil.copytree(job_dir, target, ignore=shutil.ignore_patterns("__pycache__"))
+    # job.py and its record describe the exported job with its shipped copies, which this variant drops.
+    shutil.copytree(job_dir, target, ignore=shutil.ignore_patterns("__pycache__", JOB_SCRIPT, SPEC_FILE))
     for app in target.glob("app*"):
         shutil.rmtree(app / "custom", ignore_errors=True)
         config_file = app / "config" / "config_fed_client.json"
