@@ -173,8 +173,46 @@ def test_the_round_moves_s_by_the_centred_noisy_count():
     noisy = dp(noise_multiplier=1.0, clip_norm=1.0, clip_count_stddev=2.0, expected_sites=4, clip_lr=0.2)
     for round_num in (0, 5):
         noise = np.random.default_rng([0, round_num, _COUNT_NOISE]).normal(0.0, 2.0)  # the fixture's seed is 0
-        expected = math.exp(-0.2 * ((-0.5 + noise) / 4 + 0.5 - 0.5))
+        expected = math.exp(-0.2 * (min(1.0, max(0.0, (-0.5 + noise) / 4 + 0.5)) - 0.5))
         assert run(noisy, updates, round_num, sites=4).state["clip_norm"] == pytest.approx(expected, abs=1e-14)
+
+
+def tf_privacy_clip_step(clip_norm: float, below: float, noise: float, expected: float, quantile: float, lr: float):
+    """TF-Privacy's QuantileEstimatorQuery, geometric update, written out here as the reference: the noised sum of
+    (b_i - 1/2) over the expected count, plus 1/2, clipped to [0, 1], then S exp(-lr (estimate - quantile))."""
+    estimate = float(np.clip((below + noise) / expected + 0.5, 0.0, 1.0))
+    return clip_norm * math.exp(-lr * (estimate - quantile))
+
+
+def test_the_noisy_share_is_clamped_to_0_1_before_the_clip_step_by_hand():
+    """Norms 0.5, 2, 3 against S = 1, m = 3: sum_i (b_i - 1/2) = -1/2. A count noise of +3 gives
+    (-0.5 + 3) / 3 + 1/2 = 4/3, clamped to 1, so S' = exp(-0.2 (1 - 0.5)) = exp(-0.1) (unclamped: exp(-1/6));
+    a noise of -2 gives -1/3, clamped to 0, so S' = exp(0.1) (unclamped: exp(1/6))."""
+    assert noisy_unclipped_share(-0.5, 3.0, 3.0) == 1.0 and noisy_unclipped_share(-0.5, -2.0, 3.0) == 0.0
+    assert noisy_unclipped_share(-0.5, 0.7, 3.0) == pytest.approx(0.2 / 3 + 0.5, abs=1e-15)  # inside: unchanged
+    assert next_clip_norm(1.0, noisy_unclipped_share(-0.5, 3.0, 3.0), 0.5, 0.2) == pytest.approx(math.exp(-0.1))
+    assert next_clip_norm(1.0, noisy_unclipped_share(-0.5, -2.0, 3.0), 0.5, 0.2) == pytest.approx(math.exp(0.1))
+
+
+def test_the_rounds_clip_norm_follows_tf_privacys_quantile_estimator_also_when_the_noise_leaves_0_1():
+    """The rule against the reference rule above over 40 rounds of 3 sites at sigma_b = 2 (the rule's count stream
+    of (seed, round) drawn again): at m = 3 about half of the rounds put the unclamped share outside [0, 1]; the
+    test asserts some do on both sides, so it fails on a rule that does not clamp."""
+    updates = [
+        site_update("site-1", {"w": [0.5, 0, 0], "b": [0]}),
+        site_update("site-2", {"w": [0, 2, 0], "b": [0]}),
+        site_update("site-3", {"w": [0, 0, 3], "b": [0]}),
+    ]
+    rule = dp(noise_multiplier=1.0, clip_norm=1.0, clip_count_stddev=2.0, clip_lr=0.2, target_quantile=0.5)
+    outside = set()
+    for round_num in range(40):
+        noise = np.random.default_rng([0, round_num, _COUNT_NOISE]).normal(0.0, 2.0)  # the fixture's seed is 0
+        unclamped = (-0.5 + noise) / 3 + 0.5
+        outside |= {"below 0"} if unclamped < 0 else {"above 1"} if unclamped > 1 else set()
+        expected = tf_privacy_clip_step(1.0, -0.5, noise, 3.0, 0.5, 0.2)
+        assert run(rule, updates, round_num).state["clip_norm"] == pytest.approx(expected, abs=1e-6, rel=0)
+        assert math.exp(-0.1) - 1e-12 <= expected <= math.exp(0.1) + 1e-12  # one step moves S by e^0.1 at most
+    assert outside == {"below 0", "above 1"}
 
 
 def test_the_update_noise_multiplier_leaves_the_pair_at_z():
@@ -185,14 +223,16 @@ def test_the_update_noise_multiplier_leaves_the_pair_at_z():
 
 
 def test_the_clip_count_noise_has_std_sigma_b():
-    """All four updates are zero (b_i = 1): log(S'/S) = -eta_C ((4 + noise) / 4 - gamma), so the noise is read back
-    from S' in each of 3000 independent rounds."""
+    """All four updates are zero (b_i = 1) and m = 40: log(S'/S) = -eta_C ((2 + noise) / 40 + 1/2 - gamma), so the
+    noise is read back from S' in each of 3000 independent rounds (b = 0.55 + noise / 40 stays inside [0, 1], where
+    the clamp does nothing, unless the noise exceeds 9 sigma_b)."""
     zero = [site_update(f"site-{i}", {"w": [0, 0, 0], "b": [0]}) for i in range(4)]
-    rule = dp(noise_multiplier=1.0, clip_norm=1.0, clip_count_stddev=2.0, clip_lr=0.2, target_quantile=0.5)
+    rule = dp(
+        noise_multiplier=1.0, clip_norm=1.0, clip_count_stddev=2.0, clip_lr=0.2, target_quantile=0.5, expected_sites=40
+    )
     state = rule.init_state(X)
     noise = [
-        (0.5 - math.log(rule.aggregate(X, zero, state, context(r, 4)).state["clip_norm"]) / 0.2) * 4 - 4
-        for r in range(3000)
+        -math.log(rule.aggregate(X, zero, state, context(r, 4)).state["clip_norm"]) / 0.2 * 40 - 2 for r in range(3000)
     ]
     assert np.std(noise) == pytest.approx(2.0, rel=0.05) and abs(np.mean(noise)) < 0.15
     assert rule.count_stddev(40.0) == 2.0 and dp(noise_multiplier=1.0).count_stddev(40.0) == 2.0  # max(m/20, z)
