@@ -1,6 +1,7 @@
 """The consortium's LightningDataModule: each site's genotypes, a validation split, and a held-out test set.
 
-In simulation (no ``data_file``) every site derives its share from one source, with no coordination:
+In simulation (no ``data_file``, and no ``classes``) every site derives its share from one source, with no
+coordination:
 
 - ``source="1kg"``: the 1000 Genomes people at 127 ancestry-informative SNPs (``data_prep.genomics``), labelled by
   super-population (5 classes) or, with ``label="population"``, population (``populations`` keeps a subset, e.g.
@@ -19,8 +20,11 @@ without a test split.
 
 A real site reads its own genotype CSV (``sample``, one column per SNP, a ``population`` column) with the
 consortium's SNP table (a CSV of ``snp,ref,alt`` rows) and the agreed ``classes`` (population names, in order). The
-job ships the same arguments to every site, so the paths come from the site's environment: ``$FEDALG_SITE_GENOTYPES``
-and ``$FEDALG_SNP_TABLE`` (or the ``data_file`` / ``snp_table`` arguments). ``data_file`` may also be a VCF / VCF.gz /
+job ships the same arguments to every site, so the paths come from the site: ``$FEDALG_SITE_GENOTYPES`` and
+``$FEDALG_SNP_TABLE``, or ``"genotypes"`` / ``"snp_table"`` in its ``local/fedalg_site_data.json`` (or the
+``data_file`` / ``snp_table`` arguments; ``data_prep.genotypes.site_files``). A provisioned site that names no file is
+refused in one line; it never derives the public panel. Every site prints the file it read (path, people, SNPs,
+classes, the SNP table it matched). ``data_file`` may also be a VCF / VCF.gz /
 BCF, a PLINK 1 ``.bed`` or a PLINK 2 ``.pgen`` (harmonised against a ``snp,chrom,pos,ref,alt`` table on the fly) or
 the ``.npz`` of ``python -m data_prep.genotypes harmonise``, with labels from ``$FEDALG_SITE_LABELS`` / ``labels_file``
 (``data_prep.genotypes.site``); those stay int8 (memory-mapped for an ``.npz``), travel to the training device as
@@ -44,11 +48,12 @@ from torch.utils.data import DataLoader, TensorDataset
 from data_prep import DataPrepError, partition, site_index
 from data_prep.genomics import GenotypeData, SnpTable, held_out_split, read_genotype_csv, source_data
 from data_prep.genotypes.loader import GenotypeRows, as_tokens, genotype_loader
-from data_prep.genotypes.site import LABELS_ENV, is_genotype_input, resolve, site_genotypes
+from data_prep.genotypes.site import is_genotype_input, site_genotypes
+from data_prep.genotypes.site_files import missing_file_problem, read_line, site_genotype_files
+from data_prep.site_config import is_simulated_site, site_workspace
 
 TEST_FRACTION = 0.2
 MIN_TEST_SAMPLES = 10  # the bundle's minimum test split per site (jobs/spec.py MIN_TEST_SAMPLES)
-GENOTYPES_ENV, SNP_TABLE_ENV = "FEDALG_SITE_GENOTYPES", "FEDALG_SNP_TABLE"
 
 
 class SnpSites(pl.LightningDataModule):
@@ -83,13 +88,19 @@ class SnpSites(pl.LightningDataModule):
             )
         self.site, self.target, self.batch_size, self.val_fraction = site, target, batch_size, val_fraction
         self.seed, self.test_fraction = seed, test_fraction
-        data_file = resolve(data_file, GENOTYPES_ENV, site, os.environ)
-        snp_table = resolve(snp_table, SNP_TABLE_ENV, site, os.environ)
+        workspace = site_workspace()
+        files = site_genotype_files(site, workspace, os.environ, data_file, snp_table, labels_file)
+        problem = missing_file_problem(site, files, workspace, os.environ, is_simulated_site(workspace), classes)
+        if problem:  # a provisioned site never derives the public panel; nor does a job that names the classes
+            raise DataPrepError(problem)
+        data_file, snp_table = files.path("genotypes"), files.path("snp_table")
         if data_file and is_genotype_input(data_file):
-            self._genotype_file(data_file, snp_table, resolve(labels_file, LABELS_ENV, site, os.environ), classes)
+            people = self._genotype_file(data_file, snp_table, files.path("labels"), classes)
+            print(read_line(site, files, people, self.num_snps, self.classes), flush=True)
             return
         if data_file:
             own = _site_file(site, data_file, snp_table, classes)
+            print(read_line(site, files, len(own.labels), own.genotypes.shape[1], own.classes), flush=True)
             self.test = None
         else:
             data = source_data(source, label, populations, n_snps, samples_per_population)
@@ -99,6 +110,11 @@ class SnpSites(pl.LightningDataModule):
             parts = partition(data.labels[train], num_sites, split, seed=seed, alpha=alpha)
             own = _subset(data, train[parts[site_index(site, num_sites)]])
             self.test = self._tensors(_subset(data, test))
+            print(
+                f"{site}: simulation: no genotype file of its own; derived share of source {source!r}: "
+                f"{len(own.labels)} people x {own.genotypes.shape[1]} SNPs, classes {list(own.classes)}",
+                flush=True,
+            )
         val, test, train = self._site_split(len(own.labels))
         self.val = self._tensors(_subset(own, val))
         self.train = self._tensors(_subset(own, train))
@@ -126,8 +142,9 @@ class SnpSites(pl.LightningDataModule):
 
     def _genotype_file(
         self, data_file: str, snp_table: str | None, labels_file: str | None, classes: Sequence[str] | None
-    ) -> None:
-        """A VCF/BCF/PLINK file or harmonised .npz: int8 rows streamed a batch at a time (no int64 matrix)."""
+    ) -> int:
+        """A VCF/BCF/PLINK file or harmonised .npz: int8 rows streamed a batch at a time (no int64 matrix); returns
+        the number of people read."""
         if classes is None or self.target != "population":
             raise DataPrepError(f"{self.site}: a genotype file needs the agreed classes and target 'population'")
         own = site_genotypes(self.site, data_file, classes, snp_table, labels_file)
@@ -136,6 +153,7 @@ class SnpSites(pl.LightningDataModule):
         self.train = GenotypeRows(own.genotypes, own.labels[train], train)
         self.test = GenotypeRows(own.genotypes, own.labels[test], test) if self.test_fraction > 0 else None
         self.num_snps, self.classes = own.genotypes.shape[1], own.classes
+        return len(own.labels)
 
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
         """Genotype files stream int8 batches (8x less host memory traffic and transfer than int64): widened to the
