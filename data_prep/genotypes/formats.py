@@ -2,7 +2,11 @@
 ``.pgen/.pvar/.psam`` (pgenlib), chosen by the file's extension.
 
 The binary genotype blocks are decoded by those libraries only; the small text side files (``.bim``, ``.fam``,
-``.pvar``, ``.psam``) are read here, line by line, so that a malformed line is reported by its number.
+``.pvar``, ``.psam``) are read here, line by line, so that a malformed line is reported by its number. A ``.fam`` and
+a ``.psam`` are read as plink2 reads both: '#' lines before the people are comments, ``#FID``/``#IID`` the header; a
+header without its '#' or a '#' line among the people is refused, and so is a ``.fam``/``.psam`` listing other people
+than the ``.bed``/``.pgen`` holds (`_check_bed_padding`, the ``.pgen``'s sample count): one line more or less would
+give every person after it another person's genotypes.
 
 A reader returns the records a caller selects (by chromosome, position and ID: the harmoniser asks for the table's
 SNPs) and, for each selected biallelic record, the count of one of its alleles per person, ``int8``, 3 = missing:
@@ -437,10 +441,11 @@ def _stack(columns: list[np.ndarray | None], n_people: int) -> np.ndarray:
 
 def _read_plink1(path: Path, select: Selector, threshold: float) -> FileRecords:
     bim, fam = _side_file(path, ".bim"), _side_file(path, ".fam")
-    people = [fields for _, fields in _table_lines(fam, 6, "FID IID father mother sex phenotype")]
-    _check_fid_iid([fields[0] for fields in people], [fields[1] for fields in people], path, fam)
-    records = FileRecords(str(path), tuple(fields[1] for fields in people))
-    records.sex = np.array([_sex(fields[4]) for fields in people], np.int8)
+    samples, sex, fids = _sample_file(fam, fam=True)
+    if fids is not None:
+        _check_fid_iid(fids, list(samples), path, fam)
+    records = FileRecords(str(path), samples)
+    records.sex = sex if sex is not None else np.zeros(len(samples), np.int8)
     wanted = []
     for number, fields in _table_lines(bim, 6, "chrom id cM pos allele1 allele2"):
         chrom, snp_id, pos = fields[0], fields[1], _position(fields[3], bim, number)
@@ -457,25 +462,45 @@ def _read_plink1(path: Path, select: Selector, threshold: float) -> FileRecords:
         raise DataPrepError(f"{path}: not a readable PLINK 1 .bed file ({_one_line(exc)})") from None
     records.genotypes = np.zeros((len(records.samples), 0), np.int8) if counts is None else counts
     records.genotypes[records.genotypes < 0] = MISSING  # bed-reader's int8 missing value is -127
-    _check_bed_padding(records, fam)
+    _check_bed_padding(path, fam, records.samples, records.n_records)
     records.notes = np.zeros((len(wanted), len(CALL_NOTES)), np.int64)
     _one_copy_rule(records)
     return records
 
 
-def _check_bed_padding(records: FileRecords, fam: Path) -> None:
-    """A ``.fam`` with people the ``.bed`` was not written for: a ``.bed`` stores each SNP in whole bytes, 4 people
-    to a byte, so up to 3 people too many in the ``.fam`` still give a file of the right size, and bed-reader reads
-    them from the last byte's padding bits, which PLINK writes as 00 (two copies of allele 1). A real person with two
-    copies of allele 1 at every one of 32 or more SNPs is not credible; such a last person is refused."""
-    n_people, n_snps = records.genotypes.shape
-    if n_people % 4 == 0 or n_snps < _PADDING_CHECK_SNPS:  # no padding, or too few SNPs read to tell
-        return
-    if (records.genotypes[-1] == 2).all():
+def _check_bed_padding(path: Path, fam: Path, samples: tuple[str, ...], n_snps: int) -> None:
+    """A ``.fam`` listing other people than the ``.bed`` holds, found in the ``.bed`` itself. A ``.bed`` stores each
+    SNP in whole bytes, 4 people to a byte, so a ``.fam`` up to 3 lines too long or too short gives a file of the
+    right size (bed-reader checks only the size). PLINK writes the unused bits of each SNP's last byte as 00:
+
+    - a ``.fam`` too short: the ``.bed`` has calls in those bits (a person the ``.fam`` does not list; a line
+      deleted in the middle shifts everyone after it), refused at the first SNP where they are not 00;
+    - a ``.fam`` too long: its last person is read from those bits, two copies of allele 1 at every SNP; refused
+      when that holds at all of the ``.bed``'s SNPs (``_PADDING_CHECK_SNPS`` or more: no real person reads so).
+
+    Both are read from the raw bytes of every SNP, not only the table's, whatever the number of people."""
+    n_people = len(samples)
+    width = (n_people + 3) // 4
+    if not n_people or not n_snps or path.stat().st_size != 3 + width * n_snps:
+        return  # bed-reader has refused a wrong size; an empty file has nothing to check
+    blocks = np.memmap(path, np.uint8, "r", offset=3, shape=(n_snps, width))
+    used = n_people % 4
+    if used:
+        past = (blocks[:, -1] & np.uint8((0xFF << (2 * used)) & 0xFF)) != 0
+        if past.any():
+            raise DataPrepError(
+                f"{path} holds calls past the {n_people} people of {fam} (in the padding bits of SNP "
+                f"{int(np.argmax(past)) + 1}): the .fam lists fewer people than the .bed was written for (a line "
+                "deleted, which shifts everyone after it, or a .fam of another fileset); use the .fam written with "
+                "this .bed"
+            )
+    last = n_people - 1
+    allele_1_twice = ((blocks[:, last // 4] >> np.uint8(2 * (last % 4))) & np.uint8(3)) == 0
+    if n_snps >= _PADDING_CHECK_SNPS and allele_1_twice.all():
         raise DataPrepError(
-            f"{records.path}: the last person of {fam} ({records.samples[-1]!r}) reads as two copies of allele 1 at "
-            f"all {n_snps} SNPs read, which is what the .bed's padding bits hold: the .fam lists more people than the "
-            ".bed was written for (a line added, or a .fam of another fileset); use the .fam written with this .bed"
+            f"{path}: the last person of {fam} ({samples[-1]!r}) reads as two copies of allele 1 at all {n_snps} "
+            "SNPs of the .bed, which is what the .bed's padding bits hold: the .fam lists more people than the .bed "
+            "was written for (a line added, or a .fam of another fileset); use the .fam written with this .bed"
         )
 
 
@@ -504,7 +529,7 @@ def _sex(text: str) -> int:
 
 def _read_plink2(path: Path, select: Selector, threshold: float) -> FileRecords:
     pvar, psam = _side_file(path, ".pvar"), _side_file(path, ".psam")
-    samples, sex, fids = _psam_samples(psam)
+    samples, sex, fids = _sample_file(psam, fam=False)
     if fids is not None:
         _check_fid_iid(fids, list(samples), path, psam)
     records = FileRecords(str(path), samples, sex=sex)
@@ -540,9 +565,18 @@ def _read_plink2(path: Path, select: Selector, threshold: float) -> FileRecords:
                 f"{path}: the .pgen ends before the records its header indexes ({path.stat().st_size:,} bytes; "
                 f"pgenlib: {_one_line(exc)}): the file is truncated, copy it again"
             ) from None
+        counts = _SAMPLE_COUNT.search(str(exc))
+        if counts:  # the .pgen's header stores its sample count: a .psam of other people shows here
+            raise DataPrepError(
+                f"{path} holds {counts.group(2)} people, its .psam {psam} lists {counts.group(1)}: use the .psam "
+                "written with this .pgen (a line added or deleted shifts every label after it)"
+            ) from None
         raise DataPrepError(f"{path}: not a readable PLINK 2 .pgen file ({_one_line(exc)})") from None
     _one_copy_rule(records)
     return records
+
+
+_SAMPLE_COUNT = re.compile(r"raw_sample_ct == (\d+), but .* contains (\d+) samples")
 
 
 def _read_pgen_columns(reader, records: FileRecords, variants: np.ndarray, columns: list[int], dosages: bool,
@@ -584,28 +618,67 @@ def _pgen_may_hold_dosages(path: Path) -> bool:
     return True
 
 
-def _psam_samples(psam: Path) -> tuple[tuple[str, ...], np.ndarray | None, list[str] | None]:
-    """The sample IDs of a ``.psam``, each person's sex (1/2/0) when it has a SEX column (a headerless, .fam-style
-    file: column 5) and the FIDs when it has them."""
-    lines = list(_text_lines(psam))
-    if not lines:
-        raise DataPrepError(f"{psam}: empty; expected a header '#IID ...' or '#FID IID ...' and one line per sample")
-    header = lines[0][1].split()
-    sex_column, fid_column = None, None
-    if header[0] in ("#IID", "#FID"):
+#: Column names of plink2's .fam/.psam header; a line starting with two of them, one IID, is a header (_is_header).
+_SAMPLE_COLUMNS = frozenset({"FID", "IID", "SID", "PAT", "MAT", "SEX", "PHENOTYPE", "PHENO1"})
+
+
+def _is_header(fields: list[str]) -> bool:
+    """Whether a line without '#' is a header all the same (``FID IID PAT MAT SEX PHENOTYPE``, ``IID SEX``)."""
+    names = [field.upper() for field in fields[:2]]
+    return len(names) == 2 and "IID" in names and all(name in _SAMPLE_COLUMNS for name in names)
+
+
+def _sample_lines(path: Path) -> tuple[list[str] | None, list[tuple[int, list[str]]]]:
+    """(header, people) of a ``.fam``/``.psam`` as plink2 reads both: lines starting with '#' before the first person
+    are comments, except a ``#FID``/``#IID`` line, the header, which ends them; a '#' line after the header or the
+    first person, and a header written without its '#', are refused (read as people they would shift every label)."""
+    header: list[str] | None = None
+    people: list[tuple[int, list[str]]] = []
+    for number, line in _text_lines(path):
+        fields = line.split()
+        if line.startswith("#"):
+            if people or header is not None:
+                after = f"the first person (line {people[0][0]})" if people else "the '#FID'/'#IID' header"
+                raise DataPrepError(
+                    f"{path}: line {number} starts with '#' after {after}: PLINK allows '#' lines only before the "
+                    "people, the header last (two files pasted together?); remove the line"
+                )
+            if fields[0] in ("#FID", "#IID"):
+                header = fields
+            continue
+        if _is_header(fields):
+            raise DataPrepError(
+                f"{path}: line {number} is a header ({' '.join(fields)[:60]!r}) without PLINK's leading '#': read as "
+                "a person it would shift every label by one (plink2 refuses it); write it as '#FID IID ...' (or "
+                "'#IID ...') or delete it"
+            )
+        people.append((number, fields))
+    return header, people
+
+
+def _sample_file(path: Path, fam: bool) -> tuple[tuple[str, ...], np.ndarray | None, list[str] | None]:
+    """The sample IDs of a ``.fam`` or ``.psam`` (`_sample_lines`), each person's sex (1/2/0) when it has a SEX column
+    (headerless: the .fam layout, column 5) and the FIDs when it has them."""
+    header, body = _sample_lines(path)
+    if not body:
+        raise DataPrepError(f"{path}: no people; expected a header '#IID ...' or '#FID IID ...', one line a person")
+    if header is not None:
         if "IID" not in header and header[0] != "#IID":
-            raise DataPrepError(f"{psam}: line {lines[0][0]}: the header names no IID column: {lines[0][1]!r}")
+            raise DataPrepError(f"{path}: the header names no IID column: {' '.join(header)!r}")
         column = 0 if header[0] == "#IID" else header.index("IID")
         sex_column = header.index("SEX") if "SEX" in header else None
         fid_column = 0 if header[0] == "#FID" else None
-        body, width = lines[1:], len(header)
+        width = len(header)
     else:  # no header: the .fam layout (FID IID father mother sex phenotype)
-        column, body, width, sex_column, fid_column = 1, lines, 6, 4, 0
+        column, width, sex_column, fid_column = 1, 6, 4, 0
     samples, sex, fids = [], [], []
-    for number, line in body:
-        fields = line.split()
+    for number, fields in body:
+        if fam and header is None and len(fields) != 6:
+            raise DataPrepError(
+                f"{path}: line {number}: expected 6 columns (FID IID father mother sex phenotype), got {len(fields)}"
+            )
         if len(fields) < max(column + 1, min(width, 2)):
-            raise DataPrepError(f"{psam}: line {number}: expected {width} columns, got {len(fields)}: {line!r}")
+            raise DataPrepError(f"{path}: line {number}: expected {width} columns, got {len(fields)}")
         samples.append(fields[column])
         sex.append(_sex(fields[sex_column]) if sex_column is not None and sex_column < len(fields) else 0)
         fids.append(fields[fid_column] if fid_column is not None else "")
