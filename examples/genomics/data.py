@@ -95,11 +95,12 @@ class SnpSites(pl.LightningDataModule):
             raise DataPrepError(problem)
         data_file, snp_table = files.path("genotypes"), files.path("snp_table")
         if data_file and is_genotype_input(data_file):
+            self.data_source = data_file
             people = self._genotype_file(data_file, snp_table, files.path("labels"), classes)
             print(read_line(site, files, people, self.num_snps, self.classes), flush=True)
             return
         if data_file:
-            own = _site_file(site, data_file, snp_table, classes)
+            own, self.data_source = _site_file(site, data_file, snp_table, classes), data_file
             print(read_line(site, files, len(own.labels), own.genotypes.shape[1], own.classes), flush=True)
             self.test = None
         else:
@@ -109,6 +110,7 @@ class SnpSites(pl.LightningDataModule):
             train, test = held_out_split(data.labels, TEST_FRACTION)
             parts = partition(data.labels[train], num_sites, split, seed=seed, alpha=alpha)
             own = _subset(data, train[parts[site_index(site, num_sites)]])
+            self.data_source = f"a derived share of source {source!r}"
             self.test = self._tensors(_subset(data, test))
             print(
                 f"{site}: simulation: no genotype file of its own; derived share of source {source!r}: "

@@ -20,12 +20,15 @@ The bundle's protocols (docs/own_model.md): ``task_loss`` (FedMoS, SCAFFOLD Opti
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from data_prep.errors import DataPrepError
 from data_prep.genomics import GENOTYPE_STATES
 from lightning_modules.federated import algorithm_loss
 
@@ -140,6 +143,29 @@ class SnpNet(nn.Module):
         return self.head(self.embed(states))
 
 
+def data_shape_problem(hparams: Mapping[str, Any], data: object) -> str | None:
+    """Why a model built with ``hparams`` cannot train on ``data`` (one line naming the setting and the fix), or
+    ``None``. ``data`` is the site's data module (or a wrapper holding it in ``.datamodule``, as DP-SGD's does); one
+    without ``num_snps`` and ``classes`` is not checked. Without this a ``cnn_transformer`` pads a smaller file up to
+    ``n_snps`` and trains without a word, and the MLP fails deep inside a matrix product."""
+    data = getattr(data, "datamodule", data)
+    snps, classes = getattr(data, "num_snps", None), getattr(data, "classes", None)
+    if snps is None or classes is None:
+        return None
+    site, source = getattr(data, "site", "site"), getattr(data, "data_source", "its data module")
+    for setting, built, found, what in (
+        ("n_snps", hparams["n_snps"], int(snps), "SNPs"),
+        ("num_classes", hparams["num_classes"], len(classes), "classes"),
+    ):
+        if built != found:
+            return (
+                f"{site}: the job's model_args {setting}={built}, but the site's data has {found} {what} ({source}); "
+                f"rebuild the job with {setting}={found} (the harmonised file's SNPs, the QC's filtered table, the "
+                "agreed classes); nothing trained"
+            )
+    return None
+
+
 class SnpClassifier(pl.LightningModule):
     """Population classifier (or ancestry-proportion estimator) on genotype states, trained with AdamW by default.
 
@@ -188,6 +214,12 @@ class SnpClassifier(pl.LightningModule):
 
     def forward(self, states: torch.Tensor) -> torch.Tensor:
         return self.net(states)
+
+    def setup(self, stage: str) -> None:
+        """Before the site scores or trains anything: the model's size must be its data's (`data_shape_problem`)."""
+        problem = data_shape_problem(self.hparams, getattr(self.trainer, "datamodule", None))
+        if problem:
+            raise DataPrepError(problem)
 
     def task_loss(self, batch, params=None):
         """Mean loss and logits of a batch, at this module's weights or at ``params`` (FedMoS, SCAFFOLD Option I)."""
