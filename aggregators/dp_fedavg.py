@@ -51,10 +51,15 @@ What the rule guarantees and what it assumes:
   statistics), for which the job builder refuses the job (keep them at the sites with ``--local-keys batchnorm``, or
   use GroupNorm/LayerNorm);
 - the noise is secret: its generator is seeded by (a seed, round), the seed drawn from the operating system's
-  entropy once per run (`secret_seed`) and kept in the rule's state (the server's checkpoint), so a resumed
-  job continues the same noise and nobody else can regenerate it. A fixed ``seed`` (runs repeat bit for bit, and
-  whoever knows it can subtract the noise) is refused with noise (``noise_multiplier`` > 0), so also when the job
-  is built: it only seeds the site sample of noiseless comparisons. Tests that need repeatable noise replace
+  entropy when the run starts (`secret_seed`, in `init_state`) and kept in the server process's memory only, on the
+  rule object: never in the rule's state, which the server checkpoints beside the global model and the records
+  (``server_state.pt``), so whoever is handed the run folder cannot regenerate the noise (the checkpoint used to
+  hold it, and a reviewer stripped a round's noise to 1.1e-7 from it). A resumed job (a restarted server) draws a
+  fresh seed: its rounds get fresh, independent noise and a fresh site sample, which protects them as well (each
+  round's noise only has to be unknown and independent of the updates), but a resumed run no longer repeats the
+  uninterrupted one's noise. A pickled rule leaves the seed behind too. A fixed ``seed`` (runs repeat bit for bit,
+  and whoever knows it can subtract the noise) is refused with noise (``noise_multiplier`` > 0), so also when the
+  job is built: it only seeds the site sample of noiseless comparisons. Tests that need repeatable noise replace
   `secret_seed` in-process.
 """
 
@@ -214,7 +219,7 @@ class DPFedAvg(RuleHParams, AggregationRule):
         optimizer_args: its hyperparameters (e.g. ``{"server_lr": 1.0}``).
         seed: seeds the site sample with the round, only without noise (z = 0; refused otherwise, since whoever
             knows it could subtract the noise); unset: a secret seed per run (`secret_seed`), kept in the
-            state.
+            server's memory only, never in the checkpointed state.
     """
 
     noise_multiplier: float = hparam(1.0, low=0, note="z, noise std / clip norm; 0: no privacy")
@@ -229,6 +234,8 @@ class DPFedAvg(RuleHParams, AggregationRule):
     optimizer_args: dict[str, Any] = field(default_factory=dict, metadata=CHECKED_TOGETHER)
     seed: int | None = hparam(None, low=0, note="unset: a secret seed per run; set: only with noise_multiplier 0")
     optimizer: AggregationRule = field(init=False, repr=False, compare=False)
+    #: The run's secret seed, drawn by `init_state`: process memory only, never in the state (module docstring).
+    _secret: int | None = field(default=None, init=False, repr=False, compare=False)
 
     name: ClassVar[str] = "dp_fedavg"
     secure_sum: ClassVar[str] = "clips every individual update at the server before it noises the sum"
@@ -273,15 +280,29 @@ class DPFedAvg(RuleHParams, AggregationRule):
 
     # -- state ------------------------------------------------------------------------------------------------------
     def init_state(self, global_params: Mapping[str, np.ndarray]) -> dict[str, Any]:
-        seed = self.seed if self.seed is not None else secret_seed()
+        """A run starts (fresh or resumed: the controller calls this before it loads a checkpoint): a new secret
+        seed, kept on the rule object, out of the returned state that the server checkpoints."""
+        object.__setattr__(self, "_secret", None if self.seed is not None else secret_seed())
         return {
-            "seed": seed,
             "clip_norm": self.clip_norm,
             "rounds": 0,
             "rdp": [0.0] * len(ORDERS),
             "sampling_rate": 0.0,
             "optimizer": self.optimizer.init_state(global_params),
         }
+
+    def noise_seed(self) -> int:
+        """The seed of the noise and the site sample: the public ``seed`` of a noiseless run, else the run's secret
+        one (drawn here if `init_state` did not run in this process, e.g. on a rule that was pickled)."""
+        if self.seed is not None:
+            return self.seed
+        if self._secret is None:
+            object.__setattr__(self, "_secret", secret_seed())
+        return self._secret
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickling (a copy of the job's components, a crash dump) must not carry the secret out of the process.
+        return {**self.__dict__, "_secret": None}
 
     def diagnostics(self, state: Mapping[str, Any]) -> dict[str, float]:
         values = {
@@ -305,7 +326,7 @@ class DPFedAvg(RuleHParams, AggregationRule):
         sample drawn from it would not amplify privacy); the count is kept as the round's m."""
         ordered = sorted(population)
         if count < len(ordered):
-            rng = np.random.default_rng([int(state["seed"]), round_num, _SAMPLING])
+            rng = np.random.default_rng([self.noise_seed(), round_num, _SAMPLING])
             ordered = sorted(ordered[i] for i in rng.choice(len(ordered), size=count, replace=False))
         return ordered, {**state, "sampled": count}
 
@@ -328,7 +349,7 @@ class DPFedAvg(RuleHParams, AggregationRule):
         z_update = (
             update_noise_multiplier(self.noise_multiplier, count_stddev) if self.adaptive else self.noise_multiplier
         )
-        rng = np.random.default_rng([int(state["seed"]), context.round_num, _UPDATE_NOISE])
+        rng = np.random.default_rng([self.noise_seed(), context.round_num, _UPDATE_NOISE])
         noise_std = 0.0 if clip is None else z_update * clip
         mean_delta = noisy_mean_delta(global_params, updates, keys, clip_factors(norms, clip), expected, noise_std, rng)
         pseudo = {
@@ -345,7 +366,7 @@ class DPFedAvg(RuleHParams, AggregationRule):
         if self.adaptive and clip is not None:
             # Only the noisy count leaves the server (through S): the exact one stays out of the records.
             centred = centred_count(norms <= clip)
-            count_rng = np.random.default_rng([int(state["seed"]), context.round_num, _COUNT_NOISE])
+            count_rng = np.random.default_rng([self.noise_seed(), context.round_num, _COUNT_NOISE])
             count_noise = float(count_rng.normal(0.0, count_stddev)) if count_stddev > 0 else 0.0
             share = noisy_unclipped_share(centred, count_noise, expected)
             new_clip = next_clip_norm(clip, share, self.target_quantile, self.clip_lr)

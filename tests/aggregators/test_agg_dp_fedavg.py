@@ -3,7 +3,9 @@ optimizers it composes with, and what it refuses (at construction and when the j
 
 from __future__ import annotations
 
+import copy
 import math
+import pickle
 
 import numpy as np
 import pytest
@@ -119,11 +121,31 @@ def test_the_noise_repeats_with_the_seed_and_is_secret_without_one(monkeypatch):
     first, again = run(dp(), updates).params, run(dp(), updates).params
     assert all(np.array_equal(first[k], again[k]) for k in KEYS)
     monkeypatch.setattr(dp_fedavg, "secret_seed", SECRET_SEED)
-    secret = build_rule("dp_fedavg")
-    state_a, state_b = secret.init_state(X), secret.init_state(X)
-    assert state_a["seed"] != state_b["seed"]  # drawn from the OS per run, then kept in the (checkpointed) state
-    resumed = [secret.aggregate(X, updates, state_a, context()).params for _ in range(2)]
-    assert all(np.array_equal(resumed[0][k], resumed[1][k]) for k in KEYS)
+    secret, other = build_rule("dp_fedavg"), build_rule("dp_fedavg")
+    state_a, state_b = secret.init_state(X), other.init_state(X)
+    assert state_a == state_b and "seed" not in state_a  # the seed is never in the (checkpointed) state
+    again = [secret.aggregate(X, updates, state_a, context()).params for _ in range(2)]
+    assert all(np.array_equal(again[0][k], again[1][k]) for k in KEYS)  # one run: the same noise
+    runs = [
+        rule.aggregate(X, updates, state, context()).params for rule, state in ((secret, state_a), (other, state_b))
+    ]
+    assert not np.array_equal(runs[0]["w"], runs[1]["w"])  # two runs: seeds drawn from the OS, different noise
+    secret.init_state(X)  # a run starting again (a resumed job) draws a fresh seed: fresh noise for its rounds
+    assert not np.array_equal(secret.aggregate(X, updates, state_a, context()).params["w"], again[0]["w"])
+
+
+def test_a_pickled_rule_leaves_its_secret_seed_behind(monkeypatch):
+    """A copy of the rule (pickle, deepcopy) carries no seed: it draws its own, so its noise differs."""
+    updates = [site_update(f"site-{i + 1}", {"w": [0.1 * i, 0, 0], "b": [0]}) for i in range(3)]
+    rule = dp()
+    state = rule.init_state(X)
+    reference = rule.aggregate(X, updates, state, context()).params["w"]
+    assert rule._secret == 0  # the fixture's seed
+    for copied in (pickle.loads(pickle.dumps(rule)), copy.deepcopy(rule)):
+        assert copied._secret is None and copied == rule
+    monkeypatch.setattr(dp_fedavg, "secret_seed", SECRET_SEED)
+    copied = pickle.loads(pickle.dumps(rule))
+    assert not np.array_equal(copied.aggregate(X, updates, state, context()).params["w"], reference)
 
 
 # -- adaptive clipping ----------------------------------------------------------------------------------------------
@@ -342,6 +364,7 @@ def test_the_job_builder_refuses_what_dp_fedavg_cannot_protect(values, message):
 def test_a_fixed_seed_is_kept_only_without_noise():
     """Without noise there is nothing to subtract: the seed then repeats the site sample of a comparison run."""
     rule = build_rule("dp_fedavg", noise_multiplier=0.0, seed=5)
-    assert rule.init_state(X)["seed"] == 5
+    rule.init_state(X)
+    assert rule.noise_seed() == 5 and rule._secret is None
     with pytest.raises(AggregationError, match=r"'seed' must be unset when noise_multiplier > 0 .*, got 5$"):
         build_rule("dp_fedavg", noise_multiplier=1e-3, seed=5)

@@ -156,25 +156,35 @@ def test_the_adaptations_name_registered_rules():
     assert set(NEEDS) <= set(RULES) and {case["rule"] for case in VARIANTS.values()} <= set(RULES)
 
 
-@pytest.mark.parametrize("case", list(RULES_UNDER_TEST))
-def test_stop_and_resume_equals_an_uninterrupted_run(tmp_path, case, monkeypatch):
-    settings = RULES_UNDER_TEST[case]
-    # DP-FedAvg's noise and site sample come from a secret seed per run (a fixed one is refused with noise): the
-    # two runs get the same one here, and the resumed run another, which it must ignore for the checkpointed one.
-    monkeypatch.setattr(dp_fedavg, "secret_seed", lambda: 0)
+def stop_and_resume(
+    tmp_path: Path, settings: dict, restart=lambda: None
+) -> tuple[FakeEngineController, FakeEngineController, FakeEngineController]:
+    """An uninterrupted run (``straight/``), one stopped after STOP_AFTER rounds (``first/``) and its resumption
+    (``resumed/``, after ``restart()``, e.g. the restarted server's own draws)."""
     straight = FakeEngineController(tmp_path / "straight" / "app", num_rounds=ROUNDS, **settings)
     straight.run()
-    # Every round aggregated: a rule these fake clients cannot serve would otherwise pass on an unchanged model.
-    assert _statuses(tmp_path / "straight") == ["aggregated"] * ROUNDS
     first = FakeEngineController(tmp_path / "first" / "app", stop_after=STOP_AFTER, num_rounds=ROUNDS, **settings)
     first.run()
     assert first.rounds_run == STOP_AFTER
-    monkeypatch.setattr(dp_fedavg, "secret_seed", lambda: 1)
+    restart()
     resumed = FakeEngineController(
         tmp_path / "resumed" / "app", num_rounds=ROUNDS, resume_from=str(tmp_path / "first" / "app"), **settings
     )
     resumed.run()
     assert resumed.rounds_run == ROUNDS - STOP_AFTER
+    return straight, first, resumed
+
+
+@pytest.mark.parametrize("case", list(RULES_UNDER_TEST))
+def test_stop_and_resume_equals_an_uninterrupted_run(tmp_path, case, monkeypatch):
+    settings = RULES_UNDER_TEST[case]
+    # DP-FedAvg's noise and site sample come from a secret seed per run (a fixed one is refused with noise), kept in
+    # the server's memory only: a resumed job draws a fresh one (test_a_resumed_dp_fedavg_job_draws_a_fresh_seed).
+    # Every run gets the same one here, so the resumed run must equal the uninterrupted one.
+    monkeypatch.setattr(dp_fedavg, "secret_seed", lambda: 0)
+    straight, first, resumed = stop_and_resume(tmp_path, settings)
+    # Every round aggregated: a rule these fake clients cannot serve would otherwise pass on an unchanged model.
+    assert _statuses(tmp_path / "straight") == ["aggregated"] * ROUNDS
     params_a, state_a = _final(tmp_path / "straight" / "app")
     params_b, state_b = _final(tmp_path / "resumed" / "app")
     _assert_identical(params_a, params_b, "params")
@@ -189,6 +199,20 @@ def test_stop_and_resume_equals_an_uninterrupted_run(tmp_path, case, monkeypatch
         assert sent_a[meta_keys.LAST_AGGREGATED] == sent_b[meta_keys.LAST_AGGREGATED]
     assert resumed.sent_meta[0][meta_keys.RUN_ID] == first.sent_meta[0][meta_keys.RUN_ID]
     assert resumed.sent_meta[0][meta_keys.LAST_AGGREGATED]  # two sites per round: some site has a confirmed round
+
+
+def test_a_resumed_dp_fedavg_job_draws_a_fresh_seed(tmp_path, monkeypatch):
+    """The checkpoint holds no seed, so a restarted server cannot continue the stopped run's noise: the resumed
+    rounds run on a fresh secret seed (fresh noise and site sample), as docs/privacy.md says; the model and the
+    rest of the rule state still continue from the checkpoint."""
+    settings = {"rule": "dp_fedavg", "rule_args": {"noise_multiplier": 1.0, "clip_norm": 0.5, "adaptive": False}}
+    monkeypatch.setattr(dp_fedavg, "secret_seed", lambda: 0)
+    stop_and_resume(tmp_path, settings, lambda: monkeypatch.setattr(dp_fedavg, "secret_seed", lambda: 1))
+    params_a, state_a = _final(tmp_path / "straight" / "app")
+    params_b, state_b = _final(tmp_path / "resumed" / "app")
+    assert not np.array_equal(params_a["conv.weight"], params_b["conv.weight"])  # other noise after the resume
+    assert state_a["state"]["rounds"] == state_b["state"]["rounds"] == ROUNDS  # the accountant continued
+    _assert_identical(state_a["state"]["rdp"], state_b["state"]["rdp"])
 
 
 def test_resume_refuses_a_model_that_does_not_belong_to_the_state(tmp_path):
