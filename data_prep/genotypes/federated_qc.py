@@ -28,7 +28,8 @@ holds the secret key and sees the sum, so the job needs `HE_MIN_SITES` sites (wi
 own counts is the other site's counts).
 
 The site's data comes from the same settings as training: ``$FEDALG_SITE_GENOTYPES`` (a genotype file or harmonised
-``.npz``, ``{site}`` replaced by the site's name) and ``$FEDALG_SNP_TABLE``.
+``.npz``, ``{site}`` replaced by the site's name) and ``$FEDALG_SNP_TABLE``, or ``"genotypes"`` and ``"snp_table"`` in
+the kit's ``local/fedalg_site_data.json`` (``data_prep.genotypes.site_files``).
 ``python -m data_prep.genotypes qc-job --output-dir DIR`` exports the job; ``nvflare simulator DIR/genotype_qc``
 runs it.
 """
@@ -65,9 +66,13 @@ __all__ = [
     "CLEAR_COUNTS_WARNING",
     "HE_COUNTS_NOTE",
     "HE_MIN_SITES",
+    "MIN_KEPT_WITH_SITE",
+    "MIN_SITE_CALL_RATE",
     "QC_TABLE",
     "SECURE_AGGREGATION",
     "GenotypeQcController",
+    "check_no_site_empties_the_table",
+    "check_site_calls",
     "combine_counts",
     "export_qc_job",
     "global_qc",
@@ -150,6 +155,54 @@ def combine_counts(
         check_site_size(site, people, min_site_people, "the server refuses its counts and writes nothing")
         total += counts.astype(np.int64)
     return snps, total
+
+
+#: The server refuses the QC when one site's counts leave fewer than this share of the SNPs that the other sites'
+#: sum keeps: a site whose file is missing or unusable would otherwise drop every SNP for every site, unnamed.
+MIN_KEPT_WITH_SITE = 0.5
+#: A site whose own call rate over the table's SNPs is below this refuses to send its counts (under HE the server
+#: cannot see them, so the site is the one that can name itself).
+MIN_SITE_CALL_RATE = 0.5
+
+
+def _call_rate(counts: np.ndarray) -> float:
+    """The share of called genotypes in (S, 4) counts (0/1/2 copies, missing)."""
+    counts = np.asarray(counts, np.int64)
+    return float(counts[:, :3].sum() / counts.sum()) if counts.sum() else 0.0
+
+
+def check_site_calls(site: str, counts: np.ndarray) -> None:
+    """At a site, before anything is sent: refuse when most of its genotype calls are missing (`MIN_SITE_CALL_RATE`),
+    naming the site and the fix, rather than let its counts drop most SNPs of the consortium's table."""
+    rate = _call_rate(counts)
+    if rate < MIN_SITE_CALL_RATE:
+        raise DataPrepError(
+            f"federated QC: {site}: its call rate over the {len(counts)} table SNPs is {rate:.3f} (below "
+            f"{MIN_SITE_CALL_RATE}): its genotype file's calls are missing or unusable, and its counts would drop "
+            f"most SNPs for every site; harmonise its file again (the harmoniser names the cause) before the QC; "
+            "nothing sent"
+        )
+
+
+def check_no_site_empties_the_table(
+    sites: Mapping[str, tuple[Sequence[str], np.ndarray]], total: np.ndarray, thresholds: QcThresholds
+) -> None:
+    """At the server, with the sites' counts in the clear: refuse, naming the site, when one site's counts leave fewer
+    than `MIN_KEPT_WITH_SITE` of the SNPs that the sum of the others keeps."""
+    if len(sites) < 2:
+        return
+    kept = int(qc_filter(total, thresholds).sum())
+    for site in sorted(sites):
+        counts = np.asarray(sites[site][1], np.int64)
+        without = int(qc_filter(total - counts, thresholds).sum())
+        if without and kept < MIN_KEPT_WITH_SITE * without:
+            others = _call_rate(total - counts)
+            raise DataPrepError(
+                f"federated QC: {site}'s counts would leave {kept} of the {len(total)} SNPs ({without} without "
+                f"{site}); its call rate is {_call_rate(counts):.3f} (the other sites' {others:.3f}): its genotype "
+                f"file's calls are missing or unusable; fix {site}'s genotype file (harmonising it names the cause) "
+                "or run the QC without it; nothing written"
+            )
 
 
 def global_qc(
@@ -248,6 +301,7 @@ class GenotypeQcController(ModelController):
         sites = {r.meta["client_name"]: (r.meta["snps"], r.params["counts"]) for r in results}
         # The one place the server reads a site's counts; under HE (_run_encrypted) it adds ciphertexts instead.
         snps, total = combine_counts(sites, self.min_site_people)
+        check_no_site_empties_the_table(sites, total, self.thresholds)
         keep, report = global_qc(snps, total, self.thresholds, list(sites), self.min_site_people)
         path = Path(self.get_run_dir()) / REPORT_FILE
         path.write_text(json.dumps(report, indent=2) + "\n")
@@ -281,23 +335,29 @@ def site_main(argv: Sequence[str] | None = None) -> None:
     import nvflare.client as flare
 
     from data_prep.genotypes.harmonise import read_snp_table
-    from data_prep.genotypes.site import GENOTYPES_ENV, SNP_TABLE_ENV, load_harmonised, resolve
-    from data_prep.site_config import site_workspace
+    from data_prep.genotypes.site import GENOTYPES_ENV, SNP_TABLE_ENV, load_harmonised
+    from data_prep.genotypes.site_files import read_line, site_genotype_files
+    from data_prep.site_config import LOCAL_CONFIG, site_workspace
 
     args = _site_parser().parse_args(argv)
     flare.init()
     site = flare.get_site_name()
-    data_file = resolve(None, GENOTYPES_ENV, site, os.environ)
-    table_path = resolve(None, SNP_TABLE_ENV, site, os.environ)
+    files = site_genotype_files(site, site_workspace(), os.environ)  # the environment, then the kit's local/
+    data_file, table_path = files.path("genotypes"), files.path("snp_table")
     if not data_file or not table_path:
-        raise DataPrepError(f"{site}: federated QC needs {GENOTYPES_ENV} and {SNP_TABLE_ENV} set at the site")
+        raise DataPrepError(
+            f'{site}: federated QC needs {GENOTYPES_ENV} and {SNP_TABLE_ENV} set at the site, or "genotypes" and '
+            f'"snp_table" in {site_workspace() / LOCAL_CONFIG}; nothing sent'
+        )
     genotypes, _, snps, _ = load_harmonised(data_file, table_path)
+    print(read_line(site, files, len(genotypes), len(snps)), flush=True)
     # Before the first message: a site too small for the consortium's minimum answers nothing at all. Under HE this is
     # the only size check: the server cannot count people in ciphertexts.
     check_site_size(site, len(genotypes), args.min_site_people, "refused at the site, nothing sent or written")
     thresholds = QcThresholds(args.min_call_rate, args.min_maf)  # applied here under HE only
-    context = _site_context(site, len(genotypes)) if args.secure_aggregation == "he" else None
     counts = genotype_counts(genotypes)
+    check_site_calls(site, counts)  # before the first message: under HE nobody else can see it
+    context = _site_context(site, len(genotypes)) if args.secure_aggregation == "he" else None
     out = Path(args.out) if args.out else site_workspace() / QC_TABLE
     while flare.is_running():
         received = flare.receive()

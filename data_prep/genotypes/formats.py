@@ -99,6 +99,11 @@ MISSING_REASONS = CALL_NOTES[2:]
 #: Genome builds the harmoniser can tell from a header (``declared_build``).
 BUILDS = ("GRCh37", "GRCh38")
 _PLINK_CODES = {"23": "X", "24": "Y", "25": "XY", "26": "MT", "M": "MT"}
+#: gVCF alleles: the "any other allele" of a gVCF (GATK <NON_REF>, bcftools <*>), never an allele of a SNP.
+_GVCF_ALLELES = frozenset({"<NON_REF>", "<*>"})
+#: The VCF FORMAT fields a call is read from (GT; DS, GP and PL by the dosage rule).
+_CALL_FIELDS_ORDER = ("GT", "DS", "GP", "PL")
+_CALL_FIELDS = frozenset(_CALL_FIELDS_ORDER)
 _PADDING_CHECK_SNPS = 32  # a .fam person reading as .bed padding at this many SNPs is refused (_check_bed_padding)
 
 #: ``select(chrom, pos, snp_id)``: whether the caller wants a record (chromosome as written in the file).
@@ -200,6 +205,8 @@ class FileRecords:
     build_evidence: str = ""
     n_records: int = 0  # every record in the file, selected or not
     chromosomes: dict[str, int] = field(default_factory=dict)  # each chromosome name -> its first record number
+    gvcf: str = ""  # a selected VCF record with a gVCF allele (<NON_REF>, <*>): the file is an unconverted gVCF
+    gvcf_header: bool = False  # the header has gVCF lines (##GVCFBlock, ##ALT=<ID=NON_REF>): kept after conversion
 
     def add(
         self, chrom: str, pos: int, snp_id: str, counted: str, other: str, multiallelic: bool, filtered: bool = False
@@ -368,7 +375,10 @@ def _read_vcf(path: Path, select: Selector, threshold: float) -> FileRecords:
     if not records.samples:
         raise DataPrepError(f"{path}: the header names no samples (a sites-only VCF has no genotypes)")
     records.build, records.build_evidence = declared_build(vcf.raw_header)
+    records.gvcf_header = any(line in vcf.raw_header for line in ("##GVCFBlock", "##ALT=<ID=NON_REF"))
     has_dosage = vcf.contains("DS")
+    no_call_field = ""  # the first selected record without any field a call can be read from
+    with_call_field = 0
     columns: list[np.ndarray | None] = []
     notes: list[np.ndarray | None] = []
     last = "the header"
@@ -389,6 +399,8 @@ def _read_vcf(path: Path, select: Selector, threshold: float) -> FileRecords:
         if not select(chrom, pos, snp_id):
             continue
         alts = variant.ALT
+        if not records.gvcf and any(alt in _GVCF_ALLELES for alt in alts):
+            records.gvcf = f"record {chrom}:{pos} has ALT {','.join(alts)}"
         filtered = variant.FILTER is not None  # cyvcf2: None for PASS and '.'
         records.add(chrom, pos, snp_id, ",".join(alts) if alts else ".", variant.REF, len(alts) > 1, filtered)
         if len(alts) > 1 or filtered:  # not used by the harmoniser: its genotypes are not decoded
@@ -401,13 +413,23 @@ def _read_vcf(path: Path, select: Selector, threshold: float) -> FileRecords:
         except Exception:  # cyvcf2's bare Exception for a record without GT
             genotype = None
         codes = _vcf_codes(genotype, n_people, len(alts), kind)
-        if has_dosage:
-            dosage = variant.format("DS")
-            if dosage is not None:
-                codes = _vcf_dosage(codes, dosage[:, 0], genotype is not None, kind, threshold)
+        dosage = variant.format("DS") if has_dosage else None
+        if dosage is not None:
+            codes = _vcf_dosage(codes, dosage[:, 0], genotype is not None, kind, threshold)
+        if genotype is None and dosage is None and _CALL_FIELDS.isdisjoint(variant.FORMAT):  # FORMAT: after format()
+            no_call_field = (
+                no_call_field or f"record {chrom}:{pos} has no call field (FORMAT {':'.join(variant.FORMAT)}"
+            )
+        else:
+            with_call_field += 1
         columns.append(_COUNT[codes])
         notes.append(_tally(codes))
     vcf.close()
+    if no_call_field and not with_call_field:
+        raise DataPrepError(
+            f"{path}: {no_call_field}; none of {', '.join(_CALL_FIELDS_ORDER)}), nor has any record at the table's "
+            "SNPs: no genotype can be read from it; export it with its genotypes (GT) or dosages (DS, GP)"
+        )
     records.genotypes = _stack(columns, n_people)
     records.notes = np.array([np.zeros(len(CALL_NOTES), np.int64) if n is None else n for n in notes], np.int64)
     records.notes = records.notes.reshape(len(notes), len(CALL_NOTES))

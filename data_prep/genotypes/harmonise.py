@@ -357,6 +357,8 @@ def harmonise(records: FileRecords, table: ReferenceTable, settings: HarmoniseSe
     """The table-ordered matrix of the selected records (each aligned by `align`), after the genome-build and
     rsID checks (module docstring)."""
     settings = settings or HarmoniseSettings()
+    if records.gvcf:
+        raise DataPrepError(_gvcf_refusal(records, table))
     if not records.pos:
         raise DataPrepError(_nothing_found(records, table))
     build = _check_build(records, table, settings)
@@ -400,6 +402,8 @@ def harmonise(records: FileRecords, table: ReferenceTable, settings: HarmoniseSe
     usable = kinds != _NONE
     calls = records.notes[source[usable]].sum(axis=0) if usable.any() else np.zeros(len(CALL_NOTES), np.int64)
     calls[CALL_NOTES.index("invalid_allele")] += invalid
+    person_call_rate = _person_call_rate(genotypes, int(usable.sum()))
+    _check_usable(records, table, status, person_call_rate, calls)
     sex = None
     if records.sex is not None:
         sex = {"male": int((records.sex == 1).sum()), "female": int((records.sex == 2).sum())}
@@ -407,7 +411,7 @@ def harmonise(records: FileRecords, table: ReferenceTable, settings: HarmoniseSe
     return Harmonised(
         genotypes, records.samples, table.snps, tuple(status), records.path,
         calls={note: int(n) for note, n in zip(CALL_NOTES, calls, strict=True)}, ids=ids, build=build, sex=sex,
-        person_call_rate=_person_call_rate(genotypes, int(usable.sum())), settings=settings,
+        person_call_rate=person_call_rate, settings=settings,
     )  # fmt: skip
 
 
@@ -557,6 +561,93 @@ def _resolve(found: list[int], records: FileRecords, ref: str, alt: str) -> tupl
 
 def _single_base(records: FileRecords, i: int) -> bool:
     return len(records.other[i]) == 1 and all(len(a) == 1 for a in records.counted[i].split(","))
+
+
+#: A file is refused when fewer than this share of the table SNPs found in it (neither absent nor ambiguous) are
+#: usable, or when its people are called at fewer than this share of the usable SNPs on average: such a file
+#: holds the SNPs in a form the harmoniser cannot read, and as a site of the federated QC it would drop every SNP.
+MIN_USABLE_SHARE = 0.1
+_MIN_FOUND_TO_JUDGE = 10  # fewer table SNPs found in a file say too little about it (a test table, a tiny panel)
+#: Allele codings a SNP array's export may use instead of A/C/G/T: (the alleles, what it is, how to get bases).
+_CODINGS = (
+    (frozenset("012"), "coded 1/2 (plink --recode12: 1 = minor, 2 = major; the bases are gone)",
+     "export the file again with its bases, or set them from the array's manifest: plink2 --bfile site "
+     "--update-alleles manifest_alleles.txt --make-bed --out site_acgt"),
+    (frozenset("01234"), "coded 1/2/3/4 (1 = A, 2 = C, 3 = G, 4 = T)",
+     "recode them as bases with PLINK 1.9: plink --bfile site --alleleACGT --make-bed --out site_acgt"),
+    (frozenset("0AB"), "coded A/B (Illumina)",
+     "set the bases from the array's manifest (its A/B-to-TOP or -to-forward columns): plink2 --bfile site "
+     "--update-alleles manifest_alleles.txt --make-bed --out site_acgt"),
+)  # fmt: skip
+#: What a file whose SNPs are mostly of one unusable status probably holds, and what to do.
+_STATUS_CAUSES = {
+    "mismatch": "their alleles fit the table's in no orientation (another allele coding or another reference): "
+    "compare a few records with the table",
+    "multiallelic": "multi-allelic records (ALT alleles nobody carries: bcftools view --trim-alt-alleles)",
+    "filtered": "records failing their FILTER (the caller flagged them)",
+    "duplicate": "every SNP twice (plink2 --rm-dup, bcftools norm --rm-dup all)",
+    "id_mismatch": "other IDs than the table's at its positions",
+}
+
+
+def _allele_coding(records: FileRecords) -> tuple[str, str] | None:
+    """(what, fix) when at least 90 % of the selected records write their alleles in one array coding
+    (`_CODINGS`, tried in order: 1/2 before 1/2/3/4) and one of its own codes (2, 3/4 or B) occurs."""
+    alleles = [{*records.counted[i].upper().split(","), records.other[i].upper()} for i in range(len(records.pos))]
+    for used, what, fix in _CODINGS:
+        inside = [rec for rec in alleles if rec <= used]
+        marker = used - {"0", "1", "A"}
+        if inside and len(inside) >= 0.9 * len(alleles) and any(rec & marker for rec in inside):
+            return what, fix
+    return None
+
+
+def _check_usable(
+    records: FileRecords, table: ReferenceTable, status: list[str], call_rate: np.ndarray, calls: np.ndarray
+) -> None:
+    """Refuse a file of which (almost) no table SNP can be used, or (almost) nobody is called at the usable ones,
+    naming the likely cause and its fix (`MIN_USABLE_SHARE`)."""
+    found = Counter(s for s in status if s not in ("absent", "ambiguous"))
+    n_found = sum(found.values())
+    usable = sum(found[s] for s in USABLE)
+    coding = _allele_coding(records)
+    if coding is not None and usable < MIN_USABLE_SHARE * n_found:
+        raise DataPrepError(
+            f"{records.path}: its alleles are {coding[0]}, not A/C/G/T: {usable} of the {n_found} table SNPs found in "
+            f"it can be used; {coding[1]}"
+        )
+    if n_found < _MIN_FOUND_TO_JUDGE:
+        return
+    dropped = ", ".join(f"{s} {n}" for s, n in found.most_common() if s not in USABLE)
+    if usable < MIN_USABLE_SHARE * n_found:
+        worst = next(s for s, _ in found.most_common() if s not in USABLE)
+        gvcf = " (its header has gVCF lines: convert it as for a gVCF)" if records.gvcf_header else ""
+        raise DataPrepError(
+            f"{records.path}: only {usable} of the {n_found} table SNPs found in it can be used ({dropped}): mostly "
+            f"{_STATUS_CAUSES.get(worst, worst)}{gvcf}; a site with this file would drop every SNP of the federated "
+            "QC"
+        )
+    mean_rate = float(np.nanmean(call_rate)) if len(call_rate) else 1.0
+    if mean_rate < MIN_USABLE_SHARE:
+        reasons = sorted(zip(calls[2:], CALL_NOTES[2:], strict=True), reverse=True)
+        why = ", ".join(f"{note} {int(n)}" for n, note in reasons if n) or "missing in the file"
+        raise DataPrepError(
+            f"{records.path}: its people are called at {mean_rate:.1%} of the {usable} usable table SNPs on average "
+            f"(calls set missing: {why}): almost no genotype can be read from it; check its call fields (GT, DS) "
+            "and --hard-call-threshold"
+        )
+
+
+def _gvcf_refusal(records: FileRecords, table: ReferenceTable) -> str:
+    """A gVCF: its reference blocks (``END=``) start elsewhere than the table's positions and its variant records carry
+    a ``<NON_REF>`` allele, so no SNP reads right; bcftools makes a VCF of it (checked: the harmoniser reads that
+    output exactly)."""
+    return (
+        f"{records.path}: a gVCF ({records.gvcf}): its reference blocks are not records at the table's positions and "
+        "its variant records are multi-allelic, so no SNP can be read from it; convert it first: bcftools convert "
+        f"--gvcf2vcf --fasta-ref REF.fa {records.path} -Ou | bcftools view --trim-alt-alleles -T positions.tsv -Oz -o "
+        f"site.vcf.gz (positions.tsv: CHROM and POS of {table.path}'s SNPs, named as in the file)"
+    )
 
 
 def _nothing_found(records: FileRecords, table: ReferenceTable) -> str:

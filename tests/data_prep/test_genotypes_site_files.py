@@ -151,3 +151,153 @@ def test_a_psam_with_another_count_than_the_pgen_is_refused_saying_so(tmp_path: 
                        r"written with this \.pgen"):  # fmt: skip
         harmonise(path, table(tmp_path, SNP_TABLE))
     assert M == 3
+
+
+# ---- 2. unusable files refused, a bad site named ---------------------------------------------------------------------
+
+TABLE_BASES = [("A", "G"), ("C", "T"), ("A", "C"), ("G", "T")]  # no A/T or C/G: none ambiguous
+CODED_TABLE = "".join(
+    f"rs{j},1,{100 * (j + 1)},{TABLE_BASES[j % 4][0]},{TABLE_BASES[j % 4][1]}\n" for j in range(N_SNPS)
+)
+_NUMBER = {"A": "1", "C": "2", "G": "3", "T": "4"}
+
+
+def coded_bim(coding: str) -> list[str]:
+    """The table's SNPs with allele 1 = alt, in one of the array codings a .bim may hold."""
+    lines = []
+    for j in range(N_SNPS):
+        ref, alt = TABLE_BASES[j % 4]
+        a1, a2 = {"12": ("1", "2"), "1234": (_NUMBER[alt], _NUMBER[ref]), "AB": ("B", "A")}[coding]
+        lines.append(f"1 rs{j} 0 {100 * (j + 1)} {a1} {a2}")
+    return lines
+
+
+@pytest.mark.parametrize(
+    ("coding", "fix"),
+    [
+        ("12", r"coded 1/2 \(plink --recode12: .*plink2 --bfile site --update-alleles"),
+        ("1234", r"coded 1/2/3/4 .*plink --bfile site --alleleACGT --make-bed"),
+        ("AB", r"coded A/B \(Illumina\).*array's manifest.*plink2 --bfile site --update-alleles"),
+    ],
+)
+def test_a_bim_in_another_allele_coding_is_refused_naming_the_fix(tmp_path: Path, coding: str, fix: str) -> None:
+    # Was: rc 0, all 40 SNPs 'mismatch', every column missing (a site that empties the federated QC).
+    path = plink1(tmp_path, coded_bim(coding), FAM, COPIES)
+    with pytest.raises(DataPrepError, match=rf"site\.bed: its alleles are {fix}"):
+        harmonise(path, table(tmp_path, CODED_TABLE))
+
+
+GVCF_HEADER = (
+    "##GVCFBlock0-20=minGQ=0(inclusive),maxGQ=20(exclusive)\n"
+    '##ALT=<ID=NON_REF,Description="Any possible alternative allele at this location">\n'
+    '##INFO=<ID=END,Number=1,Type=Integer,Description="Stop position of the interval">\n'
+    '##FORMAT=<ID=GQ,Number=1,Type=Integer,Description="Genotype Quality">\n'
+)
+
+
+def gvcf_lines(n: int) -> list[str]:
+    """A GATK-style gVCF of one person over the table's first n SNPs: a reference block from each SNP to just before
+    the next, and a variant record (ALT G,<NON_REF>) at every fourth SNP."""
+    lines = []
+    for j in range(n):
+        pos, (ref, alt) = 100 * (j + 1), TABLE_BASES[j % 4]
+        if j % 4 == 1:
+            lines.append(f"1 {pos} . {ref} {alt},<NON_REF> . . . GT:GQ 0/1:50")
+        else:
+            lines.append(f"1 {pos} . {ref} <NON_REF> . . END={pos + 99} GT:GQ 0/0:40")
+    return lines
+
+
+def test_a_gvcf_is_refused_naming_the_bcftools_commands(tmp_path: Path) -> None:
+    from tests.data_prep.test_genotypes_hostile import vcf
+
+    # Was: rc 0, 0 usable SNPs ('multiallelic' and 'mismatch'), every column missing.
+    path = vcf(tmp_path / "site.g.vcf", ["p0"], gvcf_lines(N_SNPS), GVCF_HEADER)
+    with pytest.raises(DataPrepError, match=r"site\.g\.vcf: a gVCF \(record 1:100 has ALT <NON_REF>\).*"
+                       r"bcftools convert --gvcf2vcf --fasta-ref .* bcftools view --trim-alt-alleles"):  # fmt: skip
+        harmonise(path, table(tmp_path, CODED_TABLE))
+
+
+def test_a_file_of_which_almost_no_snp_fits_is_refused_naming_what_it_holds(tmp_path: Path) -> None:
+    # 40 records at the table's positions whose alleles fit in no orientation (another reference), 2 that fit.
+    bim = [f"1 rs{j} 0 {100 * (j + 1)} AT G" for j in range(N_SNPS)]
+    bim[0], bim[1] = "1 rs0 0 100 G A", "1 rs1 0 200 T C"
+    path = plink1(tmp_path, bim, FAM, COPIES)
+    with pytest.raises(DataPrepError, match=r"site\.bed: only 2 of the 40 table SNPs found in it can be used "
+                       r"\(mismatch 38\)"):  # fmt: skip
+        harmonise(path, table(tmp_path, CODED_TABLE))
+
+
+def test_a_vcf_without_any_call_field_is_refused(tmp_path: Path) -> None:
+    from tests.data_prep.test_genotypes_hostile import vcf
+
+    header = '##FORMAT=<ID=AD,Number=R,Type=Integer,Description="Allelic depths">\n'
+    lines = [f"1 {100 * (j + 1)} rs{j} A G . PASS . AD 10,0 5,5" for j in range(3)]
+    path = vcf(tmp_path / "site.vcf", ["a", "b"], lines, header)
+    # Was: rc 0, every call missing.
+    with pytest.raises(DataPrepError, match=r"site\.vcf: record 1:100 has no call field \(FORMAT AD; none of GT, DS, "
+                       r"GP, PL\)"):  # fmt: skip
+        harmonise(path, table(tmp_path, "rs0,1,100,A,G\nrs1,1,200,A,G\nrs2,1,300,A,G\n"))
+
+
+def _site_counts(n_people: int, n_snps: int, missing: bool, seed: int) -> np.ndarray:
+    from data_prep.genotypes.qc import genotype_counts
+
+    calls = np.random.default_rng(seed).integers(0, 3, size=(n_people, n_snps)).astype(np.int8)
+    if missing:
+        calls[:] = M
+    return genotype_counts(calls)
+
+
+def test_the_federated_qc_names_the_site_that_would_empty_the_table() -> None:
+    from data_prep.genotypes.federated_qc import check_no_site_empties_the_table, combine_counts
+    from data_prep.genotypes.qc import QcThresholds, qc_filter
+
+    snps = tuple(f"rs{j}" for j in range(200))
+    sites = {f"site-{k}": (snps, _site_counts(60, 200, k == 3, k)) for k in (1, 2, 3)}
+    _, total = combine_counts(sites)
+    thresholds = QcThresholds(min_call_rate=0.95, min_maf=0.01)
+    assert qc_filter(total, thresholds).sum() == 0  # was: the QC kept 0 of 200 SNPs for every site, naming nobody
+    with pytest.raises(DataPrepError, match=r"federated QC: site-3's counts would leave 0 of the 200 SNPs \(200 "
+                       r"without site-3\); its call rate is 0\.000 .*fix site-3's genotype file"):  # fmt: skip
+        check_no_site_empties_the_table(sites, total, thresholds)
+    good = {site: sites[site] for site in ("site-1", "site-2")}
+    check_no_site_empties_the_table(good, combine_counts(good)[1], thresholds)  # two good sites: 200 of 200 kept
+
+
+def test_a_site_whose_calls_are_missing_refuses_before_sending() -> None:
+    from data_prep.genotypes.federated_qc import check_site_calls
+
+    with pytest.raises(DataPrepError, match=r"federated QC: site-3: its call rate over the 200 table SNPs is 0\.000 "
+                       r"\(below 0\.5\).*nothing sent"):  # fmt: skip
+        check_site_calls("site-3", _site_counts(60, 200, True, 3))
+    check_site_calls("site-1", _site_counts(60, 200, False, 1))
+
+
+def test_the_gvcf_converted_as_the_refusal_says_is_read_right(tmp_path: Path) -> None:
+    from tests.data_prep.test_genotypes_hostile import vcf
+
+    # What bcftools 1.16 wrote for gvcf_lines(8) with the refusal's commands (the INFO AN/AC it adds kept out of the
+    # header here): reference blocks became ALT '.' records, the variant sites lost <NON_REF>.
+    lines = [
+        f"1 {100 * (j + 1)} . {TABLE_BASES[j % 4][0]} {TABLE_BASES[j % 4][1] if j % 4 == 1 else '.'} . . . GT:GQ "
+        + ("0/1:50" if j % 4 == 1 else "0/0:40")
+        for j in range(8)
+    ]
+    path = vcf(tmp_path / "site.vcf", ["p0"], lines, GVCF_HEADER)  # the gVCF header lines stay
+    result = harmonise(path, table(tmp_path, "".join(CODED_TABLE.splitlines(keepends=True)[:8])))
+    np.testing.assert_array_equal(result.genotypes, [[0, 1, 0, 0, 0, 1, 0, 0]])
+    assert result.status.count("monomorphic") == 6 and result.status.count("same") == 2
+
+
+def test_the_command_writes_nothing_for_an_unusable_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from data_prep.genotypes.cli import main
+
+    path = plink1(tmp_path, coded_bim("1234"), FAM, COPIES)
+    out = tmp_path / "site.npz"
+    argv = ["harmonise", "--genotypes", str(path), "--snp-table", str(table(tmp_path, CODED_TABLE)), "--out", str(out),
+            "--report", str(tmp_path / "report.json")]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--alleleACGT" in err
+    assert not out.exists() and not (tmp_path / "report.json").exists()
