@@ -33,13 +33,17 @@ demo-quick: setup
 demo-compare: setup
 	VENV=$(VENV) bash scripts/demo.sh scaffold fedavg
 
-# A real deployment on this machine (docs/deployment.md): provision, start server + 3 sites, submit, wait, stop.
-# POC_JOB=jobs/fedavg_he: secure aggregation; the kits are then provisioned with NVFlare's HEBuilder by themselves.
+# A real deployment on this machine (docs/deployment.md): provision, start server + POC_SITES sites, submit, wait, stop.
+# POC_JOB=jobs/fedavg_he, or a QC job exported with --secure-aggregation he: the kits get HEBuilder's contexts by
+# themselves. POC_ARGS goes to the driver, e.g. each site's genotype files for the federated QC (docs/deployment.md):
+#   make poc POC_JOB=/tmp/jobs/genotype_qc POC_SITES=5 POC_ARGS="--genotypes /data/{site}.npz --snp-table /data/table.csv"
 POC_JOB ?= jobs/scaffold
 POC_WS ?= /tmp/fedalg-loopback
+POC_SITES ?= 3
+POC_ARGS ?=
 poc: setup
 	rm -rf $(POC_WS)
-	$(PY) -m jobs.provision.loopback $(POC_JOB) --workspace $(POC_WS)
+	$(PY) -m jobs.provision.loopback $(POC_JOB) --workspace $(POC_WS) --sites $(POC_SITES) $(POC_ARGS)
 
 # Runtime kits for containers and clusters (docs/deployment.md, section 11): provision jobs/provision/project.yml,
 # then `nvflare deploy prepare` every server and site kit for RUNTIME (docker, k8s or slurm) with the bundle's config

@@ -138,11 +138,12 @@ def missing_file_problem(
     return None
 
 
-def read_line(site: str, files: GenotypeFiles, people: int, snps: int, classes: Sequence[str]) -> str:
+def read_line(site: str, files: GenotypeFiles, people: int, snps: int, classes: Sequence[str] | None = None) -> str:
     """The line every site prints about the file it read: path, people, SNPs, classes and the table it matched."""
     path, origin = files.genotypes or ("?", "?")
     if files.snp_table is None:
         table = f"no SNP table named: the file's own {snps} SNPs, unchecked"
     else:
         table = f"SNP table {files.snp_table[0]} (from {files.snp_table[1]}), matched"
-    return f"{site}: genotypes {path} (from {origin}): {people} people x {snps} SNPs, classes {list(classes)}; {table}"
+    labels = "" if classes is None else f", classes {list(classes)}"
+    return f"{site}: genotypes {path} (from {origin}): {people} people x {snps} SNPs{labels}; {table}"

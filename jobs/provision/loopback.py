@@ -10,7 +10,15 @@ submitted as the project admin through ``nvflare.fuel.flare_api``. Each site get
 
 - the bundle's classes added to the class allow-list of its ``local/resources.json``;
 - its own training data: ``<site>/data/train.npz`` (written from the simulation shard, as a stand-in for the
-  site's real data) named by ``local/fedalg_site_data.json`` (see `data_prep.site_config`).
+  site's real data) named by ``local/fedalg_site_data.json`` (see `data_prep.site_config`);
+- with ``--genotypes`` (``{site}`` replaced by each site's name), ``--snp-table`` and ``--labels``: its genotype
+  files, named in the same ``local/fedalg_site_data.json`` (``"genotypes"``, ``"snp_table"``, ``"labels"``; see
+  `data_prep.genotypes.site_files`), as a real site writes them in its own kit. The caller's ``FEDALG_SITE_*`` /
+  ``FEDALG_SNP_TABLE`` variables are not passed to the sites: each reads only what its kit names.
+
+A job that uses secure aggregation under HE (NVFlare's HE components, or a federated QC job exported with
+``--secure-aggregation he``) gets kits with HEBuilder's contexts by itself; a federated QC job succeeds when it ends
+``FINISHED:COMPLETED`` with the server's ``qc_report.json`` (it has no rounds).
 
 The package must be importable by every participant's Python (here: the same ``.venv``).
 """
@@ -34,7 +42,7 @@ from typing import Any
 
 import yaml
 
-from jobs.secure_aggregation import is_he_job
+from jobs.secure_aggregation import CLIENT_CONTEXT, SERVER_CONTEXT, is_he_job
 
 PROVISION_DIR = Path(__file__).resolve().parent
 PROJECT_TEMPLATE = PROVISION_DIR / "project.yml"
@@ -143,6 +151,74 @@ def configure_site_data(site_dir: Path, site: str, data_settings: dict[str, Any]
     config = site_dir / LOCAL_CONFIG
     config.write_text(json.dumps({"train": str(data_file)}))
     return config
+
+
+#: The federated QC job's server workflow (``python -m data_prep.genotypes qc-job``), by which its folder is known.
+QC_CONTROLLER = "data_prep.genotypes.federated_qc.GenotypeQcController"
+#: The site data variables a caller may have set for the simulator; a deployed site reads its kit's local/ instead.
+SITE_VARIABLES = ("FEDALG_SITE_GENOTYPES", "FEDALG_SNP_TABLE", "FEDALG_SITE_LABELS", "FEDALG_SITE_DATA")
+
+
+def qc_settings(job_dir: Path) -> dict[str, Any] | None:
+    """The QC controller's arguments when ``job_dir`` is a federated QC job, else ``None``."""
+    for config in Path(job_dir).glob("app*/config/config_fed_server.json"):
+        for workflow in json.loads(config.read_text()).get("workflows", []):
+            if workflow.get("path") == QC_CONTROLLER:
+                return dict(workflow.get("args") or {})
+    return None
+
+
+def needs_he_contexts(job_dir: Path) -> bool:
+    """Whether the job needs kits provisioned with HEBuilder: NVFlare's HE components, or a QC job under HE (its
+    own TenSEAL code reads the same contexts)."""
+    qc = qc_settings(job_dir)
+    return is_he_job(job_dir) or (qc is not None and qc.get("secure_aggregation") == "he")
+
+
+def he_contexts_problem(deployment: Deployment, job_dir: Path) -> str | None:
+    """Why ``job_dir`` cannot run on ``deployment`` for want of HE contexts (one line), or ``None``."""
+    if not needs_he_contexts(job_dir):
+        return None
+    wanted = [deployment.server / "startup" / SERVER_CONTEXT]
+    wanted += [kit / "startup" / CLIENT_CONTEXT for kit in deployment.sites.values()]
+    missing = [path for path in wanted if not path.is_file()]
+    if not missing:
+        return None
+    return (
+        f"{Path(job_dir).name}: secure_aggregation 'he' needs the HE contexts of NVFlare's HEBuilder, but "
+        f"{missing[0]} does not exist ({len(missing)} of {len(wanted)} kits lack theirs); provision with "
+        "HEBuilder (python -m jobs.provision.loopback does for such a job; provision(..., he=True)); nothing submitted"
+    )
+
+
+def configure_site_genotypes(
+    site_dir: Path, site: str, genotypes: str, snp_table: str | None, labels: str | None
+) -> Path:
+    """Name the site's genotype files in its kit's ``local/fedalg_site_data.json`` (kept: what it holds already),
+    as absolute paths with ``{site}`` replaced; a file that does not exist is refused here, before anything starts."""
+    from data_prep.site_config import LOCAL_CONFIG
+
+    config = site_dir / LOCAL_CONFIG
+    content = json.loads(config.read_text()) if config.is_file() else {}
+    for key, option, pattern in (
+        ("genotypes", "--genotypes", genotypes),
+        ("snp_table", "--snp-table", snp_table),
+        ("labels", "--labels", labels),
+    ):
+        if pattern is None:
+            continue
+        path = Path(pattern.replace("{site}", site)).expanduser().absolute()
+        if not path.is_file():
+            raise DeploymentError(f"{option} {pattern}: {site}'s file {path} does not exist")
+        content[key] = str(path)
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(json.dumps(content, indent=2))
+    return config
+
+
+def without_site_variables(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` less `SITE_VARIABLES`: a deployed site is pointed at its files by its kit, not by its caller."""
+    return {name: value for name, value in environ.items() if name not in SITE_VARIABLES}
 
 
 def participant_env(base: dict[str, str] | None = None) -> dict[str, str]:
@@ -263,7 +339,11 @@ def submit(session: Any, deployment: Deployment, job_dir: Path) -> str:
 
 
 def run_job(session: Any, deployment: Deployment, job_dir: Path, timeout: float) -> tuple[str, dict]:
-    """Submit a job folder and wait for it to finish; returns (job id, final job meta)."""
+    """Submit a job folder and wait for it to finish; returns (job id, final job meta). A job that needs HE contexts
+    the deployment lacks is refused first (`he_contexts_problem`): it would fail at every site after the upload."""
+    problem = he_contexts_problem(deployment, job_dir)
+    if problem:
+        raise DeploymentError(problem)
     job_id = submit(session, deployment, job_dir)
     meta = session.wait_for_job(job_id, timeout=timeout, poll_interval=1.0)
     return job_id, meta
@@ -323,15 +403,19 @@ def leftover_processes(deployment: Deployment) -> list[int]:
     return sorted(p.pid for p in _deployment_processes(deployment) if p.is_running() and p.status() != "zombie")
 
 
-def job_problems(meta: Mapping[str, Any], result: Path) -> list[str]:
+def job_problems(meta: Mapping[str, Any], result: Path, qc: bool = False) -> list[str]:
     """Why a finished job did not do its work (empty: it did): NVFlare's status, then the server's metrics in the
     downloaded ``result``, whose round records must reach the planned rounds with one that aggregated
     (`aggregators.run_records.completion_problems`, the check ``controllers.report`` makes of simulator runs): a
-    controller that stops early still ends in ``FINISHED:COMPLETED``."""
+    controller that stops early still ends in ``FINISHED:COMPLETED``. A federated QC job (``qc``) has no rounds:
+    the server's ``qc_report.json`` is its result."""
     from aggregators.run_records import completion_problems
 
     status = str(meta.get("status", ""))
     problems = [] if status.startswith("FINISHED:COMPLETED") else [f"job status is {status or 'unknown'}"]
+    if qc:
+        report = result / "qc_report.json"
+        return problems if report.is_file() else [*problems, f"no QC report at {report}"]
     metrics = result / "metrics" / "round_metrics.jsonl"
     if not metrics.is_file():
         return [*problems, f"no metrics file at {metrics}"]
@@ -353,7 +437,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="provision with NVFlare's HEBuilder (TenSEAL contexts in every kit); on by itself for a job that uses "
         "NVFlare's HE components (--secure-aggregation he)",
     )
+    parser.add_argument(
+        "--genotypes",
+        default=None,
+        help="each site's genotype file ({site} = its name: a harmonised .npz or a VCF/BCF/PLINK file), named in its "
+        "kit's local/fedalg_site_data.json",
+    )
+    parser.add_argument("--snp-table", default=None, help="the consortium's SNP table, named in every site's kit")
+    parser.add_argument("--labels", default=None, help="each site's labels CSV ({site} = its name), if not in the .npz")
     return parser
+
+
+def qc_input_problem(job: Path, args: argparse.Namespace) -> str | None:
+    """Why a federated QC job cannot run with these options (one line), or ``None``."""
+    if qc_settings(job) is None or (args.genotypes and args.snp_table):
+        return None
+    return (
+        f"{job.name} is a federated QC job: every site needs its genotype file and the consortium's SNP table; pass "
+        "--genotypes PATH (with {site}) and --snp-table PATH (docs/deployment.md)"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -361,16 +463,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.workspace.exists():
         print(f"error: {args.workspace} exists; pass a new folder", file=sys.stderr)
         return 2
+    problem = qc_input_problem(args.job, args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     workspace = args.workspace.resolve()
-    env = participant_env()
-    deployment = provision(workspace, args.sites, env, he=args.he or is_he_job(args.job))
+    env = participant_env(without_site_variables(os.environ))
+    deployment = provision(workspace, args.sites, env, he=args.he or needs_he_contexts(args.job))
     data = {"dataset": "fashion_mnist", "scheme": "dirichlet", "num_sites": args.sites}
     data["max_train_samples"] = args.max_train_samples
     for participant in [deployment.server, *deployment.sites.values()]:
         allow_bundle_classes(participant)
     keep_server_storage_inside(deployment.server)
-    for site, site_dir in deployment.sites.items():
-        configure_site_data(site_dir, site, data)
+    try:
+        for site, site_dir in deployment.sites.items():
+            configure_site_data(site_dir, site, data)
+            if args.genotypes:
+                configure_site_genotypes(site_dir, site, args.genotypes, args.snp_table, args.labels)
+    except DeploymentError as exc:  # nothing started yet
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     started = time.monotonic()
     try:
         start(deployment, env)
@@ -383,7 +495,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if not args.keep:
             stop(deployment)
-    problems = job_problems(meta, result)
+    problems = job_problems(meta, result, qc=qc_settings(args.job) is not None)
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
     return 1 if problems else 0

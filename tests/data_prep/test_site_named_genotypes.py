@@ -1,4 +1,4 @@
-"""A genomics site trains on the file it named, never silently on the public panel (issue 47, item 4).
+"""A genomics site trains on the file it named, never silently on the public panel.
 
 A provisioned site (its workspace holds ``startup/fed_client.json``, as every NVFlare startup kit does) with no
 genotype file named, or with the image datasets' ``FEDALG_SITE_DATA`` set instead of ``FEDALG_SITE_GENOTYPES``, is
@@ -178,3 +178,46 @@ def test_no_problem_when_a_file_is_named_or_a_simulated_job_derives(tmp_path) ->
     named = GenotypeFiles(("/data/s.npz", "data_args"))
     assert missing_file_problem("site-1", named, tmp_path, {}, simulated=False, classes=None) is None
     assert missing_file_problem("site-1", GenotypeFiles(), tmp_path, {}, simulated=True, classes=None) is None
+
+
+# ---- the federated QC job reads the same site-local config ----------------------------------------------------------
+
+
+def test_the_qc_site_reads_its_files_from_its_kit(tmp_path, monkeypatch, capsys) -> None:
+    """A deployed site named its files in its kit only (no environment): before, "federated QC needs
+    FEDALG_SITE_GENOTYPES and FEDALG_SNP_TABLE set at the site"."""
+    from nvflare.app_common.abstract.fl_model import FLModel
+
+    from data_prep.genotypes.federated_qc import site_main
+    from tests.helpers import FakeFlare
+
+    for name in SITE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    kit = provisioned_kit(tmp_path / "site-1", monkeypatch)
+    data_file, table = site_npz(tmp_path / "site-1.npz", people=12), snp_table(tmp_path / "table.csv")
+    local = {"genotypes": str(tmp_path / "{site}.npz"), "snp_table": str(table)}
+    (kit / "local" / "fedalg_site_data.json").write_text(json.dumps(local))
+    inbox = [FLModel(params={"none": np.zeros(1)}, meta={"step": "qc_counts"})]
+    flare = FakeFlare("site-1", inbox)
+    flare.install(monkeypatch)
+    site_main(["--min-site-people", "10"])
+    assert flare.sent[0].meta["snps"] == [f"rs{j}" for j in range(6)]
+    out = capsys.readouterr().out
+    config = kit / "local" / "fedalg_site_data.json"
+    assert f"site-1: genotypes {data_file} (from {config}): 12 people x 6 SNPs; SNP table {table}" in out
+
+
+def test_a_qc_site_with_no_files_named_is_refused_naming_the_variables_and_its_kit(tmp_path, monkeypatch) -> None:
+    from data_prep.genotypes.federated_qc import site_main
+    from tests.helpers import FakeFlare
+
+    for name in SITE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    kit = provisioned_kit(tmp_path / "site-2", monkeypatch)
+    FakeFlare("site-2", []).install(monkeypatch)
+    with pytest.raises(DataPrepError) as refused:
+        site_main([])
+    assert str(refused.value) == (
+        'site-2: federated QC needs FEDALG_SITE_GENOTYPES and FEDALG_SNP_TABLE set at the site, or "genotypes" and '
+        f'"snp_table" in {kit / "local" / "fedalg_site_data.json"}; nothing sent'
+    )

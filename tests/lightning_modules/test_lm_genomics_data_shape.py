@@ -1,4 +1,4 @@
-"""The genomics model's size must be the site's data's (issue 47, item 5): a job whose ``n_snps`` or ``num_classes``
+"""The genomics model's size must be the site's data's: a job whose ``n_snps`` or ``num_classes``
 disagrees with the file the site read is refused at the site, in one line naming the setting and the fix, before
 anything is trained or scored.
 
