@@ -25,10 +25,14 @@ How a call becomes a count, the same in every format (each rule's calls are tall
   ``.fam``/``.psam`` sex (1 = male) on chromosome X (23), and everybody on Y (24) and MT (26); PLINK's XY (25, the
   pseudo-autosomal regions) is diploid. A haploid call elsewhere (an autosome) and a call of more than two alleles
   are missing. A person of unknown sex is taken as the file writes them.
-- **Dosages** (the dosage rule): where the file holds a dosage (VCF ``DS``, which then takes precedence over ``GT``;
-  PLINK 2 dosages), the call is the nearest whole count when the dosage lies within ``hard_call_threshold`` (default
-  ``HARD_CALL_THRESHOLD`` = 0.1, PLINK 2's own default) of it, and missing otherwise. A dosage outside [0, 2] is
-  invalid (missing). On X, Y and MT a VCF dosage is used only with a ``GT`` that gives the call's ploidy (a haploid
+- **Dosages** (the dosage rule): where the file holds a dosage (VCF ``DS``, else ``GP``, which then take precedence
+  over ``GT``, else, only without a ``GT``, ``PL`` as probabilities under a flat prior; PLINK 2 dosages), the call
+  is the nearest whole count when the dosage lies within ``hard_call_threshold`` (default ``HARD_CALL_THRESHOLD`` =
+  0.1, PLINK 2's own default) of it, and missing otherwise. The dosage of probabilities is PLINK 2's, P(het) +
+  2 P(hom alt), and their distance from the count c the expected one, sum_g |g - c| P(g): the same as a DS's for
+  probabilities of two adjacent counts, 1 for (0.5, 0, 0.5), whose dosage 1 is no heterozygote. Dosages and
+  distances are first rounded to PLINK 2's resolution (``DOSAGE_UNIT``), so a value gives one call in every format.
+  A dosage outside [0, 2] is invalid (missing). On X, Y and MT a VCF dosage is used only with a ``GT`` that gives the call's ploidy (a haploid
   call's dosage, 0-1, is doubled); without one it is missing.
 - **Alleles a record does not have** (``0/2`` in a biallelic record, ``1`` in a record whose ALT is ``.``) are
   missing.
@@ -131,6 +135,10 @@ for _note, _codes in _NOTED.items():
     _NOTE[list(_codes), CALL_NOTES.index(_note)] = 1
 _DIPLOID, _X, _ONE_COPY = 0, 1, 2  # chromosome kinds: autosomes (and XY, unplaced), X, Y and MT
 _EPSILON = 1e-4  # a dosage this close to a count is that count (VCF DS is written with 3-4 decimals)
+#: PLINK 2's dosage resolution, 1/16384 of a copy: what a .pgen stores, and how plink2 rounds a VCF DS on import.
+#: Every dosage is rounded to it before the threshold (one rule in every format: a VCF DS of 0.1, float32
+#: 0.10000000149, and its .pgen value 1638/16384 = 0.09998 are both within 0.1 of 0).
+DOSAGE_UNIT = 16384
 
 
 def _gt_code(a0: int, a1: int, n_alts: int, kind: int) -> int:
@@ -226,6 +234,12 @@ def genotype_format(path: str | Path) -> str:
     for suffix, kind in FORMATS.items():
         if name.endswith(suffix):
             return kind
+    if name.endswith(".bgen"):  # UK Biobank's imputed format: plink2 turns it into a .pgen whose dosages are read here
+        raise DataPrepError(
+            f"{path}: BGEN is not read here; convert it with plink2 --bgen {path} ref-first --sample SITE.sample "
+            "--make-pgen --out site (ref-first: UK Biobank's first allele is REF) and harmonise site.pgen: its "
+            "dosages are hard-called by the same rule as a VCF's"
+        )
     raise DataPrepError(f"{path}: not a genotype file; expected one of {', '.join(FORMATS)} (PLINK: the .bed or .pgen)")
 
 
@@ -291,15 +305,54 @@ def declared_build(header: list[str] | str) -> tuple[str | None, str]:
 # ---- how calls become counts -------------------------------------------------------------------------------------
 
 
-def _dosage_codes(dosage: np.ndarray, threshold: float) -> np.ndarray:
+def _quantise(values: np.ndarray) -> np.ndarray:
+    """Values at PLINK 2's dosage resolution, `DOSAGE_UNIT` (module docstring, the dosage rule)."""
+    return np.rint(values * DOSAGE_UNIT) / DOSAGE_UNIT
+
+
+def _dosage_codes(dosage: np.ndarray, threshold: float, probs: np.ndarray | None = None) -> np.ndarray:
     """Codes of diploid dosages (copies of the counted allele, 0-2; NaN or negative values of a missing call are
-    handled by the caller): a whole count, one within the threshold, uncertain, or invalid outside [0, 2]."""
+    handled by the caller): a whole count, one within the threshold, uncertain, or invalid outside [0, 2]. The
+    distance to the nearest count is |dosage - count|, or, where ``probs`` (people x 3, the genotype distribution of
+    GP/PL) has a finite row, the expected distance sum_g |g - count| P(g): the same for a dosage of two adjacent
+    counts, larger for a spread such as (0.5, 0, 0.5), whose dosage 1 is no heterozygote."""
+    dosage = _quantise(dosage)
     nearest = np.rint(dosage)
     off = np.abs(dosage - nearest)
+    if probs is not None:
+        spread = np.abs(np.arange(3.0)[None, :] - nearest[:, None])
+        expected = _quantise((probs * spread).sum(axis=1))
+        off = np.where(np.isfinite(expected), expected, off)
     codes = np.where(off <= threshold, nearest + _DOSE_0, _DOSE_UNCERTAIN)
     codes = np.where(off <= _EPSILON, nearest, codes)
     codes[(dosage < -_EPSILON) | (dosage > 2 + _EPSILON)] = _INVALID
     return codes.astype(np.int8)
+
+
+def _probability_dosage(probs: np.ndarray, haploid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(dosage, distribution) of per-person genotype probabilities (GP, or PL made probabilities): a haploid call's
+    two values give a per-copy dosage (doubled by the dosage rule, as a haploid DS), a diploid call's three the dosage
+    P(het) + 2 P(hom alt) (PLINK 2's) and the distribution the rule measures the call's distance over (NaN rows:
+    the DS distance). Probabilities are scaled to sum to 1; a person without them, or with a negative one, gets NaN
+    (no dosage: the GT, if any, stands)."""
+    values = np.full((len(probs), 3), np.nan)
+    values[:, : min(3, probs.shape[1])] = probs[:, :3]
+    values[haploid, 2] = 0.0  # a one-copy call has two probabilities
+    total = values.sum(axis=1)
+    good = np.isfinite(total) & (total > 0) & ~(values < 0).any(axis=1)
+    values[good] /= total[good, None]
+    values[~good] = np.nan
+    dosage = np.where(haploid, values[:, 1], values[:, 1] + 2.0 * values[:, 2])
+    distribution = np.where(haploid[:, None], np.nan, values)
+    return dosage, distribution
+
+
+def _pl_probabilities(pl: np.ndarray) -> np.ndarray:
+    """PL (phred-scaled genotype likelihoods) as probabilities under a flat prior (as ``bcftools +tag2tag --PL-to-GP``);
+    htslib's missing and vector-end integers become NaN."""
+    values = pl.astype(np.float64)
+    values[pl <= -2147483647] = np.nan
+    return 10.0 ** (-values / 10.0)
 
 
 def _vcf_codes(genotype, n_people: int, n_alts: int, kind: int) -> np.ndarray:
@@ -316,14 +369,17 @@ def _vcf_codes(genotype, n_people: int, n_alts: int, kind: int) -> np.ndarray:
     return codes
 
 
-def _vcf_dosage(codes: np.ndarray, dosage: np.ndarray, has_gt: bool, kind: int, threshold: float) -> np.ndarray:
-    """The codes after the record's DS values (module docstring, the dosage rule), for the people who have one."""
+def _vcf_dosage(
+    codes: np.ndarray, dosage: np.ndarray, has_gt: bool, kind: int, threshold: float, probs: np.ndarray | None = None
+) -> np.ndarray:
+    """The codes after the record's dosages (DS, or GP/PL through `_probability_dosage`; module docstring, the dosage
+    rule), for the people who have one."""
     have = np.isfinite(dosage)
     if not have.any():
         return codes
     haploid = (codes == _HEMI_REF) | (codes == _HEMI_ALT)
     scaled = np.where(haploid, 2.0 * dosage, dosage).astype(np.float64)
-    new = _dosage_codes(np.where(have, scaled, 0.0), threshold)
+    new = _dosage_codes(np.where(have, scaled, 0.0), threshold, probs)
     het = (new == _HET) | (new == _DOSE_1)
     new[het & haploid] = _DOSE_UNCERTAIN  # half a copy of a one-copy chromosome
     if kind == _ONE_COPY:
@@ -376,7 +432,7 @@ def _read_vcf(path: Path, select: Selector, threshold: float) -> FileRecords:
         raise DataPrepError(f"{path}: the header names no samples (a sites-only VCF has no genotypes)")
     records.build, records.build_evidence = declared_build(vcf.raw_header)
     records.gvcf_header = any(line in vcf.raw_header for line in ("##GVCFBlock", "##ALT=<ID=NON_REF"))
-    has_dosage = vcf.contains("DS")
+    fields = frozenset(name for name in ("DS", "GP", "PL") if vcf.contains(name))
     no_call_field = ""  # the first selected record without any field a call can be read from
     with_call_field = 0
     columns: list[np.ndarray | None] = []
@@ -413,9 +469,9 @@ def _read_vcf(path: Path, select: Selector, threshold: float) -> FileRecords:
         except Exception:  # cyvcf2's bare Exception for a record without GT
             genotype = None
         codes = _vcf_codes(genotype, n_people, len(alts), kind)
-        dosage = variant.format("DS") if has_dosage else None
+        dosage = _record_dosage(variant, fields, codes, genotype is not None)
         if dosage is not None:
-            codes = _vcf_dosage(codes, dosage[:, 0], genotype is not None, kind, threshold)
+            codes = _vcf_dosage(codes, dosage[0], genotype is not None, kind, threshold, dosage[1])
         if genotype is None and dosage is None and _CALL_FIELDS.isdisjoint(variant.FORMAT):  # FORMAT: after format()
             no_call_field = (
                 no_call_field or f"record {chrom}:{pos} has no call field (FORMAT {':'.join(variant.FORMAT)}"
@@ -434,6 +490,27 @@ def _read_vcf(path: Path, select: Selector, threshold: float) -> FileRecords:
     records.notes = np.array([np.zeros(len(CALL_NOTES), np.int64) if n is None else n for n in notes], np.int64)
     records.notes = records.notes.reshape(len(notes), len(CALL_NOTES))
     return records
+
+
+def _record_dosage(
+    variant, fields: frozenset[str], codes: np.ndarray, has_gt: bool
+) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """(dosage, distribution or None) of a record's dosage field, the first it has of DS, GP, and (only without a GT,
+    which a caller's PL is the evidence for) PL; None when it has none (module docstring, the dosage rule)."""
+    if "DS" in fields:
+        ds = variant.format("DS")
+        if ds is not None:
+            return ds[:, 0], None
+    haploid = (codes == _HEMI_REF) | (codes == _HEMI_ALT)
+    if "GP" in fields:
+        gp = variant.format("GP")
+        if gp is not None:
+            return _probability_dosage(gp, haploid)
+    if "PL" in fields and not has_gt:
+        pl = variant.format("PL")
+        if pl is not None:
+            return _probability_dosage(_pl_probabilities(pl), haploid)
+    return None
 
 
 def _vcf_header_samples(path: Path) -> tuple[str, ...]:

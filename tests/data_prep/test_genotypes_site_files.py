@@ -301,3 +301,80 @@ def test_the_command_writes_nothing_for_an_unusable_file(tmp_path: Path, capsys:
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--alleleACGT" in err
     assert not out.exists() and not (tmp_path / "report.json").exists()
+
+
+# ---- 3. GP/PL read by the dosage rule; one threshold rule in every format --------------------------------------------
+
+GP_HEADER = (
+    '##FORMAT=<ID=GP,Number=G,Type=Float,Description="Genotype probabilities">\n'
+    '##FORMAT=<ID=PL,Number=G,Type=Integer,Description="Phred-scaled genotype likelihoods">\n'
+)
+BOUNDARY_DS = ["0.100", "0.900", "1.100", "1.900", "0.101", "0.899", "1.101", "1.899"]
+BOUNDARY_CALLS = [0, 1, 1, 2, M, M, M, M]  # plink2 2.00a3.5 (--vcf dosage=DS, --make-bed): 0, 1, 1, 2 for the first 4
+
+
+def _boundary_gp(ds: str) -> str:
+    """The GP of two adjacent genotypes whose dosage is ``ds`` (0.100 -> 0.9,0.1,0)."""
+    value = float(ds)
+    low = int(value)
+    probs = [0.0, 0.0, 0.0]
+    probs[low], probs[low + 1] = round(low + 1 - value, 3), round(value - low, 3)
+    return ",".join(f"{p:g}" for p in probs)
+
+
+@pytest.mark.parametrize("field", ["DS", "GP"])
+def test_vcf_dosages_at_the_threshold(tmp_path: Path, field: str) -> None:
+    from tests.data_prep.test_genotypes_hostile import vcf
+
+    # Was (DS): all eight missing (float32 0.1 is 0.10000000149, beyond 0.1); GP: never read, all missing.
+    values = BOUNDARY_DS if field == "DS" else [_boundary_gp(ds) for ds in BOUNDARY_DS]
+    samples = [f"p{i}" for i in range(len(values))]
+    path = vcf(tmp_path / "site.vcf", samples, [f"1 100 rs1 A G . PASS . {field} " + " ".join(values)], GP_HEADER)
+    result = harmonise(path, table(tmp_path, "rs1,1,100,A,G\n"))
+    np.testing.assert_array_equal(result.genotypes[:, 0], BOUNDARY_CALLS)
+    assert result.calls["dosage_hard_called"] == 4 and result.calls["dosage_uncertain"] == 4
+
+
+def test_pgen_dosages_at_the_threshold(tmp_path: Path) -> None:
+    dosages = [[float(ds)] for ds in BOUNDARY_DS]
+    path = plink2(tmp_path, "#CHROM\tPOS\tID\tREF\tALT\n1\t100\trs1\tA\tG\n",
+                  "#IID\n" + "".join(f"p{i}\n" for i in range(len(dosages))), dosages=dosages)  # fmt: skip
+    result = harmonise(path, table(tmp_path, "rs1,1,100,A,G\n"))
+    np.testing.assert_array_equal(result.genotypes[:, 0], BOUNDARY_CALLS)
+
+
+def test_gp_and_pl_only_vcfs_are_hard_called_by_the_dosage_rule(tmp_path: Path) -> None:
+    from tests.data_prep.test_genotypes_hostile import vcf
+
+    # Was: every call missing (GT and DS only were read), rc 0.
+    path = vcf(tmp_path / "site.vcf", ["a", "b", "c", "d"], [
+        "1 100 rs1 A G . PASS . GP 0.5,0,0.5 0.95,0.05,0 .,.,. 0,0.02,0.98",  # (0.5, 0, 0.5): dosage 1, no het
+        "1 200 rs2 A G . PASS . GP 0.001,0.998,0.001 0.2,0.8,0 0.3,0.3,0.4 0,0,1",
+        "1 300 rs3 A G . PASS . PL 0,30,60 60,0,60 0,0,0 .",  # likelihoods, a flat prior
+        "X 400 rs4 A G . PASS . GT:GP 1:0.04,0.96 0:0.5,0.5 0/1:0,1,0 1/1:0,0.05,0.95",  # a haploid GP: two values
+    ], GP_HEADER)  # fmt: skip
+    result = harmonise(path, table(tmp_path, "rs1,1,100,A,G\nrs2,1,200,A,G\nrs3,1,300,A,G\nrs4,X,400,A,G\n"))
+    np.testing.assert_array_equal(result.genotypes, [[M, 1, 0, 2], [0, M, 1, M], [M, M, M, 1], [2, 2, M, 2]])
+    assert result.calls["dosage_uncertain"] == 5  # (0.5, 0, 0.5), 0.2/0.8, 0.3/0.3/0.4, PL 0,0,0, a haploid 0.5
+    assert result.calls["dosage_hard_called"] == 6
+
+
+def test_a_gp_beside_a_gt_wins_as_a_ds_does(tmp_path: Path) -> None:
+    from tests.data_prep.test_genotypes_hostile import vcf
+
+    # An imputed file's GT is a best guess however uncertain; PL beside a caller's GT is not used (the GT stands).
+    path = vcf(tmp_path / "site.vcf", ["a", "b"], [
+        "1 100 rs1 A G . PASS . GT:GP 0/1:0.4,0.5,0.1 1/1:0,0.02,0.98",
+        "1 200 rs2 A G . PASS . GT:PL 0/1:10,0,10 0/0:0,3,30",
+    ], GP_HEADER)  # fmt: skip
+    result = harmonise(path, table(tmp_path, "rs1,1,100,A,G\nrs2,1,200,A,G\n"))
+    np.testing.assert_array_equal(result.genotypes, [[M, 1], [2, 0]])
+
+
+def test_bgen_is_refused_naming_the_conversion(tmp_path: Path) -> None:
+    # Was: "not a genotype file; expected one of .vcf, ..." (no word of BGEN or how to read it).
+    path = tmp_path / "ukb_chr1.bgen"
+    path.write_bytes(b"\x00" * 32)
+    with pytest.raises(DataPrepError, match=r"ukb_chr1\.bgen: BGEN is not read here; convert it with plink2 --bgen .*"
+                       r"--make-pgen"):  # fmt: skip
+        harmonise(path, table(tmp_path, "rs1,1,100,A,G\n"))
