@@ -32,8 +32,8 @@ How a call becomes a count, the same in every format (each rule's calls are tall
   2 P(hom alt), and their distance from the count c the expected one, sum_g |g - c| P(g): the same as a DS's for
   probabilities of two adjacent counts, 1 for (0.5, 0, 0.5), whose dosage 1 is no heterozygote. Dosages and
   distances are first rounded to PLINK 2's resolution (``DOSAGE_UNIT``), so a value gives one call in every format.
-  A dosage outside [0, 2] is invalid (missing). On X, Y and MT a VCF dosage is used only with a ``GT`` that gives the call's ploidy (a haploid
-  call's dosage, 0-1, is doubled); without one it is missing.
+  A dosage outside [0, 2] is invalid (missing). On X, Y and MT a VCF dosage is used only with a ``GT`` that gives
+  the call's ploidy (a haploid call's dosage, 0-1, is doubled); without one it is missing.
 - **Alleles a record does not have** (``0/2`` in a biallelic record, ``1`` in a record whose ALT is ``.``) are
   missing.
 - Records whose VCF/``.pvar`` FILTER is neither ``PASS`` nor ``.`` are marked (``FileRecords.filtered``); the
