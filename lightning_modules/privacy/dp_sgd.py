@@ -110,6 +110,38 @@ def _where(names: list[str]) -> str:
     return shown if len(names) <= 3 else f"{shown} and {len(names) - 3} more"
 
 
+#: The class attribute a module declares its constant buffers with (names local to the module): buffers computed
+#: from public values only (positional tables, fixed masks), never updated from the data.
+DATA_INDEPENDENT_BUFFERS = "data_independent_buffers"
+
+
+def undeclared_buffers(module: nn.Module) -> list[str]:
+    """``module``'s own buffers (float or integer, persistent or not) that its class does not declare
+    data-independent (`DATA_INDEPENDENT_BUFFERS`)."""
+    declared = set(getattr(type(module), DATA_INDEPENDENT_BUFFERS, ()))
+    return [name for name, buffer in module.named_buffers(recurse=False) if buffer is not None and name not in declared]
+
+
+def _buffer_problem(child: nn.Module) -> str | None:
+    """A buffer updated from the data (running statistics, a running-mean standardiser, a sample counter) leaves the
+    site in the state_dict with no noise (the mean of the site's inputs, the size of its secret Poisson sample), and,
+    read in the forward, makes one sample's gradient depend on the samples of earlier steps, which per-sample
+    clipping does not bound. Nothing tells a constant buffer from such a statistic, so each must be declared."""
+    names = undeclared_buffers(child)
+    if not names:
+        return None
+    fix = (
+        "construct it with track_running_stats=False"
+        if isinstance(child, nn.modules.instancenorm._InstanceNorm)
+        else f"if a buffer never depends on the data, declare it on the class: {DATA_INDEPENDENT_BUFFERS} = "
+        f"{tuple(names)!r}; else compute it from public values or remove it"
+    )
+    return (
+        f"buffers {names} of {{where}} ({type(child).__name__}) are released with no noise and may depend on the "
+        f"data under DP-SGD: {fix}"
+    )
+
+
 def _module_problem(child: nn.Module, is_root: bool) -> str | None:
     """The kind of problem ``child`` has, as a message with ``{where}`` for the modules that have it."""
     if isinstance(child, nn.modules.batchnorm._BatchNorm):
@@ -119,7 +151,7 @@ def _module_problem(child: nn.Module, is_root: bool) -> str | None:
             "nn.MultiheadAttention has no per-sample gradient in Opacus ({where}): build the attention from "
             "nn.Linear layers (or opacus.layers.DPMultiheadAttention)"
         )
-    return _owner_problem(child, is_root)
+    return _buffer_problem(child) or _owner_problem(child, is_root)
 
 
 def dp_problem(algorithm: ClientAlgorithm, module: nn.Module | None, precision: str, devices: int) -> str | None:

@@ -31,9 +31,18 @@ Item = Released
 
 SENT_BY_EVERY_SITE: tuple[Item, ...] = (
     Item("<weights>", "the trainable parameters after local DP-SGD training", "dp"),
-    Item("<buffers>", "non-trainable entries: none may depend on the data (BatchNorm is refused under DP)", "public"),
     Item(
-        meta_keys.NUM_SAMPLES, "the site's training sample count n_i (the FedAvg weight): treated as public", "public"
+        "<buffers>",
+        "non-trainable entries: only buffers their module declares data-independent (data_independent_buffers); "
+        "a model with any other buffer (BatchNorm, InstanceNorm's running statistics, a running-mean input "
+        "standardiser, a sample counter) is refused under DP, at build time and at the site",
+        "public",
+    ),
+    Item(
+        meta_keys.NUM_SAMPLES,
+        "the size n_i of the site's training set (the FedAvg weight), never the size of a Poisson sample (secret): "
+        "treated as public",
+        "public",
     ),
     Item(meta_keys.NUM_STEPS, "optimizer steps: epochs x steps per epoch, a function of n_i under Poisson", "public"),
     Item(meta_keys.PARAM_KEYS, "names of the trainable parameters", "public"),
