@@ -211,6 +211,7 @@ class FileRecords:
     sex: np.ndarray | None = None  # per person 1 male, 2 female, 0 unknown (PLINK); None: the format has none (VCF)
     build: str | None = None  # the genome build the header declares (declared_build), None if it declares none
     build_evidence: str = ""
+    hg19_mt: str = ""  # the header line declaring hg19's chrM (hg19_mitochondrion), empty if none
     n_records: int = 0  # every record in the file, selected or not
     chromosomes: dict[str, int] = field(default_factory=dict)  # each chromosome name -> its first record number
     gvcf: str = ""  # a selected VCF record with a gVCF allele (<NON_REF>, <*>): the file is an unconverted gVCF
@@ -269,6 +270,23 @@ _BUILD_NAMES = (
     (re.compile(r"grch38|hg38|\bb38\b|hs38", re.IGNORECASE), "GRCh38"),
 )
 _CONTIG = re.compile(r"^##contig=<(.*)>\s*$")
+
+
+#: hg19's mitochondrion (UCSC chrM, NC_001807) is 16,571 bp; GRCh37's MT and GRCh38's chrM are the rCRS
+#: (NC_012920), 16,569 bp: another sequence, on which the same position is another base.
+HG19_CHRM_LENGTH = 16571
+
+
+def hg19_mitochondrion(header: list[str] | str) -> str:
+    """The ``##contig`` line (shortened) declaring hg19's chrM (`HG19_CHRM_LENGTH`), empty if the header has none."""
+    lines = header.splitlines() if isinstance(header, str) else header
+    for line in lines:
+        contig = _CONTIG.match(line)
+        if contig:
+            fields = dict(part.split("=", 1) for part in contig.group(1).split(",") if "=" in part)
+            if normalise_chrom(fields.get("ID", "")) == "MT" and fields.get("length") == str(HG19_CHRM_LENGTH):
+                return f"##contig {fields['ID']} length={HG19_CHRM_LENGTH}"
+    return ""
 
 
 def declared_build(header: list[str] | str) -> tuple[str | None, str]:
@@ -431,6 +449,7 @@ def _read_vcf(path: Path, select: Selector, threshold: float) -> FileRecords:
     if not records.samples:
         raise DataPrepError(f"{path}: the header names no samples (a sites-only VCF has no genotypes)")
     records.build, records.build_evidence = declared_build(vcf.raw_header)
+    records.hg19_mt = hg19_mitochondrion(vcf.raw_header)
     records.gvcf_header = any(line in vcf.raw_header for line in ("##GVCFBlock", "##ALT=<ID=NON_REF"))
     fields = frozenset(name for name in ("DS", "GP", "PL") if vcf.contains(name))
     no_call_field = ""  # the first selected record without any field a call can be read from
@@ -642,6 +661,7 @@ def _read_plink2(path: Path, select: Selector, threshold: float) -> FileRecords:
             records.add(chrom, pos, snp_id, alt, ref, len(alts) > 1, filtered)
             wanted.append(records.n_records - 1)
     records.build, records.build_evidence = declared_build(header)
+    records.hg19_mt = hg19_mitochondrion(header)
     pgenlib = require("pgenlib", EXTRA, "reading PLINK 2 .pgen files")
     n_people = len(records.samples)
     used = [j for j, (multi, filtered) in enumerate(zip(records.multiallelic, records.filtered, strict=True))
@@ -796,7 +816,9 @@ def _pvar_records(pvar: Path, header: list[str]) -> Iterator[tuple[int, str, int
         if line.startswith("##"):
             header.append(line)
             continue
-        fields = line.split()
+        fields = (
+            line.split("\t") if "\t" in line else line.split()
+        )  # plink2 splits a .pvar at tabs (INFO may hold spaces)
         if line.startswith("#CHROM"):
             columns = [name.lstrip("#") for name in fields]
             missing = [c for c in ("CHROM", "POS", "ID", "REF", "ALT") if c not in columns]

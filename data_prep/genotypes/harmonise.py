@@ -42,6 +42,7 @@ and is refused; below it, the disagreeing SNPs are dropped (``id_mismatch``: a r
 from __future__ import annotations
 
 import csv
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,6 +87,7 @@ MAX_ID_DISAGREEMENT = 0.05
 #: The report names every person whose call rate over the usable SNPs is below this (PLINK's ``--mind 0.1``).
 MIN_PERSON_CALL_RATE = 0.9
 _COMPLEMENT = str.maketrans("ACGT", "TGCA")
+_BASES = re.compile(r"[ACGT]+")
 _KNOWN = {str(i) for i in range(1, 23)} | {"X", "Y", "XY", "MT"}
 # How a usable SNP's table-alt count comes from the file's count g (0, 1, 2, 3): _TRANSFORM[kind * 4 + g].
 _SAME, _SWAP, _NONE, _MONO_UNKNOWN_ALT, _MONO_UNKNOWN_REF, _MONO_KNOWN_ALT, _MONO_KNOWN_REF = range(7)
@@ -264,6 +266,11 @@ def _table_from_rows(path: str, rows: list[tuple[int, dict[str, str]]], by_posit
         if by_position:
             chrom.append(normalise_chrom(row["chrom"]))
             pos.append(_int(row["pos"], path, number))
+            if pos[-1] < 1:
+                raise DataPrepError(
+                    f"{path}: line {number}: pos {pos[-1]} is not a position (>= 1): an unplaced probe ('0 0' in a "
+                    ".bim) has none; drop the row"
+                )
             keys.append((chrom[-1], pos[-1]))
         for key in keys:
             if key in first:
@@ -272,6 +279,11 @@ def _table_from_rows(path: str, rows: list[tuple[int, dict[str, str]]], by_posit
         if not row["ref"] or not row["alt"] or row["ref"].upper() == row["alt"].upper():
             raise DataPrepError(
                 f"{path}: line {number}: ref/alt must be two different alleles, got {row['ref']!r}/{row['alt']!r}"
+            )
+        if not (_BASES.fullmatch(row["ref"].upper()) and _BASES.fullmatch(row["alt"].upper())):
+            raise DataPrepError(
+                f"{path}: line {number}: alleles {row['ref']!r}/{row['alt']!r} are not A/C/G/T: the table fixes the "
+                "counted allele by its bases (an array's 1/2 or A/B coding names none); write the bases"
             )
     return ReferenceTable(
         snps=tuple(row["snp"] for _, row in rows),
@@ -362,6 +374,7 @@ def harmonise(records: FileRecords, table: ReferenceTable, settings: HarmoniseSe
     if not records.pos:
         raise DataPrepError(_nothing_found(records, table))
     build = _check_build(records, table, settings)
+    _check_mitochondrion(records, table)
     candidates: dict[object, list[int]] = {}
     if table.by_position:
         chroms: dict[str, str] = {}
@@ -379,7 +392,7 @@ def harmonise(records: FileRecords, table: ReferenceTable, settings: HarmoniseSe
     kinds = np.full(n_snps, _NONE, np.int8)
     source = np.zeros(n_snps, np.intp)
     agree, disagree = 0, []
-    table_ids = set(table.snps)
+    table_ids = {_id_key(snp) for snp in table.snps}
     for j in range(n_snps):
         found = candidates.get(_table_key(table, j))
         if not found:
@@ -434,11 +447,21 @@ def _is_rsid(text: str) -> bool:
     return text[:2].lower() == "rs" and len(text) > 2
 
 
+_RS_VERSION = re.compile(r"\.\d+$")
+
+
+def _id_key(text: str) -> str:
+    """An ID as compared with the table's: an rsID in lower case without a version suffix (``RS101``, ``rs101.1``
+    and ``rs101`` are one SNP written in other styles, not a sign of another build); other IDs as written."""
+    return _RS_VERSION.sub("", text.lower()) if _is_rsid(text) else text
+
+
 def _same_id(snp: str, found: list[int], records: FileRecords, table_ids: set[str]) -> bool | None:
-    """Whether the records at a table SNP's position name it: True when one of their IDs (``;``-separated in a VCF)
-    is the table's; False when they name another SNP of the table, or carry rsIDs only other than the table's rsID;
-    None otherwise (site-local IDs such as ``1:1000:A:G`` or ``.`` say nothing)."""
-    parts = [part for i in found for part in records.ids[i].split(";")]
+    """Whether the records at a table SNP's position name it: True when one of their IDs (``;``-separated in a VCF;
+    compared by `_id_key`) is the table's; False when they name another SNP of the table, or carry rsIDs only other
+    than the table's rsID; None otherwise (site-local IDs such as ``1:1000:A:G`` or ``.`` say nothing)."""
+    parts = [_id_key(part) for i in found for part in records.ids[i].split(";")]
+    snp = _id_key(snp)
     if snp in parts:
         return True
     if not table_ids.isdisjoint(parts) or (_is_rsid(snp) and any(_is_rsid(part) for part in parts)):
@@ -497,6 +520,17 @@ def _ids_by_position(records: FileRecords, keys: set) -> dict[object, str]:
         if key in found:
             found[key].append(snp_id)
     return {key: ",".join(ids) for key, ids in found.items()}
+
+
+def _check_mitochondrion(records: FileRecords, table: ReferenceTable) -> None:
+    """Refuse a file whose mitochondrial records at table SNPs are on hg19's chrM (`formats.HG19_CHRM_LENGTH`): the
+    table's MT positions, on GRCh37 or GRCh38, are on the rCRS, another sequence."""
+    if records.hg19_mt and any(normalise_chrom(chrom) == "MT" for chrom in records.chrom):
+        raise DataPrepError(
+            f"{records.path}: its mitochondrial records are on hg19's chrM ({records.hg19_mt}; NC_001807), the table "
+            f"{table.path}'s MT SNPs on the rCRS (16,569 bp; GRCh37's MT, GRCh38's chrM), another sequence: drop them "
+            "from the file (bcftools view -t ^chrM) or lift them over to the rCRS"
+        )
 
 
 def _check_build(records: FileRecords, table: ReferenceTable, settings: HarmoniseSettings) -> dict[str, object]:

@@ -378,3 +378,73 @@ def test_bgen_is_refused_naming_the_conversion(tmp_path: Path) -> None:
     with pytest.raises(DataPrepError, match=r"ukb_chr1\.bgen: BGEN is not read here; convert it with plink2 --bgen .*"
                        r"--make-pgen"):  # fmt: skip
         harmonise(path, table(tmp_path, "rs1,1,100,A,G\n"))
+
+
+# ---- 4. honest advice: ID styles, the SNP table, the mitochondrion, a .pvar INFO with a space ------------------------
+
+ID_ROWS = "".join(f"rs{100 + j},1,{100 * (j + 1)},{TABLE_BASES[j % 4][0]},{TABLE_BASES[j % 4][1]}\n" for j in range(20))
+
+
+@pytest.mark.parametrize("style", ["rs{}.1", "RS{}", "Rs{}.12"])
+def test_id_styles_on_the_right_build_are_the_same_ids(tmp_path: Path, style: str) -> None:
+    from tests.data_prep.test_genotypes_hostile import vcf
+
+    # Was: refused, "20 of the 20 table SNPs ... carry another ID ... lift it over" (lifting a right file over
+    # corrupts it).
+    lines = [f"1 {100 * (j + 1)} {style.format(100 + j)} {TABLE_BASES[j % 4][0]} {TABLE_BASES[j % 4][1]} . PASS . "
+             "GT 0/1 1/1" for j in range(20)]  # fmt: skip
+    result = harmonise(vcf(tmp_path / "site.vcf", ["a", "b"], lines), table(tmp_path, ID_ROWS))
+    assert result.counts()["same"] == 20 and result.ids["disagree"] == 0 and result.ids["compared"] == 20
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ("rs9,1,0,A,G", r"line 2: pos 0 is not a position \(>= 1\).*unplaced"),
+        ("rs9,1,-5,A,G", r"line 2: pos -5 is not a position \(>= 1\)"),
+        ("rs9,1,100,1,2", r"line 2: alleles '1'/'2' are not A/C/G/T"),
+        ("rs9,1,100,A,B", r"line 2: alleles 'A'/'B' are not A/C/G/T"),
+        ("rs9,1,100,A,-", r"line 2: alleles 'A'/'-' are not A/C/G/T"),
+    ],
+)
+def test_the_snp_table_is_validated(tmp_path: Path, row: str, message: str) -> None:
+    from data_prep.genotypes.harmonise import read_snp_table
+
+    # Was: accepted (position 0 and negative positions from unplaced '0 0' probes; any allele text).
+    path = tmp_path / "table.csv"
+    path.write_text("snp,chrom,pos,ref,alt\n" + row + "\n")
+    with pytest.raises(DataPrepError, match=rf"table\.csv: {message}"):
+        read_snp_table(path)
+
+
+def test_a_repeated_snp_id_in_the_table_is_refused(tmp_path: Path) -> None:
+    from data_prep.genotypes.harmonise import read_snp_table
+
+    path = tmp_path / "table.csv"
+    path.write_text("snp,chrom,pos,ref,alt\nrs1,1,100,A,G\nrs1,1,200,A,G\n")
+    with pytest.raises(DataPrepError, match=r"line 3: SNP 'rs1' is also on line 2"):
+        read_snp_table(path)
+
+
+def test_hg19_chrm_is_not_matched_to_the_rcrs_mt(tmp_path: Path) -> None:
+    from tests.data_prep.test_genotypes_hostile import vcf
+
+    # hg19's chrM is another mitochondrial sequence (NC_001807, 16,571 bp) than GRCh37's MT and GRCh38's chrM (the
+    # rCRS, 16,569 bp): the same position is another base. Was: matched, its calls in the table's MT columns.
+    header = "##contig=<ID=chr1,length=249250621>\n##contig=<ID=chrM,length=16571>\n"
+    lines = ["chr1 100 rs100 A G . PASS . GT 0/1 1/1", "chrM 150 mt150 G A . PASS . GT 1 0"]
+    path = vcf(tmp_path / "site.vcf", ["a", "b"], lines, header)
+    snp_table = table(tmp_path, "rs100,1,100,A,G\nmt150,MT,150,G,A\n")
+    with pytest.raises(DataPrepError, match=r"site\.vcf: its mitochondrial records are on hg19's chrM \(##contig chrM "
+                       r"length=16571; NC_001807\).*rCRS"):  # fmt: skip
+        harmonise(path, snp_table)
+    rcrs = vcf(tmp_path / "rcrs.vcf", ["a", "b"], lines, header.replace("16571", "16569"))
+    np.testing.assert_array_equal(harmonise(rcrs, snp_table).genotypes, [[1, 2], [2, 0]])
+
+
+def test_a_pvar_info_with_a_space_is_read_as_plink2_reads_it(tmp_path: Path) -> None:
+    # plink2 splits .pvar lines at tabs. Was: "line 2: 9 columns, the header names 8".
+    pvar = "#CHROM\tPOS\tID\tREF\tALT\tQUAL\tFILTER\tINFO\n1\t100\trs1\tA\tG\t.\tPASS\tNOTE=two words\n"
+    path = plink2(tmp_path, pvar, "#IID\na\nb\n", [[1], [2]])
+    result = harmonise(path, table(tmp_path, "rs1,1,100,A,G\n"))
+    np.testing.assert_array_equal(result.genotypes, [[1], [2]])
