@@ -24,6 +24,7 @@ valid choices included.
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from nvflare.recipe.spec import ExecEnv, Recipe
 from jobs.assembly import sort_filter_tasks, write_site_requirements
 from jobs.build import JOBS_DIR, JobBuildError, JobSpec, build_job, inside_directory
 from jobs.job_record import write_job_entry
+from jobs.log_streaming import log_streaming_problem, streamed_logs
 from jobs.spec import spec_from_values
 
 
@@ -94,10 +96,24 @@ class FedAlgRecipe(Recipe):
         del settings["num_sites"]  # the recipe's min_clients
         return cls(min_clients=spec.num_sites, **settings)
 
+    def enable_log_streaming(self, *file_names: str) -> None:
+        """NVFlare's live log streaming (every site's ``log.json`` by default), refused under DP: the log leaves
+        the site in the clear, outside the DP release (`jobs.log_streaming`)."""
+        problem = log_streaming_problem(self.spec, file_names or ("log.json",))
+        if problem:
+            raise JobBuildError(problem)
+        super().enable_log_streaming(*file_names)
+
     def export(self, job_dir: str, *args: Any, **kwargs: Any) -> None:
         target = str(Path(job_dir).resolve())  # relative to the caller's directory, before changing into jobs/
         with inside_directory(JOBS_DIR):
             super().export(target, *args, **kwargs)
+        # A streamer added to the job some other way (NVFlare's job API on the recipe's job): refused as well,
+        # the folder removed, so that nothing that would stream a DP site's log is left to submit.
+        problem = log_streaming_problem(self.spec, streamed_logs(Path(target) / self.spec.name))
+        if problem:
+            shutil.rmtree(Path(target) / self.spec.name)
+            raise JobBuildError(problem)
         # What jobs.assembly.export_job adds to NVFlare's export, so that both write the same folder (HE filters!).
         sort_filter_tasks(Path(target) / self.spec.name)
         write_site_requirements(Path(target) / self.spec.name, self.spec)

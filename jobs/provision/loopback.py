@@ -42,6 +42,7 @@ from typing import Any
 
 import yaml
 
+from jobs.log_streaming import ALLOW_LOG_STREAMING
 from jobs.secure_aggregation import CLIENT_CONTEXT, SERVER_CONTEXT, is_he_job
 
 PROVISION_DIR = Path(__file__).resolve().parent
@@ -89,7 +90,8 @@ def write_project(path: Path, port: int, site_names: Sequence[str], he: bool = F
     for participant in others:
         if participant["type"] == "server":
             participant["fed_learn_port"] = port
-    clients = [{"name": name, "type": "client", "org": "fedalg"} for name in site_names]
+    # No site streams its logs to the server (NVFlare's default would, error_log.txt for every job).
+    clients = [{"name": name, "type": "client", "org": "fedalg", ALLOW_LOG_STREAMING: False} for name in site_names]
     project["participants"] = others[:1] + clients + others[1:]
     path.write_text(yaml.safe_dump(project, sort_keys=False))
     return path
