@@ -212,6 +212,10 @@ def _keeps_best(spec: Any) -> bool:
     return spec.keep != "last"
 
 
+def _pools_test(spec: Any) -> bool:
+    return spec.site_pooled_test > 0
+
+
 @dataclass(frozen=True, kw_only=True)
 class LocalTrainingSettings:
     """The local optimizer (SGD) and how long each site trains per round."""
@@ -267,6 +271,23 @@ class LocalTrainingSettings:
         "with --keep best: the validation metric that selects (a name the sites' validation logs; lower is better "
         "when it contains loss or error, higher otherwise)",
         exported_when=_keeps_best,
+    )
+    keep_margin: float = setting(
+        1.645,
+        "with --keep best and --local-baseline: a federated candidate replaces the site's own early-stopped model "
+        "only when its validation loss is lower by more than this many standard errors of the per-sample paired "
+        "difference (1.645: a one-sided test at 5 %; 0: any lower mean). Classifier sites only "
+        "(lightning_modules/site_choice.py)",
+        low=0,
+        exported_when=_keeps_best,
+    )
+    site_pooled_test: int = setting(
+        0,
+        "the 'next patient' view: every built-in site also scores its candidates on the first n images of the "
+        "dataset's published test set, all labels (eval.{kept,local,global,personal}_pooled_test_*); 0 = off. "
+        "Simulation and benchmarks with built-in data only (a real site has no pooled test set)",
+        low=0,
+        exported_when=_pools_test,
     )
 
 

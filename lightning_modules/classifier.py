@@ -36,6 +36,10 @@ class FLClassifier(pl.LightningModule):
         init_seed: seeds the initial weights (``None``: torch's global generator, as usual).
     """
 
+    #: Its training_step and configure_optimizers need nothing of a Trainer: the local-only model may train without
+    #: one (lightning_modules/local_baseline.py, plain_fit).
+    fl_plain_training = True
+
     def __init__(
         self,
         arch: str = "lenet5",

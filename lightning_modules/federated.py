@@ -273,6 +273,7 @@ class FederatedAlgorithm(pl.Callback):
         self._round_meta = meta
         if self.candidates is not None and self.candidates.active:  # the received model, before anything moves it
             self.candidates.begin_round(pl_module)
+            self.candidates.global_eligible = not self.local_entries
         if self.local_entries:
             self.local_entries.restore(pl_module, meta)
         self.algorithm.on_round_start(pl_module, meta)

@@ -48,10 +48,14 @@ from aggregators import meta_keys
 from lightning_modules.algorithms.base import ClientAlgorithmError
 from lightning_modules.local_baseline import LocalBaseline, local_seed, matched_steps
 from lightning_modules.personal_scores import own_random_stream, single_process_trainer, site_copy, with_weights
+from lightning_modules.site_choice import DEFAULT_MARGIN, paired_mean_se
+from lightning_modules.split_scores import SplitBatches
 from lightning_modules.state_store import ClientStateStore
 
-#: The candidates in preference order (ties go to the earlier); ``eval.kept_candidate`` is the index.
-CANDIDATES = ("global", "personal", "local")
+#: The candidates in preference order (ties go to the earlier); ``eval.kept_candidate`` is the index (3: the mixture of
+#: the own and the federated model, lightning_modules/site_choice.py).
+CANDIDATES = ("global", "personal", "local", "mixture")
+OWN_STORE = "local_best"
 KEPT_STORE = "kept_model"
 KEPT_MINUS_LOCAL = "kept_minus_local_test_accuracy"
 Scorer = Callable[[pl.LightningModule], dict[str, float]]
@@ -78,16 +82,8 @@ def choose(scores: Mapping[str, float | None], metric: str) -> str:
     return best
 
 
-def paired_difference(first: np.ndarray, second: np.ndarray) -> tuple[float, float]:
-    """Mean and standard error of ``first - second`` over the same samples (per-sample correctness, 0/1): the
-    paired difference of two accuracies. SE = sd(d) / sqrt(n) with the n - 1 sample sd; nan for n < 2."""
-    a, b = np.asarray(first, dtype=np.float64), np.asarray(second, dtype=np.float64)
-    if a.shape != b.shape or a.ndim != 1:
-        raise ValueError(f"paired samples must be two vectors of one length, got {a.shape} and {b.shape}")
-    d = a - b
-    if len(d) < 2:
-        return (float(d.mean()) if len(d) else float("nan")), float("nan")
-    return float(d.mean()), float(d.std(ddof=1) / math.sqrt(len(d)))
+#: Mean and standard error of a per-sample paired difference (kept minus local-only correctness).
+paired_difference = paired_mean_se
 
 
 def prefixed(prefix: str, scores: Mapping[str, float]) -> dict[str, float]:
@@ -147,6 +143,15 @@ class SiteCandidates:
     received: pl.LightningModule | None = field(default=None, repr=False)
     finetuned: pl.LightningModule | None = field(default=None, repr=False)
     finetune_steps: int = 0
+    #: The classifier path (module docstring): the splits read once (``val``, ``test``, ``pooled``); ``None``: the
+    #: Lightning path above.
+    splits: dict[str, SplitBatches] | None = field(default=None, repr=False)
+    #: Reads ``splits`` at the first round's end (a user's data module is set up by then); ``None``: nothing to read.
+    split_source: Callable[[], dict[str, SplitBatches | None]] | None = field(default=None, repr=False)
+    margin: float = DEFAULT_MARGIN
+    #: False under partial sharing (FedPer, FedBN, FedRep): the received model carries the server's copy of the
+    #: site's own entries (the initial head), a model no site would use.
+    global_eligible: bool = True
 
     @property
     def active(self) -> bool:
@@ -181,8 +186,19 @@ class SiteCandidates:
             models["local"] = self.local.train(
                 round_num, run_id, steps, local_seed(self.seed, self.site_index, round_num)
             )
-            if self.score_val is not None:
-                out.update(prefixed("local_", self.score_val(models["local"])))
+        if self.split_source is not None:
+            read, self.split_source = self.split_source(), None
+            # The classifier path needs validation batches of (x, integer y); anything else scores with Lightning.
+            self.splits = {k: v for k, v in read.items() if v is not None} if read.get("val") is not None else None
+        if self.splits is not None and self.keep_metric == "val_loss":  # it selects on the cross-entropy
+            present = {name: model for name, model in models.items() if model is not None}
+            chosen = self._classifier_round(present, round_num, run_id)
+            if chosen is not None:
+                self.received = self.finetuned = None
+                self.finetune_steps = 0
+                return chosen
+        if self.local is not None and self.score_val is not None:
+            out.update(prefixed("local_", self.score_val(models["local"])))
         present = {name: model for name, model in models.items() if model is not None}
         tests = {name: self.score_test(model) for name, model in present.items()} if self.score_test else {}
         for name, scores in tests.items():
@@ -191,6 +207,20 @@ class SiteCandidates:
             out.update(self._keep(present, tests, {**meta, **out}, round_num, run_id))
         self.received = self.finetuned = None
         self.finetune_steps = 0
+        return out
+
+    def _classifier_round(
+        self, models: Mapping[str, pl.LightningModule], round_num: int, run_id: str
+    ) -> dict[str, float] | None:
+        """The classifier path (lightning_modules/kept_model.py); ``None`` (and the Lightning path from now on)
+        when a model's forward is not a classifier's."""
+        from lightning_modules.kept_model import KeptModel
+
+        chooser = KeptModel(self.store, self.splits or {}, self.margin)
+        choose = self.keep == "best" and "val" in chooser.splits
+        out = chooser.round(models, round_num, run_id, choose, eligible_global=self.global_eligible)
+        if out is None:
+            self.splits = None
         return out
 
     def _keep(

@@ -29,11 +29,13 @@ Under DP-SGD its scores are site-evaluation scores: withheld unless the job rele
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
 import pytorch_lightning as pl
+import torch
 
 from aggregators import meta_keys
 from lightning_modules.algorithms.registry import CLIENT_ALGORITHMS
@@ -83,11 +85,13 @@ class LocalBaseline:
         fit: Callable[[pl.Trainer, pl.LightningModule], Any],
         precision: Any = "32-true",
         accelerator: str = "auto",
+        plain_loader: Callable[[], Iterable[Any]] | None = None,
     ) -> None:
         if store is None:
             raise ValueError(f"{site}: --local-baseline needs the site's state store (the model must outlive a round)")
         self.site, self.store, self.make_module, self.fit = site, store, make_module, fit
         self.precision, self.accelerator = precision, accelerator
+        self.plain_loader = plain_loader
 
     def start(self, round_num: int, run_id: str) -> pl.LightningModule:
         """The local-only model as the site left it before ``round_num`` (the initial model the first time, or when
@@ -105,12 +109,48 @@ class LocalBaseline:
         module = self.start(round_num, run_id)
         if steps > 0:
             with own_random_stream(seed):
-                trainer = single_process_trainer(self.precision, self.accelerator, epochs=-1, steps=steps)
-                self.fit(trainer, module)
+                if self.plain_loader is not None and plain_training_fits(module, self.precision, self.accelerator):
+                    plain_fit(module, self.plain_loader(), steps)
+                else:
+                    trainer = single_process_trainer(self.precision, self.accelerator, epochs=-1, steps=steps)
+                    self.fit(trainer, module)
         state: dict[str, Any] = {key: value.detach().cpu() for key, value in module.state_dict().items()}
         state[RUN_ID_KEY] = run_id
         self.store.save(STORE_NAME, state, round_num=round_num, pending=True)
         return module
+
+
+def plain_training_fits(module: pl.LightningModule, precision: Any, accelerator: str) -> bool:
+    """Whether the local-only model may train in `plain_fit`: a module that declares its ``training_step`` needs
+    nothing of a Trainer (``fl_plain_training``: the built-in classifier), fp32, on the CPU."""
+    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+    return bool(getattr(module, "fl_plain_training", False)) and str(precision) in ("32-true", "32") and on_cpu
+
+
+def plain_fit(module: pl.LightningModule, loader: Iterable[Any], steps: int) -> int:
+    """``steps`` optimizer steps of ``module``'s own ``training_step`` and ``configure_optimizers`` over ``loader``
+    (epoch after epoch), without a Trainer: what ``Trainer(max_steps=steps, max_epochs=-1).fit`` does for such a
+    module (the same weights, tested), without its per-fit set-up, which cost more than the training on small
+    sites. ``self.log`` calls without a Trainer are skipped by Lightning."""
+    optimizer = module.configure_optimizers()
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"plain_fit needs configure_optimizers to return one optimizer, got {type(optimizer).__name__}")
+    module.train()
+    taken = 0
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*self.log.*")
+        while taken < steps:
+            for index, batch in enumerate(loader):
+                loss = module.training_step(batch, index)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                taken += 1
+                if taken == steps:
+                    break
+            if taken == 0:  # an empty loader would loop forever
+                break
+    return taken
 
 
 def taken_steps(trainer: pl.Trainer) -> int:
@@ -118,4 +158,4 @@ def taken_steps(trainer: pl.Trainer) -> int:
     return int(trainer.global_step)
 
 
-__all__ = ["LocalBaseline", "local_seed", "matched_steps", "taken_steps"]
+__all__ = ["LocalBaseline", "local_seed", "matched_steps", "plain_fit", "plain_training_fits", "taken_steps"]

@@ -340,7 +340,26 @@ class UserSite:
 
             fit = lambda trainer, module: trainer.fit(module, datamodule=data)  # noqa: E731
             found.local = LocalBaseline(self.site, store, make_module, fit, precision, accelerator)
+        found.margin = float(getattr(args, "keep_margin", found.margin))
+        if self.evaluate:
+            found.split_source = lambda: self.classifier_splits(found.score_test is not None)
         return found
+
+    def classifier_splits(self, with_test: bool) -> dict[str, Any]:
+        """The data module's validation (and test) batches, read once, for the classifier path
+        (lightning_modules/split_scores.py; ``None`` where the batches are not (x, integer y))."""
+        from lightning_modules.split_scores import classifier_batches
+
+        data = self.data
+        hook = getattr(data, "on_after_batch_transfer", None)
+        transfer = (lambda batch: hook(batch, 0)) if hook else None
+        splits = {"val": classifier_batches(data.val_dataloader(), transfer)}
+        if with_test:
+            data.setup("test")  # trainer.test would have; a data module that splits per stage needs it
+            splits["test"] = classifier_batches(data.test_dataloader(), transfer)
+            if splits["test"] is None:  # the test_step's own metrics then, through Lightning
+                return {"val": None}
+        return splits
 
     def fit(self, round_num: int, connect: Any) -> dict[str, Any]:
         import torch

@@ -338,9 +338,11 @@ def builtin_candidates(args: Any, site: str, site_index: int, splits: SiteSplits
         kwargs["weight_decay"] = args.weight_decay
         return ValidatedClassifier(arch=args.arch, num_classes=num_classes, init_seed=args.seed, **kwargs)
 
+    def training_loader() -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(to_tensor_dataset(splits.x, splits.y), args.batch_size, shuffle=True)
+
     def fit(trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        loader = torch.utils.data.DataLoader(to_tensor_dataset(splits.x, splits.y), args.batch_size, shuffle=True)
-        trainer.fit(module, train_dataloaders=loader)
+        trainer.fit(module, train_dataloaders=training_loader())
 
     precision, accelerator = args.precision, args.accelerator
     candidates = SiteCandidates(
@@ -354,8 +356,38 @@ def builtin_candidates(args: Any, site: str, site_index: int, splits: SiteSplits
         candidates.score_test = module_scorer(precision, accelerator, "test", dataloaders=test_loader)
         candidates.correct = lambda module: sample_correct(module, test_loader)
     if local:
-        candidates.local = LocalBaseline(site, store, make_module, fit, precision, accelerator)
+        candidates.local = LocalBaseline(site, store, make_module, fit, precision, accelerator, training_loader)
+    candidates.margin = float(getattr(args, "keep_margin", candidates.margin))
+    candidates.split_source = lambda: classifier_splits(
+        splits.validation, splits.test, pooled_test_set(args), batch_size=args.batch_size
+    )
     return candidates
+
+
+def classifier_splits(*datasets: TensorDataset | None, batch_size: int = 256) -> dict[str, Any]:
+    """The built-in site's validation, test and pooled test sets read once for the classifier path
+    (lightning_modules/split_scores.py); a missing one is left out."""
+    from lightning_modules.split_scores import classifier_batches
+
+    loaders = {
+        name: torch.utils.data.DataLoader(dataset, batch_size=batch_size)
+        for name, dataset in zip(("val", "test", "pooled"), datasets, strict=True)
+        if dataset is not None
+    }
+    return {name: classifier_batches(loader) for name, loader in loaders.items()}
+
+
+def pooled_test_set(args: Any) -> TensorDataset | None:
+    """With ``--site-pooled-test n``: the "next patient" view, the first n images of the built-in dataset's
+    published test set (all labels; the order the server scores the global model in), else ``None``."""
+    limit = int(getattr(args, "site_pooled_test", 0) or 0)
+    if not limit:
+        return None
+    from data_prep import SiteDataConfig
+    from data_prep.sites import test_split
+
+    x, y = test_split(SiteDataConfig.from_namespace(args))
+    return to_tensor_dataset(np.asarray(x[:limit]), np.asarray(y[:limit]))
 
 
 def build_site_round(

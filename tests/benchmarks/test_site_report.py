@@ -31,11 +31,12 @@ def test_cell_scores_reads_every_candidate_and_the_kept_one_from_the_sites_meta(
         "kept": {"site-1": 0.6},
     }
     assert got["kept_candidate"] == {"site-1": "personal"}
-    assert [sr.candidate_name(v) for v in (0.0, 2, "local", 3.0, 1.5)] == [
+    assert [sr.candidate_name(v) for v in (0.0, 2, "local", 3.0, 4.0, 1.5)] == [
         "global",
         "local",
         "local",
-        "unknown(3)",
+        "mixture",
+        "unknown(4)",
         "unknown(1.5)",
     ]
 

@@ -82,21 +82,22 @@ def test_a_site_keeps_the_best_on_validation_stores_it_and_sends_the_same_result
     added = set(sent) - set(meta_plain) - {CANDIDATE_SECONDS}  # + the candidates' seconds, apart from the fit's
     assert added and all(k.startswith("eval.") for k in added)  # the site-evaluation release rule covers them
     assert steps == [sent[meta_keys.NUM_STEPS] * 2]  # compute matched: Ditto's fit steps and as many personal steps
-    names = ("global", "personal", "local")
-    val = {n: sent[f"eval.{p}val_loss"] for n, p in zip(names, ("", "personal_", "local_"), strict=True)}
+    # One round: the own model is this round's local-only model; the kept one is the best on validation among it,
+    # the received and personal models and their mixtures, if it beats the own model (site_choice.keep).
+    names = ("global", "personal", "local", "mixture")
     kept = names[int(sent["eval.kept_candidate"])]
-    assert kept == min(names, key=lambda n: (val[n], names.index(n)))
-    assert (
-        sent["eval.kept_test_accuracy"] == sent[f"eval.{kept}_test_accuracy"]
-        and sent["eval.kept_val_loss"] == val[kept]
-    )
+    val = {n: sent[f"eval.{n}_val_loss"] for n in ("global", "personal")}
+    assert sent["eval.local_val_loss"] == sent["eval.local_last_val_loss"] and sent["eval.local_round"] == 0
+    assert sent["eval.kept_val_loss"] <= min(sent["eval.local_val_loss"], *val.values()) + 1e-12
+    if kept in val:
+        assert sent["eval.kept_test_accuracy"] == sent[f"eval.{kept}_test_accuracy"]
     assert {"eval.global_test_loss", "eval.personal_test_accuracy", "eval.local_test_accuracy"} <= set(sent)
     store = ClientStateStore(tmp_path, "site-1")
     stored = store.latest(KEPT_STORE).state
-    assert stored["__candidate__"] == kept
+    assert stored["kind"] == kept
     if kept == "local":
         local = store.latest(STORE_NAME).state
-        assert all(torch.equal(stored[k], local[k]) for k in local if k != "__run_id__")
+        assert all(torch.equal(stored["state"][k], local[k]) for k in local if k != "__run_id__")
     assert sent["eval.kept_minus_local_test_accuracy_se"] >= 0
 
 

@@ -1,0 +1,200 @@
+"""Which model a site keeps (lightning_modules/site_choice.py, kept_model.py, split_scores.py): the rules in closed
+form, the one-pass scorer against Lightning's validate, the Trainer-free local-only training against Lightning's fit,
+and a site over rounds (early-stopped own model, the kept model never below it on validation, the own model kept
+means a gain of exactly 0, the received model never kept under partial sharing)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from aggregators import meta_keys
+from benchmarks.in_process import initial_params, quiet_lightning, site_rounds
+from jobs.build import JobSpec
+from jobs.settings import JobBuildError
+from lightning_modules.local_baseline import plain_fit
+from lightning_modules.personal_scores import own_random_stream, single_process_trainer, validation_scores
+from lightning_modules.site import ValidatedClassifier
+from lightning_modules.site_choice import (
+    Candidate,
+    beats,
+    early_stopped,
+    keep,
+    mixture_scores,
+    paired_mean_se,
+    split_scores,
+)
+from lightning_modules.split_scores import classifier_batches, model_tables
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with quiet_lightning():
+        yield
+
+
+def candidate(kind: str, val_losses: list[float], round_num: int = 0) -> Candidate:
+    """A candidate whose per-sample validation losses are ``val_losses`` (log p = -loss; all right)."""
+    log_prob = -np.asarray(val_losses, dtype=np.float64)
+    scores = split_scores({"val": np.stack([log_prob, log_prob - 10], axis=1)}, {"val": np.zeros(len(log_prob), int)})
+    return Candidate(kind, round_num, scores)
+
+
+# -- the rules, in closed form ---------------------------------------------------------------------------------------
+def test_the_mixture_is_the_weighted_average_of_probabilities() -> None:
+    own = np.log(np.array([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]]))
+    fed = np.log(np.array([[0.2, 0.6, 0.2], [0.3, 0.3, 0.4]]))
+    mixed = mixture_scores({"val": own}, {"val": fed}, 0.25)["val"]
+    first = [0.75 * 0.7 + 0.25 * 0.2, 0.75 * 0.2 + 0.25 * 0.6, 0.75 * 0.1 + 0.25 * 0.2]
+    second = [0.75 * 0.1 + 0.25 * 0.3, 0.75 * 0.1 + 0.25 * 0.3, 0.75 * 0.8 + 0.25 * 0.4]
+    by_hand = np.log(np.array([first, second]))
+    np.testing.assert_allclose(mixed, by_hand, atol=1e-12)
+    scores = split_scores({"val": mixed}, {"val": np.array([1, 2])})
+    assert scores.loss("val") == pytest.approx(-(math.log(0.3) + math.log(0.7)) / 2, abs=1e-12)
+    assert scores.accuracy("val") == 0.5  # sample 0: arg-max is class 0 (0.575), not 1
+    with pytest.raises(ValueError):
+        mixture_scores({"val": own}, {"val": fed}, 1.0)
+    confident = np.array([[-1e4, 0.0]])  # log-space: a model sure of the wrong class does not underflow to -inf
+    assert np.isfinite(mixture_scores({"v": confident}, {"v": np.array([[0.0, -1e4]])}, 0.5)["v"]).all()
+
+
+def test_beats_is_a_one_sided_paired_test_on_validation_loss() -> None:
+    own = candidate("local", [1.0, 1.0, 1.0, 1.0])
+    better = candidate("global", [0.5, 0.7, 0.6, 0.8])  # d = -0.5, -0.3, -0.4, -0.2: mean -0.35
+    mean, se = paired_mean_se(-better.scores.log_prob["val"], -own.scores.log_prob["val"])
+    sd = math.sqrt(((0.15**2) + (0.05**2) + (0.05**2) + (0.15**2)) / 3)
+    assert (mean, se) == (pytest.approx(-0.35, abs=1e-12), pytest.approx(sd / 2, abs=1e-12))
+    assert beats(better, own, margin=1.645)  # -0.35 + 1.645 * 0.0645 < 0
+    noisy = candidate("global", [0.0, 2.0, 0.0, 1.6])  # mean d = -0.1, se 0.5: lower, but within the noise
+    assert beats(noisy, own, margin=0) and not beats(noisy, own, margin=1.645)
+    assert not beats(own, own, margin=0)  # equal is not better
+
+
+def test_early_stopping_keeps_the_incumbent_unless_strictly_lower() -> None:
+    first, same, lower = candidate("local", [1.0], 1), candidate("local", [1.0], 2), candidate("local", [0.9], 3)
+    assert early_stopped(None, first) is first
+    assert early_stopped(first, same) is first  # a tie keeps the earlier round
+    assert early_stopped(first, lower) is lower
+    assert early_stopped(candidate("local", [math.nan], 0), first) is first
+
+
+def test_keep_takes_the_best_challenger_only_when_it_beats_the_own_model() -> None:
+    own = candidate("local", [1.0, 1.0, 1.0, 1.0])
+    clear = candidate("mixture", [0.5, 0.7, 0.6, 0.8])
+    noisy = candidate("global", [0.0, 2.0, 0.0, 1.6])  # mean 0.9: lower than own's 1.0, but within the noise
+    assert keep(own, [noisy, clear], margin=1.645) is clear  # clear has the lowest mean (0.65) and beats own
+    assert keep(own, [noisy], margin=1.645) is own  # the best challenger does not beat own: own
+    assert keep(own, [noisy], margin=0) is noisy
+    assert keep(None, [noisy, clear], margin=1.645) is clear  # no own model: the best, no margin
+    tie = candidate("personal", [0.5, 0.7, 0.6, 0.8])
+    assert keep(own, [clear, tie], margin=0) is clear  # ties go to the earlier challenger
+    assert keep(own, [candidate("global", [math.nan] * 4)], margin=0) is own
+
+
+def test_with_no_margin_and_one_round_the_rule_is_the_plain_arg_min_ties_to_the_own_model() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        losses = rng.choice([0.5, 0.6, 0.7], size=(3, 5))
+        own, *others = (candidate(k, list(v)) for k, v in zip(("local", "global", "personal"), losses, strict=True))
+        kept = keep(own, others, margin=0)
+        best = min(c.val_loss for c in (own, *others))
+        assert kept.val_loss == pytest.approx(best, abs=1e-12)
+        assert kept is own or own.val_loss > best + 1e-12  # ties (to the last bit of a sum's order) stay with own
+
+
+# -- the scorer and the Trainer-free training against Lightning --------------------------------------------------------
+def data(n: int = 90, seed: int = 0) -> torch.utils.data.TensorDataset:
+    rng = np.random.default_rng(seed)
+    x = torch.from_numpy(rng.normal(size=(n, 64)).astype(np.float32))
+    return torch.utils.data.TensorDataset(x, torch.from_numpy(rng.integers(0, 10, n)))
+
+
+def test_the_one_pass_scorer_equals_lightnings_validate() -> None:
+    module = ValidatedClassifier(arch="mlp", num_classes=10, init_seed=1)
+    loader = torch.utils.data.DataLoader(data(), batch_size=32)  # batches of 32, 32, 26: the weighted mean matters
+    tables = model_tables(module, {"val": classifier_batches(loader)})
+    mine = split_scores(tables, {"val": classifier_batches(loader).labels})
+    lightning = validation_scores(module, single_process_trainer("32-true", "cpu"), dataloaders=loader)
+    assert mine.loss("val") == pytest.approx(lightning["val_loss"], abs=1e-6)
+    assert mine.accuracy("val") == pytest.approx(lightning["val_accuracy"], abs=1e-6)
+    assert classifier_batches(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.rand(4, 2)))) is None
+
+
+def test_the_trainer_free_local_training_takes_lightnings_steps_bit_for_bit() -> None:
+    def make() -> ValidatedClassifier:
+        return ValidatedClassifier(arch="mlp", num_classes=10, init_seed=3, lr=0.05, momentum=0.9)
+
+    plain, lightning = make(), make()
+    with own_random_stream(7):  # 13 steps over batches of 32 of 90 samples: crosses epochs, reshuffles
+        assert plain_fit(plain, torch.utils.data.DataLoader(data(), 32, shuffle=True), 13) == 13
+    with own_random_stream(7):
+        trainer = single_process_trainer("32-true", "cpu", epochs=-1, steps=13)
+        trainer.fit(lightning, train_dataloaders=torch.utils.data.DataLoader(data(), 32, shuffle=True))
+    for key, value in plain.state_dict().items():
+        assert torch.equal(value, lightning.state_dict()[key]), key
+
+
+# -- a site over rounds ----------------------------------------------------------------------------------------------
+SPLIT = JobSpec(
+    name="sc", dataset="digits", arch="mlp", num_rounds=4, batch_size=32, lr=0.1, max_train_samples=600,
+    site_val_fraction=0.2, site_test_fraction=0.2, local_baseline=True, keep="best", site_pooled_test=200,
+)  # fmt: skip
+
+
+def rounds_of_one_site(spec: JobSpec, tmp_path, rounds: int = 4) -> list[dict]:
+    """Rounds of site-1 that receives the initial model every round (the server is not the point here)."""
+    site = site_rounds(spec, tmp_path)["site-1"]
+    start = initial_params(spec)
+    sent = []
+    for r in range(rounds):
+        _, meta = site.train(r, start, {meta_keys.ROUND: r, meta_keys.RUN_ID: "run", meta_keys.NUM_ROUNDS: rounds})
+        sent.append(meta)
+    return sent
+
+
+def test_over_rounds_the_own_model_is_early_stopped_and_the_kept_one_never_worse_on_validation(tmp_path) -> None:
+    sent = rounds_of_one_site(SPLIT, tmp_path)
+    history = [m["eval.local_last_val_loss"] for m in sent]
+    for r, m in enumerate(sent):
+        best_round = int(np.argmin(history[: r + 1]))  # first of equal values: the earlier round stays
+        assert m["eval.local_round"] == best_round and m["eval.local_val_loss"] == history[best_round]
+        assert m["eval.local_test_accuracy"] == sent[best_round]["eval.local_last_test_accuracy"]
+        assert m["eval.kept_val_loss"] <= m["eval.local_val_loss"]
+        if m["eval.kept_own"]:  # the own model kept: its gain is 0 by construction, on both views
+            assert m["eval.kept_minus_local_test_accuracy"] == 0
+            assert m["eval.kept_minus_local_pooled_test_accuracy"] == 0
+            assert m["eval.kept_test_accuracy"] == m["eval.local_test_accuracy"]
+        assert {"eval.kept_pooled_test_accuracy", "eval.local_pooled_test_accuracy"} <= set(m)
+
+
+def test_under_partial_sharing_the_received_model_is_scored_but_never_kept(tmp_path) -> None:
+    # FedPer's received model carries the server's copy of the head (the initial one): no site would use it. The site
+    # gets the initial model every round and trains it, so its personal model is the received one trained.
+    spec = dataclasses.replace(SPLIT, local_keys="net.classifier.*", keep_margin=0.0)
+    sent = rounds_of_one_site(spec, tmp_path, rounds=3)
+    assert all("eval.global_test_accuracy" in m for m in sent)
+    assert all(int(m["eval.kept_candidate"]) != 0 for m in sent)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"site_pooled_test": 100, "local_baseline": False, "keep": "last"}, "site_pooled_test 100 scores the"),
+        ({"keep_margin": -1.0}, "keep_margin must be"),
+    ],
+)
+def test_bad_choice_settings_are_refused_in_one_line(changes, message) -> None:
+    with pytest.raises(JobBuildError, match=message) as refusal:
+        dataclasses.replace(SPLIT, **changes)
+    assert "\n" not in str(refusal.value)
+
+
+def test_a_pooled_view_with_a_users_data_module_is_refused() -> None:
+    with pytest.raises(JobBuildError, match="pooled view is the built-in dataset's published test set") as refusal:
+        JobSpec(name="u", model="genomics.model:SnpClassifier", data="genomics.data:SnpSites", site_pooled_test=10,
+                local_baseline=True)  # fmt: skip
+    assert "\n" not in str(refusal.value)
