@@ -98,6 +98,8 @@ class Protocol:
     keep: str = "last"
     #: Every site trains its own compute-matched local-only model inside the job (never sent).
     local_baseline: bool = False
+    #: The "next patient" view: every site also scores its candidates on the first n published test images.
+    site_pooled_test: int = 0
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,7 @@ SITE_GAIN = Protocol(
     site_test_fraction=0.2,
     keep="best",
     local_baseline=True,
+    site_pooled_test=1000,
 )
 #: Relative cost of a cell by method (measured: ditto and fedrep train twice per round, fedbn's model is larger):
 #: the pool starts the longest cells first, so on many cores the grid does not end waiting for one late long cell.
@@ -298,6 +301,8 @@ def site_gain_fields(protocol: Protocol, cell: Cell) -> dict[str, Any]:
         fields["keep"] = protocol.keep
     if protocol.local_baseline:
         fields["local_baseline"] = True
+    if getattr(protocol, "site_pooled_test", 0):  # the genomics harness's protocol has no pooled view
+        fields["site_pooled_test"] = protocol.site_pooled_test
     return fields  # an algorithm's own model (FedBN's bn_cnn) over the protocol's
 
 

@@ -37,6 +37,8 @@ PREREGISTERED_DEFAULT: Mapping[str, Any] = {"method": "fedrep", "keep": "best", 
 
 #: The candidates a site scores on its test split, in the order of the tables.
 CANDIDATES = ("global", "personal", "local", "kept")
+#: The views a cell records: its key -> the metric's name in the sites' meta (``eval.<candidate>_<name>_accuracy``).
+VIEWS = {"site_test": "test", "site_pooled_test": "pooled_test"}
 #: (partition, partition seed) -> method -> seed -> cell
 Cells = Mapping[tuple[str, Any], Mapping[str, Mapping[int, Mapping[str, Any]]]]
 
@@ -56,16 +58,21 @@ def test_metrics_record(records: Sequence[Mapping[str, Any]]) -> Mapping[str, Ma
 def cell_scores(site_meta: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     """``site_test``: candidate -> site -> test accuracy (``eval.<candidate>_test_accuracy``), and
     ``kept_candidate``: site -> the candidate it kept (``eval.kept_candidate``)."""
-    scores: dict[str, dict[str, float]] = {candidate: {} for candidate in CANDIDATES}
+    views: dict[str, dict[str, dict[str, float]]] = {view: {c: {} for c in CANDIDATES} for view in VIEWS}
     kept: dict[str, str] = {}
+    own: dict[str, bool] = {}
     for site, meta in site_meta.items():
-        for candidate in CANDIDATES:
-            value = meta.get(f"eval.{candidate}_test_accuracy")
-            if value is not None:
-                scores[candidate][site] = float(value)
+        for view, name in VIEWS.items():
+            for candidate in CANDIDATES:
+                value = meta.get(f"eval.{candidate}_{name}_accuracy")
+                if value is not None:
+                    views[view][candidate][site] = float(value)
         if meta.get("eval.kept_candidate") is not None:
             kept[site] = candidate_name(meta["eval.kept_candidate"])
-    return {"site_test": {c: s for c, s in scores.items() if s}, "kept_candidate": kept}
+        if meta.get("eval.kept_own") is not None:
+            own[site] = bool(meta["eval.kept_own"])
+    out: dict[str, Any] = {view: {c: s for c, s in scores.items() if s} for view, scores in views.items()}
+    return {**out, "kept_candidate": kept, "kept_own": own}
 
 
 def candidate_name(value: Any) -> str:
@@ -104,11 +111,29 @@ def group_cells(cells: Sequence[Mapping[str, Any]]) -> dict[tuple[str, Any], dic
     return grouped
 
 
-def candidate_runs(by_seed: Mapping[int, Mapping[str, Any]], candidate: str) -> dict[int, dict[str, float]]:
-    """seed -> site -> the candidate's test accuracy (seeds whose cell has it)."""
-    return {
-        seed: dict(cell["site_test"][candidate]) for seed, cell in by_seed.items() if candidate in cell["site_test"]
-    }
+def candidate_runs(
+    by_seed: Mapping[int, Mapping[str, Any]], candidate: str, view: str = "site_test"
+) -> dict[int, dict[str, float]]:
+    """seed -> site -> the candidate's accuracy on ``view`` (seeds whose cell has it)."""
+    return {seed: dict(cell[view][candidate]) for seed, cell in by_seed.items() if candidate in cell.get(view, {})}
+
+
+def views_sentence(method: str, by_seed: Mapping[int, Mapping[str, Any]]) -> str:
+    """How often the site kept its own model (gain 0 by construction), and the pooled ("next patient") view:
+    kept and local-only means and their paired difference."""
+    owns = [flag for cell in by_seed.values() for flag in cell.get("kept_own", {}).values()]
+    parts = [f"{method}: kept its own model at {sum(owns)} of {len(owns)} (site, seed) pairs" if owns else method]
+    kept, local = (
+        candidate_runs(by_seed, "kept", "site_pooled_test"),
+        candidate_runs(by_seed, "local", "site_pooled_test"),
+    )
+    if kept and local:
+        differences = site_stats.paired_differences(kept, local)
+        parts.append(
+            f"pooled view (all labels): kept {mean_site(kept)} vs local-only {mean_site(local)}, kept − local-only "
+            f"{interval_text(site_stats.setting_interval(differences))}"
+        )
+    return "; ".join(parts) + "."
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -247,6 +272,7 @@ def setting_section(
     else:
         lines += [f"The pre-registered default ({default}) did not run in this setting.", ""]
     lines += [target_sentence(m, methods[m], tolerance) for m in sorted(methods) if m != default]
+    lines += ["", *(views_sentence(m, methods[m]) for m in sorted(methods))]
     lines.append("")
     for method in sorted(methods):
         lines += per_site_table(method, methods[method])

@@ -396,7 +396,6 @@ def _check_candidates(spec: JobSpec) -> None:
     wanted = [name for name, on in (("local_baseline", spec.local_baseline), ("keep best", spec.keep == "best")) if on]
     if spec.keep == "last" and spec.keep_metric != "val_loss":
         raise JobBuildError(f"keep_metric {spec.keep_metric!r} selects for --keep best only; this job keeps 'last'")
-    _check_pooled_view(spec, wanted)
     if not wanted:
         return
     if spec.script is not None or spec.devices > 1:
@@ -425,17 +424,6 @@ def _check_candidates(spec: JobSpec) -> None:
         )
     if spec.model is None and spec.keep_metric not in BUILTIN_VAL_METRICS:
         raise JobBuildError(f"keep_metric {spec.keep_metric!r}: the built-in model logs {list(BUILTIN_VAL_METRICS)}")
-
-
-def _check_pooled_view(spec: JobSpec, wanted: list[str]) -> None:
-    """``site_pooled_test``: candidates to score (with --model there is no pooled set: jobs/user_checks.py)."""
-    if not spec.site_pooled_test:
-        return
-    if not wanted:
-        raise JobBuildError(
-            f"site_pooled_test {spec.site_pooled_test} scores the candidates of --local-baseline / --keep best; "
-            "turn one on, or set it to 0"
-        )
 
 
 def _active_personal_methods(spec: JobSpec) -> list[Any]:

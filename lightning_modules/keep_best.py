@@ -155,7 +155,8 @@ class SiteCandidates:
 
     @property
     def active(self) -> bool:
-        return self.score_test is not None or self.local is not None or self.keep == "best"
+        classifier_path = self.splits is not None or self.split_source is not None
+        return self.score_test is not None or self.local is not None or self.keep == "best" or classifier_path
 
     def begin_round(self, module: pl.LightningModule) -> None:
         """The received model (in ``module`` once it was loaded and scored), copied before training moves it."""

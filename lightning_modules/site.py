@@ -328,7 +328,7 @@ def builtin_candidates(args: Any, site: str, site_index: int, splits: SiteSplits
     """The site's `lightning_modules.keep_best.SiteCandidates` for the built-in classifier (``None`` when
     the job has no test split, no local-only model and keeps the last model, as before)."""
     keep, local = getattr(args, "keep", "last"), getattr(args, "local_baseline", False)
-    if splits.test is None and not local and keep == "last":
+    if splits.test is None and not local and keep == "last" and not getattr(args, "site_pooled_test", 0):
         return None
     from lightning_modules.keep_best import SiteCandidates, module_scorer, sample_correct
     from lightning_modules.local_baseline import LocalBaseline

@@ -183,7 +183,6 @@ def test_under_partial_sharing_the_received_model_is_scored_but_never_kept(tmp_p
 @pytest.mark.parametrize(
     "changes, message",
     [
-        ({"site_pooled_test": 100, "local_baseline": False, "keep": "last"}, "site_pooled_test 100 scores the"),
         ({"keep_margin": -1.0}, "keep_margin must be"),
     ],
 )
