@@ -20,11 +20,12 @@ SCAFFOLD's control norms (SCAFFOLD only) and epsilon per site (DP-SGD only). Eve
 number of the table row that prints it (0: the starting model), on integer round ticks.
 
 Jobs run with ``--keep best --local-baseline`` get one more table (`kept_vs_local`): per site, from the last
-round it reported them, which candidate it kept (global, personal or local-only), the kept and the local-only
-model's test accuracy, and the gain kept - local with its 95 % interval, gain +/- 1.96 SE (the normal approximation
-of the paired per-sample difference on the site's test split, lightning_modules/keep_best.py). An interval that
-lies below 0 says the site lost from joining on its own test data; one that covers 0 says its test split cannot
-tell.
+round it reported them, which candidate it kept (global, personal, local-only or a mixture), the global, personal,
+local-only (early-stopped) and kept models' accuracy on the site's own test split and, with ``--site-pooled-test``,
+on the pooled test set, and the gain kept - local with its 95 % interval, gain +/- 1.96 SE (the normal
+approximation of the paired per-sample difference on the site's test split, lightning_modules/kept_model.py). An
+interval below 0 says the site lost from joining on its own test data; one that covers 0 says its test split cannot
+tell; a site that kept its own model reads "no gain: kept its own model".
 """
 
 from __future__ import annotations
@@ -79,8 +80,11 @@ PERSONAL_PREFIX = "personal_"
 #: Prefixes of the candidates' scores (lightning_modules/keep_best.py): not the received model's validation scores.
 CANDIDATE_PREFIXES = (PERSONAL_PREFIX, "global_", "local_", "kept_")
 #: ``eval.kept_candidate`` is an index into these (lightning_modules.keep_best.CANDIDATES).
-KEPT_NAMES = ("global", "personal", "local")
+KEPT_NAMES = ("global", "personal", "local", "mixture")
 KEPT_MINUS_LOCAL = "kept_minus_local_test_accuracy"
+KEPT_MINUS_LOCAL_POOLED = "kept_minus_local_pooled_test_accuracy"
+#: The views a site reports its candidates on: its own test split and the pooled test set (``--site-pooled-test``).
+VIEWS = ("test_accuracy", "pooled_test_accuracy")
 
 
 def site_eval_metric(records: Sequence[dict[str, Any]]) -> str | None:
@@ -169,11 +173,12 @@ def kept_vs_local(records: Sequence[dict[str, Any]], z: float = 1.96) -> dict[st
             rows[site] = {
                 "round": record.get("round"),
                 "kept": KEPT_NAMES[int(index)] if index is not None and 0 <= index < len(KEPT_NAMES) else "?",
-                "kept_test_accuracy": value("kept_test_accuracy"),
-                "local_test_accuracy": value("local_test_accuracy"),
+                "own": bool(value("kept_own")),
+                **{f"{c}_{v}": value(f"{c}_{v}") for c in ("global", "personal", "local", "kept") for v in VIEWS},
                 "gain": gain,
                 "low": gain - half,
                 "high": gain + half,
+                "pooled_gain": value(KEPT_MINUS_LOCAL_POOLED),
             }
     return dict(sorted(rows.items()))
 
@@ -184,15 +189,29 @@ def _site_value(evaluation: dict[str, Any], site: str, name: str) -> Any:
 
 
 def format_kept_vs_local(rows: dict[str, dict[str, Any]]) -> str:
-    """One row per site: kept candidate, kept and local-only test accuracy, gain and its 95 % interval."""
+    """One row per site: the kept candidate, every candidate's accuracy on the site's own test split (and on the
+    pooled test set where the job scored one, after the slash), the gain kept - local-only with its 95 % interval,
+    or "no gain: kept its own model" (the gain is then 0 by construction, not a measured certainty)."""
     width = max([len("site"), *map(len, rows)])
-    lines = [f"{'site':<{width}}  {'kept':>8}  {'kept acc':>8}  {'local acc':>9}  {'gain':>8}  95% interval"]
+    names = ("global", "personal", "local", "kept")
+    header = "  ".join(f"{'local-only' if n == 'local' else n:>13}" for n in names)
+    lines = [f"{'site':<{width}}  {'kept':>8}  {header}  gain on own test split (95% interval)"]
     for site, row in rows.items():
-        lines.append(
-            f"{site:<{width}}  {row['kept']:>8}  {_fmt(row['kept_test_accuracy']):>8}  "
-            f"{_fmt(row['local_test_accuracy']):>9}  {row['gain']:>+8.4f}  [{row['low']:+.4f}, {row['high']:+.4f}]"
-        )
+        cells = "  ".join(f"{_both(row, n):>13}" for n in names)
+        if row["own"]:
+            verdict = "no gain: kept its own model"
+        else:
+            verdict = f"{row['gain']:+.4f} [{row['low']:+.4f}, {row['high']:+.4f}]"
+            if row.get("pooled_gain") is not None:
+                verdict += f"; pooled {row['pooled_gain']:+.4f}"
+        lines.append(f"{site:<{width}}  {row['kept']:>8}  {cells}  {verdict}")
     return "\n".join(lines)
+
+
+def _both(row: dict[str, Any], name: str) -> str:
+    """'own / pooled' accuracy of one candidate ('–' where the site did not report it)."""
+    own, pooled = row.get(f"{name}_test_accuracy"), row.get(f"{name}_pooled_test_accuracy")
+    return _fmt(own) if pooled is None else f"{_fmt(own)} / {_fmt(pooled)}"
 
 
 GLOBAL_CONTROL_NORM = "scaffold.ctrl.global_norm"

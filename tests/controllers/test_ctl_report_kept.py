@@ -9,9 +9,10 @@ from controllers import report
 from tests.controllers.test_ctl_report import initial, round_record, summary, write_metrics
 
 
-def kept_round(i: int, gain: dict, se: dict, kept: dict) -> dict:
+def kept_round(i: int, gain: dict, se: dict, kept: dict, own: dict | None = None) -> dict:
     sites = list(gain)
     evaluation = {
+        "kept_own": summary(own or dict.fromkeys(sites, 0.0), sites[0]),
         "val_accuracy": summary(dict.fromkeys(sites, 0.5), sites[0]),
         "global_test_accuracy": summary(dict.fromkeys(sites, 0.4), sites[0]),
         "kept_test_accuracy": summary({s: 0.6 + gain[s] for s in sites}, sites[0]),
@@ -38,7 +39,19 @@ def test_each_site_shows_its_kept_candidate_and_the_gain_with_its_interval(tmp_p
     assert report.site_eval_metric(records) == "val_accuracy"
     assert report.main([str(write_metrics(tmp_path / "ws", records)), "--plot", str(tmp_path / "p.png")]) == 0
     out = capsys.readouterr().out
-    assert "site-1  personal    0.6500     0.6000   +0.0500  [+0.0304, +0.0696]" in out
+    row = next(line for line in out.splitlines() if line.startswith("site-1  personal"))
+    assert row.split()[2:5] == ["0.4000", "-", "0.6000"]  # global, personal (not reported), local-only
+    assert row.endswith("0.6500  +0.0500 [+0.0304, +0.0696]")
+
+
+def test_a_site_that_kept_its_own_model_reads_no_gain_not_a_zero_width_interval(tmp_path, capsys) -> None:
+    own = kept_round(0, {"site-1": 0.0, "site-2": 0.01}, {"site-1": 0.0, "site-2": 0.01}, {"site-1": 2, "site-2": 3},
+                     own={"site-1": 1.0, "site-2": 0.0})  # fmt: skip
+    rows = report.kept_vs_local([initial(2), own])
+    assert rows["site-1"]["own"] and rows["site-2"]["kept"] == "mixture"
+    lines = report.format_kept_vs_local(rows).splitlines()
+    assert lines[1].endswith("no gain: kept its own model") and "[+0.0000, +0.0000]" not in lines[1]
+    assert lines[2].endswith("+0.0100 [-0.0096, +0.0296]")
 
 
 def test_a_job_without_the_local_model_has_no_kept_table(tmp_path, capsys) -> None:
