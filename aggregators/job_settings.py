@@ -276,7 +276,7 @@ class LocalTrainingSettings:
         1.645,
         "with --keep best and --local-baseline: a federated candidate replaces the site's own early-stopped model "
         "only when its validation loss is lower by more than this many standard errors of the per-sample paired "
-        "difference (1.645: a one-sided test at 5 %; 0: any lower mean). Classifier sites only "
+        "difference (1.645: a one-sided test at the 5 percent level; 0: any lower mean). Classifier sites only "
         "(lightning_modules/site_choice.py)",
         low=0,
         exported_when=_keeps_best,
