@@ -46,17 +46,16 @@ import torch
 
 from aggregators import meta_keys
 from lightning_modules.algorithms.base import ClientAlgorithmError
+from lightning_modules.kept_model import KEPT_STORE, KeptModel
 from lightning_modules.local_baseline import LocalBaseline, local_seed, matched_steps
 from lightning_modules.personal_scores import own_random_stream, single_process_trainer, site_copy, with_weights
-from lightning_modules.site_choice import DEFAULT_MARGIN, paired_mean_se
-from lightning_modules.split_scores import SplitBatches
+from lightning_modules.site_choice import DEFAULT_MARGIN, KINDS, paired_mean_se
+from lightning_modules.split_scores import SplitBatches, classifier_batches, log_probs
 from lightning_modules.state_store import ClientStateStore
 
 #: The candidates in preference order (ties go to the earlier); ``eval.kept_candidate`` is the index (3: the mixture of
 #: the own and the federated model, lightning_modules/site_choice.py).
-CANDIDATES = ("global", "personal", "local", "mixture")
-OWN_STORE = "local_best"
-KEPT_STORE = "kept_model"
+CANDIDATES = KINDS
 KEPT_MINUS_LOCAL = "kept_minus_local_test_accuracy"
 Scorer = Callable[[pl.LightningModule], dict[str, float]]
 
@@ -98,30 +97,14 @@ def scores_on_test(module: pl.LightningModule, trainer: pl.Trainer, **data: Any)
     return {name: float(value) for name, value in (results[0] if results else {}).items()}
 
 
-@torch.no_grad()
 def sample_correct(
     module: pl.LightningModule, batches: Iterable[Any], transfer: Callable[[Any], Any] | None = None
 ) -> np.ndarray | None:
     """Per test sample, whether ``module`` classifies it right (fp32 forward in eval mode); ``None`` when the batches
     are not ``(x, y)`` with integer labels or the module's output is not ``(N, classes)`` logits."""
-    was_training = module.training
-    module.eval()
-    device = next(module.parameters()).device
-    correct = []
-    try:
-        with own_random_stream():
-            for batch in batches:
-                batch = transfer(batch) if transfer is not None else batch
-                if not isinstance(batch, list | tuple) or len(batch) < 2:
-                    return None
-                x, y = batch[0].to(device), batch[1].to(device)
-                logits = module(x)
-                if y.is_floating_point() or logits.ndim != 2 or len(logits) != len(y):
-                    return None
-                correct.append((logits.argmax(dim=1) == y).cpu().numpy())
-    finally:
-        module.train(was_training)
-    return np.concatenate(correct) if correct else None
+    split = classifier_batches(batches, transfer)
+    table = None if split is None else log_probs(module, split)
+    return None if table is None else table.argmax(axis=1) == split.labels
 
 
 @dataclass
@@ -187,12 +170,12 @@ class SiteCandidates:
             models["local"] = self.local.train(
                 round_num, run_id, steps, local_seed(self.seed, self.site_index, round_num)
             )
-        if self.split_source is not None:
+        present = {name: model for name, model in models.items() if model is not None}
+        if self.split_source is not None and self.keep_metric == "val_loss":  # it selects on the cross-entropy
             read, self.split_source = self.split_source(), None
             # The classifier path needs validation batches of (x, integer y); anything else scores with Lightning.
             self.splits = {k: v for k, v in read.items() if v is not None} if read.get("val") is not None else None
-        if self.splits is not None and self.keep_metric == "val_loss":  # it selects on the cross-entropy
-            present = {name: model for name, model in models.items() if model is not None}
+        if self.splits is not None:
             chosen = self._classifier_round(present, round_num, run_id)
             if chosen is not None:
                 self.received = self.finetuned = None
@@ -200,7 +183,6 @@ class SiteCandidates:
                 return chosen
         if self.local is not None and self.score_val is not None:
             out.update(prefixed("local_", self.score_val(models["local"])))
-        present = {name: model for name, model in models.items() if model is not None}
         tests = {name: self.score_test(model) for name, model in present.items()} if self.score_test else {}
         for name, scores in tests.items():
             out.update(prefixed(f"{name}_", scores))
@@ -215,8 +197,6 @@ class SiteCandidates:
     ) -> dict[str, float] | None:
         """The classifier path (lightning_modules/kept_model.py); ``None`` (and the Lightning path from now on)
         when a model's forward is not a classifier's."""
-        from lightning_modules.kept_model import KeptModel
-
         chooser = KeptModel(self.store, self.splits or {}, self.margin)
         choose = self.keep == "best" and "val" in chooser.splits
         out = chooser.round(models, round_num, run_id, choose, eligible_global=self.global_eligible)

@@ -25,7 +25,8 @@ Reported (``eval.`` keys; ``<view>`` is ``test`` and, with a pooled test set, ``
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -41,7 +42,7 @@ from lightning_modules.site_choice import (
     keep,
     mixture_scores,
     paired_mean_se,
-    split_scores,
+    scores_from_tables,
 )
 from lightning_modules.split_scores import SplitBatches, model_tables
 from lightning_modules.state_store import ClientStateStore
@@ -53,10 +54,6 @@ RUN_KEY = "__run_id__"
 VIEWS = {"test": "test", "pooled": "pooled_test"}
 
 Tables = dict[str, np.ndarray]
-
-
-def cpu_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {key: value.detach().cpu().clone() for key, value in module.state_dict().items()}
 
 
 def view_meta(prefix: str, candidate: Candidate) -> dict[str, float]:
@@ -107,7 +104,7 @@ class KeptModel:
         return dict(stored.state)
 
     def _candidate(self, kind: str, round_num: int, tables: Tables, weight: float | None = None) -> Candidate:
-        return Candidate(kind, round_num, split_scores(tables, self.labels), weight)
+        return Candidate(kind, round_num, scores_from_tables(tables, self.labels), weight)
 
     def round(
         self,
@@ -123,91 +120,87 @@ class KeptModel:
         if tables is None:
             return None
         out: dict[str, float] = {}
-        latest = {name: self._candidate(name, round_num, t) for name, t in tables.items()}
-        for name, candidate in latest.items():
-            out.update(view_meta(f"{'local_last' if name == 'local' else name}_", candidate))
-        own, own_tables, own_state = self._own(latest.get("local"), tables.get("local"), models, run_id)
+        latest = {
+            name: Offer(self._candidate(name, round_num, t), t, models[name].state_dict) for name, t in tables.items()
+        }
+        for name, offer in latest.items():
+            out.update(view_meta(f"{'local_last' if name == 'local' else name}_", offer.candidate))
+        own = self._own(latest.get("local"), run_id)
         if own is not None:
-            out.update(view_meta("local_", own))
-            out[meta_keys.eval_key("local_round")] = float(own.round_num)
+            out.update(view_meta("local_", own.candidate))
+            out[meta_keys.eval_key("local_round")] = float(own.candidate.round_num)
         if choose:
-            offered = {name: c for name, c in latest.items() if eligible_global or name != "global"}
-            out.update(self._keep(offered, tables, models, own, own_tables, own_state, round_num, run_id))
+            federated = [latest[name] for name in ("global", "personal") if name in latest]
+            if not eligible_global:
+                federated = [offer for offer in federated if offer.candidate.kind != "global"]
+            out.update(self._keep(federated, own, round_num, run_id))
         return out
 
-    def _own(
-        self, latest: Candidate | None, tables: Tables | None, models: Mapping[str, Any], run_id: str
-    ) -> tuple[Candidate | None, Tables | None, dict[str, torch.Tensor] | None]:
-        """The early-stopped local-only model after this round, with its tables and weights (stored when new)."""
-        if latest is None or tables is None:
-            return None, None, None
-        if "val" not in tables:  # nothing to stop on: the latest model
-            return latest, tables, cpu_state(models["local"])
+    def _own(self, latest: Offer | None, run_id: str) -> Offer | None:
+        """The early-stopped local-only model after this round (stored when new)."""
+        if latest is None or "val" not in latest.tables:  # nothing to stop on: the latest model
+            return latest
         stored = self._stored(OWN_STORE, run_id)
-        incumbent = None
-        if stored is not None:
-            incumbent = self._candidate("local", int(stored["round"]), _arrays(stored["tables"]))
-        own = early_stopped(incumbent, latest)
-        if own is incumbent:
-            return own, _arrays(stored["tables"]), stored["state"]
-        state = cpu_state(models["local"])
-        if self.store is not None:
-            record = {"round": own.round_num, "tables": _tensors(tables), "state": state, RUN_KEY: run_id}
-            self.store.save(OWN_STORE, record, round_num=own.round_num)
-        return own, tables, state
+        incumbent = None if stored is None else self._stored_offer("local", stored)
+        own = latest if incumbent is None else early_stopped_offer(incumbent, latest)
+        if own is latest and self.store is not None:
+            record = {"round": own.candidate.round_num, "tables": _tensors(own.tables), "state": own.weights()}
+            self.store.save(OWN_STORE, {**record, RUN_KEY: run_id}, round_num=own.candidate.round_num)
+        return own
 
-    def _keep(
-        self,
-        latest: Mapping[str, Candidate],
-        tables: Mapping[str, Tables],
-        models: Mapping[str, pl.LightningModule],
-        own: Candidate | None,
-        own_tables: Tables | None,
-        own_state: Mapping[str, torch.Tensor] | None,
-        round_num: int,
-        run_id: str,
-    ) -> dict[str, float]:
-        federated = [latest[name] for name in ("global", "personal") if name in latest]
+    def _stored_offer(self, kind: str, stored: Mapping[str, Any]) -> Offer:
+        tables = _arrays(stored["tables"])
+        candidate = self._candidate(kind, int(stored["round"]), tables, stored.get("weight"))
+        return Offer(candidate, tables, lambda: stored["state"])
+
+    def _keep(self, federated: list[Offer], own: Offer | None, round_num: int, run_id: str) -> dict[str, float]:
+        """Choose among the own model and the challengers (module docstring, step 3), store and report the kept one."""
         challengers = list(federated)
-        states: dict[int, Any] = {id(c): cpu_state(models[c.kind]) for c in federated}
-        candidate_tables: dict[int, Tables] = {id(c): tables[c.kind] for c in federated}
-        if own is not None and own_tables is not None and federated:
-            fed = min(federated, key=lambda c: c.val_loss)
-            for weight in MIXTURE_WEIGHTS:
-                mixed = mixture_scores(own_tables, tables[fed.kind], weight)
-                mixture = self._candidate("mixture", round_num, mixed, weight)
-                challengers.append(mixture)
-                states[id(mixture)] = {"own": dict(own_state or {}), "federated": states[id(fed)], "weight": weight}
-                candidate_tables[id(mixture)] = mixed
+        if own is not None and federated:
+            fed = min(federated, key=lambda offer: offer.candidate.val_loss)
+            challengers += [self._mixture(own, fed, weight, round_num) for weight in MIXTURE_WEIGHTS]
         stored = self._stored(KEPT_STORE, run_id)
         if stored is not None and stored["kind"] != "local":  # an earlier federated choice stays a challenger
-            earlier = self._candidate(stored["kind"], int(stored["round"]), _arrays(stored["tables"]))
-            earlier.weight = stored.get("weight")
-            challengers.append(earlier)
-            states[id(earlier)], candidate_tables[id(earlier)] = stored["state"], _arrays(stored["tables"])
-        kept = keep(own, challengers, self.margin)
-        is_own = kept is own
-        if is_own:
-            states[id(kept)], candidate_tables[id(kept)] = dict(own_state or {}), own_tables or {}
+            challengers.append(self._stored_offer(stored["kind"], stored))
+        kept = keep(None if own is None else own.candidate, [c.candidate for c in challengers], self.margin)
+        chosen = (
+            own if own is not None and kept is own.candidate else next(c for c in challengers if c.candidate is kept)
+        )
         if self.store is not None:
-            record = {
-                "kind": kept.kind,
-                "round": kept.round_num,
-                "weight": kept.weight,
-                "tables": _tensors(candidate_tables[id(kept)]),
-                "state": states[id(kept)],
-                RUN_KEY: run_id,
-            }
-            self.store.save(KEPT_STORE, record, round_num=round_num)
+            record = {"kind": kept.kind, "round": kept.round_num, "weight": kept.weight, "state": chosen.weights()}
+            self.store.save(
+                KEPT_STORE, {**record, "tables": _tensors(chosen.tables), RUN_KEY: run_id}, round_num=round_num
+            )
         out = view_meta("kept_", kept)
         out[meta_keys.eval_key("kept_candidate")] = float(KINDS.index(kept.kind))
         out[meta_keys.eval_key("kept_round")] = float(kept.round_num)
-        out[meta_keys.eval_key("kept_own")] = float(is_own)
+        out[meta_keys.eval_key("kept_own")] = float(chosen is own)
         if kept.weight is not None:
             out[meta_keys.eval_key("kept_weight")] = float(kept.weight)
         if own is not None:
-            out.update(gain_meta(kept, own))
+            out.update(gain_meta(kept, own.candidate))
         return out
+
+    def _mixture(self, own: Offer, fed: Offer, weight: float, round_num: int) -> Offer:
+        """``(1 - weight) p_own + weight p_fed``; its stored weights are both models' and the weight."""
+        tables = mixture_scores(own.tables, fed.tables, weight)
+        candidate = self._candidate("mixture", round_num, tables, weight)
+        return Offer(candidate, tables, lambda: {"own": own.weights(), "federated": fed.weights(), "weight": weight})
+
+
+@dataclass
+class Offer:
+    """A candidate with its split tables and its weights, read only for the model that is stored (a state_dict;
+    the state store copies it to the CPU when it writes)."""
+
+    candidate: Candidate
+    tables: Tables
+    weights: Callable[[], Any]
+
+
+def early_stopped_offer(incumbent: Offer, latest: Offer) -> Offer:
+    """`site_choice.early_stopped` over offers."""
+    return latest if early_stopped(incumbent.candidate, latest.candidate) is latest.candidate else incumbent
 
 
 def _tensors(tables: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:

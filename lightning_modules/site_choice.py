@@ -86,7 +86,7 @@ def mixture_scores(
     }
 
 
-def split_scores(log_probs: Mapping[str, np.ndarray], labels: Mapping[str, np.ndarray]) -> SplitScores:
+def scores_from_tables(log_probs: Mapping[str, np.ndarray], labels: Mapping[str, np.ndarray]) -> SplitScores:
     """Per-sample scores from (n, classes) log-probabilities and integer labels, for every split in both."""
     scores = SplitScores()
     for split, table in log_probs.items():
@@ -152,5 +152,5 @@ __all__ = [
     "keep",
     "mixture_scores",
     "paired_mean_se",
-    "split_scores",
+    "scores_from_tables",
 ]

@@ -24,6 +24,8 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 
+from lightning_modules.personal_scores import own_random_stream
+
 Transfer = Callable[[Any], Any]
 
 
@@ -60,18 +62,20 @@ def classifier_batches(loader: Iterable[Any] | None, transfer: Transfer | None =
 
 @torch.no_grad()
 def log_probs(module: torch.nn.Module, batches: SplitBatches) -> np.ndarray | None:
-    """(n, classes) float64 log-probabilities of ``module``'s fp32 forward in eval mode; ``None`` when the forward
-    does not return ``(N, classes)`` logits. The module's train/eval mode is restored."""
+    """(n, classes) float64 log-probabilities of ``module``'s fp32 forward in eval mode, on a forked random stream
+    (a forward that draws leaves the site's own draws alone); ``None`` when the forward does not return
+    ``(N, classes)`` logits. The module's train/eval mode is restored."""
     was_training = module.training
     module.eval()
     device = next(module.parameters()).device
     tables = []
     try:
-        for x in batches.inputs:
-            logits = module(x.to(device))
-            if not isinstance(logits, torch.Tensor) or logits.ndim != 2 or len(logits) != len(x):
-                return None
-            tables.append(torch.log_softmax(logits.float(), dim=1).double().cpu().numpy())
+        with own_random_stream():
+            for x in batches.inputs:
+                logits = module(x.to(device))
+                if not isinstance(logits, torch.Tensor) or logits.ndim != 2 or len(logits) != len(x):
+                    return None
+                tables.append(torch.log_softmax(logits.float(), dim=1).double().cpu().numpy())
     finally:
         module.train(was_training)
     return np.concatenate(tables)

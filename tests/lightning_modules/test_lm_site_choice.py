@@ -26,7 +26,7 @@ from lightning_modules.site_choice import (
     keep,
     mixture_scores,
     paired_mean_se,
-    split_scores,
+    scores_from_tables,
 )
 from lightning_modules.split_scores import classifier_batches, model_tables
 
@@ -40,7 +40,8 @@ def _quiet():
 def candidate(kind: str, val_losses: list[float], round_num: int = 0) -> Candidate:
     """A candidate whose per-sample validation losses are ``val_losses`` (log p = -loss; all right)."""
     log_prob = -np.asarray(val_losses, dtype=np.float64)
-    scores = split_scores({"val": np.stack([log_prob, log_prob - 10], axis=1)}, {"val": np.zeros(len(log_prob), int)})
+    table = np.stack([log_prob, log_prob - 10], axis=1)
+    scores = scores_from_tables({"val": table}, {"val": np.zeros(len(log_prob), int)})
     return Candidate(kind, round_num, scores)
 
 
@@ -53,7 +54,7 @@ def test_the_mixture_is_the_weighted_average_of_probabilities() -> None:
     second = [0.75 * 0.1 + 0.25 * 0.3, 0.75 * 0.1 + 0.25 * 0.3, 0.75 * 0.8 + 0.25 * 0.4]
     by_hand = np.log(np.array([first, second]))
     np.testing.assert_allclose(mixed, by_hand, atol=1e-12)
-    scores = split_scores({"val": mixed}, {"val": np.array([1, 2])})
+    scores = scores_from_tables({"val": mixed}, {"val": np.array([1, 2])})
     assert scores.loss("val") == pytest.approx(-(math.log(0.3) + math.log(0.7)) / 2, abs=1e-12)
     assert scores.accuracy("val") == 0.5  # sample 0: arg-max is class 0 (0.575), not 1
     with pytest.raises(ValueError):
@@ -117,7 +118,7 @@ def test_the_one_pass_scorer_equals_lightnings_validate() -> None:
     module = ValidatedClassifier(arch="mlp", num_classes=10, init_seed=1)
     loader = torch.utils.data.DataLoader(data(), batch_size=32)  # batches of 32, 32, 26: the weighted mean matters
     tables = model_tables(module, {"val": classifier_batches(loader)})
-    mine = split_scores(tables, {"val": classifier_batches(loader).labels})
+    mine = scores_from_tables(tables, {"val": classifier_batches(loader).labels})
     lightning = validation_scores(module, single_process_trainer("32-true", "cpu"), dataloaders=loader)
     assert mine.loss("val") == pytest.approx(lightning["val_loss"], abs=1e-6)
     assert mine.accuracy("val") == pytest.approx(lightning["val_accuracy"], abs=1e-6)
