@@ -1,7 +1,7 @@
 """Which model a site keeps (lightning_modules/site_choice.py, kept_model.py, split_scores.py): the rules in closed
 form, the one-pass scorer against Lightning's validate, the Trainer-free local-only training against Lightning's fit,
 and a site over rounds (early-stopped own model, the kept model never below it on validation, the own model kept
-means a gain of exactly 0, the received model never kept under partial sharing)."""
+means a gain of exactly 0, the received model never kept under partial sharing, even where it wins on validation)."""
 
 from __future__ import annotations
 
@@ -172,13 +172,41 @@ def test_over_rounds_the_own_model_is_early_stopped_and_the_kept_one_never_worse
         assert {"eval.kept_pooled_test_accuracy", "eval.local_pooled_test_accuracy"} <= set(m)
 
 
-def test_under_partial_sharing_the_received_model_is_scored_but_never_kept(tmp_path) -> None:
-    # FedPer's received model carries the server's copy of the head (the initial one): no site would use it. The site
-    # gets the initial model every round and trains it, so its personal model is the received one trained.
-    spec = dataclasses.replace(SPLIT, local_keys="net.classifier.*", keep_margin=0.0)
-    sent = rounds_of_one_site(spec, tmp_path, rounds=3)
-    assert all("eval.global_test_accuracy" in m for m in sent)
-    assert all(int(m["eval.kept_candidate"]) != 0 for m in sent)
+def test_a_received_model_that_wins_on_validation_is_still_never_kept_when_no_site_could_use_it(tmp_path) -> None:
+    # The hostile case: the received model scores best on validation (here a perfect classifier, the site's own and
+    # personal models know nothing), yet under partial sharing it carries the server's copy of the site's head, so
+    # keeping it (alone or in a mixture) is keeping a model the site never runs. With the rule off it is kept.
+    from lightning_modules.kept_model import KeptModel
+    from lightning_modules.state_store import ClientStateStore
+
+    x = torch.eye(3).repeat(10, 1)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.argmax(dim=1)), batch_size=8)
+    splits = {"val": classifier_batches(loader), "test": classifier_batches(loader)}
+
+    def linear(scale: float) -> torch.nn.Module:
+        layer = torch.nn.Linear(3, 3, bias=False)
+        torch.nn.init.eye_(layer.weight)
+        layer.weight.data.mul_(scale)
+        return layer
+
+    models = {"global": linear(20.0), "personal": linear(0.0), "local": linear(0.0)}
+    for eligible, where in ((True, "on"), (False, "off")):
+        store = ClientStateStore(tmp_path / where, "site-1")
+        meta = KeptModel(store, splits, margin=1.645).round(models, 0, "run", True, eligible_global=eligible)
+        kept = ClientStateStore(tmp_path / where, "site-1").latest("kept_model").state
+        if eligible:  # the attack works when the received model is offered: it (or a mixture with it) is kept
+            assert kept["kind"] in ("global", "mixture") and meta["eval.kept_test_accuracy"] == 1.0
+        else:
+            assert kept["kind"] == "local" and meta["eval.kept_own"] == 1.0
+            assert meta["eval.kept_minus_local_test_accuracy"] == 0.0
+            assert meta["eval.global_test_accuracy"] == 1.0  # still scored and reported
+
+
+def test_the_site_round_offers_the_received_model_only_without_partial_sharing(tmp_path) -> None:
+    for spec, eligible in ((SPLIT, True), (dataclasses.replace(SPLIT, local_keys="net.classifier.*"), False)):
+        site = site_rounds(spec, tmp_path / str(eligible))["site-1"]
+        site.train(0, initial_params(SPLIT), {meta_keys.ROUND: 0, meta_keys.RUN_ID: "run", meta_keys.NUM_ROUNDS: 1})
+        assert site.round_callback.candidates.global_eligible is eligible
 
 
 @pytest.mark.parametrize(
