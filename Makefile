@@ -109,16 +109,24 @@ COMPARE_OUT ?= runs/compare
 compare: setup
 	$(PY) -m benchmarks.compare --out $(COMPARE_OUT)
 
-# --durations=30: every CI log ends with the 30 slowest tests (CI must stay under 45 min on 2 cores).
+# --durations=30: every CI log ends with the 30 slowest tests of each part (CI must stay under 45 min on 2 cores).
 # OMP_WAIT_POLICY=PASSIVE: torch's idle OpenMP threads sleep instead of spinning; with more busy threads than cores
 # (the simulator's sites, a shared runner) a spinning LeNet-5 step took 20-50x longer here (no result changes).
+# Two parts: everything outside tests/e2e, then tests/e2e on E2E_WORKERS pytest-xdist workers (E2E_WORKERS=0: one
+# process). An end-to-end run alone keeps about one core busy (the simulator's sites mostly wait), so two at once
+# use both cores; --dist loadgroup keeps the tests that share a simulator run or a deployment on one worker (the
+# xdist_group tests/conftest.py gives them), and every run has its own workspace and ports. Times: docs/results.md,
+# "Test tiers".
+E2E_WORKERS ?= 2
+E2E_PARALLEL := -n $(E2E_WORKERS) --dist loadgroup
 test: setup lint
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest --durations=30
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest --ignore=tests/e2e --durations=30
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest tests/e2e $(E2E_PARALLEL) --durations=30
 
 # The test pyramid (tiers assigned in tests/conftest.py; times in docs/results.md, "Test tiers"):
 #   test-fast - unit and contract tests: no simulator, no training subprocess, no multi-process run (minutes)
 #   test-slow - the slow tests outside tests/e2e: in-process training, client processes, SimEnv
-#   test-e2e  - tests/e2e: `nvflare simulator` and provisioned loopback deployments
+#   test-e2e  - tests/e2e: `nvflare simulator` and provisioned loopback deployments, on E2E_WORKERS workers
 test-fast: setup
 	$(PY) -m pytest -m "not slow" --ignore=tests/e2e --durations=15
 
@@ -126,7 +134,7 @@ test-slow: setup
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -m "slow and not e2e" --ignore=tests/e2e --durations=15
 
 test-e2e: setup
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest tests/e2e --durations=15
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest tests/e2e $(E2E_PARALLEL) --durations=15
 
 lint: setup
 	$(PY) -m ruff check .

@@ -171,11 +171,42 @@ def tier_markers(nodeid: str, slow_tests: dict[str, str] = SLOW_TESTS) -> set[st
     return {"slow"} if nodeid in slow_tests or test in slow_tests or file in slow_tests else set()
 
 
-@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+#: Session fixtures of tests/e2e that run something expensive once per session, i.e. once per pytest-xdist worker:
+#: the tests using one are kept on one worker (`xdist_group`), so that it runs once, as in a serial session.
+SHARED_SESSION_FIXTURES = ("simulated",)
+#: Fixture scopes wider than a test but narrower than the session: such a fixture runs once per module (or class).
+MODULE_SCOPES = frozenset({"package", "module", "class"})
+
+
+def xdist_group(nodeid: str, scopes: dict[str, str]) -> str | None:
+    """The pytest-xdist group of the end-to-end test ``nodeid`` that uses the fixtures ``scopes`` (name: scope): under
+    ``--dist loadgroup`` a group runs on one worker. The name of a `SHARED_SESSION_FIXTURES` fixture it uses; else its
+    file when it uses a module- or class-scoped fixture (one simulator run or deployment that its module's tests
+    share); else None: the test goes to whichever worker is free. Tests outside tests/e2e: None."""
+    if not nodeid.startswith(E2E_DIR):
+        return None
+    shared = [name for name in SHARED_SESSION_FIXTURES if name in scopes]
+    if shared:
+        return shared[0]
+    if any(scope in MODULE_SCOPES for scope in scopes.values()):
+        return nodeid.split("::", 1)[0]
+    return None
+
+
+def _fixture_scopes(item) -> dict[str, str]:
+    """The scope of every fixture ``item`` uses (the definition that applies to it: the last one)."""
+    definitions = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    return {name: defs[-1].scope for name, defs in definitions.items() if defs and name in item.fixturenames}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker, and before xdist reads its groups
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         for name in sorted(tier_markers(item.nodeid)):
             item.add_marker(name)
+        group = xdist_group(item.nodeid, _fixture_scopes(item))
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 #: (seconds, node-id) of the tests whose call took over FAST_TIER_LIMIT_S in this session.

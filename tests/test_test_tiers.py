@@ -7,6 +7,7 @@ in the fast tier again; the check reads the test files' syntax only (no collecti
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -44,3 +45,44 @@ def test_every_slow_entry_names_an_existing_test(tiers):
         if name and name.split("[", 1)[0] not in functions:
             missing.append(entry)
     assert not missing, f"tests/conftest.py SLOW_TESTS names no test: {missing}"
+
+
+def test_end_to_end_tests_sharing_an_expensive_fixture_share_an_xdist_group(tiers):
+    """`make test` runs tests/e2e under ``--dist loadgroup``: a group runs on one worker, so a module's simulator run or
+    deployment (a module-scoped fixture), or the session's shared simulations, still run once."""
+    e2e = "tests/e2e/test_e2e_m.py::test_t[p]"
+    assert tiers.xdist_group(e2e, {"tmp_path": "function", "simulate": "session"}) is None  # any free worker
+    assert tiers.xdist_group(e2e, {"runs": "module", "tmp_path": "function"}) == "tests/e2e/test_e2e_m.py"
+    assert tiers.xdist_group(e2e, {"deployment": "class"}) == "tests/e2e/test_e2e_m.py"
+    for name in tiers.SHARED_SESSION_FIXTURES:
+        assert tiers.xdist_group(e2e, {name: "session", "runs": "module"}) == name  # across modules
+    assert tiers.xdist_group("tests/a/test_x.py::test_a", {"runs": "module"}) is None  # outside tests/e2e: none
+
+
+def test_every_shared_session_fixture_is_a_session_fixture_of_the_end_to_end_conftest(tiers):
+    """A renamed fixture would leave its tests ungrouped: each xdist worker would run its simulations again."""
+    tree = ast.parse((REPO / "tests" / "e2e" / "conftest.py").read_text())
+    session_fixtures = {
+        node.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef)
+        for decorator in node.decorator_list
+        if isinstance(decorator, ast.Call)
+        and any(k.arg == "scope" and getattr(k.value, "value", None) == "session" for k in decorator.keywords)
+    }
+    assert set(tiers.SHARED_SESSION_FIXTURES) <= session_fixtures
+
+
+def test_make_test_runs_the_end_to_end_tier_on_two_xdist_workers_after_the_rest():
+    """The Makefile's `test` target: lint, every test outside tests/e2e, then tests/e2e with pytest-xdist's loadgroup
+    on E2E_WORKERS (2) workers; each part prints its slowest tests. `make setup` installs pytest-xdist (dev extra)."""
+    makefile = (REPO / "Makefile").read_text()
+    recipe = makefile.split("\ntest: setup lint\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert recipe == [
+        "\tOMP_WAIT_POLICY=PASSIVE $(PY) -m pytest --ignore=tests/e2e --durations=30",
+        "\tOMP_WAIT_POLICY=PASSIVE $(PY) -m pytest tests/e2e $(E2E_PARALLEL) --durations=30",
+    ]
+    assert "\nE2E_WORKERS ?= 2\n" in makefile
+    assert "\nE2E_PARALLEL := -n $(E2E_WORKERS) --dist loadgroup\n" in makefile
+    dev = re.search(r"\ndev = \[\n(.*?)\n\]", (REPO / "pyproject.toml").read_text(), re.S)
+    assert dev and re.search(r'^    "pytest-xdist==[0-9.]+",$', dev.group(1), re.M), "pyproject.toml: dev extra"

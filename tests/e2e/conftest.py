@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from jobs.build import JobSpec, export_job
+from tests.e2e.simulator_run import run_simulator_command
 
 NVFLARE = Path(sys.executable).with_name("nvflare")
 
@@ -59,11 +60,12 @@ def simulated(tmp_path_factory):
 
 
 def run_simulator(job_dir: Path, workspace: Path, num_clients: int, threads: int | None) -> subprocess.CompletedProcess:
-    """Run the user's command line; the simulator exits 0 even on some aborts, so callers check the outputs."""
+    """Run the user's command line, once more if its start-up failed (tests/e2e/simulator_run.py); the simulator
+    exits 0 even on some aborts, so callers check the outputs."""
     command = [str(NVFLARE), "simulator", str(job_dir), "-w", str(workspace), "-n", str(num_clients)]
     if threads is not None:
         command += ["-t", str(threads)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=workspace.parent)
+    return run_simulator_command(command, workspace, timeout=900, cwd=workspace.parent)
 
 
 def read_metrics(workspace: Path) -> list[dict]:

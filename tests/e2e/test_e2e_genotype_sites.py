@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from controllers import report
+from tests.e2e.simulator_run import run_simulator_command
 
 REPO = Path(__file__).resolve().parents[2]
 SNPS, PER_POPULATION, ROUNDS = 1000, 20, 2
@@ -50,7 +51,7 @@ def test_a_simulated_cohort_in_per_site_vcf_files_trains_in_the_simulator(tmp_pa
     env["FEDALG_SNP_TABLE"] = str(files / "snp_table.csv")
     workspace = tmp_path / "ws"
     command = ["nvflare", "simulator", str(tmp_path / "snp_files"), "-w", str(workspace), "-n", "3", "-t", "3"]
-    completed = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
+    completed = run_simulator_command(command, workspace, env=env, timeout=900)
     records = report.finished_records(workspace, completed.stdout[-3000:])
     rounds = [r for r in records if r["stage"] == "round"]
     assert [r["status"] for r in rounds] == ["aggregated"] * ROUNDS

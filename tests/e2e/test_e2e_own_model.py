@@ -15,6 +15,7 @@ import pytest
 from benchmarks.in_process import quiet_lightning, run_in_process
 from controllers import report
 from jobs.spec import JobSpec
+from tests.e2e.simulator_run import run_simulator_command
 
 REPO = Path(__file__).resolve().parents[2]
 OWN_MODEL = ["--ship", "examples/custom_model", "--model", "custom_model.model:DigitsClassifier"]
@@ -24,7 +25,7 @@ ROUNDS = 3
 def simulate(job: Path, workspace: Path, threads: int) -> list[dict]:
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     command = ["nvflare", "simulator", str(job), "-w", str(workspace), "-n", "3", "-t", str(threads)]
-    completed = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
+    completed = run_simulator_command(command, workspace, env=env, timeout=900)
     records = report.load_records(workspace)
     assert [r["stage"] for r in records] == ["initial"] + ["round"] * ROUNDS, completed.stdout[-3000:]
     return records
@@ -82,7 +83,7 @@ def build_and_simulate(tmp_path: Path, name: str, options: list[str], sites: int
     subprocess.run([*build, *options], check=True, cwd=REPO, capture_output=True)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     command = ["nvflare", "simulator", str(tmp_path / name), "-w", str(tmp_path / "ws"), "-n", str(sites)]
-    completed = subprocess.run([*command, "-t", str(threads)], capture_output=True, text=True, env=env, timeout=900)
+    completed = run_simulator_command([*command, "-t", str(threads)], tmp_path / "ws", env=env, timeout=900)
     rounds = [r for r in report.load_records(tmp_path / "ws") if r["stage"] == "round"]
     assert [r["status"] for r in rounds] == ["aggregated", "aggregated"], completed.stdout[-3000:]
     return rounds
