@@ -1,0 +1,217 @@
+"""The egress gate, played as an attack: a curious server records every result it receives, in real simulator jobs.
+
+The recorder (`tests/e2e/egress_recorder.py`) is the first of the server's result filters, so it sees each result as
+it arrived from the site. Three short jobs, each of every kind the simulator runs:
+
+- **DP-SGD, a user's module** (examples/custom_model, digits) with the final site evaluation: ``train`` and
+  ``validate`` results. docs/privacy.md's DP row: the model and public meta (n_i, steps, ``privacy.*``); the site's
+  scores are withheld (no ``--dp-release-site-scores``). Before the gate, the server received each site's validation
+  scores in NVFlare's ``initial_metrics`` meta (the Lightning callback's ``callback_metrics``).
+- **DP-SGD under the plain sum workflow** (``--secure-aggregation plain``, built-in digits MLP, site evaluation):
+  the same scores arrived, and NVFlare's ``filter_history`` (the sum workflow's filter names, declared).
+- **Genotype QC** (three tiny sites, counts in the clear): the counts and SNP IDs, then the kept count.
+
+Checked: everything that arrived is in docs/privacy.md's row for the job (written out here, independently of the
+bundle's declaration) and in what the job config declares; each site's result filters end with the gate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from fnmatch import fnmatchcase
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("opacus")
+
+from jobs.build import JobSpec, export_job
+
+REPO = Path(__file__).resolve().parents[2]
+RECORDER = Path(__file__).with_name("egress_recorder.py")
+SITES = 2
+USER_MODEL = {
+    "model": "custom_model.model:DigitsClassifier",
+    "data": "custom_model.data:DigitsSites",
+    "ship": str(REPO / "examples" / "custom_model"),
+}
+DP = {"dp_target_epsilon": 8.0, "dp_max_grad_norm": 1.0}
+#: NVFlare's headers on a result (task identity, routing, round), and the one its server adds on receipt.
+NVFLARE_HEADERS = {
+    "__audit_event_id__",
+    "__content_type__",
+    "__cookie_jar__",
+    "__msg_root_id__",
+    "__peer_ctx__",
+    "__peer_props__",
+    "__rc__",
+    "__task_id__",
+    "__task_name__",
+    "current_round",
+    "num_rounds",
+    "start_round",
+    "fl_client",
+}
+#: docs/privacy.md, DP-SGD row: "the model (DP-SGD's output), public meta (n_i, steps, privacy.*, FedNova's tau and
+#: ||a||_1)", with NVFlare's step count (the same number as train.num_steps; under the sum workflow the weight n_i)
+#: and the names of the filters NVFlare's DXO filters applied (the sum workflow's).
+DP_PUBLIC_META = (
+    "train.num_samples",
+    "train.num_steps",
+    "train.param_keys",
+    "train.round",
+    "train.fit_seconds",
+    "client.algorithm",
+    "privacy.*",
+    "fednova.*",
+    "NUM_STEPS_CURRENT_ROUND",
+    "filter_history",
+)
+#: docs/privacy.md, genotype QC row (in the clear): per-SNP counts and the SNP IDs they refer to; then the kept count.
+QC_RELEASE = {"qc_counts": ({"counts"}, {"snps"}), "qc_filter": ({"none"}, {"kept"})}
+PEOPLE = {"site-1": 12, "site-2": 15, "site-3": 18}
+
+
+def add_recorder(job: Path, tasks: list[str], record: Path) -> None:
+    """The attacker's server: the recorder first among its result filters (module docstring)."""
+    shutil.copy(RECORDER, job / "app" / "custom" / RECORDER.name)
+    config_file = job / "app" / "config" / "config_fed_server.json"
+    config = json.loads(config_file.read_text())
+    recorder = {"path": "egress_recorder.EgressRecorder", "args": {"path": str(record)}}
+    config["task_result_filters"] = [{"tasks": tasks, "filters": [recorder]}, *config.get("task_result_filters", [])]
+    config_file.write_text(json.dumps(config, indent=2))
+
+
+def run_recorded(simulate, job: Path, tasks: list[str], num_clients: int, env: dict | None = None) -> list[dict]:
+    record = job.parent.parent / "record.jsonl"
+    add_recorder(job, tasks, record)
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in (env or {}).items():
+            patch.setenv(key, value)
+        completed = simulate(job, job.parent.parent / "ws", num_clients=num_clients, threads=num_clients)
+    assert record.is_file(), completed.stdout[-3000:] + completed.stderr[-3000:]
+    return [json.loads(line) for line in record.read_text().splitlines()]
+
+
+def undeclared(names, patterns) -> list[str]:
+    return sorted(n for n in names if not any(fnmatchcase(n, p) for p in patterns))
+
+
+def declared_gates(job: Path) -> dict[str, dict]:
+    """The gate's arguments per task, as the job config declares them (the last result filter of each chain)."""
+    config = json.loads((job / "app" / "config" / "config_fed_client.json").read_text())
+    gates = {}
+    for chain in config["task_result_filters"]:
+        last = chain["filters"][-1]
+        assert last["path"] == "aggregators.egress_gate.EgressGate", chain  # the gate is the last filter
+        for task in chain["tasks"]:
+            gates[task] = last["args"]
+    return gates
+
+
+def model_keys(spec: JobSpec) -> set[str]:
+    from jobs.spec import job_model
+
+    return set(job_model(spec).state_dict())
+
+
+def check_against_config(records: list[dict], job: Path) -> None:
+    gates = declared_gates(job)
+    for r in records:
+        gate = gates[r["task"]]
+        assert r["data_kind"] in gate["data_kinds"], r
+        assert not undeclared(r["data"], gate["data"]), r
+        assert not undeclared(r["meta"], gate["meta"]), r
+        assert not undeclared(r["headers"], [*gate.get("headers", NVFLARE_HEADERS), "fl_client"]), r
+
+
+def check_dp_row(records: list[dict], weights: set[str], tasks: set[str]) -> None:
+    """Nothing but docs/privacy.md's DP row arrived: no scores, no training loss, no undeclared header."""
+    assert {r["task"] for r in records} == tasks
+    for r in records:
+        where = f"{r['site']} {r['task']}"
+        assert not undeclared(r["meta"], DP_PUBLIC_META), f"{where}: undeclared meta arrived: {r['meta']}"
+        assert not set(r["data"]) - weights, f"{where}: undeclared data: {r['data']}"
+        if r["data_kind"] == "METRICS":
+            assert r["data"] == [], f"{where}: scores arrived: {r['data']}"
+        assert not set(r["headers"]) - NVFLARE_HEADERS, f"{where}: undeclared headers: {r['headers']}"
+        assert r["top_level"] == [], where
+
+
+@pytest.fixture(scope="module")
+def dp_user_job(tmp_path_factory, simulate):
+    spec = JobSpec(name="egress_dp_user", num_sites=SITES, num_rounds=1, final_site_eval=True, **USER_MODEL, **DP)
+    root = tmp_path_factory.mktemp("egress_dp_user")
+    job = export_job(spec, root / "jobs")
+    return spec, job, run_recorded(simulate, job, ["train", "validate"], SITES)
+
+
+def test_a_dp_sites_scores_never_reach_the_server(dp_user_job):
+    spec, job, records = dp_user_job
+    assert len(records) == 2 * SITES  # a train and a validate result from every site
+    check_dp_row(records, model_keys(spec), {"train", "validate"})
+    check_against_config(records, job)
+
+
+def test_the_sum_workflow_under_dp_sends_only_the_dp_row(tmp_path, simulate):
+    spec = JobSpec(
+        name="egress_dp_plain",
+        dataset="digits",
+        arch="mlp",
+        num_sites=SITES,
+        num_rounds=1,
+        site_val_fraction=0.2,
+        secure_aggregation="plain",
+        **DP,
+    )
+    job = export_job(spec, tmp_path / "jobs")
+    records = run_recorded(simulate, job, ["train"], SITES)
+    assert len(records) == SITES
+    check_dp_row(records, model_keys(spec), {"train"})
+    check_against_config(records, job)
+
+
+def write_qc_sites(root: Path) -> None:
+    snps = [f"rs{j}" for j in range(24)]
+    for i, (site, people) in enumerate(PEOPLE.items()):
+        rng = np.random.default_rng(i)
+        genotypes = rng.binomial(2, np.linspace(0.05, 0.5, len(snps)), size=(people, len(snps))).astype(np.int8)
+        samples = np.array([f"{site}-{k}" for k in range(people)])
+        np.savez(root / f"{site}.npz", genotypes=genotypes, samples=samples, snps=np.array(snps),
+                 status=np.array(["same"] * len(snps)))  # fmt: skip
+    rows = "".join(f"{s},1,{10 * (j + 1)},A,G\n" for j, s in enumerate(snps))
+    (root / "table.csv").write_text("snp,chrom,pos,ref,alt\n" + rows)
+
+
+def test_a_qc_site_sends_only_its_counts_and_snp_ids(tmp_path, simulate):
+    from data_prep.genotypes.cli import main as genotypes_main
+
+    write_qc_sites(tmp_path)
+    options = ["--num-sites", "3", "--min-maf", "0.01", "--min-site-people", "10", "--name", "egress_qc"]
+    assert genotypes_main(["qc-job", "--output-dir", str(tmp_path / "jobs"), *options]) == 0
+    job = tmp_path / "jobs" / "egress_qc"
+    env = {"FEDALG_SITE_GENOTYPES": str(tmp_path / "{site}.npz"), "FEDALG_SNP_TABLE": str(tmp_path / "table.csv")}
+    records = run_recorded(simulate, job, list(QC_RELEASE), len(PEOPLE), env)
+    assert sorted((r["task"], r["site"]) for r in records) == sorted((t, s) for t in QC_RELEASE for s in PEOPLE)
+    for r in records:
+        data, meta = QC_RELEASE[r["task"]]
+        assert set(r["data"]) <= data and set(r["meta"]) <= meta, r
+        assert not set(r["headers"]) - NVFLARE_HEADERS, r
+    check_against_config(records, job)
+
+
+def test_the_recorder_sees_what_arrives(tmp_path):
+    """The recorder itself: a result with a stray header, meta and metrics is written down name by name."""
+    from nvflare.apis.dxo import DXO, DataKind
+
+    from tests.e2e.egress_recorder import describe
+
+    dxo = DXO(DataKind.WEIGHTS, data={"w": np.zeros(2)}, meta={"train.num_samples": 3, "initial_metrics": {"a": 1}})
+    shareable = dxo.to_shareable()
+    shareable.set_header("stray", 1)
+    record = describe(shareable, "train", "site-1")
+    assert record["data"] == ["w"] and record["meta"] == {"initial_metrics": ["a"], "train.num_samples": "int"}
+    assert "stray" in record["headers"] and os.fspath(tmp_path)
