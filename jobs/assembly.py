@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from aggregators.bundle import APP_PACKAGES, inside_directory
+from jobs.egress import add_egress_gates
 from jobs.job_record import write_job_entry
 from jobs.secure_aggregation import add_sum_site_filters, add_sum_workflow
 from jobs.settings import dataset_num_classes, is_private
@@ -61,6 +62,7 @@ def build_job(spec: JobSpec) -> Any:
     if spec.secure_aggregation != "none":
         add_sum_site_filters(job, spec)
     add_tracking(job, spec)
+    add_egress_gates(job, spec)  # last: the final filter on every result a site sends
     return job
 
 

@@ -146,6 +146,27 @@ def secure_aggregation_problem(spec: Any) -> str | None:
     return None
 
 
+#: What NVFlare's HE encryptor adds to a result's meta: which entries it encrypted and with which scheme (public).
+HE_RESULT_META = ("PROCESSED_KEYS", "PROCESSED_ALGORITHM")
+
+
+def sum_result_meta(spec: Any) -> tuple[str, ...]:
+    """The meta keys the sum workflow's site filters add to a training result (declared to the egress gate,
+    `jobs.egress`): NVFlare's weight (``NUM_STEPS_CURRENT_ROUND``, set to ``train.num_samples``), the names of the
+    DXO filters that ran (``filter_history``), the HE encryptor's bookkeeping, and the digest of the site's FedOpt
+    step; nothing without secure aggregation."""
+    if spec.secure_aggregation == "none":
+        return ()
+    meta: tuple[str, ...] = ("NUM_STEPS_CURRENT_ROUND", "filter_history")  # NVFlare's DXO filters name themselves
+    if spec.secure_aggregation == "he":
+        meta += HE_RESULT_META
+    if steps_at_sites(spec.server):
+        from lightning_modules.site_optimizer import DIGEST, DIGEST_ROUND
+
+        meta += (DIGEST, DIGEST_ROUND)
+    return meta
+
+
 def add_sum_workflow(job: Any, spec: Any, model_config: Mapping[str, Any]) -> None:
     """The server side: persistor, shareable generator, aggregator, round records and ``ScatterAndGather``; HE
     components for ``he``, NVFlare's plaintext ones for ``plain``."""

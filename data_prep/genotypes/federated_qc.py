@@ -47,6 +47,7 @@ import numpy as np
 from nvflare.app_common.abstract.fl_model import FLModel
 from nvflare.app_common.workflows.model_controller import ModelController
 
+from aggregators.egress import Release
 from data_prep.errors import DataPrepError
 from data_prep.genotypes.qc import (
     MIN_SITE_PEOPLE,
@@ -77,6 +78,7 @@ __all__ = [
     "export_qc_job",
     "global_qc",
     "he_server_report",
+    "qc_releases",
     "qc_report",
     "site_main",
 ]
@@ -484,5 +486,27 @@ def export_qc_job(
                 f" --secure-aggregation he --min-call-rate {thresholds.min_call_rate} --min-maf {thresholds.min_maf}"
             )
         job.to_clients(ScriptRunner(script=SITE_SCRIPT, script_args=script_args, framework=FrameworkType.NUMPY))
+        add_egress_gates(job, secure_aggregation)
         job.export_job(str(output_dir))
     return output_dir / name
+
+
+def qc_releases(secure_aggregation: str) -> tuple[Release, Release]:
+    """What a QC site declares it sends (docs/privacy.md, the genotype QC rows), per task, for the egress gate: its
+    counts (clear, or the ciphertext under HE) and the SNP IDs they refer to; then the kept count (clear only: under
+    HE even that stays at the site)."""
+    counts = ENCRYPTED_COUNTS if check_secure_aggregation(secure_aggregation) == "he" else "counts"
+    return (
+        Release(COUNTS, ("WEIGHTS",), (counts,), ("snps",)),
+        Release(FILTER, ("WEIGHTS",), ("none",), () if secure_aggregation == "he" else ("kept",)),
+    )
+
+
+def add_egress_gates(job: object, secure_aggregation: str) -> None:
+    """The egress gate last on each of the QC tasks' results (aggregators/egress_gate.py)."""
+    from nvflare.job_config.defs import FilterType
+
+    from aggregators.egress_gate import EgressGate
+
+    for release in qc_releases(secure_aggregation):
+        job.to_clients(EgressGate(**release.to_config()), tasks=[release.task], filter_type=FilterType.TASK_RESULT)

@@ -24,7 +24,7 @@ from aggregators import meta_keys
 from lightning_modules.algorithms.capabilities import Released, Status
 from lightning_modules.algorithms.registry import CLIENT_ALGORITHMS
 
-__all__ = ["RELEASED", "SITE_SCORES", "Item", "Status", "release", "status_of", "unaccounted_keys"]
+__all__ = ["RELEASED", "SITE_SCORES", "Item", "Status", "declared_meta", "release", "status_of", "unaccounted_keys"]
 
 #: One released item (a meta key or pattern, what it is, its status); declared by the algorithms as ``Released``.
 Item = Released
@@ -95,3 +95,17 @@ def release(meta: Mapping[str, Any], unaccounted: Sequence[str] = ()) -> tuple[d
 def unaccounted_keys(meta: Mapping[str, Any]) -> list[str]:
     """The keys of ``meta`` that leave the site with no epsilon covering them (status ``withheld``)."""
     return sorted(key for key in meta if status_of(key).status == "withheld")
+
+
+def declared_meta(client: str, private: bool, release_site_scores: bool = False) -> tuple[str, ...]:
+    """The meta keys (patterns) a training site of a job declares it sends, for the egress gate
+    (`aggregators.egress`): every site's items and the job's client algorithm's (``released``); without DP also the
+    withheld families (``train.*``, ``eval.*``: a job without DP releases them), never the catch-all; under DP only
+    what is not withheld, and ``eval.*`` when the job releases the site scores (``--dp-release-site-scores``)."""
+    items = SENT_BY_EVERY_SITE + tuple(CLIENT_ALGORITHMS[client].released)
+    if private:
+        patterns = [item.pattern for item in items if item.status != "withheld"]
+        patterns += [SITE_SCORES] if release_site_scores else []
+    else:
+        patterns = [item.pattern for item in items + WITHHELD if item.pattern != "*"]
+    return tuple(dict.fromkeys(p for p in patterns if not p.startswith("<")))

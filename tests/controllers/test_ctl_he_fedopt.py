@@ -353,6 +353,8 @@ def test_the_job_steps_at_the_sites_after_decryption_and_checks_at_the_server(tm
         "controllers.he_fedopt.SiteOptimizerDigest",
         "controllers.secure_aggregation.SampleCountWeight",
         *encryptor,
+        "aggregators.egress_gate.EgressGate",  # last on train, then the validate chain
+        "aggregators.egress_gate.EgressGate",
     ]
     step = next(f for e in site["task_data_filters"] for f in e["filters"] if f["path"].endswith("OptimizerStep"))
     assert step["args"] == {"rule": "fedadam", "rule_args": args}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -149,11 +150,21 @@ def dp_user_job(tmp_path_factory, simulate):
     return spec, job, run_recorded(simulate, job, ["train", "validate"], SITES)
 
 
+def gate_lines(workspace: Path) -> list[str]:
+    """The egress gate's lines in the sites' logs."""
+    logs = sorted(workspace.glob("site-*/**/log.txt"))
+    return [m.group(1) for log in logs for m in re.finditer(r"(site-\d+: egress gate[^\n]*)", log.read_text())]
+
+
 def test_a_dp_sites_scores_never_reach_the_server(dp_user_job):
     spec, job, records = dp_user_job
     assert len(records) == 2 * SITES  # a train and a validate result from every site
     check_dp_row(records, model_keys(spec), {"train", "validate"})
     check_against_config(records, job)
+    # The scores NVFlare's Lightning callback attached were stripped at the sites, each named in the site's log.
+    stripped = "egress gate stripped from the train result what the job does not declare: metrics "
+    expected = {f"site-{i}: {stripped}['val_accuracy', 'val_loss']" for i in range(1, SITES + 1)}
+    assert set(gate_lines(job.parent.parent / "ws")) == expected
 
 
 def test_the_sum_workflow_under_dp_sends_only_the_dp_row(tmp_path, simulate):

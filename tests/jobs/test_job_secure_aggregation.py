@@ -155,6 +155,8 @@ def test_a_user_model_job_ships_its_package_and_the_server_builds_the_users_mode
     assert _paths(site["task_result_filters"]) == [
         "controllers.secure_aggregation.SampleCountWeight",
         "nvflare.app_opt.he.model_encryptor.HEModelEncryptor",
+        "aggregators.egress_gate.EgressGate",  # last on train, then the validate chain
+        "aggregators.egress_gate.EgressGate",
     ]
     assert (job / "app" / "custom" / "custom_model" / "model.py").is_file()
     executor = site["executors"][0]["executor"]["args"]
@@ -215,11 +217,13 @@ def test_the_he_job_wires_nvflares_he_components_around_the_bundles_client(clien
     assert server["workflows"][0]["path"] == "nvflare.app_common.workflows.scatter_and_gather.ScatterAndGather"
     assert "controllers.fedalg_controller.FedAlgController" not in named
     assert "controllers.evaluator.TestSetEvaluator" not in named  # the server never holds the model in clear
-    # The weight is set before the encryptor multiplies by it.
+    # The weight is set before the encryptor multiplies by it; the egress gate sees the encrypted result last.
     result_filters = _paths(site["task_result_filters"])
     assert result_filters == [
         "controllers.secure_aggregation.SampleCountWeight",
         "nvflare.app_opt.he.model_encryptor.HEModelEncryptor",
+        "aggregators.egress_gate.EgressGate",  # last on train, then the validate chain
+        "aggregators.egress_gate.EgressGate",
     ]
     executor = site["executors"][0]["executor"]["args"]
     assert executor["task_script_path"] == "client.py" and f"--client {client}" in executor["task_script_args"]
@@ -235,7 +239,11 @@ def test_the_plain_twin_is_the_same_workflow_without_encryption(tmp_path):
     assert "nvflare.app_common.aggregators.intime_accumulate_model_aggregator.InTimeAccumulateWeightedAggregator" in (
         named
     )
-    assert _paths(site["task_result_filters"]) == ["controllers.secure_aggregation.SampleCountWeight"]
+    assert _paths(site["task_result_filters"]) == [
+        "controllers.secure_aggregation.SampleCountWeight",
+        "aggregators.egress_gate.EgressGate",  # last on train, then the validate chain
+        "aggregators.egress_gate.EgressGate",
+    ]
     assert not is_he_job(job) and not is_he_job(JOBS_DIR / "fedavg")
 
 
