@@ -212,6 +212,10 @@ def _keeps_best(spec: Any) -> bool:
     return spec.keep != "last"
 
 
+def _stops_early(spec: Any) -> bool:
+    return spec.stop_patience is not None
+
+
 def _pools_test(spec: Any) -> bool:
     return spec.site_pooled_test > 0
 
@@ -390,6 +394,16 @@ class RoundSettings:
         "after the last round every site scores the final global model on its own validation split "
         "(<run dir>/metrics/final_site_scores.json, a site x metric table; jobs with --model only)",
         side=SERVER,
+    )
+    stop_patience: int | None = setting(
+        None,
+        "stop before --num-rounds at a validation plateau: when the sites' mean validation loss (of the model each "
+        "keeps with --keep best, else of the personal model, else of the received global model) has not improved "
+        "for this many rounds (controllers/stopping.py); none = run every round. Needs the sites' validation "
+        "scores at the server (a validation split; under DP-SGD --dp-release-site-scores)",
+        side=SERVER,
+        low=1,
+        exported_when=_stops_early,
     )
 
 

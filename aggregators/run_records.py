@@ -78,11 +78,19 @@ def completion_problems(records: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def stopped_early(records: Sequence[dict[str, Any]]) -> bool:
-    """Whether the run ended before its last round (no records at all, or rounds missing)."""
+    """Whether the run ended before its last round (no records at all, or rounds missing) without its stopping
+    rule (``--stop-patience``) ending it: a round record marked ``stopped`` is a finished run."""
     if not records:
         return True
+    if any(r.get("stage") == "round" and r.get("stopped") for r in records):
+        return False
     expected = records[0].get("num_rounds")
     return isinstance(expected, int) and _rounds_done(records) < expected
+
+
+def stop_note(records: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The stopping rule's note of a run it ended (controllers/stopping.py), or ``None``."""
+    return next((r["stopped"] for r in records if r.get("stage") == "round" and r.get("stopped")), None)
 
 
 def _rounds_done(records: Sequence[dict[str, Any]]) -> int:

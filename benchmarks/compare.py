@@ -100,6 +100,9 @@ class Protocol:
     local_baseline: bool = False
     #: The "next patient" view: every site also scores its candidates on the first n published test images.
     site_pooled_test: int = 0
+    #: Stop at a validation plateau after this many rounds without improvement (controllers/stopping.py);
+    #: None: every round.
+    stop_patience: int | None = None
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,7 @@ NIID_BENCH = Protocol(
     weight_decay=1e-5,
 )
 
+CENTRAL = "central"
 #: Personalization methods (docs/personalization.md) by label: JobSpec settings over plain FedAvg on the grid's model;
 #: the grid adds the local-only baseline (benchmarks.personalization.LOCAL). FedBN needs BatchNorm, so its cells run
 #: the built-in bn_cnn (LeNet-5 with a BatchNorm after each convolution) whatever the protocol's model.
@@ -145,6 +149,12 @@ PERSONALIZATION_METHODS: dict[str, dict[str, Any]] = {
     "fedbn": {"arch": "bn_cnn", "local_keys": "batchnorm"},
     "fedrep": {"client": "fedrep", "client_args": {"head_epochs": 1}},
     "ditto": {"client": "ditto", "client_args": {"lam": 0.1}},
+    # FedAvg clients with server momentum 0.9 at eta = 1 (Hsu et al. 2019): the server-optimizer row of a grid.
+    "fedavgm": {"server": "fedavgm"},
+    # The same model trained centrally: one site holding the same number of samples, IID (the sites' union in
+    # distribution), the same optimizer, epochs and rounds; its global model on the pooled test set is the ceiling the
+    # federation's global model is read against.
+    CENTRAL: {"num_sites": 1, "scheme": "iid"},
 }
 
 #: The per-site guarantee's methods (docs/personalization.md), each run with keep best and the local baseline.
@@ -303,6 +313,8 @@ def site_gain_fields(protocol: Protocol, cell: Cell) -> dict[str, Any]:
         fields["local_baseline"] = True
     if getattr(protocol, "site_pooled_test", 0):  # the genomics harness's protocol has no pooled view
         fields["site_pooled_test"] = protocol.site_pooled_test
+    if getattr(protocol, "stop_patience", None) is not None:
+        fields["stop_patience"] = protocol.stop_patience
     return fields  # an algorithm's own model (FedBN's bn_cnn) over the protocol's
 
 
@@ -863,6 +875,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=float, help="override the local learning rate")
     parser.add_argument("--epochs", type=int, help="override the local epochs per round")
     parser.add_argument("--batch-size", type=int, help="override the local batch size")
+    parser.add_argument("--momentum", type=float, help="local SGD momentum for every algorithm of the grid")
+    parser.add_argument("--weight-decay", type=float, help="local SGD weight decay for every algorithm of the grid")
     parser.add_argument("--test-samples", type=int, help="override the number of test samples")
     parser.add_argument("--workers", type=int, default=usable_cores(), help="cells run at once (default: cores)")
     parser.add_argument("--report-only", action="store_true", help="only rewrite the report from finished cells")
@@ -886,6 +900,11 @@ def add_site_gain_options(parser: argparse.ArgumentParser) -> None:
         help="every site trains a compute-matched local-only model in the job (site_gain grids: on)",
     )
     parser.add_argument("--site-test-fraction", type=float, help="override each site's test share")
+    parser.add_argument(
+        "--stop-patience",
+        type=int,
+        help="stop a cell at a validation plateau after this many rounds without improvement (--rounds is the cap)",
+    )
 
 
 def grid_from_args(args: argparse.Namespace) -> Grid:
@@ -897,12 +916,15 @@ def grid_from_args(args: argparse.Namespace) -> Grid:
         "lr",
         "epochs",
         "batch_size",
+        "momentum",
+        "weight_decay",
         "test_samples",
         "num_sites",
         "keep",
         "local_baseline",
         "site_val_fraction",
         "site_test_fraction",
+        "stop_patience",
     )
     protocol = replace(grid.protocol, **{k: getattr(args, k) for k in overrides if getattr(args, k) is not None})
     grid = replace(

@@ -96,6 +96,8 @@ class Protocol:
     site_test_fraction: float = 0.0
     keep: str = "last"
     local_baseline: bool = False
+    #: Stop at a validation plateau (controllers/stopping.py); None: every round.
+    stop_patience: int | None = None
 
     @property
     def num_classes(self) -> int:
@@ -620,6 +622,7 @@ OVERRIDES = (
     "keep",
     "local_baseline",
     "site_test_fraction",
+    "stop_patience",
 )
 #: Grids whose site data are fixed across training seeds by default (the others: the committed grids' rule).
 PARTITION_SEEDS: dict[str, tuple[int | None, ...]] = {"site_gain": (0,)}

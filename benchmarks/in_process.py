@@ -146,6 +146,7 @@ def run_in_process(
         rule_label=spec.server,
         observers=observers,
         local_keys=[key for key in getattr(spec, "local_keys", "").split(",") if key],
+        stop_patience=getattr(spec, "stop_patience", None),
     )
     if host is None:
         evaluator = None

@@ -46,6 +46,7 @@ from aggregators.wire import RoundInfo
 from controllers.budget import end_of_budget_message, required_sites, spent_budget
 from controllers.checkpoint import params_digest
 from controllers.rejection import Rejection
+from controllers.stopping import Plateau
 
 LOG = logging.getLogger("fedalg.engine")
 Params = dict[str, np.ndarray]
@@ -215,6 +216,9 @@ class RoundEngine:
             global model keeps its initial values for these, untouched by every rule, so a server-side evaluation
             of the global model uses the initial values for them (said in every record, `LOCAL_EVAL_FIELD`);
             a site that sends one is rejected by name (docs/personalization.md, "Partial sharing").
+        stop_patience: stop after this many rounds without improvement of the sites' validation score
+            (controllers/stopping.py; ``None``: run every round). The round that stops says so in its record
+            (``stopped``).
     """
 
     def __init__(
@@ -229,6 +233,7 @@ class RoundEngine:
         observers: Sequence[RoundObserver] = (),
         local_keys: Sequence[str] = (),
         min_responses: int | None = None,
+        stop_patience: int | None = None,
     ) -> None:
         if isinstance(min_accepted, bool) or not isinstance(min_accepted, int | np.integer) or min_accepted < 1:
             raise ValueError(
@@ -258,9 +263,13 @@ class RoundEngine:
         #: site -> the last round whose result from it reached the server (aggregated or rejected), broadcast so that
         #: a DP site that lost its ledger after releasing something stops rather than restart its count.
         self.last_released: dict[str, int] = {}
+        #: site -> the DP-SGD steps (``privacy.steps``) of its last result that reached the server, broadcast so that a
+        #: DP site whose ledger holds fewer (restored from an old backup) stops instead of under-reporting epsilon.
+        self.released_steps: dict[str, int] = {}
         #: DP sites that cannot afford another round (controllers/budget.py), with why: they get no more rounds.
         self.out_of_budget: dict[str, str] = {}
         self.needed_sites = required_sites(self.min_accepted, min_responses)
+        self.plateau = None if stop_patience is None else Plateau(stop_patience)
 
     # -- the whole federation -------------------------------------------------------------------------------------
 
@@ -309,6 +318,8 @@ class RoundEngine:
                 break
             outcome = self.run_round(round_num, population, params, state, transport, host, run_id=run_id)
             params, state = outcome.params, outcome.state
+            if "stopped" in outcome.record:
+                break
         return params, state
 
     # -- one round ----------------------------------------------------------------------------------------------------
@@ -339,6 +350,7 @@ class RoundEngine:
             host.log(logging.INFO, f"round {round_num + 1}/{self.num_rounds}: training on {targets}")
             results = transport.train(round_num, targets, params, self.broadcast_meta(round_num, state, run_id))
             self.last_released.update({result.site: round_num for result in results})
+            self.released_steps = released_steps(self.released_steps, results)
             self.note_spent_budgets(results, round_num, host)
             updates, rejections = self.validate(results, params, state, round_num)
             shared = self.shared(params)
@@ -377,6 +389,7 @@ class RoundEngine:
         record["global_sha256"] = digest
         host.persist(round_num, new_params, new_state, digest, updates, aggregated)
         record.update(site_metrics(updates))
+        self._check_plateau(record, round_num, host)
         diagnostics = self._diagnostics(new_state, host) if aggregated else {}
         if diagnostics:
             record["rule_diagnostics"] = diagnostics
@@ -385,6 +398,20 @@ class RoundEngine:
         record["elapsed_s"] = round(time.monotonic() - started, 4)  # the precision of its parts (ROUND_TIMING_KEYS)
         host.record(record)
         return RoundOutcome(params=new_params, state=new_state, record=record, aggregated=aggregated, updates=updates)
+
+    def _check_plateau(self, record: dict[str, Any], round_num: int, host: Host) -> None:
+        """Feed the stopping rule this round's site scores; mark the record when the job stops after it."""
+        if self.plateau is None:
+            return
+        self.plateau.observe(record.get("site_eval") or {})
+        if self.plateau.reached() and round_num + 1 < self.num_rounds:
+            record["stopped"] = note = self.plateau.note(round_num)
+            host.log(
+                logging.INFO,
+                f"round {round_num + 1}/{self.num_rounds}: validation plateau, the sites' mean {note['metric']} has "
+                f"not improved for {note['rounds_without_improvement']} round(s) (best {note['best']:.4f}); "
+                "stopping (--stop-patience)",
+            )
 
     # -- partial sharing (local_keys) ------------------------------------------------------------------------------
 
@@ -413,7 +440,8 @@ class RoundEngine:
         rule_meta = self._call("broadcast_meta", lambda: dict(self.rule.broadcast_meta(state)))
         confirmed = None if self.last_aggregated is None else dict(self.last_aggregated)
         released = dict(self.last_released)
-        info = RoundInfo(round_num, self.num_rounds, self.rule_label, run_id, confirmed, released).to_meta()
+        steps = dict(self.released_steps)
+        info = RoundInfo(round_num, self.num_rounds, self.rule_label, run_id, confirmed, released, steps).to_meta()
         clash = sorted(set(rule_meta) & set(info))
         if clash:
             raise RuleFailure(f"rule '{self.rule.name}' broadcasts the engine's round keys {clash}")
@@ -616,3 +644,15 @@ class InProcessTransport:
                 continue
             results.append(SiteResult(site=site, params=site_params, meta=site_meta))
         return results
+
+
+def released_steps(known: Mapping[str, int], results: Sequence[Any]) -> dict[str, int]:
+    """``known`` updated with the DP-SGD step count (``privacy.steps``, a site's cumulative count) each result
+    reports; a count never goes down (a result that reports fewer steps than the site released before leaves the
+    record as it was: the site's own ledger check stops it)."""
+    updated = dict(known)
+    for result in results:
+        steps = (result.meta or {}).get(meta_keys.PRIVACY_STEPS)
+        if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0:
+            updated[result.site] = max(steps, updated.get(result.site, 0))
+    return updated

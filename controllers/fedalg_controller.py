@@ -102,6 +102,8 @@ class FedAlgController(ModelController):
         local_keys: the entries that never leave the sites, as the job builder resolved ``--local-keys`` (FedPer,
             FedBN, FedRep's head): the rule sees the other entries only and the global model keeps its initial
             values for these (`controllers.engine.RoundEngine`; docs/personalization.md, "Partial sharing").
+        stop_patience: stop at a validation plateau after this many rounds without improvement
+            (controllers/stopping.py); ``None``: every round.
     """
 
     def __init__(
@@ -123,6 +125,7 @@ class FedAlgController(ModelController):
         resume_from: str | None = ROUND_DEFAULTS.resume_from,
         final_site_eval: bool = ROUND_DEFAULTS.final_site_eval,
         local_keys: list[str] | None = None,
+        stop_patience: int | None = ROUND_DEFAULTS.stop_patience,
     ) -> None:
         check_round_settings(
             num_rounds=num_rounds,
@@ -136,6 +139,7 @@ class FedAlgController(ModelController):
             resume_from=resume_from,
             final_site_eval=final_site_eval,
             seed=seed,
+            stop_patience=stop_patience,
         )
         super().__init__(persistor_id=persistor_id, task_check_period=task_check_period)
         # Write every setting into exported configs, defaults included, so a job folder documents itself.
@@ -164,6 +168,7 @@ class FedAlgController(ModelController):
         self.companions = companions
         self.resume_from = resume_from
         self.final_site_eval = final_site_eval
+        self.stop_patience = stop_patience
         self.local_keys = check_local_keys(local_keys)
         # Fail at job start, not after the first round, when the rule or its arguments are wrong.
         self._rule: AggregationRule = compose(build_rule(rule, **(rule_args or {})), companions)
@@ -194,6 +199,7 @@ class FedAlgController(ModelController):
             seed=self.seed,
             rule_label=self.rule,
             local_keys=self.local_keys or (),
+            stop_patience=self.stop_patience,
         )
 
     def run(self) -> None:

@@ -53,6 +53,7 @@ from aggregators.run_records import (  # noqa: F401
     find_run_dir,
     finished_records,
     load_records,
+    stop_note,
     stopped_early,
 )
 from data_prep.optional import require
@@ -547,6 +548,13 @@ def print_run(label: str, folder: Path, run_dir: Path, records: Sequence[dict[st
     model at every site, and where the model and the metrics are."""
     final = records[-1]
     print(f"\n== {label}: {folder}\n{format_table(records)}")
+    note = stop_note(records)
+    if note:
+        print(
+            f"stopped after round {note['after_round'] + 1} of {records[0].get('num_rounds')}: {note['rule']} (the "
+            f"sites' mean {note['metric']} best {note['best']:.4f}, not improved for "
+            f"{note['rounds_without_improvement']} rounds; --stop-patience {note['patience']})"
+        )
     if final.get("test_accuracy") is not None:
         print(f"final global test accuracy: {_fmt(final.get('test_accuracy'))}")
     metric = site_eval_metric(records)

@@ -101,6 +101,7 @@ def validate_spec(spec: JobSpec) -> None:
         _check_user_code(spec)
     if spec.devices > 1:
         _check_distributed_site(spec)
+    _check_stopping(spec)
     if spec.final_site_eval and (spec.model is None or spec.script is not None):
         raise JobBuildError(
             "final_site_eval needs a user model and data module (--model, --data) whose sites hold a validation "
@@ -626,3 +627,21 @@ def spec_from_values(name: str, values: Mapping[str, Any]) -> JobSpec:
     if problem:
         raise JobBuildError(problem)
     return JobSpec(name=name, **values)
+
+
+def _check_stopping(spec: JobSpec) -> None:
+    """The stopping rule reads the sites' validation scores at the server (controllers/stopping.py)."""
+    if spec.stop_patience is None:
+        return
+    if spec.model is None and spec.site_val_fraction == 0:
+        raise JobBuildError(
+            "stop_patience stops at a plateau of the sites' validation loss: the built-in sites need a validation "
+            "split (--site-val-fraction, e.g. 0.2)"
+        )
+    if (spec.dp_noise_multiplier is not None or spec.dp_target_epsilon is not None) and not (
+        spec.dp_release_site_scores
+    ):
+        raise JobBuildError(
+            "stop_patience reads the sites' validation scores, which DP-SGD keeps at the sites: add "
+            "--dp-release-site-scores (an unaccounted release) or leave stop_patience unset"
+        )

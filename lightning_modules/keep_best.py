@@ -4,7 +4,10 @@ The candidates of a round (`CANDIDATES`; ``eval.kept_candidate`` is the index in
 
 0. ``global``: the global model the site received this round (scored before its training, as ``eval.<metric>``);
 1. ``personal``: the site's personal model after the round's local work: the fine-tuned copy (``--finetune-epochs``),
-   Ditto's v_i, or FedPer/FedBN/FedRep's trained module with the site's own entries (whichever the job has);
+   Ditto's v_i, or FedPer/FedBN/FedRep's trained module with the site's own entries (whichever the job has); on
+   the classifier path (below), an algorithm without a personal model offers its round's trained model (the
+   received global model after the site's local epochs: the global model fine-tuned on the site, selected over
+   rounds on validation like every candidate);
 2. ``local``: the local-only model (``--local-baseline``, lightning_modules/local_baseline.py).
 
 With a test split (``--site-test-fraction``, or a user data module's ``test_dataloader`` with the module's
@@ -176,7 +179,11 @@ class SiteCandidates:
             # The classifier path needs validation batches of (x, integer y); anything else scores with Lightning.
             self.splits = {k: v for k, v in read.items() if v is not None} if read.get("val") is not None else None
         if self.splits is not None:
-            chosen = self._classifier_round(present, round_num, run_id)
+            # Without a personal model of its own (FedAvg, SCAFFOLD, ...), the site's personal candidate is its
+            # round's trained model: the received global model after this round's local epochs on the site's data
+            # (fine-tuned, chosen over rounds on validation like every candidate). It is scored, never trained more.
+            trained = {} if "personal" in present else {"personal": with_weights(module, {})}
+            chosen = self._classifier_round({**present, **trained}, round_num, run_id)
             if chosen is not None:
                 self.received = self.finetuned = None
                 self.finetune_steps = 0

@@ -209,6 +209,24 @@ def test_the_site_round_offers_the_received_model_only_without_partial_sharing(t
         assert site.round_callback.candidates.global_eligible is eligible
 
 
+def test_without_a_personal_model_the_personal_candidate_is_the_model_the_site_sends(tmp_path) -> None:
+    # FedAvg has no personal model: its candidate is the round's trained model (the received global model after the
+    # site's local epochs). Its validation loss, computed here independently from the weights the site sends, must be
+    # the one reported: a candidate built from the received model, or none at all, fails this.
+    site = site_rounds(SPLIT, tmp_path)["site-1"]
+    start = initial_params(SPLIT)
+    sent, meta = site.train(0, start, {meta_keys.ROUND: 0, meta_keys.RUN_ID: "run", meta_keys.NUM_ROUNDS: 1})
+    module = ValidatedClassifier(arch="mlp", num_classes=10)
+    module.load_state_dict({key: torch.as_tensor(np.asarray(value)) for key, value in sent.items()})
+    module.eval()
+    val = site.round_callback.candidates.splits["val"]
+    with torch.no_grad():
+        logits = torch.cat([module(x) for x in val.inputs]).double()
+    expected = torch.nn.functional.cross_entropy(logits, torch.from_numpy(val.labels)).item()
+    assert meta["eval.personal_val_loss"] == pytest.approx(expected, abs=1e-6)
+    assert meta["eval.personal_val_loss"] != pytest.approx(meta["eval.global_val_loss"], abs=1e-3)
+
+
 @pytest.mark.parametrize(
     "changes, message",
     [

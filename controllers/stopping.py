@@ -1,0 +1,86 @@
+"""When a federation stops before its last round: a validation plateau (``--stop-patience``).
+
+The sites score on their own validation splits every round and send the scores as ``eval.*`` meta
+(controllers/engine.py ``site_eval_summary``). The stopping rule reads one of them, the first the sites report of
+`PLATEAU_METRICS`:
+
+- ``kept_val_loss``: the validation loss of the model each site keeps (``--keep best``); it improves only when a
+  site found a better model, so its plateau means no site is still gaining;
+- ``personal_val_loss``: the personal model's (fine-tuning, Ditto, FedPer/FedBN/FedRep without keep best);
+- ``val_loss``: the received global model's.
+
+The value of a round is the unweighted mean over the sites of each site's latest score (a site not sampled this
+round counts with its last one, so partial participation does not move the mean by itself). The job stops after
+round ``t`` when none of the last ``patience`` rounds lowered the best value so far by more than `MIN_DELTA`:
+``t - argmin >= patience``, where ``argmin`` is the first round reaching the best value (up to `MIN_DELTA`). The
+rounds before that count; ``num_rounds`` stays the cap. Each site's kept and own models are already chosen on
+validation over rounds (lightning_modules/site_choice.py), so stopping later changes no site's choice for the
+worse; the rule saves the rounds that no longer change anything.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+#: The validation scores the rule reads, in order of preference (module docstring).
+PLATEAU_METRICS = ("kept_val_loss", "personal_val_loss", "val_loss")
+#: An improvement smaller than this (absolute, in loss units) is no improvement.
+MIN_DELTA = 1e-4
+
+
+def rounds_since_best(history: Sequence[float], min_delta: float = MIN_DELTA) -> int:
+    """Rounds since the value last improved on the best before it by more than ``min_delta`` (0: the latest did)."""
+    best, best_index = math.inf, -1
+    for index, value in enumerate(history):
+        if value < best - min_delta:
+            best, best_index = value, index
+    return len(history) - 1 - best_index if best_index >= 0 else len(history)
+
+
+def plateau_metric(site_eval: Mapping[str, Any]) -> str | None:
+    """The first of `PLATEAU_METRICS` the sites reported this round (``site_eval``: the round record's summary)."""
+    return next((name for name in PLATEAU_METRICS if name in site_eval), None)
+
+
+@dataclass
+class Plateau:
+    """The rule over a run (module docstring): `observe` each round's site summary, then ask `reached`."""
+
+    patience: int
+    metric: str | None = None
+    latest: dict[str, float] = field(default_factory=dict)
+    history: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.patience, bool) or not isinstance(self.patience, int) or self.patience < 1:
+            raise ValueError(f"stop_patience must be an integer >= 1 (rounds without gain), got {self.patience!r}")
+
+    def observe(self, site_eval: Mapping[str, Any]) -> None:
+        """Take a round's ``site_eval`` summary; a round without the metric repeats the last value."""
+        self.metric = self.metric or plateau_metric(site_eval)
+        per_site = (site_eval.get(self.metric) or {}).get("per_site", {}) if self.metric else {}
+        self.latest.update({site: float(v) for site, v in per_site.items() if math.isfinite(float(v))})
+        if self.latest:
+            self.history.append(sum(self.latest.values()) / len(self.latest))
+
+    def reached(self) -> bool:
+        return bool(self.history) and rounds_since_best(self.history) >= self.patience
+
+    def note(self, round_num: int) -> dict[str, Any]:
+        """What the round's record says when the rule stops the job."""
+        waited = rounds_since_best(self.history)
+        best = self.history[len(self.history) - 1 - waited]
+        return {
+            "rule": "validation plateau",
+            "metric": self.metric,
+            "patience": self.patience,
+            "best": best,
+            "rounds_without_improvement": waited,
+            "after_round": round_num,
+        }
+
+
+__all__ = ["MIN_DELTA", "PLATEAU_METRICS", "Plateau", "plateau_metric", "rounds_since_best"]
