@@ -35,6 +35,9 @@ LAST_AGGREGATED = "server.last_aggregated"
 # {site: last round in which the server received a result from that site, aggregated or not}: a DP site that has
 # released anything keeps counting its privacy spend even when its ledger file is lost (it stops instead).
 LAST_RELEASED = "server.last_released"
+# {site: the DP-SGD steps (privacy.steps) of that site's last result the server received}: a DP site whose ledger
+# holds fewer steps (restored from an old backup) stops instead of under-reporting its epsilon.
+RELEASED_STEPS = "server.released_steps"
 
 # SCAFFOLD (Karimireddy et al. 2020): global control c down, control change delta c_i up; fp32, trainable params only.
 SCAFFOLD_CTRL_GLOBAL = "scaffold.ctrl.global"

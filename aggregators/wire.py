@@ -80,6 +80,9 @@ class RoundInfo:
     #: site -> the last round whose result from that site reached the server, aggregated or rejected (a DP site
     #: that finds no ledger although it is named here stops: its release has been counted nowhere else).
     last_released: dict[str, int] | None = None
+    #: site -> the DP-SGD steps its last result the server received reported (``privacy.steps``): a DP site whose
+    #: ledger holds fewer stops (its ledger is stale). Sent only once some site has reported steps.
+    released_steps: dict[str, int] | None = None
 
     def to_meta(self) -> dict[str, Any]:
         meta: dict[str, Any] = {
@@ -92,6 +95,8 @@ class RoundInfo:
             meta[meta_keys.LAST_AGGREGATED] = dict(self.last_aggregated)
         if self.last_released is not None:
             meta[meta_keys.LAST_RELEASED] = dict(self.last_released)
+        if self.released_steps:
+            meta[meta_keys.RELEASED_STEPS] = dict(self.released_steps)
         return meta
 
     @classmethod
@@ -108,8 +113,14 @@ class RoundInfo:
             if not isinstance(meta.get(key), str):
                 problems[key] = f"must be text, got {meta.get(key)!r}"
         confirmed, released = meta.get(meta_keys.LAST_AGGREGATED), meta.get(meta_keys.LAST_RELEASED)
-        for key, value in ((meta_keys.LAST_AGGREGATED, confirmed), (meta_keys.LAST_RELEASED, released)):
-            problem = None if value is None else _rounds_by_site(value)
+        steps = meta.get(meta_keys.RELEASED_STEPS)
+        checks = (
+            (meta_keys.LAST_AGGREGATED, confirmed, "round"),
+            (meta_keys.LAST_RELEASED, released, "round"),
+            (meta_keys.RELEASED_STEPS, steps, "step count"),
+        )
+        for key, value, what in checks:
+            problem = None if value is None else _rounds_by_site(value, what)
             if problem:
                 problems[key] = problem
         if problems:
@@ -122,6 +133,7 @@ class RoundInfo:
                 meta[meta_keys.RUN_ID],
                 None if confirmed is None else {site: int(r) for site, r in confirmed.items()},
                 None if released is None else {site: int(r) for site, r in released.items()},
+                None if steps is None else {site: int(n) for site, n in steps.items()},
             )
         )
 
@@ -139,12 +151,12 @@ def round_meta_problems(meta: Mapping[str, Any]) -> dict[str, str]:
     return problems
 
 
-def _rounds_by_site(value: Any) -> str | None:
-    """Why ``value`` is not a site -> round index map (``None``: it is)."""
+def _rounds_by_site(value: Any, what: str = "round") -> str | None:
+    """Why ``value`` is not a site -> round index (or other count, ``what``) map (``None``: it is)."""
     if not isinstance(value, Mapping):
-        return f"must be a dict of site name -> round, got {type(value).__name__}"
+        return f"must be a dict of site name -> {what}, got {type(value).__name__}"
     bad = sorted(str(site) for site, r in value.items() if not isinstance(site, str) or _count(r, 0))
-    return f"must map site names to rounds >= 0; bad entries for {bad[:5]}" if bad else None
+    return f"must map site names to {what}s >= 0; bad entries for {bad[:5]}" if bad else None
 
 
 # --------------------------------------------------------------------------------------------------------------------

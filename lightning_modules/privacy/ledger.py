@@ -10,6 +10,11 @@ the one the site has spent. So a site that has released anything before (the ser
 ``server.last_aggregated`` names it: a result of this site reached the server, aggregated or rejected) and finds no
 ledger, or a corrupt one, stops with `LedgerError` naming the site and the file; it never trains on.
 
+A ledger can also be behind: restored from a backup older than the site's last round, it would count from an older
+step and report an epsilon smaller than the one spent. The bundle's server records, per site, the DP-SGD step count
+(``privacy.steps``) of the last result it received and broadcasts it every round (``server.released_steps``); a site
+whose ledger holds fewer steps stops with `LedgerError` (`stale_by`). A resumed job restarts that record empty.
+
 A server that does not track releases (its meta has no ``server.last_released``: NVFlare's ``ScatterAndGather``,
 which runs ``--secure-aggregation he|plain`` and asks every site every round) cannot say who has released. Then a
 site is taken to have released in every round before the one it is asked for: it may start without a ledger only in
@@ -151,7 +156,27 @@ def read_ledger(store: ClientStateStore | None, site: str, meta: Mapping[str, An
         return Ledger(run_id, delta)
     if ledger.delta != delta:
         raise LedgerError(f"{site}: privacy ledger {where} was kept at delta {ledger.delta:g}, the job says {delta:g}")
+    behind = stale_by(site, ledger, meta)
+    if behind:
+        raise LedgerError(
+            f"{site}: privacy ledger {where} is stale: it holds {ledger.steps} DP-SGD steps (epsilon "
+            f"{ledger.epsilon():.4g}), but the server received results of this site after {behind} steps (run "
+            f"{run_id}); this site stops: training on would under-report the privacy it has spent. Restore the newest "
+            "backup of the ledger (one written after its last round)"
+        )
     return ledger
+
+
+def stale_by(site: str, ledger: Ledger, meta: Mapping[str, Any]) -> int | None:
+    """The step count the server recorded for this site (``server.released_steps``, the ``privacy.steps`` of its last
+    result that reached the server) when the ledger holds fewer steps: the ledger is behind what the site released
+    (an old backup restored). ``None`` when it is not, or when the server sends no record (a server that does not
+    track releases, or a site that has released nothing)."""
+    recorded = meta.get(meta_keys.RELEASED_STEPS)
+    steps = recorded.get(site) if isinstance(recorded, Mapping) else None
+    if isinstance(steps, int) and not isinstance(steps, bool) and steps > ledger.steps:
+        return steps
+    return None
 
 
 def write_ledger(store: ClientStateStore, ledger: Ledger, round_num: int) -> None:

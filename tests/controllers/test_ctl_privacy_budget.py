@@ -12,7 +12,7 @@ import pytest
 from aggregators import build_rule, meta_keys
 from aggregators.wire import RoundInfo
 from controllers.budget import end_of_budget_message, required_sites, spent_budget
-from controllers.engine import InProcessTransport, RoundEngine
+from controllers.engine import InProcessTransport, RoundEngine, SiteResult, released_steps
 from tests.controllers.test_ctl_engine import GLOBAL, SAMPLES, SITES, MemoryHost
 
 TARGET = 8.0
@@ -120,3 +120,34 @@ def test_a_dp_site_whose_rejected_result_left_it_stops_when_its_ledger_is_lost(t
         read_ledger(store, "site-2", meta, 1e-5)
     fresh = read_ledger(store, "site-3", meta, 1e-5)  # a site that never released anything starts at zero
     assert fresh.steps == 0
+
+
+def test_the_broadcast_carries_the_dp_steps_each_sites_last_result_reported():
+    """The server's record of what each DP site released (its cumulative ``privacy.steps``), broadcast every round:
+    a site checks its ledger against it (lightning_modules/privacy/ledger.py, ``stale_by``)."""
+    engine = RoundEngine(build_rule("fedavg"), num_rounds=3)
+
+    def dp_site(steps_per_round):
+        def train(round_num, params, meta):
+            steps = steps_per_round * (round_num + 1)  # cumulative, as a DP site's ledger counts
+            meta = {meta_keys.NUM_SAMPLES: 5, meta_keys.PARAM_KEYS: ["w", "b"], meta_keys.PRIVACY_STEPS: steps}
+            return dict(params), meta
+
+        return train
+
+    def plain(round_num, params, meta):
+        return dict(params), {meta_keys.NUM_SAMPLES: 5, meta_keys.PARAM_KEYS: ["w", "b"]}
+
+    sites = InProcessTransport({"site-1": dp_site(5), "site-2": dp_site(3), "site-3": plain})
+    assert meta_keys.RELEASED_STEPS not in engine.broadcast_meta(0, engine.init_state(GLOBAL), "r")  # nothing yet
+    state = engine.init_state(GLOBAL)
+    for round_num in range(2):
+        outcome = engine.run_round(round_num, SITES, GLOBAL, state, sites, MemoryHost(), run_id="r")
+        state = outcome.state
+    meta = engine.broadcast_meta(2, state, "r")
+    assert meta[meta_keys.RELEASED_STEPS] == {"site-1": 10, "site-2": 6}
+    assert RoundInfo.from_meta(meta).value.released_steps == {"site-1": 10, "site-2": 6}
+    bad = RoundInfo.from_meta({**meta, meta_keys.RELEASED_STEPS: {"site-1": -1}}).problems
+    assert "step counts >= 0" in bad[meta_keys.RELEASED_STEPS]
+    # A result reporting fewer steps than before (a site on a stale ledger) never lowers the record.
+    assert released_steps({"site-1": 10}, [SiteResult("site-1", {}, {meta_keys.PRIVACY_STEPS: 5})]) == {"site-1": 10}

@@ -225,6 +225,30 @@ def test_a_missing_or_corrupt_ledger_stops_the_site_and_never_restarts_at_zero(t
     assert not ledger_file.exists()  # nothing was written: the count was not restarted
 
 
+def test_a_ledger_restored_from_an_old_backup_stops_the_site(tmp_path):
+    """The stale-ledger attack: the site's ledger is backed up after round 0, round 1 trains and releases, then the
+    backup is restored (as a site does after losing its disk). Without the server's record the old ledger is taken
+    and the site reports the epsilon of 10 steps after releasing 15; with it (the server broadcasts each site's last
+    ``privacy.steps``) the site stops before training and writes nothing."""
+    dataset = data(n=40)
+    store = ClientStateStore(tmp_path, SITE, per_run=True)
+    store.use_run(RUN)
+    fit(Linear(), dataset, dpsgd(tmp_path, sigma=1.0, clip=1.0), round_meta(0), 8)
+    backup = store.path(LEDGER_NAME).read_bytes()
+    released = fit(Linear(), dataset, dpsgd(tmp_path, sigma=1.0, clip=1.0), round_meta(1, aggregated=True), 8)
+    assert released[meta_keys.PRIVACY_STEPS] == 10
+    store.path(LEDGER_NAME).write_bytes(backup)  # restored: 5 steps
+    server = {**round_meta(2, aggregated=True), meta_keys.RELEASED_STEPS: {SITE: released[meta_keys.PRIVACY_STEPS]}}
+    with pytest.raises(LedgerError, match=r"site-1: privacy ledger .* is stale: it holds 5 DP-SGD steps .* after 10"):
+        fit(Linear(), dataset, dpsgd(tmp_path, sigma=1.0, clip=1.0), server, 8)
+    assert store.path(LEDGER_NAME).read_bytes() == backup  # nothing trained, nothing written
+    # The attack without the server's record: the stale ledger is accepted and under-reports (10 of 15 steps).
+    fooled = fit(Linear(), dataset, dpsgd(tmp_path, sigma=1.0, clip=1.0), round_meta(2, aggregated=True), 8)
+    assert fooled[meta_keys.PRIVACY_STEPS] == 10 and fooled[meta_keys.PRIVACY_EPSILON] < epsilon(
+        [Segment(0.2, 1.0, 15)], 1e-5
+    )
+
+
 def test_a_site_whose_next_round_would_exceed_the_budget_stops(tmp_path):
     dataset, sigma = data(n=40), 1.0
     one_round = epsilon([Segment(0.2, sigma, 5)], 1e-5)
