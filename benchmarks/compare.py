@@ -41,6 +41,7 @@ import numpy as np
 
 from benchmarks.partition_specs import HELP as PARTITION_HELP
 from benchmarks.partition_specs import argparse_partition, partition_settings
+from benchmarks.site_report import CENTRAL
 from benchmarks.site_stats import ranking_notes
 
 #: Algorithms by label: the committed job's client and server settings (jobs/presets.py) unless given here.
@@ -138,7 +139,6 @@ NIID_BENCH = Protocol(
     weight_decay=1e-5,
 )
 
-CENTRAL = "central"
 #: Personalization methods (docs/personalization.md) by label: JobSpec settings over plain FedAvg on the grid's model;
 #: the grid adds the local-only baseline (benchmarks.personalization.LOCAL). FedBN needs BatchNorm, so its cells run
 #: the built-in bn_cnn (LeNet-5 with a BatchNorm after each convolution) whatever the protocol's model.

@@ -33,6 +33,9 @@ from benchmarks import site_stats
 #: the best record of the five methods. ``keep="best"`` lets each site fall back to its local-only model
 #: (``local_baseline``) or the global model when its validation split says FedRep's personal model is worse. The
 #: reports check this one recommendation in every setting; they never pick a method after the fact.
+#: The centrally trained model of a grid (benchmarks/compare.py): a ceiling for the federated global models, not a
+#: method a site could choose.
+CENTRAL = "central"
 PREREGISTERED_DEFAULT: Mapping[str, Any] = {"method": "fedrep", "keep": "best", "local_baseline": True}
 
 #: The candidates a site scores on its test split, in the order of the tables.
@@ -262,11 +265,29 @@ def setting_title(partition: str, partition_seed: Any) -> str:
     return partition if partition_seed is None else f"{partition}, partition seed {partition_seed}"
 
 
+def learning_sentence(methods: Mapping[str, Mapping[int, Mapping[str, Any]]]) -> str | None:
+    """Does the federation learn: every method's global model on the pooled test set beside the same model trained
+    centrally (the `CENTRAL` method's cells); ``None`` without a central run or a pooled view."""
+    pooled = {m: candidate_runs(by_seed, "global", "site_pooled_test") for m, by_seed in methods.items()}
+    pooled = {m: runs for m, runs in pooled.items() if runs}
+    if CENTRAL not in pooled or len(pooled) < 2:
+        return None
+    federated = ", ".join(f"{m} {mean_site(runs)}" for m, runs in sorted(pooled.items()) if m != CENTRAL)
+    return (
+        f"Does the federation learn? Global model on the pooled test set (all labels, mean over seeds): {federated}; "
+        f"the same model trained centrally on data of the same size and distribution as the sites' union, same "
+        f"optimizer, epochs and rounds: {mean_site(pooled[CENTRAL])}."
+    )
+
+
 def setting_section(
     title: str, methods: Mapping[str, Mapping[int, Mapping[str, Any]]], default: str, tolerance: float
 ) -> list[str]:
-    """One setting: the methods' table, the default's target check, then every method's per-site table."""
-    lines = [f"### {title}", "", *setting_table(methods, default), ""]
+    """One setting: the methods' table, the default's target check, then every method's per-site table; a central
+    run is read only against the federated global models (`learning_sentence`)."""
+    learning = learning_sentence(methods)
+    methods = {m: by_seed for m, by_seed in methods.items() if m != CENTRAL}
+    lines = [f"### {title}", "", *([learning, ""] if learning else []), *setting_table(methods, default), ""]
     if default in methods:
         lines += [target_sentence(default + " (the pre-registered default)", methods[default], tolerance), ""]
     else:

@@ -112,3 +112,15 @@ def test_a_site_row_has_the_t_interval_over_seeds_of_kept_minus_local():
 
 def test_cells_without_test_scores_give_no_section():
     assert sr.report_lines([{"cell": {"algorithm": "fedavg", "partition": "C2", "seed": 0}}], "x") == []
+
+
+def test_the_central_run_is_read_only_against_the_federated_global_models():
+    cells = _cells("fedavg", KEPT, LOCAL) + _cells("central", KEPT, LOCAL)
+    for cell, pooled in zip(cells, (0.4, 0.5, 0.6, 0.7, 0.8, 0.9), strict=True):
+        cell["site_pooled_test"] = {"global": {"site-1": pooled, "site-2": pooled}}
+    text = "\n".join(sr.report_lines(cells, "x"))
+    # fedavg's global model: (40 + 50 + 60) / 3 = 50.0 on the pooled test set; central: (70 + 80 + 90) / 3 = 80.0
+    assert "Global model on the pooled test set (all labels, mean over seeds): fedavg 50.0;" in text
+    assert "trained centrally on data of the same size and distribution as the sites' union" in text
+    assert "epochs and rounds: 80.0." in text
+    assert "| central |" not in text and "Target for central" not in text  # no site could keep it
