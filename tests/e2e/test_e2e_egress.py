@@ -17,10 +17,8 @@ bundle's declaration) and in what the job config declares; each site's result fi
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import shutil
 from fnmatch import fnmatchcase
 from pathlib import Path
 
@@ -29,10 +27,11 @@ import pytest
 
 pytest.importorskip("opacus")
 
+from aggregators.egress import TRANSPORT_HEADERS
 from jobs.build import JobSpec, export_job
+from tests.e2e.egress_recorder import beyond_declared, install, read
 
 REPO = Path(__file__).resolve().parents[2]
-RECORDER = Path(__file__).with_name("egress_recorder.py")
 SITES = 2
 USER_MODEL = {
     "model": "custom_model.model:DigitsClassifier",
@@ -76,41 +75,19 @@ QC_RELEASE = {"qc_counts": ({"counts"}, {"snps"}), "qc_filter": ({"none"}, {"kep
 PEOPLE = {"site-1": 12, "site-2": 15, "site-3": 18}
 
 
-def add_recorder(job: Path, tasks: list[str], record: Path) -> None:
-    """The attacker's server: the recorder first among its result filters (module docstring)."""
-    shutil.copy(RECORDER, job / "app" / "custom" / RECORDER.name)
-    config_file = job / "app" / "config" / "config_fed_server.json"
-    config = json.loads(config_file.read_text())
-    recorder = {"path": "egress_recorder.EgressRecorder", "args": {"path": str(record)}}
-    config["task_result_filters"] = [{"tasks": tasks, "filters": [recorder]}, *config.get("task_result_filters", [])]
-    config_file.write_text(json.dumps(config, indent=2))
-
-
 def run_recorded(simulate, job: Path, tasks: list[str], num_clients: int, env: dict | None = None) -> list[dict]:
     record = job.parent.parent / "record.jsonl"
-    add_recorder(job, tasks, record)
+    install(job, tasks, record)
     with pytest.MonkeyPatch.context() as patch:
         for key, value in (env or {}).items():
             patch.setenv(key, value)
         completed = simulate(job, job.parent.parent / "ws", num_clients=num_clients, threads=num_clients)
     assert record.is_file(), completed.stdout[-3000:] + completed.stderr[-3000:]
-    return [json.loads(line) for line in record.read_text().splitlines()]
+    return read(record)
 
 
 def undeclared(names, patterns) -> list[str]:
     return sorted(n for n in names if not any(fnmatchcase(n, p) for p in patterns))
-
-
-def declared_gates(job: Path) -> dict[str, dict]:
-    """The gate's arguments per task, as the job config declares them (the last result filter of each chain)."""
-    config = json.loads((job / "app" / "config" / "config_fed_client.json").read_text())
-    gates = {}
-    for chain in config["task_result_filters"]:
-        last = chain["filters"][-1]
-        assert last["path"] == "aggregators.egress_gate.EgressGate", chain  # the gate is the last filter
-        for task in chain["tasks"]:
-            gates[task] = last["args"]
-    return gates
 
 
 def model_keys(spec: JobSpec) -> set[str]:
@@ -120,13 +97,7 @@ def model_keys(spec: JobSpec) -> set[str]:
 
 
 def check_against_config(records: list[dict], job: Path) -> None:
-    gates = declared_gates(job)
-    for r in records:
-        gate = gates[r["task"]]
-        assert r["data_kind"] in gate["data_kinds"], r
-        assert not undeclared(r["data"], gate["data"]), r
-        assert not undeclared(r["meta"], gate["meta"]), r
-        assert not undeclared(r["headers"], [*gate.get("headers", NVFLARE_HEADERS), "fl_client"]), r
+    assert beyond_declared(records, job, TRANSPORT_HEADERS) == []
 
 
 def check_dp_row(records: list[dict], weights: set[str], tasks: set[str]) -> None:

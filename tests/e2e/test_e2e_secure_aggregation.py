@@ -10,6 +10,10 @@ model up to CKKS's approximation (same seeds, same data), and is not the initial
 megabytes; the user's model moved from its initial weights and the sites' scores of the received model (``eval.*``,
 in clear) are recorded per round and improve.
 
+Checked, every job (and a one-round DP-SGD job under HE with site evaluation): a curious server's recorder
+(tests/e2e/egress_recorder.py, first among its result filters) finds nothing beyond what the job config's egress
+gates declare, and no DP site's validation score in clear (the HE meta is not encrypted).
+
 Checked, QC: the HE job completes; the server logs that it adds ciphertexts and never the clear-counts warning, and its
 ``qc_report.json`` names the sites and the settings only; every site writes the same filtered table and a report from
 the decrypted sum (rounding error far below 0.5), equal to the plaintext filter of the pooled people and to what the
@@ -19,6 +23,7 @@ plain job's server decided.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import shutil
 import time
@@ -29,6 +34,7 @@ import pytest
 import torch
 from nvflare.fuel.utils.class_utils import instantiate_class
 
+from aggregators.egress import TRANSPORT_HEADERS
 from data_prep.genotypes.cli import main as genotypes_main
 from data_prep.genotypes.federated_qc import CLEAR_COUNTS_WARNING, HE_COUNTS_NOTE, QC_TABLE, global_qc
 from data_prep.genotypes.qc import QcThresholds, genotype_counts
@@ -37,6 +43,7 @@ from jobs.provision import loopback
 from jobs.secure_aggregation import CLIENT_CONTEXT, SERVER_CONTEXT, decrypt_global_model, job_model_shapes
 from jobs.shipping import importable
 from jobs.spec import shipped_folders
+from tests.e2e import egress_recorder
 
 pytestmark = pytest.mark.slow
 
@@ -50,6 +57,7 @@ USER_MODEL = {
     "client": "fedprox",
     "client_args": {"mu": 0.01},
 }
+DP = {"dp_target_epsilon": 8.0, "dp_max_grad_norm": 1.0}
 PEOPLE = {"site-1": 12, "site-2": 15, "site-3": 18}
 SNPS = tuple(f"rs{j}" for j in range(24))
 MISSING = 3
@@ -94,11 +102,19 @@ def runs(tmp_path_factory, fashion_mnist):
     specs["he_user"] = JobSpec(
         name="e2e_he_user", secure_aggregation="he", num_rounds=ROUNDS, num_sites=NUM_SITES, **USER_MODEL
     )
+    # DP-SGD under HE, one round with site evaluation: the sites' scores must not reach the server (egress gate).
+    specs["he_dp"] = JobSpec(name="e2e_he_dp", secure_aggregation="he", site_val_fraction=0.2, **DP, **settings)
+    specs["he_dp"] = dataclasses.replace(specs["he_dp"], num_rounds=1)
     jobs = {name: export_job(spec, root / "jobs") for name, spec in specs.items()}
     genotypes = write_sites(root)
     for mode in ("he", "none"):
         options = [*QC_OPTIONS, "--secure-aggregation", mode, "--name", f"qc_{mode}"]
         assert genotypes_main(["qc-job", "--output-dir", str(root / "jobs"), *options]) == 0
+    # The curious server: every job's results recorded as they arrive (tests/e2e/egress_recorder.py).
+    recorded = {name: (job, ["train", "validate"]) for name, job in jobs.items()}
+    recorded |= {f"qc_{m}": (root / "jobs" / f"qc_{m}", ["qc_counts", "qc_filter"]) for m in ("he", "none")}
+    for name, (job, tasks) in recorded.items():
+        egress_recorder.install(job, tasks, root / f"record_{name}.jsonl")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("HOME", str(root / "home"))
         (root / "home").mkdir()
@@ -135,6 +151,9 @@ def runs(tmp_path_factory, fashion_mnist):
                 job_id, plain_meta = loopback.run_job(session, deployment, root / "jobs" / "qc_none", timeout=300.0)
                 seconds["qc_none"] = time.monotonic() - job_started
                 plain_result = loopback.download_result(session, job_id)
+            results["records"] = {
+                name: (job, egress_recorder.read(root / f"record_{name}.jsonl")) for name, (job, _) in recorded.items()
+            }
             results["qc"] = {
                 "he": (he_meta, he_result, he_sites, server_logs, seconds["qc_he"]),
                 "plain": (plain_meta, plain_result),
@@ -259,3 +278,17 @@ def test_the_plain_qc_job_on_the_same_deployment_decides_the_same(runs):
     plain = json.loads((result / "qc_report.json").read_text())
     he_kept = {tuple(kept) for kept, _ in qc["he"][2].values()}
     assert he_kept == {tuple(plain["kept"])}
+
+
+def test_nothing_undeclared_reaches_the_server(runs):
+    """A curious server recorded every result of every job (training with and without DP, QC, under HE and plain):
+    nothing arrived that the job does not declare, and under DP-SGD no score of a site's validation split arrived
+    in clear (NVFlare's ``initial_metrics`` or ``eval.*``), although HE leaves the meta unencrypted."""
+    _, results = runs
+    for name, (job, records) in results["records"].items():
+        assert records, name
+        assert egress_recorder.beyond_declared(records, job, TRANSPORT_HEADERS) == [], name
+    dp = results["records"]["he_dp"][1]
+    assert {r["site"] for r in dp if r["task"] == "train"} == {f"site-{i}" for i in range(1, NUM_SITES + 1)}
+    for r in dp:
+        assert "initial_metrics" not in r["meta"] and not [k for k in r["meta"] if k.startswith("eval.")], r
