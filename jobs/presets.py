@@ -35,6 +35,9 @@ PERSONAL_SPLITS: dict[str, Any] = {
     "site_test_fraction": 0.1,
     "keep": "best",
     "local_baseline": True,
+    # The documented stopping rule (controllers/stopping.py): the job ends when no site's kept model improved on
+    # validation for 5 rounds; --num-rounds is the cap.
+    "stop_patience": 5,
 }
 
 PRESET_SETTINGS: dict[str, dict[str, Any]] = {
@@ -70,6 +73,7 @@ PRESET_SETTINGS: dict[str, dict[str, Any]] = {
         **{**SNP_JOB, "data_args": {**SNP_JOB["data_args"], "test_fraction": 0.1}},
         keep="best",
         local_baseline=True,
+        stop_patience=5,
     ),
     # Server rules (docs/server_rules.md): plain local SGD clients, the same data and model as above;
     # server settings picked by short measured runs (docs/server_rules.md, "Presets").
