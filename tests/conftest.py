@@ -144,6 +144,9 @@ SLOW_BY_FILE: dict[str, dict[str, str]] = {
     "tests/lightning_modules/test_lm_privacy_composition.py": {
         "test_dp_sgd_composes_with_the_client_algorithm": "DP-SGD training per client algorithm",
     },
+    "tests/lightning_modules/test_lm_privacy_stale_ledger.py": {
+        "test_a_site_on_a_restored_old_ledger_sends_nothing_and_the_others_go_on": "three DP-SGD rounds in process",
+    },
     "tests/lightning_modules/test_state_store.py": {
         "test_state_survives_a_fresh_process_using_the_default_root": "a fresh process",
     },
