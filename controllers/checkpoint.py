@@ -83,10 +83,12 @@ def save_rule_state(
     last_aggregated_round: int | object | None = THIS_ROUND,
     last_aggregated_sites: Mapping[str, int] | None = None,
     population: Sequence[str] | None = None,
+    released_steps: Mapping[str, int] | None = None,
 ) -> None:
     """Write the rule state after ``round_num`` (0-based, the last round attempted); ``global_sha256`` ties it to
     the model of that round; ``last_aggregated_round`` is the last round whose aggregate was used (``None``: none
-    yet; by default ``round_num`` itself, i.e. this round aggregated); ``population`` the job's sites."""
+    yet; by default ``round_num`` itself, i.e. this round aggregated); ``population`` the job's sites;
+    ``released_steps`` the DP-SGD steps each site's last result reported (public: the sites' ``privacy.steps``)."""
     payload = {
         "format_version": STATE_FORMAT_VERSION,
         "rule": rule_name,
@@ -102,6 +104,8 @@ def save_rule_state(
         payload["last_aggregated_sites"] = dict(last_aggregated_sites)
     if population is not None:  # a resumed job keeps every site in it, also one that is down when it resumes
         payload["population"] = sorted(population)
+    if released_steps:  # a resumed job still stops a DP site on a stale ledger (lightning_modules/privacy/ledger.py)
+        payload["released_steps"] = dict(released_steps)
     atomic_torch_save(payload, path)
 
 
@@ -132,6 +136,7 @@ class ResumePoint:
     last_aggregated_round: int | None = None
     last_aggregated_sites: dict[str, int] | None = None  # None: a checkpoint written without them
     population: tuple[str, ...] | None = None  # None: a checkpoint written without it
+    released_steps: dict[str, int] | None = None  # None: a checkpoint written without it (no DP site reported)
 
 
 GLOBAL_MODEL_FILE = "FL_global_model.pt"  # the name NVFlare's PTFileModelPersistor writes into the app folder
@@ -178,6 +183,7 @@ def load_resume_point(folder: Path, rule_name: str, state_file: str = "server_st
         last_aggregated_round=None if aggregated is None else int(aggregated),
         last_aggregated_sites=payload.get("last_aggregated_sites"),
         population=tuple(payload["population"]) if "population" in payload else None,
+        released_steps=payload.get("released_steps"),
     )
 
 

@@ -225,6 +225,7 @@ class FedAlgController(ModelController):
             self._last_aggregated_round = resume.last_aggregated_round
             engine.last_aggregated = resume.last_aggregated_sites
             engine.last_released = dict(resume.last_aggregated_sites or {})  # at least these sites have released
+            engine.released_steps = dict(resume.released_steps or {})  # what the DP sites had released
             population = self._population = resumed_population(self._reachable, resume.population)
             self.info(f"resuming from {self.resume_from} at round {first_round + 1}/{self.num_rounds}")
             absent = sorted(set(population) - set(self._reachable))
@@ -433,6 +434,7 @@ class _ControllerHost(Host):
             last_aggregated_round=ctl._last_aggregated_round,
             last_aggregated_sites=ctl._active_engine.last_aggregated if ctl._active_engine else None,
             population=ctl._population,
+            released_steps=ctl._active_engine.released_steps if ctl._active_engine else None,
         )
         if ctl.save_client_updates:
             save_updates(ctl._updates_path(round_num), updates, params)

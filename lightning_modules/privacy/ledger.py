@@ -13,7 +13,8 @@ ledger, or a corrupt one, stops with `LedgerError` naming the site and the file;
 A ledger can also be behind: restored from a backup older than the site's last round, it would count from an older
 step and report an epsilon smaller than the one spent. The bundle's server records, per site, the DP-SGD step count
 (``privacy.steps``) of the last result it received and broadcasts it every round (``server.released_steps``); a site
-whose ledger holds fewer steps stops with `LedgerError` (`stale_by`). A resumed job restarts that record empty.
+whose ledger holds fewer steps stops with `LedgerError` (`stale_by`). A resumed job restores that record from its
+checkpoint.
 
 A server that does not track releases (its meta has no ``server.last_released``: NVFlare's ``ScatterAndGather``,
 which runs ``--secure-aggregation he|plain`` and asks every site every round) cannot say who has released. Then a

@@ -302,3 +302,28 @@ def test_a_resumed_population_is_the_stopped_jobs_plus_the_connected_sites():
     assert resumed_population(["site-2", "site-1"], ("site-1", "site-2", "site-3")) == SITES
     assert resumed_population(["site-4"], ["site-1"]) == ("site-1", "site-4")
     assert resumed_population(["site-2", "site-1"], None) == ("site-1", "site-2")  # a checkpoint without it
+
+
+class DPSitesController(FakeEngineController):
+    """Sites that report a cumulative DP-SGD step count (5 a round) with every result, as DP sites do."""
+
+    def send_model_and_wait(self, targets, data, min_responses=None, timeout=0):
+        results = super().send_model_and_wait(targets, data, min_responses, timeout)
+        for result in results:
+            result.meta[meta_keys.PRIVACY_STEPS] = 5 * (data.current_round + 1)
+        return results
+
+
+def test_a_resumed_job_still_broadcasts_what_each_dp_site_released(tmp_path):
+    """The server's record of each DP site's released steps (``server.released_steps``, against which a site checks
+    its ledger for staleness) is checkpointed and restored: the resumed job's first broadcast carries it."""
+    first = DPSitesController(tmp_path / "first" / "app", stop_after=STOP_AFTER, num_rounds=ROUNDS, rule="fedavg")
+    first.run()
+    expected = {site: 5 * (r + 1) for r, targets in enumerate(first.sent_targets) for site in targets}
+    assert first.sent_meta[1][meta_keys.RELEASED_STEPS] == {s: 5 for s in first.sent_targets[0]}  # round 2's
+    assert load_resume_point(tmp_path / "first" / "app", "fedavg").released_steps == expected
+    resumed = DPSitesController(
+        tmp_path / "resumed" / "app", num_rounds=ROUNDS, rule="fedavg", resume_from=str(tmp_path / "first" / "app")
+    )
+    resumed.run()
+    assert resumed.sent_meta[0][meta_keys.RELEASED_STEPS] == expected
