@@ -82,14 +82,14 @@ def _cells(method, kept, local, partition="dir0.3"):
 
 def test_the_page_names_the_missing_pair_the_interval_and_every_methods_sites():
     same = {seed: dict(sites) for seed, sites in LOCAL.items()}
-    cells = _cells("fedrep", KEPT, LOCAL) + _cells("fedavg", same, LOCAL)
+    cells = _cells("fedavgm", KEPT, LOCAL) + _cells("fedavg", same, LOCAL)
     lines = sr.report_lines(cells, "Fashion-MNIST")
     text = "\n".join(lines)
     assert "### Fashion-MNIST, dir0.3, partition seed 0" in text
-    # fedrep: site-2 seed 0 is 22 points below its local-only model
-    assert "Target for fedrep (the pre-registered default): **missed**" in text
+    # fedavgm (the default): site-2 seed 0 is 22 points below its local-only model
+    assert "Target for fedavgm (the pre-registered default): **missed**" in text
     assert "site-2 seed 0 (-22.0)" in text
-    row = next(line for line in lines if line.startswith("| fedrep ★ |"))
+    row = next(line for line in lines if line.startswith("| fedavgm ★ |"))
     interval = st.setting_interval(st.paired_differences(KEPT, LOCAL))
     assert f"{100 * interval.mean:+.1f} [{100 * interval.low:+.1f}, {100 * interval.high:+.1f}]" in row
     assert "-22.0 (site-2, seed 0)" in row and "| 1 of 6 | missed | 2 | 10 |"  # (2048 + 2048) B / 2 sites in row
