@@ -16,7 +16,11 @@
   public context through NVFlare's HE decomposer), the bytes of the global model's weights sent down, how many
   received ciphertexts carried a context with a secret key (0: the server can add them but never decrypt), and the
   sites' scores of the received global model (``eval.*`` meta, which travels in clear) summarised as the bundle's
-  controller summarises them (``site_eval``), and under DP-SGD each site's ``privacy.*`` (epsilon so far, ...).
+  controller summarises them (``site_eval``), and under DP-SGD each site's ``privacy.*`` (epsilon so far, ...). It
+  also keeps, per site, the cumulative DP-SGD steps its last result reported (``released_steps``).
+- `ReleasedStepsBroadcast` (server, task-data filter of a DP-SGD job): puts the recorder's ``released_steps`` into
+  every task's meta as ``server.released_steps``, as the bundle's controller broadcasts it, so that a site whose
+  ledger is behind what it released (an old backup restored) stops (lightning_modules/privacy/ledger.py).
 
 Nothing here encrypts, decrypts or adds: NVFlare's ``nvflare.app_opt.he`` components do, with TenSEAL.
 """
@@ -41,7 +45,7 @@ from nvflare.app_common.app_event_type import AppEventType
 from aggregators import meta_keys
 from aggregators.run_records import METRICS_FILE  # the same file as the bundle's controller writes
 from aggregators.types import ClientUpdate
-from controllers.engine import site_eval_summary
+from controllers.engine import SiteResult, released_steps, site_eval_summary
 
 
 class SampleCountWeight(DXOFilter):
@@ -78,6 +82,23 @@ class SumWorkflowRound(DXOFilter):
         dxo.set_meta_prop(meta_keys.RUN_ID, str(job_id))
         dxo.set_meta_prop(meta_keys.ROUND, round_num)
         dxo.set_meta_prop(meta_keys.NUM_ROUNDS, num_rounds)
+        return dxo
+
+
+class ReleasedStepsBroadcast(DXOFilter):
+    """Put the round recorder's ``released_steps`` into the task's meta (``server.released_steps``; module
+    docstring). ``recorder_id``: the `RoundRecorder`'s component id."""
+
+    def __init__(self, recorder_id: str = "rounds") -> None:
+        super().__init__(supported_data_kinds=[DataKind.WEIGHTS], data_kinds_to_filter=[DataKind.WEIGHTS])
+        self.recorder_id = recorder_id
+
+    def process_dxo(self, dxo: DXO, shareable: Shareable, fl_ctx: FLContext) -> DXO:
+        recorder = fl_ctx.get_engine().get_component(self.recorder_id)
+        if not isinstance(recorder, RoundRecorder):
+            raise ValueError(f"no RoundRecorder with id {self.recorder_id!r}: the sites would get no released steps")
+        if recorder.released_steps:
+            dxo.set_meta_prop(meta_keys.RELEASED_STEPS, dict(recorder.released_steps))
         return dxo
 
 
@@ -123,6 +144,12 @@ class RoundRecorder(FLComponent):
         self._path: Path | None = None
         self._round: dict[str, Any] = {}
         self._started = 0.0
+        #: site -> the cumulative DP-SGD steps of its last result that reached the server (`ReleasedStepsBroadcast`)
+        self.released_steps: dict[str, int] = {}
+
+    def note_result(self, site: str, meta: Any) -> None:
+        """Keep the DP-SGD step count a site's result reports (never lowered; controllers/engine.released_steps)."""
+        self.released_steps = released_steps(self.released_steps, [SiteResult(site, {}, dict(meta or {}))])
 
     def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
         if event_type == EventType.START_RUN:
@@ -147,6 +174,7 @@ class RoundRecorder(FLComponent):
             site = result.get_peer_prop(ReservedKey.IDENTITY_NAME, "?")
             self._round["result_bytes"][site] = self._measured(lambda: wire_bytes(result))
             dxo = from_shareable(result)
+            self.note_result(site, dxo.meta)
             self._round["private_ciphertexts"] += private_ciphertexts(dxo.data)
             self._round["scores"][site] = site_scores(site, dxo.meta)
             if meta_keys.PRIVACY_EPSILON in (dxo.meta or {}):

@@ -177,6 +177,7 @@ def add_sum_workflow(job: Any, spec: Any, model_config: Mapping[str, Any]) -> No
     from nvflare.app_opt.pt.job_config.model import PTModel
 
     from controllers.secure_aggregation import RoundRecorder
+    from lightning_modules.privacy.job_checks import is_private
 
     encrypted = spec.secure_aggregation == "he"
     if encrypted:
@@ -205,6 +206,12 @@ def add_sum_workflow(job: Any, spec: Any, model_config: Mapping[str, Any]) -> No
         aggregator = InTimeAccumulateWeightedAggregator(expected_data_kind=DataKind.WEIGHTS)
     job.to_server(aggregator, id="aggregator")
     job.to_server(RoundRecorder(num_rounds=spec.num_rounds, secure_aggregation=spec.secure_aggregation), id="rounds")
+    if is_private(spec):  # what each DP site released, with every task: a site on a stale ledger stops
+        from nvflare.job_config.defs import FilterType
+
+        from controllers.secure_aggregation import ReleasedStepsBroadcast
+
+        job.to_server(ReleasedStepsBroadcast(), tasks=["train"], filter_type=FilterType.TASK_DATA)
     if steps_at_sites(spec.server):  # the sites step; the server stops the job if they disagree
         from controllers.he_fedopt import SiteOptimizerConsensus
 

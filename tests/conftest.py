@@ -140,6 +140,7 @@ SLOW_BY_FILE: dict[str, dict[str, str]] = {
     },
     "tests/lightning_modules/test_lm_privacy_sum_workflow.py": {
         "test_the_ledger_counts_every_round_of_the_job_and_sigma_covers_the_planned_rounds": "DP-SGD rounds",
+        "test_under_the_sum_workflow_a_site_on_a_restored_old_ledger_stops": "DP-SGD rounds",
     },
     "tests/lightning_modules/test_lm_privacy_composition.py": {
         "test_dp_sgd_composes_with_the_client_algorithm": "DP-SGD training per client algorithm",

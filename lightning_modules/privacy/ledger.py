@@ -14,7 +14,8 @@ A ledger can also be behind: restored from a backup older than the site's last r
 step and report an epsilon smaller than the one spent. The bundle's server records, per site, the DP-SGD step count
 (``privacy.steps``) of the last result it received and broadcasts it every round (``server.released_steps``); a site
 whose ledger holds fewer steps stops with `LedgerError` (`stale_by`). A resumed job restores that record from its
-checkpoint.
+checkpoint; under ``--secure-aggregation`` the server's round recorder keeps it and a task-data filter sends it
+(controllers/secure_aggregation.py, ``ReleasedStepsBroadcast``).
 
 A server that does not track releases (its meta has no ``server.last_released``: NVFlare's ``ScatterAndGather``,
 which runs ``--secure-aggregation he|plain`` and asks every site every round) cannot say who has released. Then a

@@ -166,18 +166,20 @@ def test_a_user_model_job_ships_its_package_and_the_server_builds_the_users_mode
 
 def test_a_dp_sgd_job_gives_its_sites_the_round_meta_their_ledger_keys_on(tmp_path):
     """DP-SGD under HE: after NVFlare's decryptor, the site's own filter puts the run id, the round and the planned
-    rounds into the received model's meta (tests/lightning_modules/test_lm_privacy_sum_workflow.py runs the rounds);
-    a job without DP-SGD has no such filter."""
+    rounds into the received model's meta (tests/lightning_modules/test_lm_privacy_sum_workflow.py runs the rounds),
+    and the server's filter sends what each site released; a job without DP-SGD has neither filter."""
     pytest.importorskip("opacus")
     private = JobSpec(name="he_dp", secure_aggregation="he", dp_target_epsilon=8.0, dp_max_grad_norm=1.0)
-    _, site = _configs(export_job(private, tmp_path))
+    server, site = _configs(export_job(private, tmp_path))
     assert _paths(site["task_data_filters"]) == [
         "nvflare.app_opt.he.model_decryptor.HEModelDecryptor",
         "controllers.secure_aggregation.SumWorkflowRound",
     ]
     assert "--dp-target-epsilon 8.0" in site["executors"][0]["executor"]["args"]["task_script_args"]
-    _, plain_site = _configs(export_job(JobSpec(name="he", secure_aggregation="he"), tmp_path))
+    assert _paths(server["task_data_filters"]) == ["controllers.secure_aggregation.ReleasedStepsBroadcast"]
+    plain_server, plain_site = _configs(export_job(JobSpec(name="he", secure_aggregation="he"), tmp_path))
     assert "controllers.secure_aggregation.SumWorkflowRound" not in _paths(plain_site)
+    assert "controllers.secure_aggregation.ReleasedStepsBroadcast" not in _paths(plain_server)
 
 
 def test_the_round_records_summarise_the_sites_scores_of_the_received_model():

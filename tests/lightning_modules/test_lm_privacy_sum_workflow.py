@@ -6,6 +6,7 @@ calibrated for the planned rounds, and a site without a ledger may start only in
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -22,7 +23,7 @@ from nvflare.apis.fl_context import FLContext
 from nvflare.app_common.app_constant import AppConstants
 
 from aggregators import meta_keys
-from controllers.secure_aggregation import SumWorkflowRound
+from controllers.secure_aggregation import ReleasedStepsBroadcast, RoundRecorder, SumWorkflowRound
 from lightning_modules.federated import FederatedAlgorithm
 from lightning_modules.privacy import PrivacyConfig
 from lightning_modules.privacy.dp_sgd import DPSGD, poisson_loader
@@ -113,3 +114,38 @@ def test_the_rule_for_a_server_that_tracks_no_releases_leaves_the_bundles_contro
     tracked = {**untracked, meta_keys.LAST_RELEASED: {"site-2": 3}, meta_keys.LAST_AGGREGATED: {"site-2": 3}}
     assert not trained_before(SITE, tracked) and read_ledger(store, SITE, tracked, 1e-5).steps == 0
     assert trained_before(SITE, {**tracked, meta_keys.LAST_RELEASED: {SITE: 2}})
+
+
+def broadcast_meta(round_num: int, num_rounds: int, recorder: RoundRecorder) -> dict[str, Any]:
+    """A ScatterAndGather task through the server's `ReleasedStepsBroadcast` (the recorder's released steps), then
+    through the site's filter: the meta the site's round reads."""
+    task = DXO(DataKind.WEIGHTS, data={"layer.weight": np.zeros((3, 5))}).to_shareable()
+    server = FLContext()
+    server.set_prop(ReservedKey.ENGINE, SimpleNamespace(get_component=lambda cid: {"rounds": recorder}.get(cid)))
+    task = ReleasedStepsBroadcast().process(task, server)
+    task.set_header(AppConstants.CURRENT_ROUND, round_num)
+    task.set_header(AppConstants.NUM_ROUNDS, num_rounds)
+    site = FLContext()
+    site.set_prop(ReservedKey.RUN_NUM, JOB, private=False, sticky=False)
+    return dict(from_shareable(SumWorkflowRound().process(task, site)).meta)
+
+
+def test_under_the_sum_workflow_a_site_on_a_restored_old_ledger_stops(tmp_path):
+    """The stale-ledger attack under ``--secure-aggregation``: the server's round recorder keeps each site's last
+    ``privacy.steps`` and its task-data filter broadcasts them; a site whose ledger was restored from a backup one
+    round old stops before training and writes nothing."""
+    recorder = RoundRecorder(num_rounds=3, secure_aggregation="plain")
+    assert meta_keys.RELEASED_STEPS not in broadcast_meta(0, 3, recorder)  # nothing released yet
+    meta = site_round(tmp_path, broadcast_meta(0, 3, recorder))
+    recorder.note_result(SITE, meta)
+    store = ClientStateStore(tmp_path, SITE, per_run=True)
+    store.use_run(JOB)
+    backup = store.path(LEDGER_NAME).read_bytes()
+    recorder.note_result(SITE, site_round(tmp_path, broadcast_meta(1, 3, recorder)))
+    assert recorder.released_steps == {SITE: 10}
+    store.path(LEDGER_NAME).write_bytes(backup)
+    with pytest.raises(LedgerError, match=r"site-1: privacy ledger .* is stale: it holds 5 DP-SGD steps .* after 10"):
+        site_round(tmp_path, broadcast_meta(2, 3, recorder))
+    assert store.path(LEDGER_NAME).read_bytes() == backup
+    recorder.note_result(SITE, {meta_keys.PRIVACY_STEPS: 5})  # a lower count never lowers the record
+    assert recorder.released_steps == {SITE: 10}
