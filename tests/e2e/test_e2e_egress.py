@@ -12,11 +12,13 @@ it arrived from the site. Three short jobs, each of every kind the simulator run
 - **Genotype QC** (three tiny sites, counts in the clear): the counts and SNP IDs, then the kept count.
 
 Checked: everything that arrived is in docs/privacy.md's row for the job (written out here, independently of the
-bundle's declaration) and in what the job config declares; each site's result filters end with the gate.
+bundle's declaration) and in what the job config declares; each site's result filters end with the gate. And the
+refusal: a result with a weight the job does not declare never arrives (NVFlare's error reply only).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from fnmatch import fnmatchcase
@@ -197,3 +199,23 @@ def test_the_recorder_sees_what_arrives(tmp_path):
     record = describe(shareable, "train", "site-1")
     assert record["data"] == ["w"] and record["meta"] == {"initial_metrics": ["a"], "train.num_samples": "int"}
     assert "stray" in record["headers"] and os.fspath(tmp_path)
+
+
+def test_a_result_with_undeclared_weights_is_refused_and_nothing_of_it_arrives(tmp_path, simulate, round_metrics):
+    """The refusal, in a real job: the job declares one model entry fewer than its sites send (as if a site leaked a
+    local entry), so each site's gate refuses its training result. The server receives NVFlare's error reply only
+    (no DXO: no weights, no meta), the round fails without a valid result, and the site's log names the key."""
+    digits = {"dataset": "digits", "arch": "mlp", "max_train_samples": 300}
+    job = export_job(JobSpec(name="egress_refuse", num_sites=SITES, num_rounds=1, **digits), tmp_path / "jobs")
+    config_file = job / "app" / "config" / "config_fed_client.json"
+    config = json.loads(config_file.read_text())
+    gate = next(c["filters"][-1]["args"] for c in config["task_result_filters"] if c["tasks"] == ["train"])
+    gate["data"].remove("net.classifier.bias")
+    config_file.write_text(json.dumps(config, indent=2))
+    records = run_recorded(simulate, job, ["train", "validate"], SITES)
+    assert records and all("data_kind" not in r and "__rc__" in r["headers"] for r in records), records
+    refused = "egress gate refused the train result, nothing of it sent: undeclared data keys ['net.classifier.bias']"
+    lines = gate_lines(tmp_path / "ws")
+    assert lines and all(refused in line for line in lines), lines
+    rounds = [r for r in round_metrics(tmp_path / "ws") if r["stage"] == "round"]
+    assert rounds[0]["aggregated"] == [] and "0 valid result" in rounds[0]["failure"]
