@@ -75,6 +75,25 @@ PRESET_SETTINGS: dict[str, dict[str, Any]] = {
         local_baseline=True,
         stop_patience=5,
     ),
+    # Where joining pays (benchmarks/results/site_gain.md): 2 small sites (50 and 150 images before the splits) beside
+    # 2 large ones, IID labels; the pre-registered default of the held-out runs (FedAvg clients, server momentum 0.9,
+    # batch 16, keep best with the local-only model, the stopping rule), each site also scoring 1,000 published test
+    # images (the pooled "next patient" view). Splits of 20 % each: a 50-image site keeps 10 to test on.
+    "small_sites": dict(
+        server="fedavgm",
+        scheme="small_sites",
+        alpha=0.5,
+        num_sites=4,
+        max_train_samples=4000,
+        batch_size=16,
+        num_rounds=20,
+        site_val_fraction=0.2,
+        site_test_fraction=0.2,
+        keep="best",
+        local_baseline=True,
+        stop_patience=5,
+        site_pooled_test=1000,
+    ),
     # Server rules (docs/server_rules.md): plain local SGD clients, the same data and model as above;
     # server settings picked by short measured runs (docs/server_rules.md, "Presets").
     "fedadam": dict(server="fedadam", server_args={"server_lr": 0.03, "tau": 0.001}),
