@@ -3,6 +3,7 @@
     python -m controllers.report /tmp/fl-demo/fedavg                      # one run
     python -m controllers.report WS_A WS_B --labels fedavg scaffold        # side by side, one plot
     python -m controllers.report <admin kit>/transfer/<job id>             # a POC or provisioned job's result
+    python -m controllers.report <site workspace>                          # at a DP site: its own scores
 
 Reads the ``metrics/round_metrics.jsonl`` the controller writes into the server's run folder, wherever NVFlare put
 it (`RUN_DIR_LAYOUTS`): a simulator workspace (``-w``; the recipe's SimEnv result), a job result downloaded
@@ -26,6 +27,11 @@ on the pooled test set, and the gain kept - local with its 95 % interval, gain +
 approximation of the paired per-sample difference on the site's test split, lightning_modules/kept_model.py). An
 interval below 0 says the site lost from joining on its own test data; one that covers 0 says its test split cannot
 tell; a site that kept its own model reads "no gain: kept its own model".
+
+Under DP-SGD those scores never reach the server (unless ``--dp-release-site-scores``): each site keeps them in
+``site_scores.jsonl`` in its own state folder (lightning_modules/privacy/site_scores.py). Pointed at a folder that
+holds such a file and no server run (a site's workspace, e.g. ``<simulator workspace>/site-1`` or a provisioned
+site's kit folder), the report prints that site's rounds and the same kept-vs-local table, from the site's file.
 """
 
 from __future__ import annotations
@@ -507,6 +513,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     labels = args.labels or [default_label(ws) for ws in args.workspaces]
     if len(labels) != len(args.workspaces):
         parser.error("give one label per workspace")
+    sites = {label: ws for label, ws in zip(labels, args.workspaces, strict=True) if is_site_folder(ws)}
+    for label, ws in sites.items():  # run at a site: its own scores, which a DP job never sent
+        print_site(label, ws)
+    if len(sites) == len(labels):
+        return 0
+    labels = [label for label in labels if label not in sites]
+    args.workspaces = [ws for ws in args.workspaces if not is_site_folder(ws)]
     try:
         run_dirs = {label: find_run_dir(ws) for label, ws in zip(labels, args.workspaces, strict=True)}
     except FileNotFoundError as exc:
@@ -541,6 +554,49 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     print(f"plot:         {plot}")
     return status
+
+
+def is_site_folder(folder: Path) -> bool:
+    """A site's folder (its workspace, its ``client_state``, or a ``site_scores.jsonl``) holding the scores a DP site
+    kept to itself, and no server run: the report reads it at the site."""
+    from lightning_modules.privacy.site_scores import find_site_score_files
+
+    try:
+        find_run_dir(folder)
+    except FileNotFoundError:
+        return bool(find_site_score_files(folder))
+    return False
+
+
+def print_site(label: str, folder: Path) -> None:
+    """Per site-score file under ``folder`` (one per run and site): every round's kept candidate and gain, and the
+    kept-vs-local table of the server's report, from the scores the site kept (lightning_modules/privacy/
+    site_scores.py); the server's side of the run holds none of them."""
+    from lightning_modules.privacy.site_scores import find_site_score_files, read_site_scores, site_records
+
+    for path in find_site_score_files(folder):
+        records = read_site_scores(path)
+        if not records:
+            continue
+        site, run_id = records[-1]["site"], records[-1].get("run_id") or "?"
+        print(f"\n== {label}: {site}'s own scores, kept at the site (run {run_id}): {path}")
+        print(f"{'round':>5}  {'kept':>8}  {'kept test acc':>13}  {'local-only':>10}  gain kept - local (SE)")
+        for record in records:
+            scores = record["scores"]
+            index = scores.get("kept_candidate")
+            kept = KEPT_NAMES[int(index)] if index is not None and 0 <= index < len(KEPT_NAMES) else "-"
+            gain, se = scores.get(KEPT_MINUS_LOCAL), scores.get(KEPT_MINUS_LOCAL + "_se")
+            shown = "-" if gain is None else f"{gain:+.4f}" + ("" if se is None else f" ({se:.4f})")
+            print(
+                f"{record['round'] + 1:>5}  {kept:>8}  {_fmt(scores.get('kept_test_accuracy')):>13}  "
+                f"{_fmt(scores.get('local_test_accuracy')):>10}  {shown}"
+            )
+        kept = kept_vs_local(site_records(records))
+        if kept:
+            print(
+                "does this site gain from joining: the model it kept vs its local-only model, on its test split "
+                f"(last round it reported both; gain = kept - local, 95% interval):\n{format_kept_vs_local(kept)}"
+            )
 
 
 def print_run(label: str, folder: Path, run_dir: Path, records: Sequence[dict[str, Any]], per_site: bool) -> None:

@@ -42,7 +42,8 @@ from lightning_modules.privacy.config import PRIVACY_EXTRA, PrivacyConfig
 from lightning_modules.privacy.ledger import Ledger, privacy_meta, read_ledger, segments_text, write_ledger
 from lightning_modules.privacy.release import SITE_SCORES, release, unaccounted_keys
 from lightning_modules.privacy.secret import SECURE_NOISE, is_secret, secret_generator
-from lightning_modules.state_store import ClientStateStore
+from lightning_modules.privacy.site_scores import log_line, withheld_scores, write_site_scores
+from lightning_modules.state_store import ClientStateStore, is_writer
 
 #: Client algorithms whose extra terms are post-processing of the DP-SGD output or inside the per-sample loss
 #: (docs/privacy.md, "Composition"), and why the others cannot be accounted (yet): derived from each algorithm's own
@@ -321,6 +322,7 @@ class DPSGD:
         write_ledger(self.state_store, ledger, int(round_num or 0))
         self._ledger = None
         kept, withheld = release(meta, [SITE_SCORES] if self.config.release_site_scores else [])
+        self.keep_site_scores(meta, withheld, int(round_num or 0))
         unaccounted = unaccounted_keys(kept)
         kept.update(privacy_meta(ledger, self.config.max_grad_norm))
         kept.update(self.budget_meta(ledger))
@@ -328,6 +330,17 @@ class DPSGD:
         if unaccounted:
             kept[meta_keys.PRIVACY_UNACCOUNTED] = unaccounted
         return kept
+
+    def keep_site_scores(self, meta: Mapping[str, Any], withheld: list[str], round_num: int) -> None:
+        """The withheld ``eval.*`` scores stay at the site: one line in its log and one record in its own file
+        (lightning_modules/privacy/site_scores.py), never in the result."""
+        scores = withheld_scores(meta, withheld)
+        if not scores or not is_writer():  # DDP: rank 0 alone writes and logs
+            return
+        store = self.state_store
+        run_id = store.root.name if store is not None and store.per_run and store.root != store.base_root else ""
+        path = write_site_scores(store, round_num, run_id, scores)
+        print(log_line(self.site, round_num, scores, path), flush=True)
 
     def budget_meta(self, ledger: Ledger) -> dict[str, float]:
         """The budget and the epsilon the next round (the most epochs it may take) would reach, so that the server
