@@ -343,3 +343,11 @@ def test_the_per_site_columns_show_only_the_seeds_the_difference_pairs():
     scores = {"m": {0: {"global": {}, "personal": {"a": 0.9}}}}
     rows = p.per_site_table("m", scores, {0: {"a": 0.8}, 1: {"a": 0.0}})  # local-only ran a seed m has not
     assert rows[-1] == "| a | – | 90.0 ± 0.0 | 80.0 ± 0.0 | +10.0 ± 0.0 | gain |"
+
+
+def test_a_federation_its_stopping_rule_ended_is_complete_and_one_cut_short_is_not():
+    rounds = [{"stage": "round", "round": r, "status": "aggregated"} for r in range(3)]
+    with pytest.raises(compare.IncompleteFederation, match=r"^3 round record\(s\) of 10 planned"):
+        compare.require_rounds(rounds, 10)
+    rounds[-1]["stopped"] = {"rule": "validation plateau", "after_round": 2}
+    compare.require_rounds(rounds, 10)
