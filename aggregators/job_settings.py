@@ -73,6 +73,10 @@ def _site_test(spec: Any) -> bool:
     return spec.site_test_fraction > 0
 
 
+def _cross_site(spec: Any) -> bool:
+    return bool(spec.cross_site_eval)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # The groups. Field order is the order of the client command line (kept stable: committed jobs are diffed).
 # --------------------------------------------------------------------------------------------------------------------
@@ -394,6 +398,16 @@ class RoundSettings:
         "after the last round every site scores the final global model on its own validation split "
         "(<run dir>/metrics/final_site_scores.json, a site x metric table; jobs with --model only)",
         side=SERVER,
+    )
+    cross_site_eval: bool = setting(
+        False,
+        "after the last round every site sends the model it keeps (--keep best) and its early-stopped local-only "
+        "model (--local-baseline) to the other sites, which score them on their validation splits: per site "
+        "eval.kept_cross_site_accuracy, eval.local_cross_site_accuracy and their paired difference in "
+        "<run dir>/metrics/cross_site_scores.json (aggregators/cross_site.py). A release of the site models to the "
+        "other sites (docs/privacy.md): refused under DP and secure aggregation; built-in models only",
+        side=SERVER,
+        exported_when=_cross_site,
     )
     stop_patience: int | None = setting(
         None,

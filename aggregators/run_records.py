@@ -21,6 +21,9 @@ METRICS_FILE = Path("metrics") / "round_metrics.jsonl"
 METRICS = RUN_DIR / METRICS_FILE
 FINAL_SCORES_FILE = Path("metrics") / "final_site_scores.json"
 FINAL_SCORES = RUN_DIR / FINAL_SCORES_FILE
+#: Cross-site evaluation (``cross_site_eval``, controllers/cross_site.py): per site the kept and local-only models'
+#: accuracy on the other sites' validation splits, and the counts they come from.
+CROSS_SITE_SCORES_FILE = Path("metrics") / "cross_site_scores.json"
 #: Where the server's run folder (``metrics/``, ``app_server/``) lies under the folder a user names, in the order
 #: looked at. The controller writes ``<run folder>/metrics/round_metrics.jsonl``; NVFlare puts the run folder at
 #: ``<workspace>/server/simulate_job`` in the simulator (``-w``, and the recipe's SimEnv under

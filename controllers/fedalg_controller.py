@@ -104,6 +104,9 @@ class FedAlgController(ModelController):
             values for these (`controllers.engine.RoundEngine`; docs/personalization.md, "Partial sharing").
         stop_patience: stop at a validation plateau after this many rounds without improvement
             (controllers/stopping.py); ``None``: every round.
+        cross_site_eval: after the last round (and the final site evaluation), every site's kept and local-only
+            models are scored on the other sites' validation splits (controllers/cross_site.py), written to
+            ``<run dir>/metrics/cross_site_scores.json``.
     """
 
     def __init__(
@@ -126,6 +129,7 @@ class FedAlgController(ModelController):
         final_site_eval: bool = ROUND_DEFAULTS.final_site_eval,
         local_keys: list[str] | None = None,
         stop_patience: int | None = ROUND_DEFAULTS.stop_patience,
+        cross_site_eval: bool = ROUND_DEFAULTS.cross_site_eval,
     ) -> None:
         check_round_settings(
             num_rounds=num_rounds,
@@ -140,6 +144,7 @@ class FedAlgController(ModelController):
             final_site_eval=final_site_eval,
             seed=seed,
             stop_patience=stop_patience,
+            cross_site_eval=cross_site_eval,
         )
         super().__init__(persistor_id=persistor_id, task_check_period=task_check_period)
         # Write every setting into exported configs, defaults included, so a job folder documents itself.
@@ -169,6 +174,7 @@ class FedAlgController(ModelController):
         self.resume_from = resume_from
         self.final_site_eval = final_site_eval
         self.stop_patience = stop_patience
+        self.cross_site_eval = cross_site_eval
         self.local_keys = check_local_keys(local_keys)
         # Fail at job start, not after the first round, when the rule or its arguments are wrong.
         self._rule: AggregationRule = compose(build_rule(rule, **(rule_args or {})), companions)
@@ -248,6 +254,8 @@ class FedAlgController(ModelController):
         )
         if self.final_site_eval and not self.abort_signal.triggered:
             self._score_final_model(population, final_params)
+        if self.cross_site_eval and not self.abort_signal.triggered:
+            self._cross_site_eval(population)
         if not self.abort_signal.triggered:
             self._report_outputs()
 
@@ -272,6 +280,40 @@ class FedAlgController(ModelController):
             if site in withheld:
                 shown = f"withheld at the site under DP-SGD ({', '.join(withheld[site]) or 'no validation split'})"
             self.info(f"final model at {site}: {shown}")
+
+    def _cross_site_eval(self, population: Sequence[str]) -> None:
+        """Every site's kept and local-only models on the other sites' validation splits (controllers/cross_site.py)."""
+        from controllers.cross_site import CROSS_SITE_SCORES_FILE, cross_site_record, run_cross_site
+
+        record = cross_site_record(
+            run_cross_site(
+                self._ask, [site for site in population if site in self._reachable], self._run_id, self.warning
+            )
+        )
+        path = Path(self.get_run_dir()) / CROSS_SITE_SCORES_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=1, sort_keys=True))
+        for site, scores in sorted(record["sites"].items()):
+            self.info(f"cross-site view of {site}'s models: " + ", ".join(f"{k}={v:.4f}" for k, v in scores.items()))
+        self.info(f"cross-site scores: {path}")
+
+    def _ask(self, task: str, targets: Sequence[str], params: dict[str, Any], meta: dict[str, Any]) -> list[Any]:
+        """One cross-site task to ``targets`` over NVFlare, their answers (controllers/cross_site.py)."""
+        from controllers.cross_site import Answer
+
+        outgoing = outgoing_model(self.num_rounds, self.num_rounds, params, meta)
+        results = self.send_model_and_wait(
+            task_name=task, targets=list(targets), data=outgoing, timeout=self.train_timeout
+        )
+        return [
+            Answer(
+                result_site(r),
+                getattr(r, "params", None) or {},
+                getattr(r, "meta", None) or {},
+                getattr(r, "metrics", None) or {},
+            )
+            for r in results
+        ]
 
     def _run_round(
         self,

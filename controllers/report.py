@@ -26,7 +26,9 @@ local-only (early-stopped) and kept models' accuracy on the site's own test spli
 on the pooled test set, and the gain kept - local with its 95 % interval, gain +/- 1.96 SE (the normal
 approximation of the paired per-sample difference on the site's test split, lightning_modules/kept_model.py). An
 interval below 0 says the site lost from joining on its own test data; one that covers 0 says its test split cannot
-tell; a site that kept its own model reads "no gain: kept its own model".
+tell; a site that kept its own model reads "no gain: kept its own model". Jobs built with ``--cross-site-eval`` get
+the same comparison on the "next patient" view (`cross_site_table`): each site's kept and local-only models on the
+other sites' validation splits (controllers/cross_site.py).
 
 Under DP-SGD those scores never reach the server (unless ``--dp-release-site-scores``): each site keeps them in
 ``site_scores.jsonl`` in its own state folder (lightning_modules/privacy/site_scores.py). Pointed at a folder that
@@ -50,6 +52,7 @@ from aggregators.run_outcome import how_it_ended
 # The run's files and the finished-run check live in the bottom layer (the exported jobs' runner and the loopback
 # driver read runs too); the report's readers and tests also name them here.
 from aggregators.run_records import (  # noqa: F401
+    CROSS_SITE_SCORES_FILE,
     FINAL_SCORES,
     METRICS,
     METRICS_FILE,
@@ -309,6 +312,36 @@ def final_site_table(path: Path) -> str | None:
     lines = ["  ".join([f"{'site':<{width}}", *(f"{m:>12}" for m in metrics)])]
     for site in sorted(sites):
         lines.append("  ".join([f"{site:<{width}}", *(f"{_fmt(sites[site].get(m)):>12}" for m in metrics)]))
+    return "\n".join(lines)
+
+
+def cross_site_table(path: Path, kept: dict[str, dict[str, Any]] | None = None, z: float = 1.96) -> str | None:
+    """The "next patient" view of a job built with ``--cross-site-eval`` (``path``: its cross_site_scores.json,
+    controllers/cross_site.py): per site, its kept and local-only models' accuracy on the other sites' validation
+    splits (sample-weighted), the paired difference with its 95 % interval, and the samples and sites behind them.
+    A site that kept its own model (``kept``: `kept_vs_local`'s rows) reads "no gain: kept its own model"."""
+    if not path.is_file():
+        return None
+    sites: dict[str, dict[str, float]] = json.loads(path.read_text()).get("sites", {})
+    if not sites:
+        return None
+    width = max([len("site"), *map(len, sites)])
+    lines = [f"{'site':<{width}}  {'kept':>8}  {'local-only':>10}  {'samples':>7}  {'sites':>5}  gain (95% interval)"]
+    for site in sorted(sites):
+        row = {name.removeprefix("eval."): value for name, value in sites[site].items()}
+        gain, se = row.get("kept_minus_local_cross_site_accuracy"), row.get("kept_minus_local_cross_site_accuracy_se")
+        if (kept or {}).get(site, {}).get("own"):
+            verdict = "no gain: kept its own model"
+        elif gain is None:
+            verdict = "-"
+        else:
+            half = z * se if se is not None else float("nan")
+            verdict = f"{gain:+.4f} [{gain - half:+.4f}, {gain + half:+.4f}]"
+        lines.append(
+            f"{site:<{width}}  {_fmt(row.get('kept_cross_site_accuracy')):>8}  "
+            f"{_fmt(row.get('local_cross_site_accuracy')):>10}  {int(row.get('cross_site_samples', 0)):>7}  "
+            f"{int(row.get('cross_site_sites', 0)):>5}  {verdict}"
+        )
     return "\n".join(lines)
 
 
@@ -633,6 +666,12 @@ def print_run(label: str, folder: Path, run_dir: Path, records: Sequence[dict[st
         print(
             "does each site gain from joining: the model it kept vs its local-only model, on its test split (last "
             f"round each site reported both; gain = kept - local, 95% interval):\n{format_kept_vs_local(kept)}"
+        )
+    cross = cross_site_table(run_dir / CROSS_SITE_SCORES_FILE, kept)
+    if cross:
+        print(
+            "the next patient: each site's kept vs local-only model on the other sites' validation splits "
+            f"(--cross-site-eval; sample-weighted; gain = kept - local, 95% interval):\n{cross}"
         )
     privacy = privacy_table(records)
     if privacy:

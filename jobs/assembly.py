@@ -87,6 +87,7 @@ def _add_controller(job: Any, spec: JobSpec) -> None:
         companions=companion_rules(spec),
         resume_from=spec.resume_from,
         final_site_eval=spec.final_site_eval,
+        **({"cross_site_eval": True} if spec.cross_site_eval else {}),  # opt-in: off, the config is unchanged
         **({"stop_patience": spec.stop_patience} if spec.stop_patience is not None else {}),
         **({"evaluator_id": ""} if spec.model is not None else {}),  # the sites evaluate a user's model
         **({"local_keys": spec.local_keys.split(",")} if spec.local_keys else {}),  # resolved by JobSpec

@@ -184,6 +184,7 @@ def main(argv: Sequence[str] | None = None, *, client_script: str | None = None)
 
 def run_builtin(args: argparse.Namespace) -> None:
     """The bundle's own model and datasets: set up once, then one local training per received global model."""
+    import nvflare.client as flare_api
     import nvflare.client.lightning as flare
     from nvflare.client.tracking import SummaryWriter
 
@@ -212,6 +213,9 @@ def run_builtin(args: argparse.Namespace) -> None:
         received = flare.receive()
         if received is None:
             break
+        if cross_site_task(flare_api.get_task_name()):  # after the last round (cross_site_eval)
+            answer_cross_site(flare_api.get_task_name(), received, site, store, site_round)
+            continue
         round_num = received.current_round or 0
         # restore_state=False: FedAvg-family clients start every round with a fresh optimizer (as FedAvg specifies),
         # and in-memory optimizer state would differ between one-process and process-per-round simulations.
@@ -225,6 +229,36 @@ def run_builtin(args: argparse.Namespace) -> None:
             f"train acc {'withheld' if accuracy is None else f'{accuracy:.4f}'}",
             flush=True,
         )
+
+
+def cross_site_task(task: str) -> bool:
+    """Whether ``task`` is one of cross-site evaluation's (aggregators/cross_site.py)."""
+    from aggregators import cross_site
+
+    return task in (cross_site.SUBMIT_TASK, cross_site.VALIDATE_TASK)
+
+
+def answer_cross_site(task: str, received: Any, site: str, store: Any, site_round: Any) -> None:
+    """Send the site's reply to a cross-site task (lightning_modules/cross_site.py): its kept and local-only models,
+    or the counts of the other sites' models on its validation split."""
+    import nvflare.client as flare_api
+    import torch
+    from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
+
+    from lightning_modules.cross_site import answer
+    from lightning_modules.personal_scores import site_copy
+    from lightning_modules.split_scores import classifier_batches
+
+    validation = site_round.validation
+    split = None
+    if validation is not None:
+        split = classifier_batches(torch.utils.data.DataLoader(validation, batch_size=site_round.training.batch_size))
+    reply = answer(task, received.params, received.meta or {}, site, store, split, lambda: site_copy(site_round.module))
+    if "params" in reply:
+        flare_api.send(FLModel(params_type=ParamsType.FULL, params=reply["params"], meta=reply["meta"]))
+    else:
+        flare_api.send(FLModel(metrics=reply["metrics"]))
+    print(f"{site}: answered {task}", flush=True)
 
 
 if __name__ == "__main__":

@@ -42,9 +42,37 @@ def job_releases(spec: Any) -> tuple[Release, ...]:
     meta = (*declared_meta(spec.client, private, spec.dp_release_site_scores), *NVFLARE_RESULT_META)
     meta += sum_result_meta(spec)
     metrics = ("*",) if not private or spec.dp_release_site_scores else ()
-    return (
+    releases = (
         Release(TRAIN_TASK, (WEIGHTS_KIND,), job_weight_keys(spec), meta, metrics),
         Release(VALIDATE_TASK, (METRICS_KIND,), (), meta, metrics),
+    )
+    return releases + cross_site_releases(spec)
+
+
+def cross_site_releases(spec: Any) -> tuple[Release, ...]:
+    """With ``cross_site_eval`` (aggregators/cross_site.py; refused under DP and for --script jobs): a site sends
+    its kept model (a mixture: both states and the weight) and its local-only model, every entry of the job's model
+    (local ones included: these are the site's whole models), and for the other sites' models counts only."""
+    if not getattr(spec, "cross_site_eval", False):
+        return ()
+    from aggregators import cross_site
+    from jobs.spec import job_model
+
+    entries = tuple(job_model(spec).state_dict())
+    return (
+        Release(
+            cross_site.SUBMIT_TASK,
+            (WEIGHTS_KIND,),
+            cross_site.submitted_data_patterns(entries),
+            (cross_site.KEPT_WEIGHT,),
+        ),
+        Release(
+            cross_site.VALIDATE_TASK,
+            (METRICS_KIND,),
+            (),
+            (),
+            tuple(f"*/{count}" for count in cross_site.COUNTS),
+        ),
     )
 
 

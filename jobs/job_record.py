@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from aggregators.job_settings import SERVER
 from jobs.settings import JobBuildError
 from jobs.spec import JobSpec, shipped_folders, spec_from_values
 
@@ -48,7 +49,11 @@ if __name__ == "__main__":
 def spec_record(spec: JobSpec, job_folder: Path) -> dict[str, Any]:
     """Every setting of ``spec`` (defaults included: the record must not follow later default changes), with the
     shipped package folders and the training script named by their copies inside ``job_folder``."""
-    settings = {f.name: getattr(spec, f.name) for f in dataclasses.fields(JobSpec) if f.name != "name"}
+    settings = {
+        f.name: getattr(spec, f.name)
+        for f in dataclasses.fields(JobSpec)
+        if f.name != "name" and not _unrecorded_switch(f, spec)
+    }
     settings["ship"] = ",".join(_copy_in(job_folder, folder.name) for folder in shipped_folders(spec))
     if spec.script is not None:
         settings["script"] = _copy_in(job_folder, Path(spec.script).name)
@@ -57,6 +62,18 @@ def spec_record(spec: JobSpec, job_folder: Path) -> dict[str, Any]:
         "name": spec.name,
         "settings": settings,
     }
+
+
+def _unrecorded_switch(spec_field: dataclasses.Field, spec: JobSpec) -> bool:
+    """An opt-in server switch declared with ``exported_when`` (``cross_site_eval``) is recorded only when on: off it
+    changes nothing, and the jobs built before it existed keep their record."""
+    exported_when = spec_field.metadata.get("exported_when")
+    return (
+        spec_field.metadata.get("side") == SERVER
+        and spec_field.default is False
+        and exported_when is not None
+        and not exported_when(spec)
+    )
 
 
 def _copy_in(job_folder: Path, name: str) -> str:

@@ -133,6 +133,11 @@ def secure_aggregation_problem(spec: Any) -> str | None:
         (spec.save_client_updates, "save_client_updates", "the individual updates never reach the server in clear"),
         (spec.resume_from is not None, "resume_from", "the bundle's controller checkpoints; ScatterAndGather does not"),
         (spec.final_site_eval, "final_site_eval", "runs in the bundle's controller"),
+        (
+            spec.cross_site_eval,
+            "cross_site_eval",
+            "sends the sites' models in clear, and runs in the bundle's controller",
+        ),
         (spec.stop_patience is not None, "stop_patience", "the stopping rule runs in the bundle's controller"),
         (
             spec.max_test_samples is not None,

@@ -102,6 +102,7 @@ def validate_spec(spec: JobSpec) -> None:
     if spec.devices > 1:
         _check_distributed_site(spec)
     _check_stopping(spec)
+    _check_cross_site(spec)
     if spec.final_site_eval and (spec.model is None or spec.script is not None):
         raise JobBuildError(
             "final_site_eval needs a user model and data module (--model, --data) whose sites hold a validation "
@@ -644,4 +645,31 @@ def _check_stopping(spec: JobSpec) -> None:
         raise JobBuildError(
             "stop_patience reads the sites' validation scores, which DP-SGD keeps at the sites: add "
             "--dp-release-site-scores (an unaccounted release) or leave stop_patience unset"
+        )
+
+
+def _check_cross_site(spec: JobSpec) -> None:
+    """``cross_site_eval`` (aggregators/cross_site.py) sends each site's kept and local-only models to the other
+    sites: never under DP (nothing accounts for that release), only where those models and the splits that score
+    them exist (docs/privacy.md, docs/personalization.md)."""
+    if not spec.cross_site_eval:
+        return
+    from lightning_modules.privacy.job_checks import is_private
+
+    what = "cross_site_eval sends each site's kept and local-only models to the other sites"
+    if is_private(spec) or spec.server == "dp_fedavg":
+        dp = "DP-SGD (dp_noise_multiplier/dp_target_epsilon)" if is_private(spec) else "the DP-FedAvg rule (dp_fedavg)"
+        raise JobBuildError(f"{what}, a release no DP accounting covers: not with {dp}")
+    if spec.script is not None:
+        raise JobBuildError(f"{what}: the built-in sites only, not --script (your script keeps no such models)")
+    if spec.keep != "best" or not spec.local_baseline:
+        raise JobBuildError(f"{what}: the sites keep them with --keep best and --local-baseline; add both")
+    if spec.site_val_fraction == 0:
+        raise JobBuildError(
+            f"{what}, which score them on their validation splits: the sites hold none (--site-val-fraction, e.g. 0.2)"
+        )
+    if spec.keep_metric != "val_loss":
+        raise JobBuildError(
+            f"{what}: the kept model it sends is the one chosen on validation loss; keep_metric {spec.keep_metric!r} "
+            "keeps another (leave keep_metric at val_loss)"
         )
