@@ -115,7 +115,7 @@ compare: setup
 # Two parts: everything outside tests/e2e, then tests/e2e on E2E_WORKERS pytest-xdist workers (E2E_WORKERS=0: one
 # process). An end-to-end run alone keeps about one core busy (the simulator's sites mostly wait), so two at once
 # use both cores; --dist loadgroup keeps the tests that share a simulator run or a deployment on one worker (the
-# xdist_group tests/conftest.py gives them), and every run has its own workspace and ports. Times: docs/results.md,
+# work units of tests/conftest.py's scheduler), and every run has its own workspace and ports. Times: docs/results.md,
 # "Test tiers".
 E2E_WORKERS ?= 2
 E2E_PARALLEL := -n $(E2E_WORKERS) --dist loadgroup

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import functools
 import os
 import sys
 from pathlib import Path
@@ -176,41 +178,82 @@ def tier_markers(nodeid: str, slow_tests: dict[str, str] = SLOW_TESTS) -> set[st
 
 
 #: Session fixtures of tests/e2e that run something expensive once per session, i.e. once per pytest-xdist worker:
-#: the tests using one are kept on one worker (`xdist_group`), so that it runs once, as in a serial session.
+#: the tests of every module that uses one run on one worker, so that it runs once, as in a serial session.
 SHARED_SESSION_FIXTURES = ("simulated",)
 #: Fixture scopes wider than a test but narrower than the session: such a fixture runs once per module (or class).
 MODULE_SCOPES = frozenset({"package", "module", "class"})
 
 
-def xdist_group(nodeid: str, scopes: dict[str, str]) -> str | None:
-    """The pytest-xdist group of the end-to-end test ``nodeid`` that uses the fixtures ``scopes`` (name: scope): under
-    ``--dist loadgroup`` a group runs on one worker. The name of a `SHARED_SESSION_FIXTURES` fixture it uses; else its
-    file when it uses a module- or class-scoped fixture (one simulator run or deployment that its module's tests
-    share); else None: the test goes to whichever worker is free. Tests outside tests/e2e: None."""
-    if not nodeid.startswith(E2E_DIR):
+def _fixture_scope(decorator: ast.expr) -> str | None:
+    """The ``scope=`` of a ``@pytest.fixture(...)`` decorator ("function" when it has none), else None."""
+    call = decorator if isinstance(decorator, ast.Call) else None
+    target = call.func if call else decorator
+    name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", None)
+    if name != "fixture":
         return None
-    shared = [name for name in SHARED_SESSION_FIXTURES if name in scopes]
+    scopes = [
+        k.value.value for k in (call.keywords if call else []) if k.arg == "scope" and isinstance(k.value, ast.Constant)
+    ]
+    return scopes[0] if scopes else "function"
+
+
+@functools.cache
+def _module_sharing(file: str, source: str | None = None) -> str | None:
+    """What the tests of test module ``file`` (its ``source``, read from the repository if None) share: the name of a
+    `SHARED_SESSION_FIXTURES` fixture that a test or fixture of it takes; else "module" when it defines a module-
+    (or class-) scoped fixture; else None."""
+    if source is None:
+        path = Path(REPO) / file
+        if not path.is_file():
+            return None
+        source = path.read_text()
+    functions = [n for n in ast.walk(ast.parse(source)) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    arguments = {a.arg for f in functions for a in [*f.args.posonlyargs, *f.args.args, *f.args.kwonlyargs]}
+    shared = [name for name in SHARED_SESSION_FIXTURES if name in arguments]
     if shared:
         return shared[0]
-    if any(scope in MODULE_SCOPES for scope in scopes.values()):
-        return nodeid.split("::", 1)[0]
+    if any(_fixture_scope(d) in MODULE_SCOPES for f in functions for d in f.decorator_list):
+        return "module"
     return None
 
 
-def _fixture_scopes(item) -> dict[str, str]:
-    """The scope of every fixture ``item`` uses (the definition that applies to it: the last one)."""
-    definitions = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
-    return {name: defs[-1].scope for name, defs in definitions.items() if defs and name in item.fixturenames}
+def xdist_work_unit(nodeid: str, source: str | None = None) -> str:
+    """The pytest-xdist work unit of test ``nodeid`` under ``make test``'s ``-n 2 --dist loadgroup`` (a unit runs on
+    one worker; `pytest_xdist_make_scheduler`): for a test under tests/e2e, the name of a `SHARED_SESSION_FIXTURES`
+    fixture its module uses (every such module together), else its file when its module has a module- or
+    class-scoped fixture (one simulator run or deployment its tests share), else the test alone, as every test outside
+    tests/e2e. ``source``: the module's text (default: read from the repository). Read from the test files' syntax,
+    as the scheduler sees node-ids only."""
+    file = nodeid.split("::", 1)[0]
+    if not nodeid.startswith(E2E_DIR):
+        return nodeid
+    sharing = _module_sharing(file, source)
+    if sharing is None:
+        return nodeid
+    return file if sharing == "module" else sharing
 
 
-@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker, and before xdist reads its groups
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` with `xdist_work_unit`'s units instead of ``xdist_group`` markers: pytest-xdist 3.8 marks
+    a group by appending it to the test's node-id, which pytest 9.2 ignores (every test was its own unit, and each
+    worker ran the module fixtures it needed again). Other ``--dist`` modes: xdist's own scheduler."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorkUnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_work_unit(nodeid)
+
+    return WorkUnitScheduling(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         for name in sorted(tier_markers(item.nodeid)):
             item.add_marker(name)
-        group = xdist_group(item.nodeid, _fixture_scopes(item))
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
 
 
 #: (seconds, node-id) of the tests whose call took over FAST_TIER_LIMIT_S in this session.

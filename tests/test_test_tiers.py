@@ -47,20 +47,32 @@ def test_every_slow_entry_names_an_existing_test(tiers):
     assert not missing, f"tests/conftest.py SLOW_TESTS names no test: {missing}"
 
 
-def test_end_to_end_tests_sharing_an_expensive_fixture_share_an_xdist_group(tiers):
-    """`make test` runs tests/e2e under ``--dist loadgroup``: a group runs on one worker, so a module's simulator run or
-    deployment (a module-scoped fixture), or the session's shared simulations, still run once."""
+def test_end_to_end_tests_sharing_an_expensive_fixture_share_an_xdist_work_unit(tiers):
+    """`make test` runs tests/e2e on two pytest-xdist workers: a work unit runs on one worker, so a module's simulator
+    run or deployment (a module-scoped fixture), or the session's shared simulations, still run once."""
+    independent = "import pytest\n\n@pytest.fixture\ndef spec(simulate):\n    ...\n\ndef test_t(spec, tmp_path): ..."
+    module = "import pytest\n\n@pytest.fixture(scope='module')\ndef runs(simulate):\n    ...\n\ndef test_t(runs): ..."
+    klass = "from pytest import fixture\n\n@fixture(scope='class')\ndef runs():\n    ...\n"
     e2e = "tests/e2e/test_e2e_m.py::test_t[p]"
-    assert tiers.xdist_group(e2e, {"tmp_path": "function", "simulate": "session"}) is None  # any free worker
-    assert tiers.xdist_group(e2e, {"runs": "module", "tmp_path": "function"}) == "tests/e2e/test_e2e_m.py"
-    assert tiers.xdist_group(e2e, {"deployment": "class"}) == "tests/e2e/test_e2e_m.py"
-    for name in tiers.SHARED_SESSION_FIXTURES:
-        assert tiers.xdist_group(e2e, {name: "session", "runs": "module"}) == name  # across modules
-    assert tiers.xdist_group("tests/a/test_x.py::test_a", {"runs": "module"}) is None  # outside tests/e2e: none
+    assert tiers.xdist_work_unit(e2e, independent) == e2e  # any free worker
+    assert tiers.xdist_work_unit(e2e, module) == "tests/e2e/test_e2e_m.py"
+    assert tiers.xdist_work_unit(e2e, klass) == "tests/e2e/test_e2e_m.py"
+    for name in tiers.SHARED_SESSION_FIXTURES:  # every module using it, together
+        assert tiers.xdist_work_unit(e2e, module.replace("(simulate)", f"({name})")) == name
+        assert tiers.xdist_work_unit(e2e, f"def test_t({name}): ...") == name
+    assert tiers.xdist_work_unit("tests/a/test_x.py::test_a", module) == "tests/a/test_x.py::test_a"  # not e2e
+
+
+def test_the_modules_sharing_the_sessions_simulations_are_one_work_unit(tiers):
+    """The FedAvg, SCAFFOLD and engine-equivalence modules check the same simulator runs (``simulated``)."""
+    for module in ("fedavg_simulator", "scaffold_simulator", "engine_equivalence"):
+        assert tiers.xdist_work_unit(f"tests/e2e/test_e2e_{module}.py::test_x") == "simulated", module
+    provision = "tests/e2e/test_e2e_provision.py"
+    assert tiers.xdist_work_unit(f"{provision}::test_x") == provision  # one deployment, module-scoped
 
 
 def test_every_shared_session_fixture_is_a_session_fixture_of_the_end_to_end_conftest(tiers):
-    """A renamed fixture would leave its tests ungrouped: each xdist worker would run its simulations again."""
+    """A renamed fixture would leave its tests in units of their own: each worker would run its simulations again."""
     tree = ast.parse((REPO / "tests" / "e2e" / "conftest.py").read_text())
     session_fixtures = {
         node.name
