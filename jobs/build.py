@@ -71,6 +71,8 @@ __all__ = [  # the builder's public names, importable from here as before the sp
     "job_attack_args",
     "main",
     "model_arch_args",
+    "model_size_from_data",
+    "snp_count",
     "validate_spec",
 ]
 
@@ -105,6 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
         "resource_spec into meta.json for its Docker, Kubernetes and Slurm launchers; an entry without SITE: is "
         "every site's (docs/deployment.md). Default: none, meta.json as before",
     )
+    parser.add_argument(
+        "--snp-table",
+        type=Path,
+        metavar="TABLE",
+        help="a genomics model's size from the data, never typed: the SNP table the sites harmonised against (the "
+        "QC's filtered table, <site kit>/local/fedalg_qc_snp_table.csv) or a harmonised .npz sets model_args n_snps, "
+        "and --data-args classes sets num_classes; a different n_snps or num_classes in --model-args is refused. "
+        "Each site checks its own file against them before it trains (docs/genomics.md)",
+    )
     choices_help = {
         "client": "client algorithm: " + ", ".join(sorted(CLIENT_ALGORITHMS)),
         "server": "server aggregation rule: " + ", ".join(sorted(RULES)),
@@ -122,6 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.presets:
             return _run_presets(args.check, args.output_dir or JOBS_DIR)
         values = {f.name: getattr(args, f.name) for f in dataclasses.fields(JobSpec) if f.name != "name"}
+        if args.snp_table is not None:
+            values["model_args"] = model_size_from_data(args.snp_table, values)
         spec = spec_from_values(args.name or f"{args.client}_{args.server}", values)
         print(f"exported {export_job(spec, args.output_dir or Path(DEFAULT_OUTPUT_DIR), args.site_resources)}")
         for note in advisories(spec):
@@ -130,6 +143,50 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     return 0
+
+
+def snp_count(path: Path) -> int:
+    """The SNPs of a SNP table (CSV, ``data_prep.genotypes.harmonise.read_snp_table``) or of a harmonised ``.npz``
+    (its ``snps``: the table it was harmonised against)."""
+    import numpy as np
+
+    from data_prep.errors import DataPrepError
+    from data_prep.genotypes.harmonise import read_snp_table
+
+    try:
+        if path.suffix != ".npz":
+            return len(read_snp_table(path).snps)
+        with np.load(path, allow_pickle=False) as stored:
+            snps = stored["snps"] if "snps" in stored.files else None
+    except (OSError, ValueError, DataPrepError) as exc:
+        raise JobBuildError(f"--snp-table {path}: {exc}") from None
+    if snps is None:
+        raise JobBuildError(f"--snp-table {path}: not a harmonised .npz (no 'snps'); give the SNP table")
+    return len(snps)
+
+
+def model_size_from_data(table: Path, values: dict) -> dict:
+    """``model_args`` with ``n_snps`` from ``table`` (`snp_count`) and ``num_classes`` from ``data_args`` classes;
+    one line when ``--model-args`` says otherwise (both numbers, and the fix)."""
+    if not values.get("model"):
+        raise JobBuildError(
+            "--snp-table sets a genomics model's n_snps: it needs --model (genomics.model:SnpClassifier)"
+        )
+    model_args = dict(values.get("model_args") or {})
+    classes = (values.get("data_args") or {}).get("classes")
+    snps = snp_count(table)
+    found = {"n_snps": (snps, f"{table} holds {snps} SNPs")}
+    if isinstance(classes, list):
+        found["num_classes"] = (len(classes), f"--data-args classes names {len(classes)} classes")
+    for setting, (number, source) in found.items():
+        given = model_args.get(setting)
+        if given is not None and given != number:
+            raise JobBuildError(
+                f"--model-args {setting}={given}, but {source}; drop {setting} from --model-args (--snp-table sets "
+                "it from the data) or give the table the sites harmonised against"
+            )
+        model_args[setting] = number
+    return model_args
 
 
 def _run_presets(check: bool, output_dir: Path) -> int:

@@ -110,7 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--sites", type=int, default=3)
     simulate.add_argument("--split", default="iid", help="data_prep.partition scheme: iid, dirichlet, population ...")
     simulate.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration (--split dirichlet)")
-    simulate.add_argument("--format", default="vcf.gz", choices=SITE_FORMATS)
+    simulate.add_argument(
+        "--format",
+        default="vcf.gz",
+        help=f"the sites' file format, one of {', '.join(SITE_FORMATS)}, or a comma-separated list, one per site in "
+        "order (repeated for more sites): vcf.gz,bcf,vcf,bed,pgen gives each site its own format",
+    )
     simulate.add_argument("--regions", type=int, default=40, help="independent simulated regions")
     simulate.add_argument("--region-length", type=int, default=250_000, help="bases per region")
     simulate.add_argument("--seed", type=int, default=0)

@@ -11,10 +11,12 @@ cohort's.
 
 People are split over the sites with one of ``data_prep.partition``'s schemes. Output, in ``--out``:
 
-- ``site-1.vcf.gz``, ... (or the ``--format`` given): the site's people, all table SNPs;
+- ``site-1.vcf.gz``, ... (or the ``--format`` given; a comma-separated list gives each site its own format, in site
+  order, e.g. ``vcf.gz,bcf,vcf,bed,pgen``): the site's people, all table SNPs;
 - ``site-1.labels.csv``, ...: ``sample,population`` for the site's people;
 - ``snp_table.csv``: ``snp,chrom,pos,ref,alt``, the consortium's table;
-- ``cohort.json``: the classes (population names, in label order), the SNP count and the people per site.
+- ``cohort.json``: the classes (population names, in label order), the SNP count, the people per site and each
+  site's file name (``files``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,15 @@ from data_prep.genotypes.harmonise import ReferenceTable
 from data_prep.genotypes.writers import Sites, write_genotype_file
 from data_prep.partition import partition
 
-__all__ = ["ALLELE_PAIRS", "SITE_FORMATS", "cohort_table", "simulate_sites", "split_people", "write_sites"]
+__all__ = [
+    "ALLELE_PAIRS",
+    "SITE_FORMATS",
+    "cohort_table",
+    "simulate_sites",
+    "site_formats",
+    "split_people",
+    "write_sites",
+]
 
 #: REF/ALT pairs a strand flip cannot be confused with (A/T and C/G are their own complement).
 ALLELE_PAIRS = (("A", "C"), ("A", "G"), ("C", "A"), ("C", "T"), ("G", "A"), ("G", "T"), ("T", "C"), ("T", "G"))
@@ -63,13 +73,25 @@ def split_people(labels: np.ndarray, num_sites: int, scheme: str, seed: int, alp
     return partition(labels, num_sites, scheme, seed=seed, alpha=alpha, min_samples=1)
 
 
+def site_formats(fmt: str, num_sites: int) -> list[str]:
+    """Each site's format: ``fmt`` is one of `SITE_FORMATS` for every site, or a comma-separated list given in site
+    order and repeated when there are more sites (``vcf.gz,bcf,vcf,bed,pgen``: each site in its own format)."""
+    formats = [part.strip() for part in fmt.split(",") if part.strip()]
+    bad = [part for part in formats if part not in SITE_FORMATS]
+    if bad or not formats:
+        raise DataPrepError(
+            f"--format must be one of {', '.join(SITE_FORMATS)}, got {fmt!r} (or a comma-separated list of them, "
+            "one per site)"
+        )
+    return [formats[i % len(formats)] for i in range(num_sites)]
+
+
 def write_sites(
     out: str | Path, cohort: GenotypeData, table: ReferenceTable, parts: Sequence[np.ndarray], fmt: str = "vcf.gz"
 ) -> list[Path]:
     """Write the site files, labels, table and ``cohort.json`` into ``out`` (module docstring); all files are
     written in a scratch folder beside ``out`` first and moved in at the end, so a failure leaves nothing."""
-    if fmt not in SITE_FORMATS:
-        raise DataPrepError(f"--format must be one of {', '.join(SITE_FORMATS)}, got {fmt!r}")
+    formats = site_formats(fmt, len(parts))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     samples = np.array([f"{cohort.classes[c]}_{i}" for i, c in enumerate(cohort.labels)])
@@ -78,14 +100,16 @@ def write_sites(
         folder = Path(scratch)
         for index, people in enumerate(parts):
             site = f"site-{index + 1}"
-            write_genotype_file(folder / f"{site}.{fmt}", cohort.genotypes[people], samples[people].tolist(), sites)
+            name = f"{site}.{formats[index]}"
+            write_genotype_file(folder / name, cohort.genotypes[people], samples[people].tolist(), sites)
             _write_labels(folder / f"{site}.labels.csv", samples[people], cohort.classes, cohort.labels[people])
         table.write(folder / "snp_table.csv")
         summary = {
             "classes": list(cohort.classes),
             "snps": len(table.snps),
             "people": {f"site-{i + 1}": len(p) for i, p in enumerate(parts)},
-            "genotypes": f"{{site}}.{fmt}",
+            "genotypes": f"{{site}}.{fmt}" if len(set(formats)) == 1 else None,
+            "files": {f"site-{i + 1}": f"site-{i + 1}.{f}" for i, f in enumerate(formats)},
             "labels": "{site}.labels.csv",
         }
         (folder / "cohort.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -111,8 +135,7 @@ def simulate_sites(
     """Simulate the cohort (``data_prep.genomics_sim``, cached), split it and write the sites (module docstring)."""
     from data_prep.genomics_sim import simulate_cohort
 
-    if fmt not in SITE_FORMATS:
-        raise DataPrepError(f"--format must be one of {', '.join(SITE_FORMATS)}, got {fmt!r}")
+    site_formats(fmt, num_sites)  # a bad --format before minutes of simulation
     cohort = simulate_cohort(
         n_snps=snps,
         samples_per_population=samples_per_population,

@@ -135,6 +135,11 @@ class SnpNet(nn.Module):
         self.projection = nn.Linear(encoder.width, projection_dim) if projection_dim else None
         self.head = nn.Linear(projection_dim or encoder.width, num_outputs)
 
+    def fl_head_keys(self) -> list[str]:
+        """The personal head (FedPer's ``--local-keys head``, FedRep without ``--local-keys``): the final linear
+        layer, ``net.head.*`` in the classifier's state_dict (lightning_modules/personalization/local_keys.py)."""
+        return [f"head.{name}" for name in self.head.state_dict()]
+
     def embed(self, states: torch.Tensor) -> torch.Tensor:
         h = self.encoder(states)
         return self.projection(h) if self.projection is not None else h
@@ -160,8 +165,9 @@ def data_shape_problem(hparams: Mapping[str, Any], data: object) -> str | None:
         if built != found:
             return (
                 f"{site}: the job's model_args {setting}={built}, but the site's data has {found} {what} ({source}); "
-                f"rebuild the job with {setting}={found} (the harmonised file's SNPs, the QC's filtered table, the "
-                "agreed classes); nothing trained"
+                f"rebuild the job with {setting}={found} (python -m jobs.build --snp-table <the table this site "
+                "harmonised against> takes n_snps from the table and num_classes from the agreed classes); nothing "
+                "trained"
             )
     return None
 

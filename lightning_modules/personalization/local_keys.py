@@ -12,7 +12,8 @@ With w = (w_S, w_L), site i's round t is ``w_S <- x_S^t; w_L <- w_L,i; (w_S', w_
 send w_S'`` and the server's rule maps the {w_S'} to ``x_S^{t+1}`` exactly as it maps full models without L.
 
 This module is the pure part: the patterns (comma-separated `fnmatch` globs over state_dict names, plus the
-word ``batchnorm`` for every entry of every ``torch.nn.modules.batchnorm._BatchNorm`` submodule) and a module ->
+word ``batchnorm`` for every entry of every ``torch.nn.modules.batchnorm._BatchNorm`` submodule, and the word ``head``
+for the head the module declares with ``fl_head_keys()``: FedPer without typing its names) and a module ->
 the sorted tuple of local names, refused in one line when a pattern matches nothing or the patterns cover every
 entry (nothing would be federated). The job builder resolves them once, against the job's model, and writes the
 explicit names into the client and server configs (docs/personalization.md, "Partial sharing").
@@ -30,6 +31,7 @@ from aggregators.deltas import leaked_local_keys, shared_entries
 
 __all__ = [
     "BATCHNORM",
+    "HEAD",
     "HEAD_METHOD",
     "LocalKeysError",
     "declared_head_keys",
@@ -46,6 +48,8 @@ BATCHNORM = "batchnorm"
 #: The method a module may define to declare its personal head (FedRep without --local-keys): returns the head's
 #: state_dict names relative to the module that defines it.
 HEAD_METHOD = "fl_head_keys"
+#: The word that stands for the declared head in ``--local-keys`` (FedPer without typing the head's names).
+HEAD = "head"
 
 
 class LocalKeysError(ValueError):
@@ -70,9 +74,12 @@ def batchnorm_keys(module: nn.Module) -> list[str]:
 
 
 def pattern_matches(pattern: str, names: Iterable[str], module: nn.Module) -> list[str]:
-    """The names one pattern selects (``batchnorm``: `batchnorm_keys`; otherwise a case-sensitive glob)."""
+    """The names one pattern selects (``batchnorm``: `batchnorm_keys`; ``head``: the head the module declares,
+    `declared_head_keys`, when it declares one; otherwise a case-sensitive glob)."""
     if pattern == BATCHNORM:
         return batchnorm_keys(module)
+    if pattern == HEAD and declared_head_keys(module):
+        return list(declared_head_keys(module))
     return [name for name in names if fnmatch.fnmatchcase(name, pattern)]
 
 
@@ -87,7 +94,13 @@ def resolve_local_keys(patterns: str | Sequence[str], module: nn.Module) -> tupl
     for pattern in parse_local_keys(patterns):
         matched = pattern_matches(pattern, names, module)
         if not matched:
-            hint = "the model has no BatchNorm layer" if pattern == BATCHNORM else f"entries are e.g. {names[:4]}"
+            hint = (
+                "the model has no BatchNorm layer"
+                if pattern == BATCHNORM
+                else f"the model declares no head ({HEAD_METHOD}()); its entries are e.g. {names[-2:]}"
+                if pattern == HEAD
+                else f"entries are e.g. {names[:4]}"
+            )
             raise LocalKeysError(f"local_keys: pattern {pattern!r} matches no state_dict entry of the model ({hint})")
         chosen.update(matched)
     if names and chosen >= set(names):

@@ -63,7 +63,7 @@ def test_every_person_goes_to_exactly_one_site() -> None:
     assert sorted(np.concatenate(parts).tolist()) == list(range(30))
 
 
-@pytest.mark.parametrize("fmt", ["vcf.gz", "bed"])
+@pytest.mark.parametrize("fmt", ["vcf.gz", "bed", "vcf.gz,bed"])
 def test_each_site_file_harmonises_back_to_its_people(tmp_path: Path, fmt: str) -> None:
     pytest.importorskip("bed_reader")
     cohort = small_cohort()
@@ -71,18 +71,20 @@ def test_each_site_file_harmonises_back_to_its_people(tmp_path: Path, fmt: str) 
     parts = split_people(cohort.labels, 2, "iid", seed=0, alpha=0.5)
     write_sites(tmp_path, cohort, table, parts, fmt)
     summary = json.loads((tmp_path / "cohort.json").read_text())
+    formats = fmt.split(",") * (2 // len(fmt.split(",")))  # each site its own format when a list is given
     assert summary == {
         "classes": ["AFR", "EUR", "ASIA"],
         "snps": 6,
         "people": {"site-1": 6, "site-2": 6},
-        "genotypes": f"{{site}}.{fmt}",
+        "genotypes": f"{{site}}.{fmt}" if len(set(formats)) == 1 else None,
+        "files": {"site-1": f"site-1.{formats[0]}", "site-2": f"site-2.{formats[1]}"},
         "labels": "{site}.labels.csv",
     }
     written_table = read_snp_table(tmp_path / "snp_table.csv")
     assert written_table.snps == cohort.snps and written_table.pos == table.pos
     for index, people in enumerate(parts):
         site = f"site-{index + 1}"
-        result = harmonise_file(tmp_path / f"{site}.{fmt}", written_table)
+        result = harmonise_file(tmp_path / summary["files"][site], written_table)
         assert set(result.status) == {"same"}  # the orientation the table gives
         np.testing.assert_array_equal(result.genotypes, cohort.genotypes[people])  # copies of the table's ALT
         labels = read_labels(str(tmp_path / f"{site}.labels.csv"), "population", result.samples)
