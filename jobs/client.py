@@ -240,12 +240,26 @@ def cross_site_task(task: str) -> bool:
 
 def answer_cross_site(task: str, received: Any, site: str, store: Any, site_round: Any) -> None:
     """Send the site's reply to a cross-site task (lightning_modules/cross_site.py): its kept and local-only models,
-    or the counts of the other sites' models on its validation split."""
+    or the counts of the other sites' models on its validation split. A site that cannot take part says why in its
+    log (one line) and answers empty (no weights, no counts): the server names it and goes on without it."""
     import nvflare.client as flare_api
-    import torch
     from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
 
-    from lightning_modules.cross_site import answer
+    from aggregators import cross_site
+
+    reply = cross_site_reply(task, received, site, store, site_round)
+    if task == cross_site.SUBMIT_TASK:
+        flare_api.send(FLModel(params_type=ParamsType.FULL, params=reply.get("params", {}), meta=reply.get("meta", {})))
+    else:
+        flare_api.send(FLModel(metrics=reply.get("metrics", {})))
+
+
+def cross_site_reply(task: str, received: Any, site: str, store: Any, site_round: Any) -> dict[str, Any]:
+    """`lightning_modules.cross_site.answer` for this site's round state; ``{}`` (and the reason printed) when the
+    site cannot take part."""
+    import torch
+
+    from lightning_modules.cross_site import CrossSiteError, answer
     from lightning_modules.personal_scores import site_copy
     from lightning_modules.split_scores import classifier_batches
 
@@ -253,12 +267,15 @@ def answer_cross_site(task: str, received: Any, site: str, store: Any, site_roun
     split = None
     if validation is not None:
         split = classifier_batches(torch.utils.data.DataLoader(validation, batch_size=site_round.training.batch_size))
-    reply = answer(task, received.params, received.meta or {}, site, store, split, lambda: site_copy(site_round.module))
-    if "params" in reply:
-        flare_api.send(FLModel(params_type=ParamsType.FULL, params=reply["params"], meta=reply["meta"]))
-    else:
-        flare_api.send(FLModel(metrics=reply["metrics"]))
+    try:
+        reply = answer(
+            task, received.params, received.meta or {}, site, store, split, lambda: site_copy(site_round.module)
+        )
+    except CrossSiteError as exc:
+        print(f"error: {exc}; answering {task} with nothing", flush=True)
+        return {}
     print(f"{site}: answered {task}", flush=True)
+    return reply
 
 
 if __name__ == "__main__":

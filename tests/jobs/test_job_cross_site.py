@@ -75,3 +75,24 @@ def test_off_it_changes_nothing_in_the_exported_job(tmp_path):
     assert "cross_site" not in (off / "app" / "config" / "config_fed_client.json").read_text()
     server = json.loads((on / "app" / "config" / "config_fed_server.json").read_text())
     assert any(w["args"].get("cross_site_eval") is True for w in server["workflows"])
+
+
+def test_a_site_that_cannot_take_part_answers_empty_and_says_why_in_one_line(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from jobs.client import cross_site_reply
+    from lightning_modules.state_store import ClientStateStore
+
+    site_round = SimpleNamespace(validation=None, training=SimpleNamespace(batch_size=8), module=None)
+    received = SimpleNamespace(params={}, meta={"server.run_id": "run-1"})
+    store = ClientStateStore(tmp_path, "site-1")
+    for task in (cross_site.SUBMIT_TASK, cross_site.VALIDATE_TASK):
+        assert cross_site_reply(task, received, "site-1", store, site_round) == {}
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        "error: site-1: cross-site evaluation: no kept_model of run 'run-1' in the site's state store (the job needs "
+        "--keep best --local-baseline and a validation split, and at least one round); answering cross_site_submit "
+        "with nothing",
+        "error: site-1: cross-site evaluation: the site holds no validation split; answering cross_site_validate with "
+        "nothing",
+    ]
