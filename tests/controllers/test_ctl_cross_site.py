@@ -57,3 +57,22 @@ def test_each_site_scores_the_others_models_only_and_the_view_is_per_owner():
     assert written["site-2"]["eval.local_cross_site_accuracy"] == 0.1
     assert written["site-2"]["eval.kept_minus_local_cross_site_accuracy"] == 0.1
     assert written["site-1"]["eval.cross_site_sites"] == 1.0
+
+
+def test_the_report_prints_the_view_per_site_and_no_gain_where_the_site_kept_its_own(tmp_path):
+    import json
+
+    from controllers.report import cross_site_table
+
+    sites = Sites()
+    record = cross_site_record(run_cross_site(sites.ask, ["site-1", "site-2"], "run-7", lambda _: None))
+    path = tmp_path / "cross_site_scores.json"
+    path.write_text(json.dumps(record))
+    lines = cross_site_table(path, {"site-1": {"own": True}, "site-2": {"own": False}}).splitlines()
+    assert lines[0].split() == ["site", "kept", "local-only", "samples", "sites", "gain", "(95%", "interval)"]
+    assert lines[1].split()[:5] == ["site-1", "0.1000", "0.1000", "10", "1"]
+    assert lines[1].endswith("no gain: kept its own model")
+    se = ((1 - 10 * 0.1**2) / 9) ** 0.5 / 10**0.5  # d: one 1 and nine 0s; sample sd (n - 1) over sqrt(n)
+    assert lines[2].split()[:6] == ["site-2", "0.2000", "0.1000", "10", "1", "+0.1000"]
+    assert lines[2].endswith(f"[{0.1 - 1.96 * se:+.4f}, {0.1 + 1.96 * se:+.4f}]")
+    assert cross_site_table(tmp_path / "missing.json") is None
