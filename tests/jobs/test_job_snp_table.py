@@ -1,4 +1,4 @@
-"""The genomics model's size comes from the data (issue 47, item 5): ``jobs.build --snp-table`` takes ``n_snps`` from
+"""The genomics model's size comes from the data: ``jobs.build --snp-table`` takes ``n_snps`` from
 the SNP table the sites harmonised against (or a harmonised ``.npz``) and ``num_classes`` from the agreed classes, and
 refuses a ``--model-args`` that says otherwise in one line naming both numbers and the fix; the genomics model declares
 its head, so FedPer's ``--local-keys head`` needs no typed names. Pure, no job is exported (milliseconds)."""

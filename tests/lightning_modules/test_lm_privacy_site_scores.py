@@ -1,4 +1,4 @@
-"""A DP site reads its own gain at the site (issue 47, item 3): the ``eval.*`` scores DP-SGD withholds go to the site's
+"""A DP site reads its own gain at the site: the ``eval.*`` scores DP-SGD withholds go to the site's
 log and to ``site_scores.jsonl`` in its state folder, never into the result; ``python -m controllers.report`` pointed
 at the site's folder prints them, and a job that releases the scores writes no such file. Digits with the MLP, one
 site round in process (a few seconds)."""
