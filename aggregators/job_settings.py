@@ -405,7 +405,7 @@ class RoundSettings:
         "model (--local-baseline) to the other sites, which score them on their validation splits: per site "
         "eval.kept_cross_site_accuracy, eval.local_cross_site_accuracy and their paired difference in "
         "<run dir>/metrics/cross_site_scores.json (aggregators/cross_site.py). A release of the site models to the "
-        "other sites (docs/privacy.md): refused under DP and secure aggregation; built-in models only",
+        "other sites (docs/privacy.md): refused under DP and secure aggregation and for --script",
         side=SERVER,
         exported_when=_cross_site,
     )

@@ -191,6 +191,7 @@ def run_builtin(args: argparse.Namespace) -> None:
     from aggregators import meta_keys
     from data_prep.site_config import seed_index
     from jobs.settings import dataset_num_classes
+    from lightning_modules.cross_site import is_cross_site_task
     from lightning_modules.site import build_site_round
     from lightning_modules.state_store import ClientStateStore, default_state_root
 
@@ -213,8 +214,8 @@ def run_builtin(args: argparse.Namespace) -> None:
         received = flare.receive()
         if received is None:
             break
-        if cross_site_task(flare_api.get_task_name()):  # after the last round (cross_site_eval)
-            answer_cross_site(flare_api.get_task_name(), received, site, store, site_round)
+        if is_cross_site_task(flare_api.get_task_name()):  # after the last round (cross_site_eval)
+            cross_site_reply(flare_api.get_task_name(), received, site, store, site_round)
             continue
         round_num = received.current_round or 0
         # restore_state=False: FedAvg-family clients start every round with a fresh optimizer (as FedAvg specifies),
@@ -231,35 +232,14 @@ def run_builtin(args: argparse.Namespace) -> None:
         )
 
 
-def cross_site_task(task: str) -> bool:
-    """Whether ``task`` is one of cross-site evaluation's (aggregators/cross_site.py)."""
-    from aggregators import cross_site
-
-    return task in (cross_site.SUBMIT_TASK, cross_site.VALIDATE_TASK)
-
-
-def answer_cross_site(task: str, received: Any, site: str, store: Any, site_round: Any) -> None:
-    """Send the site's reply to a cross-site task (lightning_modules/cross_site.py): its kept and local-only models,
-    or the counts of the other sites' models on its validation split. A site that cannot take part says why in its
-    log (one line) and answers empty (no weights, no counts): the server names it and goes on without it."""
-    import nvflare.client as flare_api
-    from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
-
-    from aggregators import cross_site
-
-    reply = cross_site_reply(task, received, site, store, site_round)
-    if task == cross_site.SUBMIT_TASK:
-        flare_api.send(FLModel(params_type=ParamsType.FULL, params=reply.get("params", {}), meta=reply.get("meta", {})))
-    else:
-        flare_api.send(FLModel(metrics=reply.get("metrics", {})))
-
-
-def cross_site_reply(task: str, received: Any, site: str, store: Any, site_round: Any) -> dict[str, Any]:
-    """`lightning_modules.cross_site.answer` for this site's round state; ``{}`` (and the reason printed) when the
-    site cannot take part."""
+def cross_site_reply(
+    task: str, received: Any, site: str, store: Any, site_round: Any, send: Any = None
+) -> dict[str, Any]:
+    """The built-in site's answer to a cross-site task (`lightning_modules.cross_site.respond`): its kept and
+    local-only models, or the counts of the other sites' models on its validation split."""
     import torch
 
-    from lightning_modules.cross_site import CrossSiteError, answer
+    from lightning_modules.cross_site import respond
     from lightning_modules.personal_scores import site_copy
     from lightning_modules.split_scores import classifier_batches
 
@@ -267,15 +247,7 @@ def cross_site_reply(task: str, received: Any, site: str, store: Any, site_round
     split = None
     if validation is not None:
         split = classifier_batches(torch.utils.data.DataLoader(validation, batch_size=site_round.training.batch_size))
-    try:
-        reply = answer(
-            task, received.params, received.meta or {}, site, store, split, lambda: site_copy(site_round.module)
-        )
-    except CrossSiteError as exc:
-        print(f"error: {exc}; answering {task} with nothing", flush=True)
-        return {}
-    print(f"{site}: answered {task}", flush=True)
-    return reply
+    return respond(task, received, site, store, split, lambda: site_copy(site_round.module), send)
 
 
 if __name__ == "__main__":

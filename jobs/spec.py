@@ -661,12 +661,12 @@ def _check_cross_site(spec: JobSpec) -> None:
         dp = "DP-SGD (dp_noise_multiplier/dp_target_epsilon)" if is_private(spec) else "the DP-FedAvg rule (dp_fedavg)"
         raise JobBuildError(f"{what}, a release no DP accounting covers: not with {dp}")
     if spec.script is not None:
-        raise JobBuildError(f"{what}: the built-in sites only, not --script (your script keeps no such models)")
+        raise JobBuildError(f"{what}: the bundle's site loop only, not --script (your script keeps no such models)")
     if spec.keep != "best" or not spec.local_baseline:
         raise JobBuildError(f"{what}: the sites keep them with --keep best and --local-baseline; add both")
-    if spec.site_val_fraction == 0:
+    if not has_validation_split(spec):
         raise JobBuildError(
-            f"{what}, which score them on their validation splits: the sites hold none (--site-val-fraction, e.g. 0.2)"
+            f"{what}, which score them on their validation splits: the sites hold none: {_validation_hint(spec)}"
         )
     if spec.keep_metric != "val_loss":
         raise JobBuildError(

@@ -43,7 +43,6 @@ NO_EFFECT_WITH_MODEL: dict[str, str] = {
     "batch_size": "your data module's train_dataloader() decides the batch size: give it in --data-args",
     "max_test_samples": "the server has no test set with --model: the sites evaluate on their val_dataloader()",
     "site_pooled_test": "the pooled view is the built-in dataset's published test set; with --model there is none",
-    "cross_site_eval": "cross-site evaluation scores the built-in sites' kept models; not wired for --model yet",
     "arch": "your module is the model: its constructor arguments go in --model-args",
     "arch_args": "your module is the model: its constructor arguments go in --model-args",
     "lr": _OPTIMIZER,

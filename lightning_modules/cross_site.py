@@ -24,7 +24,7 @@ from lightning_modules.site_choice import mixture_scores
 from lightning_modules.split_scores import SplitBatches, log_probs
 from lightning_modules.state_store import ClientStateStore
 
-__all__ = ["CrossSiteError", "answer", "owner_models", "score_owners", "submission"]
+__all__ = ["CrossSiteError", "answer", "is_cross_site_task", "owner_models", "respond", "score_owners", "submission"]
 
 
 class CrossSiteError(RuntimeError):
@@ -50,6 +50,11 @@ def submission(store: ClientStateStore, run_id: str, site: str) -> tuple[dict[st
     mixture's weight of the federated model, for a mixture only)."""
     store.use_run(run_id)
     kept, own = _state(store, KEPT_STORE, run_id, site), _state(store, OWN_STORE, run_id, site)
+    if "kind" not in kept or "state" not in kept:
+        raise CrossSiteError(
+            f"{site}: cross-site evaluation: the kept model was chosen on the Lightning path (a module whose forward "
+            "is not a classifier's, lightning_modules/keep_best.py), which keeps no local-only model to send"
+        )
     params: dict[str, torch.Tensor] = {}
     meta: dict[str, Any] = {}
     if kept.get("kind") == "mixture":
@@ -133,3 +138,39 @@ def answer(
         raise CrossSiteError(f"{site}: cross-site evaluation: the site holds no validation split")
     weights = dict(meta.get(cross_site.WEIGHTS) or {})
     return {"metrics": score_owners(params or {}, weights, split, make_module)}
+
+
+def is_cross_site_task(task: str) -> bool:
+    """Whether ``task`` is one of cross-site evaluation's."""
+    return task in (cross_site.SUBMIT_TASK, cross_site.VALIDATE_TASK)
+
+
+def respond(
+    task: str,
+    received: Any,
+    site: str,
+    store: ClientStateStore | None,
+    split: SplitBatches | None,
+    make_module: Callable[[], pl.LightningModule],
+    send: Callable[[Any], None] | None = None,
+) -> dict[str, Any]:
+    """Answer a cross-site task over NVFlare (``send``: ``nvflare.client.send``) and return the reply. A site that
+    cannot take part says why in its log (one line) and answers empty (no weights, no counts): the server names it
+    and goes on without it, after the training it did."""
+    from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
+
+    try:
+        reply = answer(task, received.params, received.meta or {}, site, store, split, make_module)
+        print(f"{site}: answered {task}", flush=True)
+    except CrossSiteError as exc:
+        print(f"error: {exc}; answering {task} with nothing", flush=True)
+        reply = {}
+    if send is None:
+        import nvflare.client as flare_api
+
+        send = flare_api.send
+    if task == cross_site.SUBMIT_TASK:
+        send(FLModel(params_type=ParamsType.FULL, params=reply.get("params", {}), meta=reply.get("meta", {})))
+    else:
+        send(FLModel(metrics=reply.get("metrics", {})))
+    return reply

@@ -70,7 +70,7 @@ def share_from_rank_zero(value: Any) -> Any:
 
 
 def next_task(flare: Any) -> tuple[str, int]:
-    """On rank 0: what NVFlare asks for next, ``("train" | "evaluate" | "stop", round)``."""
+    """On rank 0: what NVFlare asks for next, ``("train" | "evaluate" | "cross_site" | "stop", round)``."""
     import nvflare.client as flare_api
 
     if not flare.is_running():
@@ -78,4 +78,8 @@ def next_task(flare: Any) -> tuple[str, int]:
     received = flare.receive()
     if received is None:
         return "stop", 0
+    from lightning_modules.cross_site import is_cross_site_task
+
+    if is_cross_site_task(flare_api.get_task_name()):
+        return "cross_site", received.current_round or 0
     return ("evaluate" if flare_api.is_evaluate() else "train"), received.current_round or 0

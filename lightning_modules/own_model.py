@@ -280,6 +280,7 @@ class UserSite:
         from lightning_modules.site import site_privacy
 
         self.args, self.site = args, site
+        self.state_store = state_store  # the site's private store: the kept and local-only models live there
         with naming_the_site(site):  # the job's --seed, as the server's persistor builds it
             self.module = build_user_module(args.model, json_arg(args.model_args), seed=args.seed)
         site_arg = getattr(args, "data_site_arg", None)
@@ -446,6 +447,15 @@ class UserSite:
         privacy = self.callback.privacy
         return privacy is not None and not privacy.config.release_site_scores
 
+    def answer_cross_site(self, task: str, received: Any) -> dict[str, Any]:
+        """This site's answer to a cross-site task (lightning_modules/cross_site.py): its kept and local-only models,
+        or the other sites' models scored on its data module's validation split."""
+        from lightning_modules.cross_site import respond
+        from lightning_modules.personal_scores import site_copy
+
+        split = self.classifier_splits(with_test=False)["val"] if self.evaluate else None
+        return respond(task, received, self.site, self.state_store, split, lambda: site_copy(self.module))
+
     def score(self, params: Mapping[str, Any]) -> dict[str, float]:
         """The validation metrics of ``params`` on this site's validation split (a site x model table)."""
         from lightning_modules.site import LocalExchange
@@ -479,6 +489,9 @@ def run_site(args: Any) -> None:
             scores = site.score(flare.receive().params) if site.evaluate else {}
             flare_api.send(flare.FLModel(metrics={}, meta={meta_keys.PRIVACY_WITHHELD: sorted(scores)}))
             outcome = f"final model (withheld from the server under DP-SGD): {json.dumps(_scalars(scores))}"
+        elif kind == "cross_site":  # after the last round (cross_site_eval, lightning_modules/cross_site.py)
+            site.answer_cross_site(flare_api.get_task_name(), flare.receive())
+            continue
         elif kind == "evaluate":  # the final model, scored on this site's validation split (final_site_eval)
             scores = site.score_received(connect)
             if scores is None and rank == 0:

@@ -94,3 +94,39 @@ def test_the_report_shows_the_cross_site_view(run):
     text = printed.getvalue()
     assert "the other sites' validation splits" in text, text
     assert "site-1" in text and "site-2" in text
+
+
+def test_a_users_own_model_takes_part_through_the_bundles_site_loop(tmp_path, simulate):
+    """The consortium's own model and data module (examples/genomics; --model, --data, a validation and a test
+    split from the data module): the user site loop answers both tasks, and each site's models are scored by the
+    other site only, on its data module's validation split."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    spec = JobSpec(
+        name="e2e_cross_site_model",
+        num_sites=2,
+        num_rounds=1,
+        ship=str(repo / "examples" / "genomics"),
+        model="genomics.model:SnpClassifier",
+        data="genomics.data:SnpSites",
+        model_args={"arch": "mlp", "n_snps": 127, "num_classes": 5, "lr": 0.001},
+        data_args={"source": "1kg", "split": "population", "batch_size": 128, "test_fraction": 0.1},
+        keep="best",
+        local_baseline=True,
+        cross_site_eval=True,
+    )
+    completed = simulate(export_job(spec, tmp_path / "jobs"), tmp_path / "ws", 2, 2)
+    output = completed.stdout + completed.stderr
+    path = tmp_path / "ws" / "server" / "simulate_job" / "metrics" / "cross_site_scores.json"
+    assert path.is_file(), output[-3000:]
+    record = json.loads(path.read_text())
+    assert {owner: set(by) for owner, by in record["pairs"].items()} == {"site-1": {"site-2"}, "site-2": {"site-1"}}
+    for owner, by in record["pairs"].items():
+        (counts,) = by.values()
+        assert counts["num_samples"] > 0 and 0 <= counts["kept_correct"] <= counts["num_samples"]
+        assert record["sites"][owner]["eval.cross_site_samples"] == counts["num_samples"]
+    for site in ("site-1", "site-2"):
+        for task in (cross_site.SUBMIT_TASK, cross_site.VALIDATE_TASK):
+            assert f"{site}: answered {task}" in output
+    assert "egress gate" not in output

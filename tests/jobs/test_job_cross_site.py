@@ -36,7 +36,7 @@ SETTINGS = {
         (["--server", "dp_fedavg"], "not with the DP-FedAvg rule"),
         (["--secure-aggregation", "plain"], "cross_site_eval: sends the sites' models in clear"),
         (["--keep", "last"], "--keep best and --local-baseline; add both"),
-        (["--site-val-fraction", "0"], "the sites hold none (--site-val-fraction"),
+        (["--site-val-fraction", "0"], "the sites hold none: set site_val_fraction"),
         (["--keep-metric", "val_accuracy"], "leave keep_metric at val_loss"),
     ],
 )
@@ -86,8 +86,10 @@ def test_a_site_that_cannot_take_part_answers_empty_and_says_why_in_one_line(tmp
     site_round = SimpleNamespace(validation=None, training=SimpleNamespace(batch_size=8), module=None)
     received = SimpleNamespace(params={}, meta={"server.run_id": "run-1"})
     store = ClientStateStore(tmp_path, "site-1")
+    sent = []
     for task in (cross_site.SUBMIT_TASK, cross_site.VALIDATE_TASK):
-        assert cross_site_reply(task, received, "site-1", store, site_round) == {}
+        assert cross_site_reply(task, received, "site-1", store, site_round, sent.append) == {}
+    assert (sent[0].params, sent[0].meta, sent[1].params, sent[1].metrics) == ({}, {}, None, {})  # empty answers
     out = capsys.readouterr().out.splitlines()
     assert out == [
         "error: site-1: cross-site evaluation: no kept_model of run 'run-1' in the site's state store (the job needs "
