@@ -12,7 +12,8 @@ in clear) are recorded per round and improve.
 
 Checked, every job (and a one-round DP-SGD job under HE with site evaluation): a curious server's recorder
 (tests/e2e/egress_recorder.py, first among its result filters) finds nothing beyond what the job config's egress
-gates declare, and no DP site's validation score in clear (the HE meta is not encrypted).
+gates declare, and no DP site's validation score in clear (the HE meta is not encrypted). The DP sites' withheld
+scores are in their own kits (``site_scores.jsonl``), none in the server's result.
 
 Checked, QC: the HE job completes; the server logs that it adds ciphertexts and never the clear-counts warning, and its
 ``qc_report.json`` names the sites and the settings only; every site writes the same filtered table and a report from
@@ -292,3 +293,22 @@ def test_nothing_undeclared_reaches_the_server(runs):
     assert {r["site"] for r in dp if r["task"] == "train"} == {f"site-{i}" for i in range(1, NUM_SITES + 1)}
     for r in dp:
         assert "initial_metrics" not in r["meta"] and not [k for k in r["meta"] if k.startswith("eval.")], r
+
+
+def test_each_dp_site_keeps_its_own_scores_in_its_kit_and_the_server_holds_none(runs):
+    """The DP-SGD job under HE: the validation scores each site withheld are in its own kit (``site_scores.jsonl`` in
+    its state folder, read by ``python -m controllers.report <site kit>``); the server's downloaded result holds no
+    such file and no ``eval.`` score."""
+    from controllers import report
+    from lightning_modules.privacy.site_scores import read_site_scores
+
+    deployment, results = runs
+    for site, kit in deployment.sites.items():
+        (path,) = (kit / "client_state").rglob("site_scores.jsonl")
+        (record,) = read_site_scores(path)
+        assert record["site"] == site and {"val_loss", "val_accuracy"} <= set(record["scores"]), record
+        assert report.is_site_folder(kit)
+    server = results["he_dp"][2]
+    assert not list(server.rglob("site_scores.jsonl"))
+    texts = [p.read_text(errors="ignore") for p in server.rglob("*") if p.is_file() and p.suffix in (".json", ".jsonl")]
+    assert texts and not [t for t in texts if "eval.val_" in t]
