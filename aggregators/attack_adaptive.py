@@ -96,6 +96,8 @@ class AttackAdaptive(RuleHParams, AggregationRule):
     partial_sharing_refused: ClassVar[str | None] = (
         "its attention model was trained on whole LeNet-5 updates; it cannot score part of a model"
     )
+    translation_equivariant: ClassVar[str | None] = None
+    client_level_dp: ClassVar[str | None] = None
 
     _loaded: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 

@@ -8,7 +8,8 @@ model step on the SCAFFOLD-corrected client models plus SCAFFOLD's c <- c + (1/N
 
 `plan_composition` decides at build time which companions a (client algorithm, server rule) pair needs, or
 refuses the pair with the reason it is meaningless. Classes are read duck-typed: a client algorithm class has
-``name``, ``required_server_meta``, ``sent_meta`` and ``local_update`` (``gradient``, ``proximal`` or ``drift``);
+``name``, ``required_server_meta``, ``sent_meta`` and, declared on its own class (`aggregators.types.declared`: an
+undeclared one is refused), ``local_update`` (``gradient``, ``proximal`` or ``drift``);
 a rule class has ``name``, ``required_meta``, ``broadcast_keys`` and optionally ``needs_linear_local_solver``.
 """
 
@@ -29,6 +30,8 @@ from aggregators.types import (
     ClientUpdate,
     CompanionRule,
     RoundContext,
+    UndeclaredCapability,
+    declared,
 )
 
 
@@ -63,17 +66,23 @@ NO_COMPANION_REASON = {
 
 
 def client_sent_meta(client_cls: type) -> set[str]:
-    """Every meta key a client running ``client_cls`` sends each round."""
+    """Every meta key a client running ``client_cls`` sends each round (its own ``local_update`` declaration says
+    whether it reports FedNova's tau and ||a||_1; undeclared: `UndeclaredCapability`)."""
     sent = set(client_cls.sent_meta) | set(COMMON_CLIENT_META)
-    if getattr(client_cls, "local_update", "gradient") != "drift":
+    if declared(client_cls, "local_update") != "drift":
         sent |= set(LINEAR_SOLVER_META)
     return sent
 
 
 def plan_composition(client_cls: type, rule_cls: type) -> tuple[str, ...]:
-    """Companion rule names the pair needs (often none); raises `CompositionError` saying why it cannot run."""
+    """Companion rule names the pair needs (often none); raises `CompositionError` saying why it cannot run (a
+    client that declares no ``local_update`` of its own among the reasons)."""
     who = f"client algorithm '{client_cls.name}' with server rule '{rule_cls.name}'"
-    if rule_cls.needs_linear_local_solver and client_cls.local_update == "drift":
+    try:
+        local_update = declared(client_cls, "local_update")
+    except UndeclaredCapability as exc:
+        raise CompositionError(str(exc)) from None
+    if rule_cls.needs_linear_local_solver and local_update == "drift":
         raise CompositionError(
             f"{who}: FedNova normalises each update by ||a_i||_1, the weight of the local gradients in x - y_i; "
             f"'{client_cls.name}' adds a correction that is not a local gradient, so no such ||a_i||_1 exists and "

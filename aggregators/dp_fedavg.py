@@ -239,6 +239,9 @@ class DPFedAvg(RuleHParams, AggregationRule):
 
     name: ClassVar[str] = "dp_fedavg"
     secure_sum: ClassVar[str] = "clips every individual update at the server before it noises the sum"
+    translation_equivariant: ClassVar[str | None] = None
+    partial_sharing_refused: ClassVar[str | None] = None
+    client_level_dp: ClassVar[str | None] = "DP-FedAvg"  # its clipped, noised sum is the client-level DP release
     #: The noisy mean is divided by the expected number of sites, and noised: not the clients' common model.
     mean_type: ClassVar[bool] = False
 

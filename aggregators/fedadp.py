@@ -85,6 +85,9 @@ class FedAdp(RuleHParams, AggregationRule):
 
     name: ClassVar[str] = "fedadp"
     secure_sum: ClassVar[str] = "weights every site by the angle between its own update and the mean update"
+    translation_equivariant: ClassVar[str | None] = None
+    partial_sharing_refused: ClassVar[str | None] = None
+    client_level_dp: ClassVar[str | None] = None
 
     def init_state(self, global_params: Mapping[str, np.ndarray]) -> dict[str, Any]:
         return {"angles": {}, "counts": {}}

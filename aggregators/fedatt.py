@@ -57,6 +57,9 @@ class FedAtt(RuleHParams, AggregationRule):
 
     name: ClassVar[str] = "fedatt"
     secure_sum: ClassVar[str] = "weights every site by the distance of its own model to the global one, layer by layer"
+    translation_equivariant: ClassVar[str | None] = None
+    partial_sharing_refused: ClassVar[str | None] = None
+    client_level_dp: ClassVar[str | None] = None
     #: x + epsilon * sum_i alpha_i (y_i - x): a step of size epsilon towards the clients, plus noise.
     mean_type: ClassVar[bool] = False
 

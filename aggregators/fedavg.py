@@ -61,6 +61,8 @@ class FedAvg(RuleHParams, AggregationRule):
     name: ClassVar[str] = "fedavg"
     secure_sum: ClassVar[str] = SECURE_SUM
     translation_equivariant: ClassVar[str | None] = "server_lr = 1"  # x + sum_i p_i (y_i - x) = sum_i p_i y_i
+    partial_sharing_refused: ClassVar[str | None] = None
+    client_level_dp: ClassVar[str | None] = None
 
     def aggregate_params(
         self, global_params: Mapping[str, np.ndarray], updates: Sequence[ClientUpdate], context: RoundContext

@@ -160,6 +160,9 @@ class FedDyn(RuleHParams, AggregationRule):
     secure_sum: ClassVar[str] = (
         "keeps h from every round's updates and sends alpha to the sites; NVFlare's HE workflow keeps no server state"
     )
+    translation_equivariant: ClassVar[str | None] = None
+    partial_sharing_refused: ClassVar[str | None] = None
+    client_level_dp: ClassVar[str | None] = None
     #: x = mean(y) - h / alpha: the correction h moves it off the clients' common model.
     mean_type: ClassVar[bool] = False
     required_meta: ClassVar[tuple[str, ...]] = (meta_keys.FEDDYN_ALPHA_K, meta_keys.FEDDYN_PARAM_KEYS)

@@ -147,6 +147,9 @@ class FedMoS(RuleHParams, AggregationRule):
 
     name: ClassVar[str] = "fedmos"
     secure_sum: ClassVar[str] = "selects sites by data share and applies server momentum to the plaintext average"
+    translation_equivariant: ClassVar[str | None] = None
+    partial_sharing_refused: ClassVar[str | None] = None
+    client_level_dp: ClassVar[str | None] = None
     #: Server momentum carries earlier rounds into this one.
     mean_type: ClassVar[bool] = False
 

@@ -103,6 +103,9 @@ class FedNova(RuleHParams, AggregationRule):
         "normalises every site's update by its own tau_i and a_i at the server (a sum only if every site "
         "pre-scaled its own update, which is not implemented)"
     )
+    translation_equivariant: ClassVar[str | None] = None
+    partial_sharing_refused: ClassVar[str | None] = None
+    client_level_dp: ClassVar[str | None] = None
     required_meta: ClassVar[tuple[str, ...]] = (meta_keys.FEDNOVA_TAU, meta_keys.FEDNOVA_A_NORM)
     #: Client algorithms whose local update is not eta * G a (a drift that is not a local gradient) cannot compose.
     needs_linear_local_solver: ClassVar[bool] = True

@@ -226,6 +226,9 @@ class FedAdam(FedOpt):
 
     name: ClassVar[str] = "fedadam"
     secure_sum: ClassVar[str] = SITE_STEP
+    translation_equivariant: ClassVar[str | None] = None
+    partial_sharing_refused: ClassVar[str | None] = None
+    client_level_dp: ClassVar[str | None] = None
     variant: ClassVar[str] = "adam"
 
 
@@ -234,6 +237,9 @@ class FedYogi(FedOpt):
 
     name: ClassVar[str] = "fedyogi"
     secure_sum: ClassVar[str] = SITE_STEP
+    translation_equivariant: ClassVar[str | None] = None
+    partial_sharing_refused: ClassVar[str | None] = None
+    client_level_dp: ClassVar[str | None] = None
     variant: ClassVar[str] = "yogi"
 
 
@@ -242,6 +248,9 @@ class FedAdagrad(FedOpt):
 
     name: ClassVar[str] = "fedadagrad"
     secure_sum: ClassVar[str] = SITE_STEP
+    translation_equivariant: ClassVar[str | None] = None
+    partial_sharing_refused: ClassVar[str | None] = None
+    client_level_dp: ClassVar[str | None] = None
     variant: ClassVar[str] = "adagrad"
 
 
@@ -250,6 +259,9 @@ class FedAvgM(FedOpt):
 
     name: ClassVar[str] = "fedavgm"
     secure_sum: ClassVar[str] = SITE_STEP
+    translation_equivariant: ClassVar[str | None] = None
+    partial_sharing_refused: ClassVar[str | None] = None
+    client_level_dp: ClassVar[str | None] = None
     variant: ClassVar[str] = "avgm"
 
 

@@ -70,6 +70,8 @@ class Krum(RuleHParams, AggregationRule):
     name: ClassVar[str] = "krum"
     secure_sum: ClassVar[str] = "scores every individual update by its distances to the others"
     translation_equivariant: ClassVar[str | None] = ""  # distances between the y_i only
+    partial_sharing_refused: ClassVar[str | None] = None
+    client_level_dp: ClassVar[str | None] = None
 
     def aggregate(
         self,

@@ -40,6 +40,8 @@ class Median(RuleHParams, AggregationRule):
     name: ClassVar[str] = "median"
     secure_sum: ClassVar[str] = "takes the coordinate-wise median of the individual updates"
     translation_equivariant: ClassVar[str | None] = ""  # coordinate-wise order statistics of the y_i
+    partial_sharing_refused: ClassVar[str | None] = None
+    client_level_dp: ClassVar[str | None] = None
 
     def aggregate_params(
         self, global_params: Mapping[str, np.ndarray], updates: Sequence[ClientUpdate], context: RoundContext

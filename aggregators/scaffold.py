@@ -162,6 +162,9 @@ class Scaffold(RuleHParams, AggregationRule):
         "keeps the control c from every site's delta c_i, which travels beside the model; NVFlare's HE "
         "aggregator sums the model only"
     )
+    translation_equivariant: ClassVar[str | None] = None
+    partial_sharing_refused: ClassVar[str | None] = None
+    client_level_dp: ClassVar[str | None] = None
     required_meta: ClassVar[tuple[str, ...]] = (meta_keys.SCAFFOLD_CTRL_DIFF,)
     broadcast_keys: ClassVar[tuple[str, ...]] = (meta_keys.SCAFFOLD_CTRL_GLOBAL,)
 

@@ -55,6 +55,8 @@ class TrimmedMean(RuleHParams, AggregationRule):
     name: ClassVar[str] = "trimmed_mean"
     secure_sum: ClassVar[str] = "sorts the individual updates per coordinate to drop the extremes"
     translation_equivariant: ClassVar[str | None] = ""  # coordinate-wise order statistics of the y_i
+    partial_sharing_refused: ClassVar[str | None] = None
+    client_level_dp: ClassVar[str | None] = None
 
     def aggregate_params(
         self, global_params: Mapping[str, np.ndarray], updates: Sequence[ClientUpdate], context: RoundContext

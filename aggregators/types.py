@@ -76,6 +76,54 @@ class ServerState:
         return {}
 
 
+class UndeclaredCapability(ValueError):
+    """A client algorithm or server rule that does not declare, on its own class, a capability the job asks."""
+
+
+#: What to declare for each capability a class is asked (the end of the refusal's one line). A client algorithm's
+#: and a rule's capabilities alike: every admission reads the class's own declaration (`declared`), never its
+#: parent's, so a subclass that changes what its parent does is not admitted by its parent's lines.
+TO_DECLARE: dict[str, str] = {
+    "dp_sgd": "DPSGD(composes, why) (whether its outputs can be accounted under sample-level DP-SGD)",
+    "released": "(Released(key, what, status), ...) for every key of sent_meta (() when it sends none)",
+    "local_update": '"gradient", "proximal" or "drift" (how its local update relates to the local gradients)',
+    "secure_sum": (
+        "None for a client that needs nothing from the server but the global model, SECURE_SUM or SITE_STEP for a "
+        "rule that runs on the sum, or else why it cannot run on a sum"
+    ),
+    "translation_equivariant": (
+        'the settings under which its result ignores the global model ("" always), or None (it does not)'
+    ),
+    "partial_sharing_refused": "None (it aggregates the shared entries alone) or why it cannot",
+    "client_level_dp": 'None (its result is no client-level DP release) or its DP mechanism\'s name ("DP-FedAvg")',
+}
+#: The capabilities every rule of `aggregators.registry.RULES` declares on its own class.
+RULE_CAPABILITIES = ("secure_sum", "translation_equivariant", "partial_sharing_refused", "client_level_dp")
+_REFUSE = object()
+
+
+def undeclared_problem(cls: type, capability: str) -> str:
+    """One line: ``cls`` (a client algorithm or rule class) declares no ``capability`` of its own, and what to
+    declare."""
+    kind = "client algorithm" if hasattr(cls, "required_server_meta") else "server rule"
+    return (
+        f"{kind} '{getattr(cls, 'name', '') or cls.__qualname__}' declares no {capability} of its own (a class never "
+        f"inherits one): declare {capability} = {TO_DECLARE[capability]} on {cls.__qualname__}"
+    )
+
+
+def declared(cls: type, capability: str, undeclared: Any = _REFUSE) -> Any:
+    """``capability`` as declared in ``cls``'s own body, never inherited: the one admission rule. Undeclared: the
+    refusal value ``undeclared`` where one is given (an answer that refuses, e.g. `UNDECLARED_SECURE_SUM`), else
+    `UndeclaredCapability` with `undeclared_problem`'s line."""
+    own = vars(cls)
+    if capability in own:
+        return own[capability]
+    if undeclared is _REFUSE:
+        raise UndeclaredCapability(undeclared_problem(cls, capability))
+    return undeclared
+
+
 #: `AggregationRule.secure_sum` values of a rule that runs on the sum: the weighted mean itself, or a server
 #: optimizer every site applies to the decrypted mean.
 SECURE_SUM = "sum"
@@ -86,7 +134,7 @@ UNDECLARED_SECURE_SUM = "declares no secure_sum of its own: that it is a weighte
 
 def declared_secure_sum(rule_cls: type) -> str:
     """The rule's own ``secure_sum`` declaration (`SECURE_SUM`, `SITE_STEP` or a refusal), never inherited."""
-    return vars(rule_cls).get("secure_sum") or UNDECLARED_SECURE_SUM
+    return declared(rule_cls, "secure_sum", None) or UNDECLARED_SECURE_SUM
 
 
 class AggregationRule(ServerState):
@@ -107,17 +155,24 @@ class AggregationRule(ServerState):
     needs_linear_local_solver: ClassVar[bool] = False
     #: Identical client models give exactly that model (a weighted-mean-type rule); the contract tests check it.
     mean_type: ClassVar[bool] = True
+    #: Capabilities (`RULE_CAPABILITIES`): every rule declares each on its own class, and each is read with
+    #: `declared`, never inherited, so they have no value here; a rule that does not declare one is refused where the
+    #: job asks it (`undeclared_problem`).
     #: The result does not depend on the global model x, rule(x, {y_i}) = rule(0, {y_i}), under the settings named
     #: here (``None``: it does): such a rule may run as an NVFlare ModelAggregator (controllers/nvflare_aggregator.py).
-    translation_equivariant: ClassVar[str | None] = None
+    translation_equivariant: ClassVar[str | None]
     #: Why the rule cannot aggregate the shared entries alone (``None``: it can): the job builder refuses it with
     #: partial sharing (``local_keys``: FedPer, FedBN, FedRep).
-    partial_sharing_refused: ClassVar[str | None] = None
+    partial_sharing_refused: ClassVar[str | None]
     #: How the rule runs under secure aggregation (jobs/secure_aggregation.py), where the server only ever holds the
     #: weighted sum of the sites' encrypted updates: `SECURE_SUM` (the rule is that weighted mean), `SITE_STEP` (a
     #: server optimizer that every site applies to the decrypted mean), or else why it cannot (what it needs of the
-    #: individual updates). Read from the class itself (`declared_secure_sum`), never inherited.
-    secure_sum: ClassVar[str] = ""
+    #: individual updates) (`declared_secure_sum`: undeclared, it cannot).
+    secure_sum: ClassVar[str]
+    #: The name of its DP mechanism when the rule's result is a client-level DP release (``"DP-FedAvg"``), ``None``:
+    #: it is not one. The builder then refuses what would escape that noise (a companion's state, float buffers,
+    #: cross-site models, streamed logs: jobs/spec.py, jobs/log_streaming.py).
+    client_level_dp: ClassVar[str | None]
 
     def select_sites(
         self, population: Sequence[str], count: int, state: Mapping[str, Any], seed: int, round_num: int

@@ -39,6 +39,7 @@ from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
 from nvflare.app_common.aggregators.model_aggregator import ModelAggregator
 
 from aggregators import RULES, AggregationError, ClientUpdate, RoundContext, build_rule
+from aggregators.types import UndeclaredCapability, declared
 from controllers.adapters import Rejection, result_site
 from controllers.checkpoint import save_updates
 from controllers.engine import RoundEngine, SiteResult, aggregate_problems
@@ -71,6 +72,13 @@ def majority_signature(signatures: Sequence[Signature]) -> tuple[Signature | Non
     return ranked[0][0], ""
 
 
+def equivariant_rules(rules: Mapping[str, type]) -> dict[str, str]:
+    """The rules of ``rules`` whose result does not depend on the global model, with the settings under which that
+    holds: each rule's own ``translation_equivariant`` declaration, never inherited (aggregators/types.py)."""
+    own = {name: declared(cls, "translation_equivariant", None) for name, cls in rules.items()}
+    return {name: settings for name, settings in own.items() if settings is not None}
+
+
 #: Why partial sharing (``local_keys``: FedPer, FedBN, FedRep) cannot run under NVFlare's FedAvg controller.
 LOCAL_KEYS_REFUSAL = (
     "NVFlare's FedAvg controller replaces its whole global model with what the aggregator returns and never shows "
@@ -83,10 +91,8 @@ class RuleAggregator(ModelAggregator):
     """A rule of `aggregators.RULES` as an NVFlare ``ModelAggregator`` (module docstring)."""
 
     #: Rules whose result does not depend on the global model, with the settings under which that holds: derived
-    #: from each rule's own ``translation_equivariant`` declaration (aggregators/types.py).
-    EQUIVARIANT: ClassVar[dict[str, str]] = {
-        name: cls.translation_equivariant for name, cls in RULES.items() if cls.translation_equivariant is not None
-    }
+    #: from each rule's own ``translation_equivariant`` declaration (`equivariant_rules`).
+    EQUIVARIANT: ClassVar[dict[str, str]] = equivariant_rules(RULES)
 
     def __init__(
         self,
@@ -188,7 +194,11 @@ def reference_of(results: Sequence[SiteResult], signature: Signature) -> dict[st
 
 
 def _check_usable(rule: Any, name: str) -> None:
-    if name not in RuleAggregator.EQUIVARIANT:
+    try:
+        equivariant = declared(RULES[name], "translation_equivariant")  # undeclared: refused, never inherited
+    except UndeclaredCapability as exc:
+        raise AggregationError(str(exc)) from None
+    if equivariant is None:
         raise AggregationError(
             f"rule '{name}' cannot run as an NVFlare ModelAggregator: NVFlare's FedAvg controller neither shows an "
             "aggregator the global model nor broadcasts a rule's meta; usable there: "

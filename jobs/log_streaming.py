@@ -34,10 +34,12 @@ JOB_LOG_STREAMER = "JobLogStreamer"
 
 
 def job_is_private(spec: Any) -> bool:
-    """DP-SGD at the sites (``dp_noise_multiplier`` or ``dp_target_epsilon``) or DP-FedAvg at the server."""
+    """DP-SGD at the sites (``dp_noise_multiplier`` or ``dp_target_epsilon``) or client-level DP at the server (a
+    rule that declares ``client_level_dp``: DP-FedAvg)."""
+    from jobs.spec import client_level_dp
     from lightning_modules.privacy.job_checks import is_private
 
-    return is_private(spec) or spec.server == "dp_fedavg"
+    return is_private(spec) or client_level_dp(spec) is not None
 
 
 def log_streaming_problem(spec: Any, streamed: Iterable[str]) -> str | None:

@@ -169,9 +169,7 @@ def job_local_keys(spec: JobSpec) -> tuple[str, ...]:
 
 def _check_partial_sharing(spec: JobSpec) -> None:
     """Combinations where keeping entries at the sites does not hold."""
-    from aggregators import RULES
-
-    refused = RULES[spec.server].partial_sharing_refused  # declared on the rule (aggregators/types.py)
+    refused = _rule_declares(spec, "partial_sharing_refused")
     if refused:
         raise JobBuildError(f"local_keys with server '{spec.server}': {refused}")
     if spec.script is not None:
@@ -179,6 +177,23 @@ def _check_partial_sharing(spec: JobSpec) -> None:
             "local_keys (or a client that keeps a head) with --script: your own training script builds its own "
             "callback, which the bundle cannot give the local entries; use --model and --data"
         )
+
+
+def _rule_declares(spec: JobSpec, capability: str) -> Any:
+    """The job's rule's own declaration of ``capability`` (aggregators/types.py::declared): undeclared, refused."""
+    from aggregators import RULES
+    from aggregators.types import UndeclaredCapability, declared
+
+    try:
+        return declared(RULES[spec.server], capability)
+    except UndeclaredCapability as exc:
+        raise JobBuildError(str(exc)) from None
+
+
+def client_level_dp(spec: JobSpec) -> str | None:
+    """The name of the job's rule's client-level DP mechanism (``"DP-FedAvg"``), ``None``: its result is no such
+    release; the rule's own declaration (``client_level_dp``), never its name."""
+    return _rule_declares(spec, "client_level_dp")
 
 
 def _check_privacy(spec: JobSpec) -> None:
@@ -510,6 +525,19 @@ def _check_client_algorithm(spec: JobSpec) -> None:
     """The client algorithm, constructed with ``client_args`` exactly as every site will construct it."""
     compact_json(spec.client_args, "--client-args")  # whitespace would break NVFlare's split of the line
     _client_algorithm(spec)
+    _client_declares(spec, "released")  # what its sites send: the egress gate and DP's release read it
+
+
+def _client_declares(spec: JobSpec, capability: str) -> Any:
+    """The job's client algorithm's own declaration of ``capability`` (aggregators/types.py::declared): undeclared,
+    refused."""
+    from aggregators.types import UndeclaredCapability, declared
+    from lightning_modules.algorithms import CLIENT_ALGORITHMS
+
+    try:
+        return declared(CLIENT_ALGORITHMS[spec.client], capability)
+    except UndeclaredCapability as exc:
+        raise JobBuildError(str(exc)) from None
 
 
 def _client_algorithm(spec: JobSpec) -> ClientAlgorithm:
@@ -542,24 +570,26 @@ def _check_server_rule(spec: JobSpec) -> None:
 
 
 def _check_client_level_dp(spec: JobSpec) -> None:
-    """DP-FedAvg (aggregators/dp_fedavg.py) protects what its noised sum releases: a companion's state built from
-    the sites' individual results, or float buffers averaged beside it, would escape the noise."""
-    if spec.server != "dp_fedavg":
+    """A rule whose result is a client-level DP release (``client_level_dp``: DP-FedAvg, aggregators/dp_fedavg.py)
+    protects what its noised sum releases: a companion's state built from the sites' individual results, or float
+    buffers averaged beside it, would escape the noise."""
+    mechanism = client_level_dp(spec)
+    if mechanism is None:
         return
     from aggregators.dp_fedavg import FLOAT_BUFFER_ADVICE
 
     companions = companion_rules(spec)
     if companions:
         raise JobBuildError(
-            f"server dp_fedavg with client '{spec.client}': its server state ({', '.join(companions)}) is built from "
-            "every site's own result, which DP-FedAvg's clipping and noise do not cover; use a client algorithm "
-            "without server state (fedavg, fedprox, moon, ...)"
+            f"server {spec.server} with client '{spec.client}': its server state ({', '.join(companions)}) is built "
+            f"from every site's own result, which {mechanism}'s clipping and noise do not cover; use a client "
+            "algorithm without server state (fedavg, fedprox, moon, ...)"
         )
     model, local = job_model(spec), set(job_local_keys(spec))
     trainable = {name for name, _ in model.named_parameters()}
     buffers = [k for k, v in model.state_dict().items() if v.is_floating_point() and k not in trainable | local]
     if buffers:
-        raise JobBuildError(f"server dp_fedavg: the model's float buffers {buffers[:3]}: {FLOAT_BUFFER_ADVICE}")
+        raise JobBuildError(f"server {spec.server}: the model's float buffers {buffers[:3]}: {FLOAT_BUFFER_ADVICE}")
 
 
 def _check_composition(client_cls: type, rule_cls: type) -> tuple[str, ...]:
@@ -657,8 +687,11 @@ def _check_cross_site(spec: JobSpec) -> None:
     from lightning_modules.privacy.job_checks import is_private
 
     what = "cross_site_eval sends each site's kept and local-only models to the other sites"
-    if is_private(spec) or spec.server == "dp_fedavg":
-        dp = "DP-SGD (dp_noise_multiplier/dp_target_epsilon)" if is_private(spec) else "the DP-FedAvg rule (dp_fedavg)"
+    mechanism = client_level_dp(spec)
+    if is_private(spec) or mechanism is not None:
+        dp = f"the {mechanism} rule ({spec.server})"
+        if is_private(spec):
+            dp = "DP-SGD (dp_noise_multiplier/dp_target_epsilon)"
         raise JobBuildError(f"{what}, a release no DP accounting covers: not with {dp}")
     if spec.script is not None:
         raise JobBuildError(f"{what}: the bundle's site loop only, not --script (your script keeps no such models)")

@@ -44,7 +44,7 @@ from torch import nn
 
 from aggregators import meta_keys
 from lightning_modules.algorithms.base import ClientAlgorithm, ClientAlgorithmError, settle_state, trainable_parameters
-from lightning_modules.algorithms.capabilities import DPSGD, PersonalModel, Released
+from lightning_modules.algorithms.capabilities import DPSGD, PER_SITE_STATE, PersonalModel, Released
 from lightning_modules.algorithms.hparams import HParams, hparam
 from lightning_modules.algorithms.task_gradient import task_gradient
 from lightning_modules.personalization.personal_state import load_personal, save_personal
@@ -114,6 +114,8 @@ class APFL(ClientAlgorithm):
     personal_model: ClassVar[PersonalModel | None] = PersonalModel(
         "weights", "APFL's mixture alpha v_i + (1-alpha) w", steps_key=meta_keys.APFL_PERSONAL_STEPS
     )
+    local_update: ClassVar[str] = "gradient"  # w, the model it sends, takes plain local SGD steps
+    secure_sum: ClassVar[str | None] = PER_SITE_STATE
     dp_sgd: ClassVar[DPSGD] = DPSGD(
         False, "APFL trains v_i and alpha on the data outside DP-SGD, and alpha and the personal scores leave the site"
     )

@@ -10,6 +10,11 @@ registry (`lightning_modules.algorithms.registry.CLIENT_ALGORITHMS`):
 - `PersonalModel` (``personal_model``): the site's personal model it keeps, if any
   (`lightning_modules.personalization.methods`, and the build-time exclusions between personal methods).
 
+and ``local_update`` (how its local update relates to the local gradients, read by FedNova's composition) and
+``secure_sum`` (`declared_secure_sum`). Each is read from the class's own body, never inherited
+(`aggregators.types.declared`, the one admission rule for algorithms and rules alike): a subclass that does not
+declare one is refused where the job asks it, in one line naming it, the capability and what to declare.
+
 Pure data, no torch: the job builder and the privacy tables read it without building anything.
 """
 
@@ -17,6 +22,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
+
+from aggregators.types import declared
+
+#: The capabilities every client algorithm of `lightning_modules.algorithms.registry.CLIENT_ALGORITHMS` declares on
+#: its own class (the server rules' are `aggregators.types.RULE_CAPABILITIES`).
+CLIENT_CAPABILITIES = ("dp_sgd", "released", "local_update", "secure_sum")
 
 #: ``dp``: DP-SGD's output; ``post-processing``: computed from DP outputs and public values only; ``public``: a
 #: function of the job's settings and the site's sample count; ``withheld``: data-dependent, unprotected, dropped
@@ -44,12 +55,16 @@ class DPSGD:
 
 #: What a class that declares no ``dp_sgd`` of its own gets (a subclass may add computations on the data that its
 #: parent's declaration does not cover): refused.
-UNDECLARED_DP_SGD = DPSGD(False, "its extra computations on the data are not accounted (its class declares no dp_sgd)")
+UNDECLARED_DP_SGD = DPSGD(
+    False,
+    "its extra computations on the data are not accounted (its class declares no dp_sgd: declare "
+    "dp_sgd = DPSGD(composes, why) on it)",
+)
 
 
 def declared_dp_sgd(algorithm_cls: type) -> DPSGD:
     """The ``dp_sgd`` declared on ``algorithm_cls`` itself, never inherited (`UNDECLARED_DP_SGD` otherwise)."""
-    return vars(algorithm_cls).get("dp_sgd", UNDECLARED_DP_SGD)
+    return declared(algorithm_cls, "dp_sgd", UNDECLARED_DP_SGD)
 
 
 #: Why an algorithm that keeps state at the site between rounds cannot run in the secure-aggregation (sum) workflow:
@@ -67,11 +82,8 @@ def declared_secure_sum(algorithm_cls: type) -> str | None:
     """Why the algorithm cannot run in the sum workflow of secure aggregation, or ``None``: it needs nothing from the
     server but the global model and keeps no state between rounds. Read from the class itself, never inherited; a
     class with a personal model and no declaration keeps per-site state (`PER_SITE_STATE`)."""
-    if "secure_sum" in vars(algorithm_cls):
-        return vars(algorithm_cls)["secure_sum"]
-    if getattr(algorithm_cls, "personal_model", None) is not None:
-        return PER_SITE_STATE
-    return UNDECLARED_SECURE_SUM
+    undeclared = PER_SITE_STATE if getattr(algorithm_cls, "personal_model", None) is not None else UNDECLARED_SECURE_SUM
+    return declared(algorithm_cls, "secure_sum", undeclared)
 
 
 #: What a personal model is: ``weights`` of the algorithm's own that `ClientAlgorithm.personal_weights` returns and

@@ -152,6 +152,8 @@ class Ditto(ClientAlgorithm):
     personal_model: ClassVar[PersonalModel | None] = PersonalModel(
         "weights", "Ditto's v_i", steps_key=meta_keys.DITTO_PERSONAL_STEPS
     )
+    #: An instance takes its global part's (`init_state`: fedavg's ``gradient``, fedprox's ``proximal``), never drift.
+    local_update: ClassVar[str] = "gradient"
     secure_sum: ClassVar[str | None] = PER_SITE_STATE
     dp_sgd: ClassVar[DPSGD] = DPSGD(
         False, "Ditto trains the personal model v_i on the data outside DP-SGD, and its scores leave the site"

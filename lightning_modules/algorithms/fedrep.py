@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from lightning_modules.algorithms.base import ClientAlgorithm, local_keys_of
-from lightning_modules.algorithms.capabilities import DPSGD, PersonalModel
+from lightning_modules.algorithms.capabilities import DPSGD, PersonalModel, Released
 from lightning_modules.algorithms.hparams import HParams, hparam
 
 DEFAULT_HEAD_EPOCHS = 10
@@ -80,6 +80,7 @@ class FedRep(ClientAlgorithm):
         False,
         "FedRep's head phase freezes the body, and per-sample clipping over frozen parts is not accounted here",
     )
+    released: ClassVar[tuple[Released, ...]] = ()  # it sends no meta of its own
     personal_model: ClassVar[PersonalModel | None] = PersonalModel(
         "module", "FedRep's trained module with the site's own head"
     )

@@ -152,6 +152,7 @@ class Moon(ClientAlgorithm):
     )
     default_arch_args: ClassVar[Mapping[str, Any]] = {"projection_dim": DEFAULT_PROJECTION_DIM}
     hparams_class: ClassVar[type[HParams]] = MoonHParams
+    local_update: ClassVar[str] = "gradient"  # the contrastive term is part of the local loss
     secure_sum: ClassVar[str | None] = PER_SITE_STATE
     dp_sgd: ClassVar[DPSGD] = DPSGD(
         True, "its contrastive term is part of each sample's loss, so it is clipped and noised with it"

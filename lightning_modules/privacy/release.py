@@ -21,10 +21,21 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from aggregators import meta_keys
+from aggregators.types import declared
 from lightning_modules.algorithms.capabilities import Released, Status
 from lightning_modules.algorithms.registry import CLIENT_ALGORITHMS
 
-__all__ = ["RELEASED", "SITE_SCORES", "Item", "Status", "declared_meta", "release", "status_of", "unaccounted_keys"]
+__all__ = [
+    "RELEASED",
+    "SITE_SCORES",
+    "Item",
+    "Status",
+    "declared_meta",
+    "release",
+    "released_by",
+    "status_of",
+    "unaccounted_keys",
+]
 
 #: One released item (a meta key or pattern, what it is, its status); declared by the algorithms as ``Released``.
 Item = Released
@@ -66,9 +77,17 @@ WITHHELD: tuple[Item, ...] = (
     ),
     Item("*", "anything else (a user's algorithm's meta): unknown, so withheld", "withheld"),
 )
+
+
+def released_by(algorithm_cls: type) -> tuple[Item, ...]:
+    """The items the algorithm's own class declares it sends (``released``), never inherited: a subclass may send
+    what its parent does not (undeclared: `aggregators.types.UndeclaredCapability`, one line)."""
+    return tuple(declared(algorithm_cls, "released"))
+
+
 #: Every item, in the order `status_of` matches them: each algorithm's own items before the withheld ones.
 RELEASED: tuple[Item, ...] = (
-    SENT_BY_EVERY_SITE + tuple(item for cls in CLIENT_ALGORITHMS.values() for item in cls.released) + WITHHELD
+    SENT_BY_EVERY_SITE + tuple(item for cls in CLIENT_ALGORITHMS.values() for item in released_by(cls)) + WITHHELD
 )
 
 
@@ -102,7 +121,7 @@ def declared_meta(client: str, private: bool, release_site_scores: bool = False)
     (`aggregators.egress`): every site's items and the job's client algorithm's (``released``); without DP also the
     withheld families (``train.*``, ``eval.*``: a job without DP releases them), never the catch-all; under DP only
     what is not withheld, and ``eval.*`` when the job releases the site scores (``--dp-release-site-scores``)."""
-    items = SENT_BY_EVERY_SITE + tuple(CLIENT_ALGORITHMS[client].released)
+    items = SENT_BY_EVERY_SITE + released_by(CLIENT_ALGORITHMS[client])
     if private:
         patterns = [item.pattern for item in items if item.status != "withheld"]
         patterns += [SITE_SCORES] if release_site_scores else []

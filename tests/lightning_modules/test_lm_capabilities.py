@@ -111,16 +111,18 @@ LIBRARY = ("aggregators", "controllers", "jobs", "lightning_modules")
 
 
 def name_comparisons(path: Path) -> list[tuple[str, int]]:
-    """(enclosing function, line) of every ``x.client/x.name/... ==|!=|in`` a registered client algorithm's name."""
+    """(enclosing function, line) of every comparison (``==``, ``!=``, ``in``) with a registered client algorithm's
+    or server rule's name (``spec.server == "dp_fedavg"``), but Ditto's choice of its own global part."""
     found = []
+    names = set(CLIENT_ALGORITHMS) | set(RULES)
     tree = ast.parse(path.read_text())
-    for function in [node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)]:
+    for function in [node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)]:
         for node in ast.walk(function):
-            if not isinstance(node, ast.Compare) or not isinstance(node.left, ast.Attribute):
+            if not isinstance(node, ast.Compare):
                 continue
-            if node.left.attr not in ("client", "name") or node.left.attr == "global_client":
+            if isinstance(node.left, ast.Attribute) and node.left.attr == "global_client":
                 continue
-            constants = [c for c in ast.walk(node) if isinstance(c, ast.Constant) and c.value in CLIENT_ALGORITHMS]
+            constants = [c for c in ast.walk(node) if isinstance(c, ast.Constant) and c.value in names]
             if constants:
                 found.append((function.name, node.lineno))
     return found
