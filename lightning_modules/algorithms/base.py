@@ -62,7 +62,9 @@ class ClientAlgorithm:
     #: How the local update relates to the local gradients (FedNova normalises it): ``gradient`` (plain optimizer
     #: steps on the local objective, extra loss terms included), ``proximal`` (plus mu * (w - w_t) added to the
     #: gradient, see `proximal_coefficient`), ``drift`` (a correction that is no local gradient: SCAFFOLD,
-    #: FedDyn, FedMoS; FedNova refuses those at build time).
+    #: FedDyn, FedMoS; FedNova refuses those at build time). A capability, like ``dp_sgd``, ``released`` and
+    #: ``secure_sum`` below (capabilities.CLIENT_CAPABILITIES): the values here are FedAvg's own, which a subclass
+    #: never inherits (`aggregators.types.declared` reads each from the class's own body; undeclared: refused).
     local_update: ClassVar[str] = "gradient"
     #: The algorithm's hyperparameters, declared once as a frozen dataclass (hparams.py): the registry checks
     #: ``client_args`` against its fields, the constructor builds one (which checks every value) and
