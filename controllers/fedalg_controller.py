@@ -20,7 +20,6 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -29,22 +28,17 @@ from nvflare.app_common.workflows.model_controller import ModelController
 
 from aggregators import AggregationRule, ClientUpdate, build_rule, meta_keys
 from aggregators.compose import compose
-from aggregators.job_settings import DataSettings, JobBuildError, RoundSettings, check_settings
 
 # The metrics files every reader of a run finds (``FINAL_SCORES_FILE``: the final global model scored by every site).
 from aggregators.run_records import FINAL_SCORES_FILE, METRICS_FILE
-from aggregators.sampling import clients_per_round_problem
 from controllers.adapters import result_site
 from controllers.checkpoint import append_metrics, load_resume_point, save_rule_state, save_updates
 from controllers.engine import Host, RoundEngine, SiteResult, scalar_meta
+from controllers.round_settings import ControllerSettings
 
-__all__ = ["METRICS_FILE", "STATE_FILE", "FedAlgController", "scalar_meta", "to_numpy_params"]
+__all__ = ["METRICS_FILE", "STATE_FILE", "ControllerSettings", "FedAlgController", "scalar_meta", "to_numpy_params"]
 
 STATE_FILE = "server_state.pt"
-#: The job's declared defaults (aggregators/job_settings.py): the controller's defaults are read from them, never
-#: repeated.
-ROUND_DEFAULTS = RoundSettings()
-SEED_DEFAULT = DataSettings().seed
 #: Seconds between the server's checks whether a round's results are all in (NVFlare's ``task_check_period``).
 #: NVFlare's 0.5 s default (0.2 s in effect, see `FedAlgController.set_communicator`) is waiting added to
 #: every round, twice (the task monitor, then the wait for it); a check is a lock and a scan of the open tasks and
@@ -74,110 +68,45 @@ def to_numpy_params(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
 class FedAlgController(ModelController):
     """Federated rounds driven by an aggregation rule from `aggregators.RULES`.
 
-    The arguments that are job settings (all but ``evaluator_id``, ``companions``, ``persistor_id`` and
-    ``task_check_period``) default to, and are checked against, their one declaration in ``aggregators/job_settings.py``
-    (`check_round_settings`): a bad value is refused when NVFlare builds the controller, with one line naming
-    the setting, the value and what is allowed, never at the first round.
+    The job's settings come as one value, ``settings`` (`controllers.round_settings.ControllerSettings`, or its plain
+    JSON form as NVFlare's job config holds it): every setting by its job name (``server``, ``server_args``,
+    ``num_rounds``, ``clients_per_round``, ...), each defaulted from and checked against its one declaration in
+    ``aggregators/job_settings.py``, once, when the value is built; a bad value is refused when NVFlare builds the
+    controller, with one line naming the setting, the value and what is allowed, never at the first round. The
+    controller reads them from `round_settings`.
 
     Args:
-        num_rounds: number of federated rounds.
-        rule: aggregation rule name (``fedavg``, ...); ``rule_args`` are its hyperparameters.
-        clients_per_round: ``None`` for all sites, an int count, or a float fraction in (0, 1].
-        min_responses: results to wait for per round; ``None`` waits for every sampled site.
-        min_accepted: fewest valid results needed to aggregate, at least 1 (refused here otherwise); with fewer the
-            round is recorded as failed and the global model is kept as it is.
-        seed: seeds the site sampling.
+        settings: the round settings (see `controllers.round_settings.ControllerSettings` for each): the rule and
+            its arguments, the rounds, the sites per round and the results a round waits for and needs, the seed of
+            the sampling, the round timeout, ``save_client_updates`` (also write every accepted client model to
+            ``<run_dir>/client_updates/round_XXXXX.npz``), ``resume_from`` (a previous run's server app folder:
+            continue after its last attempted round with its global model, rule state and run id),
+            ``final_site_eval``, ``cross_site_eval``, ``stop_patience``, and the resolved ``local_keys`` and
+            ``companions``. ``None``: every declared default.
         evaluator_id: id of a server component with ``evaluate(params) -> dict`` ("" disables evaluation).
-        train_timeout: seconds to wait for a round's results (0 = no timeout).
-        save_client_updates: also write every accepted client model to
-            ``<run_dir>/client_updates/round_XXXXX.npz`` (one array per ``<site>/<key>``), for audits and
-            end-to-end tests; off by default because it costs one model per site per round of disk.
-        companions: companion rules kept beside ``rule`` for the client algorithm's server state, name -> args
-            (e.g. ``{"scaffold_control": {}}`` for SCAFFOLD clients under FedYogi; see aggregators/compose.py).
-        resume_from: a previous run's server app folder (``server_state.pt`` + ``FL_global_model.pt``): the job
-            continues after that run's last attempted round (aggregated or not) with its global model, rule state
-            and run id.
-        final_site_eval: after the last round, send the final global model to every site as a ``validate`` task
-            and write their scores on their own validation splits to ``<run dir>/metrics/final_site_scores.json``.
-        local_keys: the entries that never leave the sites, as the job builder resolved ``--local-keys`` (FedPer,
-            FedBN, FedRep's head): the rule sees the other entries only and the global model keeps its initial
-            values for these (`controllers.engine.RoundEngine`; docs/personalization.md, "Partial sharing").
-        stop_patience: stop at a validation plateau after this many rounds without improvement
-            (controllers/stopping.py); ``None``: every round.
-        cross_site_eval: after the last round (and the final site evaluation), every site's kept and local-only
-            models are scored on the other sites' validation splits (controllers/cross_site.py), written to
-            ``<run dir>/metrics/cross_site_scores.json``.
+        persistor_id: id of the model persistor component.
+        task_check_period: seconds between NVFlare's checks whether a round's results are in.
     """
 
     def __init__(
         self,
         *,
-        num_rounds: int = ROUND_DEFAULTS.num_rounds,
-        rule: str = ROUND_DEFAULTS.server,
-        rule_args: dict[str, Any] | None = None,  # None: the declared default, no arguments ({})
-        clients_per_round: int | float | None = ROUND_DEFAULTS.clients_per_round,
-        min_responses: int | None = ROUND_DEFAULTS.min_responses,
-        min_accepted: int = ROUND_DEFAULTS.min_accepted,
-        seed: int = SEED_DEFAULT,
+        settings: ControllerSettings | Mapping[str, Any] | None = None,
         evaluator_id: str = "evaluator",
-        train_timeout: int = ROUND_DEFAULTS.train_timeout,
-        save_client_updates: bool = ROUND_DEFAULTS.save_client_updates,
         persistor_id: str = "persistor",
         task_check_period: float = TASK_CHECK_PERIOD,
-        companions: dict[str, dict[str, Any]] | None = None,
-        resume_from: str | None = ROUND_DEFAULTS.resume_from,
-        final_site_eval: bool = ROUND_DEFAULTS.final_site_eval,
-        local_keys: list[str] | None = None,
-        stop_patience: int | None = ROUND_DEFAULTS.stop_patience,
-        cross_site_eval: bool = ROUND_DEFAULTS.cross_site_eval,
     ) -> None:
-        check_round_settings(
-            num_rounds=num_rounds,
-            server=rule,
-            server_args={} if rule_args is None else rule_args,
-            clients_per_round=clients_per_round,
-            min_responses=min_responses,
-            min_accepted=min_accepted,
-            train_timeout=train_timeout,
-            save_client_updates=save_client_updates,
-            resume_from=resume_from,
-            final_site_eval=final_site_eval,
-            seed=seed,
-            stop_patience=stop_patience,
-            cross_site_eval=cross_site_eval,
-        )
+        #: The typed settings, checked once here (what the controller reads).
+        self.round_settings = ControllerSettings.of(settings)
         super().__init__(persistor_id=persistor_id, task_check_period=task_check_period)
-        # Write every setting into exported configs, defaults included, so a job folder documents itself.
-        self._always_serialize_args = (
-            "num_rounds",
-            "rule",
-            "rule_args",
-            "clients_per_round",
-            "min_responses",
-            "min_accepted",
-            "seed",
-            "evaluator_id",
-            "train_timeout",
-            "task_check_period",
-        )
-        self.num_rounds = num_rounds
-        self.rule = rule
-        self.rule_args = rule_args
-        self.clients_per_round = clients_per_round
-        self.min_responses = min_responses
-        self.min_accepted = min_accepted
-        self.seed = seed
+        # Write the settings and the wiring into exported configs, defaults included, so a job folder documents
+        # itself. ``settings`` is the plain JSON form NVFlare writes (NVFlare reads the argument back from here).
+        self._always_serialize_args = ("settings", "evaluator_id", "task_check_period")
+        self.settings = self.round_settings.as_dict()
         self.evaluator_id = evaluator_id
-        self.train_timeout = train_timeout
-        self.save_client_updates = save_client_updates
-        self.companions = companions
-        self.resume_from = resume_from
-        self.final_site_eval = final_site_eval
-        self.stop_patience = stop_patience
-        self.cross_site_eval = cross_site_eval
-        self.local_keys = check_local_keys(local_keys)
         # Fail at job start, not after the first round, when the rule or its arguments are wrong.
-        self._rule: AggregationRule = compose(build_rule(rule, **(rule_args or {})), companions)
+        rounds = self.round_settings
+        self._rule: AggregationRule = compose(build_rule(rounds.server, **rounds.server_args), rounds.companions)
         self._round_engine()
         self._run_id = ""
         self._last_aggregated_round: int | None = None  # recorded in server_state.pt (controllers/checkpoint.py)
@@ -185,6 +114,12 @@ class FedAlgController(ModelController):
         self._reachable: tuple[str, ...] = ()  # the sites this job was deployed to: the only ones that get tasks
         self._population: tuple[str, ...] = ()  # the sites the rules count (resume keeps those of the stopped job)
         self._timings: dict[str, float] = {}  # this round's ROUND_TIMING_KEYS, written with its metrics record
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Refuse a setting assigned on the controller: it would be read nowhere (`round_settings` holds them)."""
+        if name in ControllerSettings.names():
+            raise AttributeError(f"{name} is a round setting: replace round_settings (dataclasses.replace) instead")
+        super().__setattr__(name, value)
 
     def set_communicator(self, communicator: Any) -> None:
         """Also make NVFlare's task monitor poll at ``task_check_period``: NVFlare 2.9's ``Controller`` writes the
@@ -196,22 +131,24 @@ class FedAlgController(ModelController):
 
     def _round_engine(self) -> RoundEngine:
         """The engine for the current settings (built where used, so a changed setting is always honoured)."""
+        rounds = self.round_settings
         return RoundEngine(
             self._rule,
-            num_rounds=self.num_rounds,
-            clients_per_round=self.clients_per_round,
-            min_accepted=self.min_accepted,
-            min_responses=self.min_responses,
-            seed=self.seed,
-            rule_label=self.rule,
-            local_keys=self.local_keys or (),
-            stop_patience=self.stop_patience,
+            num_rounds=rounds.num_rounds,
+            clients_per_round=rounds.clients_per_round,
+            min_accepted=rounds.min_accepted,
+            min_responses=rounds.min_responses,
+            seed=rounds.seed,
+            rule_label=rounds.server,
+            local_keys=rounds.local_keys,
+            stop_patience=rounds.stop_patience,
         )
 
     def run(self) -> None:
         # A fresh id per run: clients discard persisted state written by an earlier run in a reused workspace.
         self._run_id = uuid.uuid4().hex
         self._last_aggregated_round = None
+        rounds = self.round_settings
         initial = self.load_model()
         if initial is None:
             return
@@ -223,9 +160,9 @@ class FedAlgController(ModelController):
         state = engine.init_state(global_params)  # over the shared entries only (local_keys)
         evaluator = self.get_component(self.evaluator_id) if self.evaluator_id else None
         first_round, stage = 0, "initial"
-        if self.resume_from:
+        if rounds.resume_from:
             # docs/design.md decision 5: continue a stopped job as if it had never stopped.
-            resume = load_resume_point(Path(self.resume_from), self._rule.name)
+            resume = load_resume_point(Path(rounds.resume_from), self._rule.name)
             first_round, stage = resume.next_round, "resumed"
             global_params, state, self._run_id = resume.global_params, resume.state, resume.run_id or self._run_id
             self._last_aggregated_round = resume.last_aggregated_round
@@ -233,14 +170,16 @@ class FedAlgController(ModelController):
             engine.last_released = dict(resume.last_aggregated_sites or {})  # at least these sites have released
             engine.released_steps = dict(resume.released_steps or {})  # what the DP sites had released
             population = self._population = resumed_population(self._reachable, resume.population)
-            self.info(f"resuming from {self.resume_from} at round {first_round + 1}/{self.num_rounds}")
+            self.info(f"resuming from {rounds.resume_from} at round {first_round + 1}/{rounds.num_rounds}")
             absent = sorted(set(population) - set(self._reachable))
             if absent:
                 self.warning(
                     f"resuming without {absent} (not connected when the job started): they stay in the population "
                     "(SCAFFOLD and FedDyn scale by its size, site sampling draws from it) and get no task in this job"
                 )
-        self.info(f"rule={self.rule} {self.rule_args or {}}; population={list(population)}; rounds={self.num_rounds}")
+        self.info(
+            f"rule={rounds.server} {rounds.server_args}; population={list(population)}; rounds={rounds.num_rounds}"
+        )
         final_params, _ = engine.run(
             population,
             global_params,
@@ -252,19 +191,20 @@ class FedAlgController(ModelController):
             stage=stage,
             should_stop=lambda: self.abort_signal.triggered,
         )
-        if self.final_site_eval and not self.abort_signal.triggered:
+        if rounds.final_site_eval and not self.abort_signal.triggered:
             self._score_final_model(population, final_params)
-        if self.cross_site_eval and not self.abort_signal.triggered:
+        if rounds.cross_site_eval and not self.abort_signal.triggered:
             self._cross_site_eval(population)
         if not self.abort_signal.triggered:
             self._report_outputs()
 
     def _score_final_model(self, population: Sequence[str], params: dict[str, np.ndarray]) -> None:
         """Every site scores the final global model on its own validation split (a site x metric table)."""
-        outgoing = outgoing_model(self.num_rounds, self.num_rounds, params, {meta_keys.RUN_ID: self._run_id})
+        rounds = self.round_settings
+        outgoing = outgoing_model(rounds.num_rounds, rounds.num_rounds, params, {meta_keys.RUN_ID: self._run_id})
         targets = [site for site in population if site in self._reachable]
         results = self.send_model_and_wait(
-            task_name="validate", targets=targets, data=outgoing, timeout=self.train_timeout
+            task_name="validate", targets=targets, data=outgoing, timeout=rounds.train_timeout
         )
         scores = {result_site(r): numeric_metrics(getattr(r, "metrics", None)) for r in results}
         withheld = {result_site(r): list(names) for r in results if (names := withheld_scores(r))}
@@ -273,7 +213,7 @@ class FedAlgController(ModelController):
             self.warning(f"final model: no scores from {missing}")
         path = Path(self.get_run_dir()) / FINAL_SCORES_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
-        record = {"round": self.num_rounds, "sites": scores, **({"withheld": withheld} if withheld else {})}
+        record = {"round": rounds.num_rounds, "sites": scores, **({"withheld": withheld} if withheld else {})}
         path.write_text(json.dumps(record, indent=1, sort_keys=True))
         for site, metrics in sorted(scores.items()):
             shown = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()) or "-"
@@ -301,9 +241,10 @@ class FedAlgController(ModelController):
         """One cross-site task to ``targets`` over NVFlare, their answers (controllers/cross_site.py)."""
         from controllers.cross_site import Answer
 
-        outgoing = outgoing_model(self.num_rounds, self.num_rounds, params, meta)
+        rounds = self.round_settings
+        outgoing = outgoing_model(rounds.num_rounds, rounds.num_rounds, params, meta)
         results = self.send_model_and_wait(
-            task_name=task, targets=list(targets), data=outgoing, timeout=self.train_timeout
+            task_name=task, targets=list(targets), data=outgoing, timeout=rounds.train_timeout
         )
         return [
             Answer(
@@ -342,56 +283,11 @@ class FedAlgController(ModelController):
         app_dir = Path(self.get_app_dir())
         models = sorted(str(p) for p in app_dir.glob("*.pt") if p.name != STATE_FILE)
         message = (
-            f"finished {self.num_rounds} rounds. metrics: {Path(self.get_run_dir()) / METRICS_FILE}; "
+            f"finished {self.round_settings.num_rounds} rounds. metrics: {Path(self.get_run_dir()) / METRICS_FILE}; "
             f"global model: {', '.join(models) or '(no persistor configured)'}; rule state: {app_dir / STATE_FILE}"
         )
         self.info(message)
         print(message, flush=True)
-
-
-#: Job settings (aggregators/job_settings.py) the controller takes under another name.
-CONTROLLER_NAMES = {"server": "rule (job setting 'server')", "server_args": "rule_args (job setting 'server_args')"}
-
-
-def check_round_settings(**values: Any) -> None:
-    """Refuse the controller's settings, given by their names in ``aggregators/job_settings.py`` (``server`` is the
-    rule, ``server_args`` its arguments), with the builder's one-line `aggregators.job_settings.JobBuildError` (a
-    ``ValueError``) naming the setting, the value and what is allowed.
-
-    Each value is checked against its declaration (type, finiteness, range), then what can be checked without the
-    population: ``clients_per_round`` must be a count or a fraction in (0, 1], and a round must be able to wait
-    for ``min_responses`` and accept ``min_accepted`` results. The rule's name and arguments are left to
-    `aggregators.build_rule`, which names the valid ones.
-    """
-    try:
-        check_settings(SimpleNamespace(**values), (RoundSettings, DataSettings), registries=False)
-    except JobBuildError as exc:  # name the controller's argument where the job calls it otherwise
-        name = str(exc).split(" ", 1)[0]
-        raise JobBuildError(f"{CONTROLLER_NAMES.get(name, name)} {str(exc).split(' ', 1)[1]}") from None
-    problem = clients_per_round_problem(values.get("clients_per_round"))
-    if problem:
-        raise JobBuildError(problem)
-    count, responses = values.get("clients_per_round"), values.get("min_responses")
-    waits_for = count if isinstance(count, int) else None  # a fraction's count depends on the population
-    if responses is not None and waits_for is not None and responses > waits_for:
-        raise JobBuildError(
-            f"min_responses must be at most the {waits_for} site(s) sampled per round (clients_per_round), "
-            f"got {responses}"
-        )
-    waits_for = responses if responses is not None else waits_for
-    if waits_for is not None and values.get("min_accepted", 1) > waits_for:
-        raise JobBuildError(
-            f"min_accepted must be at most the {waits_for} result(s) a round waits for, got {values['min_accepted']}"
-        )
-
-
-def check_local_keys(local_keys: Any) -> list[str] | None:
-    """The controller's ``local_keys``: ``None`` or a list of state_dict names (the builder writes them resolved)."""
-    if local_keys is None:
-        return None
-    if not isinstance(local_keys, list | tuple) or not all(isinstance(k, str) and k for k in local_keys):
-        raise JobBuildError(f"local_keys must be a list of state_dict names, got {local_keys!r}")
-    return list(local_keys)
 
 
 def withheld_scores(result: Any) -> Sequence[str]:
@@ -423,17 +319,17 @@ class _FLModelTransport:
     def train(
         self, round_num: int, targets: Sequence[str], params: dict[str, np.ndarray], meta: Mapping[str, Any]
     ) -> list[SiteResult]:
-        ctl = self.controller
-        outgoing = outgoing_model(round_num, ctl.num_rounds, params, meta)
+        ctl, rounds = self.controller, self.controller.round_settings
+        outgoing = outgoing_model(round_num, rounds.num_rounds, params, meta)
         # A site of the population that is not in this job (down when a resumed job started) cannot answer, and an
         # empty target list would make NVFlare send to every site: ask only the job's sites, wait for no more.
         reachable = [site for site in targets if site in ctl._reachable]
         if not reachable:
             return []
-        waits_for = None if ctl.min_responses is None else min(ctl.min_responses, len(reachable))
+        waits_for = None if rounds.min_responses is None else min(rounds.min_responses, len(reachable))
         started = time.monotonic()
         results = ctl.send_model_and_wait(
-            targets=reachable, data=outgoing, min_responses=waits_for, timeout=ctl.train_timeout
+            targets=reachable, data=outgoing, min_responses=waits_for, timeout=rounds.train_timeout
         )
         ctl._timings["train_wait_s"] = round(time.monotonic() - started, 4)
         return [
@@ -478,7 +374,7 @@ class _ControllerHost(Host):
             population=ctl._population,
             released_steps=ctl._active_engine.released_steps if ctl._active_engine else None,
         )
-        if ctl.save_client_updates:
+        if ctl.round_settings.save_client_updates:
             save_updates(ctl._updates_path(round_num), updates, params)
         ctl._timings["persist_s"] = round(time.monotonic() - started, 4)
 

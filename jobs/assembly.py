@@ -68,30 +68,19 @@ def build_job(spec: JobSpec) -> Any:
 
 def _add_controller(job: Any, spec: JobSpec) -> None:
     """The bundle's own server: the initial model (and the test-set evaluator), and the controller with its rule."""
-    from controllers.fedalg_controller import FedAlgController
+    from controllers.fedalg_controller import ControllerSettings, FedAlgController
 
     if spec.model is not None:
         _add_user_model(job, spec)
     else:
         _add_builtin_model(job, spec)
-    controller = FedAlgController(
-        num_rounds=spec.num_rounds,
-        rule=spec.server,
-        rule_args=dict(spec.server_args) or None,
-        clients_per_round=spec.clients_per_round,
-        min_responses=spec.min_responses,
-        min_accepted=spec.min_accepted,
-        train_timeout=spec.train_timeout,
-        seed=spec.seed,
-        save_client_updates=spec.save_client_updates,
+    settings = ControllerSettings.of_job(
+        spec,
+        local_keys=tuple(spec.local_keys.split(",")) if spec.local_keys else (),  # resolved by JobSpec
         companions=companion_rules(spec),
-        resume_from=spec.resume_from,
-        final_site_eval=spec.final_site_eval,
-        **({"cross_site_eval": True} if spec.cross_site_eval else {}),  # opt-in: off, the config is unchanged
-        **({"stop_patience": spec.stop_patience} if spec.stop_patience is not None else {}),
-        **({"evaluator_id": ""} if spec.model is not None else {}),  # the sites evaluate a user's model
-        **({"local_keys": spec.local_keys.split(",")} if spec.local_keys else {}),  # resolved by JobSpec
     )
+    # A user's model has no server-side evaluator: the sites evaluate it.
+    controller = FedAlgController(settings=settings, **({"evaluator_id": ""} if spec.model is not None else {}))
     job.to_server(controller)
 
 

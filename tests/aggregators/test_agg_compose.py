@@ -106,8 +106,8 @@ def test_cli_exports_scaffold_with_fedyogi_and_wires_the_companion(tmp_path, cap
     assert "exported" in capsys.readouterr().out
     server = json.loads((tmp_path / "scaffold_fedyogi" / "app" / "config" / "config_fed_server.json").read_text())
     controller = next(w for w in server["workflows"] if w["path"].endswith("FedAlgController"))
-    assert controller["args"]["rule"] == "fedyogi"
-    assert controller["args"]["companions"] == {"scaffold_control": {}}
+    assert controller["args"]["settings"]["server"] == "fedyogi"
+    assert controller["args"]["settings"]["companions"] == {"scaffold_control": {}}
 
 
 def test_cli_refuses_a_meaningless_pair_in_one_line(capsys):
@@ -120,4 +120,5 @@ def test_plain_jobs_carry_no_companions(tmp_path):
     job = export_job(JobSpec(name="plain", server="fedadam"), tmp_path)
     server = json.loads((job / "app" / "config" / "config_fed_server.json").read_text())
     controller = next(w for w in server["workflows"] if w["path"].endswith("FedAlgController"))
-    assert "companions" not in controller["args"] and "resume_from" not in controller["args"]
+    settings = controller["args"]["settings"]
+    assert "companions" not in settings and "resume_from" not in settings

@@ -4,35 +4,25 @@ allowed (before, clients_per_round=1.5 was accepted and ended the job at round 1
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import json
 
 import pytest
 
-from controllers.fedalg_controller import FedAlgController
+from controllers.fedalg_controller import ControllerSettings, FedAlgController
 from jobs.settings import DataSettings, JobBuildError, RoundSettings
-
-#: controller argument -> the declared setting it is (jobs/settings.py)
-DECLARED_AS = {
-    "num_rounds": "num_rounds",
-    "rule": "server",
-    "clients_per_round": "clients_per_round",
-    "min_responses": "min_responses",
-    "min_accepted": "min_accepted",
-    "train_timeout": "train_timeout",
-    "save_client_updates": "save_client_updates",
-    "resume_from": "resume_from",
-    "final_site_eval": "final_site_eval",
-}
 
 
 def test_defaults_are_the_declared_ones():
     parameters = inspect.signature(FedAlgController).parameters
-    declared = RoundSettings()
-    for argument, name in DECLARED_AS.items():
-        assert parameters[argument].default == getattr(declared, name), argument
-    assert parameters["seed"].default == DataSettings().seed
-    assert parameters["rule_args"].default is None and declared.server_args == {}  # None means no arguments
-    assert FedAlgController().num_rounds == declared.num_rounds == 10
+    assert set(parameters) == {"settings", "evaluator_id", "persistor_id", "task_check_period"}  # one settings value
+    declared, settings = RoundSettings(), FedAlgController().round_settings
+    for spec_field in dataclasses.fields(RoundSettings):  # every round setting, by its job name
+        assert getattr(settings, spec_field.name) == getattr(declared, spec_field.name), spec_field.name
+    assert settings.seed == DataSettings().seed
+    assert settings.server_args == declared.server_args == {}  # no arguments
+    assert FedAlgController().round_settings.num_rounds == declared.num_rounds == 10
 
 
 @pytest.mark.parametrize(
@@ -50,8 +40,8 @@ def test_defaults_are_the_declared_ones():
             "clients_per_round must be none (all sites), an integer count >= 1 or a fraction in (0, 1] written "
             "with a dot, got 1.5",
         ),
-        ({"rule_args": [1]}, "rule_args (job setting 'server_args') must be a JSON object, got [1]"),
-        ({"rule": 3}, "rule (job setting 'server') must be text, got 3"),
+        ({"server_args": [1]}, "server_args must be a JSON object, got [1]"),
+        ({"server": 3}, "server must be text, got 3"),
         (
             {"clients_per_round": 2, "min_responses": 3},
             "min_responses must be at most the 2 site(s) sampled per round (clients_per_round), got 3",
@@ -64,7 +54,7 @@ def test_defaults_are_the_declared_ones():
 )
 def test_a_bad_setting_is_refused_at_construction_with_one_line(arguments, message):
     with pytest.raises(JobBuildError) as caught:
-        FedAlgController(**arguments)
+        FedAlgController(settings=arguments)
     assert str(caught.value) == message
     assert isinstance(caught.value, ValueError)  # what NVFlare reports when a component cannot be built
 
@@ -75,10 +65,39 @@ def test_a_bad_setting_is_refused_at_construction_with_one_line(arguments, messa
         {},
         {"clients_per_round": 0.5, "min_responses": 2, "min_accepted": 2},
         {"clients_per_round": 3, "train_timeout": 30, "seed": 7, "num_rounds": 1},
-        {"rule": "scaffold", "rule_args": {"server_lr": 0.5}, "clients_per_round": 1.0},
+        {"server": "scaffold", "server_args": {"server_lr": 0.5}, "clients_per_round": 1.0},
     ],
 )
 def test_good_settings_are_kept_as_given(arguments):
-    controller = FedAlgController(**arguments)
+    controller = FedAlgController(settings=arguments)
     for name, value in arguments.items():
-        assert getattr(controller, name) == value
+        assert getattr(controller.round_settings, name) == value
+
+
+def test_the_settings_are_one_typed_value_whose_plain_form_round_trips():
+    """What the builder passes, what NVFlare writes into config_fed_server.json and what the controller reads back
+    are the same value: the plain form (JSON) turns back into an equal typed value, and the typed value is taken as
+    it is."""
+    typed = ControllerSettings(
+        server="fedyogi",
+        server_args={"server_lr": 0.05},
+        num_rounds=3,
+        clients_per_round=0.5,
+        seed=7,
+        stop_patience=2,
+        local_keys=("net.classifier.weight", "net.classifier.bias"),
+        companions={"scaffold_control": {}},
+    )
+    plain = typed.as_dict()
+    assert json.loads(json.dumps(plain)) == plain
+    assert ControllerSettings.from_dict(plain) == typed
+    assert FedAlgController(settings=typed).round_settings is typed
+    controller = FedAlgController(settings=plain)
+    assert controller.round_settings == typed and controller.settings == plain
+    # The rounds' settings are always written, the opt-in ones only when used.
+    assert set(ControllerSettings().as_dict()) == set(ControllerSettings.ALWAYS_WRITTEN)
+
+
+def test_a_name_that_is_not_a_setting_is_refused_in_one_line():
+    with pytest.raises(JobBuildError, match=r"^unknown controller setting\(s\) \['rule'\]; the settings are \["):
+        FedAlgController(settings={"rule": "fedavg"})

@@ -8,6 +8,7 @@ the fake returns the results of the sites that stayed, as NVFlare does once ``mi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -30,7 +31,8 @@ def _result(site: str, received: dict, shift: float, ctrl_shift: float) -> FLMod
 
 @pytest.fixture
 def controller(tmp_path, monkeypatch):
-    ctl = FedAlgController(num_rounds=2, rule="scaffold", min_responses=2, train_timeout=30, evaluator_id="")
+    settings = {"num_rounds": 2, "server": "scaffold", "min_responses": 2, "train_timeout": 30}
+    ctl = FedAlgController(settings=settings, evaluator_id="")
     ctl._run_id = "test-run"
     ctl._reachable = ctl._population = SITES  # what run() sets from the job's sites
     calls: dict = {"sent": [], "saved": [], "errors": []}
@@ -91,7 +93,9 @@ def test_metrics_record_who_was_asked_and_who_was_aggregated(controller, monkeyp
 
 def test_too_few_results_leave_the_global_model_and_control_unchanged(controller, monkeypatch, tmp_path):
     ctl, calls = controller
-    ctl.min_accepted = 3  # every site needed: with site-2 gone the round must not aggregate
+    # Every site needed (waiting for all three, as 3 accepted results need): with site-2 gone the round must not
+    # aggregate.
+    ctl.round_settings = dataclasses.replace(ctl.round_settings, min_responses=None, min_accepted=3)
     _drop_site_2(ctl, calls, monkeypatch, {0: {"site-1": (0.5, 0.3), "site-3": (-0.1, 0.9)}})
     state = ctl._rule.init_state(GLOBAL)
 

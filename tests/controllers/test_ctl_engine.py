@@ -129,7 +129,7 @@ def test_controller_refuses_min_accepted_zero_at_construction():
     from controllers.fedalg_controller import FedAlgController
 
     with pytest.raises(ValueError, match=r"^min_accepted must be an integer >= 1, got 0$"):
-        FedAlgController(min_accepted=0)
+        FedAlgController(settings={"min_accepted": 0})
 
 
 def _assert_failed_round_kept_the_model(outcome, host, state, reason: str) -> None:

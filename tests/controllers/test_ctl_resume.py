@@ -7,6 +7,7 @@ update depends only on the global model they receive, the round and the site; a 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -67,7 +68,7 @@ class FakeEngineController(FedAlgController):
         **kwargs,
     ):
         kwargs.setdefault("clients_per_round", 2)
-        super().__init__(evaluator_id="", **kwargs)
+        super().__init__(evaluator_id="", settings=kwargs)  # the round settings by their job names
         self.app_dir, self.stop_after, self.failing_rounds = app_dir, stop_after, failing_rounds
         self.silent = silent  # sites of the job that never answer (a site that went down)
         self.app_dir.mkdir(parents=True, exist_ok=True)
@@ -138,22 +139,26 @@ def _assert_identical(a, b, where="state"):
 
 #: What a registered rule needs to run on this three-site federation (default: two sites a round, no arguments).
 NEEDS = {
-    "attack_adaptive": {"rule_args": {"allow_random_attention": True}},  # the shipped network fits LeNet-5 only
-    "krum": {"clients_per_round": None, "rule_args": {"num_byzantine": 0}},  # n - f - 2 >= 1 with three sites
+    "attack_adaptive": {"server_args": {"allow_random_attention": True}},  # the shipped network fits LeNet-5 only
+    "krum": {"clients_per_round": None, "server_args": {"num_byzantine": 0}},  # n - f - 2 >= 1 with three sites
 }
 #: Settings other than the defaults whose state must survive a resume as well.
 VARIANTS = {
-    "fedyogi+scaffold": {"rule": "fedyogi", "rule_args": {"server_lr": 0.05}, "companions": {"scaffold_control": {}}},
-    "fedadam-bias": {"rule": "fedadam", "rule_args": {"bias_correction": True}},
-    "fednova-momentum": {"rule": "fednova", "rule_args": {"server_momentum": 0.5}},
-    "fedatt-noise": {"rule": "fedatt", "rule_args": {"noise": 0.01, "seed": 3}},
+    "fedyogi+scaffold": {
+        "server": "fedyogi",
+        "server_args": {"server_lr": 0.05},
+        "companions": {"scaffold_control": {}},
+    },
+    "fedadam-bias": {"server": "fedadam", "server_args": {"bias_correction": True}},
+    "fednova-momentum": {"server": "fednova", "server_args": {"server_momentum": 0.5}},
+    "fedatt-noise": {"server": "fedatt", "server_args": {"noise": 0.01, "seed": 3}},
 }
 #: Every registered rule (from the registry: a new rule is under this test once registered), then the variants.
-RULES_UNDER_TEST = {name: {"rule": name, **NEEDS.get(name, {})} for name in sorted(RULES)} | VARIANTS
+RULES_UNDER_TEST = {name: {"server": name, **NEEDS.get(name, {})} for name in sorted(RULES)} | VARIANTS
 
 
 def test_the_adaptations_name_registered_rules():
-    assert set(NEEDS) <= set(RULES) and {case["rule"] for case in VARIANTS.values()} <= set(RULES)
+    assert set(NEEDS) <= set(RULES) and {case["server"] for case in VARIANTS.values()} <= set(RULES)
 
 
 def stop_and_resume(
@@ -205,7 +210,7 @@ def test_a_resumed_dp_fedavg_job_draws_a_fresh_seed(tmp_path, monkeypatch):
     """The checkpoint holds no seed, so a restarted server cannot continue the stopped run's noise: the resumed
     rounds run on a fresh secret seed (fresh noise and site sample), as docs/privacy.md says; the model and the
     rest of the rule state still continue from the checkpoint."""
-    settings = {"rule": "dp_fedavg", "rule_args": {"noise_multiplier": 1.0, "clip_norm": 0.5, "adaptive": False}}
+    settings = {"server": "dp_fedavg", "server_args": {"noise_multiplier": 1.0, "clip_norm": 0.5, "adaptive": False}}
     monkeypatch.setattr(dp_fedavg, "secret_seed", lambda: 0)
     stop_and_resume(tmp_path, settings, lambda: monkeypatch.setattr(dp_fedavg, "secret_seed", lambda: 1))
     params_a, state_a = _final(tmp_path / "straight" / "app")
@@ -217,7 +222,7 @@ def test_a_resumed_dp_fedavg_job_draws_a_fresh_seed(tmp_path, monkeypatch):
 
 def test_resume_refuses_a_model_that_does_not_belong_to_the_state(tmp_path):
     app = tmp_path / "app"
-    FakeEngineController(app, stop_after=STOP_AFTER, num_rounds=ROUNDS, rule="fedadam").run()
+    FakeEngineController(app, stop_after=STOP_AFTER, num_rounds=ROUNDS, server="fedadam").run()
     payload = torch.load(app / STATE_FILE, weights_only=True)
     save_rule_state(app / STATE_FILE, "fedadam", payload["round"], {}, global_sha256="0" * 64)
     with pytest.raises(ValueError, match="is not the model"):
@@ -226,7 +231,7 @@ def test_resume_refuses_a_model_that_does_not_belong_to_the_state(tmp_path):
 
 def test_resume_refuses_another_rules_state_and_missing_files(tmp_path):
     app = tmp_path / "app"
-    FakeEngineController(app, stop_after=1, num_rounds=ROUNDS, rule="fedadam").run()
+    FakeEngineController(app, stop_after=1, num_rounds=ROUNDS, server="fedadam").run()
     with pytest.raises(ValueError, match="written by rule 'fedadam'"):
         load_resume_point(app, "fedyogi")
     with pytest.raises(FileNotFoundError, match="cannot resume"):
@@ -238,7 +243,7 @@ def test_resume_refuses_another_rules_state_and_missing_files(tmp_path):
 def test_resume_after_a_round_without_valid_results_continues_after_it(tmp_path):
     """The failed round is a completed round: the checkpoint records it as the last attempted (and the round before
     as the last aggregated), and the resumed job goes on with the next round, as the uninterrupted job did."""
-    settings = {"rule": "fedyogi", "companions": {"scaffold_control": {}}, "failing_rounds": (1,)}
+    settings = {"server": "fedyogi", "companions": {"scaffold_control": {}}, "failing_rounds": (1,)}
     straight = FakeEngineController(tmp_path / "straight" / "app", num_rounds=ROUNDS, **settings)
     straight.run()
     first = FakeEngineController(tmp_path / "first" / "app", stop_after=STOP_AFTER, num_rounds=ROUNDS, **settings)
@@ -269,13 +274,13 @@ def test_a_site_down_when_the_job_resumes_stays_in_the_population(tmp_path, rule
     """NVFlare deploys the resumed job only to the sites connected then. A site that is down keeps counting: the
     resumed job equals, bit for bit, an uninterrupted one in which that site stopped answering at the same point
     (SCAFFOLD's c and FedDyn's h / m stay scaled by all three sites), and the down site is never sent a task."""
-    settings = {"rule": rule, "clients_per_round": None, "min_responses": 2}
+    settings = {"server": rule, "clients_per_round": None, "min_responses": 2}
     straight = FakeEngineController(tmp_path / "straight" / "app", num_rounds=ROUNDS, **settings)
     straight.stop_after = STOP_AFTER
     straight.run()
     straight.abort_signal.triggered, straight.stop_after = False, None  # the same job goes on with site-3 silent
     straight.silent = ("site-3",)
-    straight.resume_from = str(straight.app_dir)
+    straight.round_settings = dataclasses.replace(straight.round_settings, resume_from=str(straight.app_dir))
     straight.run()
     first = FakeEngineController(tmp_path / "first" / "app", stop_after=STOP_AFTER, num_rounds=ROUNDS, **settings)
     first.run()
@@ -317,13 +322,13 @@ class DPSitesController(FakeEngineController):
 def test_a_resumed_job_still_broadcasts_what_each_dp_site_released(tmp_path):
     """The server's record of each DP site's released steps (``server.released_steps``, against which a site checks
     its ledger for staleness) is checkpointed and restored: the resumed job's first broadcast carries it."""
-    first = DPSitesController(tmp_path / "first" / "app", stop_after=STOP_AFTER, num_rounds=ROUNDS, rule="fedavg")
+    first = DPSitesController(tmp_path / "first" / "app", stop_after=STOP_AFTER, num_rounds=ROUNDS, server="fedavg")
     first.run()
     expected = {site: 5 * (r + 1) for r, targets in enumerate(first.sent_targets) for site in targets}
     assert first.sent_meta[1][meta_keys.RELEASED_STEPS] == {s: 5 for s in first.sent_targets[0]}  # round 2's
     assert load_resume_point(tmp_path / "first" / "app", "fedavg").released_steps == expected
     resumed = DPSitesController(
-        tmp_path / "resumed" / "app", num_rounds=ROUNDS, rule="fedavg", resume_from=str(tmp_path / "first" / "app")
+        tmp_path / "resumed" / "app", num_rounds=ROUNDS, server="fedavg", resume_from=str(tmp_path / "first" / "app")
     )
     resumed.run()
     assert resumed.sent_meta[0][meta_keys.RELEASED_STEPS] == expected

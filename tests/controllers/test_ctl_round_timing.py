@@ -36,7 +36,7 @@ class _Evaluator:
 
 @pytest.fixture
 def controller(tmp_path, monkeypatch):
-    ctl = FedAlgController(num_rounds=1, rule="fedavg")
+    ctl = FedAlgController(settings={"num_rounds": 1, "server": "fedavg"})
     ctl._run_id = "test-run"
     ctl._reachable = ctl._population = SITES  # what run() sets from the job's sites
     monkeypatch.setattr(ctl, "get_run_dir", lambda: str(tmp_path))

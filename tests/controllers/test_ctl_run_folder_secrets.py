@@ -27,8 +27,8 @@ from tests.controllers.test_ctl_resume import FakeEngineController, client_resul
 ROUNDS, SAMPLED, CLIP, Z = 3, 2, 0.5, 1.0
 KEY = "conv.weight"  # the one trainable entry of the harness's model (the others are buffers the rule keeps)
 SETTINGS = {
-    "rule": "dp_fedavg",
-    "rule_args": {"noise_multiplier": Z, "clip_norm": CLIP, "adaptive": False},
+    "server": "dp_fedavg",
+    "server_args": {"noise_multiplier": Z, "clip_norm": CLIP, "adaptive": False},
     "clients_per_round": SAMPLED,
     "save_client_updates": True,
 }

@@ -303,7 +303,7 @@ def test_the_server_crashed_mid_job_restarts_and_the_resumed_job_continues_bit_i
     job = Path(shutil.copytree(REPO / "jobs" / "scaffold", tmp_path / "scaffold_resumed"))
     config_file = job / "app" / "config" / "config_fed_server.json"
     config = json.loads(config_file.read_text())
-    config["workflows"][0]["args"]["resume_from"] = str(resume_point)
+    config["workflows"][0]["args"]["settings"]["resume_from"] = str(resume_point)
     config_file.write_text(json.dumps(config, indent=4))
     with loopback.admin_session(deployment) as session:
         resumed_id, meta = loopback.run_job(session, deployment, job, JOB_TIMEOUT_S)

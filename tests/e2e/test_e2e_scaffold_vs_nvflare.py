@@ -160,7 +160,7 @@ def test_nvflares_builtin_handler_never_activates_in_our_job(runs):
     config = json.loads((workspace.parent / "jobs" / "ours" / "app" / "config" / "config_fed_server.json").read_text())
     assert "nvflare.app_common.workflows.scaffold.Scaffold" not in json.dumps(config)
     params = _global_model(workspace)
-    controller = FedAlgController(num_rounds=NUM_ROUNDS, rule="scaffold")
+    controller = FedAlgController(settings={"num_rounds": NUM_ROUNDS, "server": "scaffold"})
     state = {"control": {key: np.ones_like(value) for key, value in params.items()}}
     meta = controller._round_engine().broadcast_meta(1, state, "cross-check")
     broadcast = outgoing_model(1, NUM_ROUNDS, params, meta)

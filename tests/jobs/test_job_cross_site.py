@@ -74,7 +74,7 @@ def test_off_it_changes_nothing_in_the_exported_job(tmp_path):
     assert "cross_site" not in (off / "app" / "config" / "config_fed_server.json").read_text()
     assert "cross_site" not in (off / "app" / "config" / "config_fed_client.json").read_text()
     server = json.loads((on / "app" / "config" / "config_fed_server.json").read_text())
-    assert any(w["args"].get("cross_site_eval") is True for w in server["workflows"])
+    assert any(w["args"].get("settings", {}).get("cross_site_eval") is True for w in server["workflows"])
 
 
 def test_a_site_that_cannot_take_part_answers_empty_and_says_why_in_one_line(tmp_path, capsys):

@@ -35,9 +35,9 @@ def test_exported_job_wires_our_controller_rule_and_sample_weights(tmp_path):
     server = json.loads((job_dir / "app" / "config" / "config_fed_server.json").read_text())
     controller = server["workflows"][0]
     assert controller["path"] == "controllers.fedalg_controller.FedAlgController"
-    assert controller["args"]["num_rounds"] == 4
-    assert controller["args"]["rule"] == "fedavg"
-    assert controller["args"]["rule_args"] == {"server_lr": 1.0}
+    assert controller["args"]["settings"]["num_rounds"] == 4
+    assert controller["args"]["settings"]["server"] == "fedavg"
+    assert controller["args"]["settings"]["server_args"] == {"server_lr": 1.0}
     client = json.loads((job_dir / "app" / "config" / "config_fed_client.json").read_text())
     args = client["executors"][0]["executor"]["args"]
     assert args["task_script_path"] == "client.py"

@@ -83,7 +83,7 @@ def test_the_committed_job_carries_no_copy_of_the_installed_examples_and_builds_
     model = server["components"][0]["args"]["model"]
     assert model["args"]["model"] == "genomics_consortium.model:HaploblockClassifier" and model["args"]["seed"] == 0
     assert "controllers.fedalg_controller.FedAlgController" in json.dumps(server)
-    assert server["workflows"][0]["args"]["rule"] == "fedavg"
+    assert server["workflows"][0]["args"]["settings"]["server"] == "fedavg"
 
 
 def test_one_round_trains_in_process_and_moves_the_batchnorm_statistics(tmp_path):
