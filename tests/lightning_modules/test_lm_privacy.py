@@ -307,7 +307,8 @@ def test_every_meta_key_the_bundle_sends_has_a_status():
 
     sent = {value for name, value in vars(meta_keys).items() if name.isupper() and isinstance(value, str)}
     sent -= {meta_keys.ROUND, meta_keys.NUM_ROUNDS, meta_keys.AGGREGATION_RULE, meta_keys.RUN_ID}
-    sent -= {meta_keys.LAST_AGGREGATED, meta_keys.LAST_RELEASED, meta_keys.SCAFFOLD_CTRL_GLOBAL}  # server -> client
+    sent -= {meta_keys.LAST_AGGREGATED, meta_keys.LAST_RELEASED, meta_keys.RELEASED_STEPS}  # server -> client
+    sent -= {meta_keys.SCAFFOLD_CTRL_GLOBAL}
     sent -= {meta_keys.FEDDYN_ALPHA}
     sent |= {key for cls in CLIENT_ALGORITHMS.values() for key in cls.sent_meta}
     unknown = sorted(key for key in sent if status_of(key).pattern == "*")
