@@ -81,16 +81,17 @@ class SiteOptimizerStep(DXOFilter):
     """Site, task data, after NVFlare's ``HEModelDecryptor``: the received mean becomes x_r (``train`` tasks
     only: the filter is registered with the decryptor's task set, and a ``validate`` task passes unchanged)."""
 
-    def __init__(self, rule: str, rule_args: dict | None = None) -> None:
+    def __init__(self, server: str, server_args: dict | None = None) -> None:
+        """``server``, ``server_args``: the job's rule and its arguments (the job settings of those names)."""
         super().__init__(supported_data_kinds=[DataKind.WEIGHTS], data_kinds_to_filter=[DataKind.WEIGHTS])
-        self.rule, self.rule_args = rule, dict(rule_args or {})
+        self.server, self.server_args = server, dict(server_args or {})
 
     def process_dxo(self, dxo: DXO, shareable: Shareable, fl_ctx: FLContext) -> DXO | None:
         task = shareable.get_header(ReservedHeaderKey.TASK_NAME)
         if task not in (None, AppConstants.TASK_TRAIN):  # another task (validate) gets the model as it came
             return None
         round_num = int(shareable.get_header(AppConstants.CURRENT_ROUND))
-        state = _site_optimizer(self.rule, self.rule_args, fl_ctx).start_round(round_num, dxo.data)
+        state = _site_optimizer(self.server, self.server_args, fl_ctx).start_round(round_num, dxo.data)
         dxo.data = {key: np.array(value, copy=True) for key, value in state.x.items()}
         self.log_info(fl_ctx, f"FedOpt at the site: round {round_num}, step {state.step}, x {state.digest}")
         return dxo
@@ -99,13 +100,14 @@ class SiteOptimizerStep(DXOFilter):
 class SiteOptimizerDigest(DXOFilter):
     """Site, ``train`` task result, before the weight and the encryptor: the digest of the state trained from."""
 
-    def __init__(self, rule: str, rule_args: dict | None = None) -> None:
+    def __init__(self, server: str, server_args: dict | None = None) -> None:
+        """``server``, ``server_args``: the job's rule and its arguments (the job settings of those names)."""
         super().__init__(supported_data_kinds=[DataKind.WEIGHTS], data_kinds_to_filter=[DataKind.WEIGHTS])
-        self.rule, self.rule_args = rule, dict(rule_args or {})
+        self.server, self.server_args = server, dict(server_args or {})
 
     def process_dxo(self, dxo: DXO, shareable: Shareable, fl_ctx: FLContext) -> DXO:
         round_num = int(shareable.get_header(AppConstants.CURRENT_ROUND))
-        optimizer = _site_optimizer(self.rule, self.rule_args, fl_ctx)
+        optimizer = _site_optimizer(self.server, self.server_args, fl_ctx)
         state = optimizer.record_result(round_num, dxo.get_meta_prop(meta_keys.PARAM_KEYS))
         dxo.set_meta_prop(DIGEST, state.digest)
         dxo.set_meta_prop(DIGEST_ROUND, round_num)

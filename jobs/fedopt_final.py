@@ -36,7 +36,7 @@ def job_rule(job_dir: Path) -> tuple[str, dict[str, Any], int]:
         raise ValueError(f"{job_dir} does not take FedOpt's step at the sites (no {STEP_FILTER} in its client config)")
     server = json.loads((config / "config_fed_server.json").read_text())
     rounds = server["workflows"][0]["args"]["num_rounds"]
-    return steps[0]["args"]["rule"], dict(steps[0]["args"].get("rule_args") or {}), int(rounds) - 1
+    return steps[0]["args"]["server"], dict(steps[0]["args"].get("server_args") or {}), int(rounds) - 1
 
 
 def saved_mean(model_file: Path, context: Path | None, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:

@@ -251,7 +251,7 @@ def add_sum_site_filters(job: Any, spec: Any) -> None:
     if steps_at_sites(spec.server):  # x_r from the mean after decryption; x_r's digest with the result
         from controllers.he_fedopt import SiteOptimizerDigest, SiteOptimizerStep
 
-        rule = {"rule": spec.server, "rule_args": dict(spec.server_args)}
+        rule = {"server": spec.server, "server_args": dict(spec.server_args)}
         job.to_clients(SiteOptimizerStep(**rule), tasks=["train", "validate"], filter_type=FilterType.TASK_DATA)
         job.to_clients(SiteOptimizerDigest(**rule), tasks=["train"], filter_type=FilterType.TASK_RESULT)
     if is_private(spec):

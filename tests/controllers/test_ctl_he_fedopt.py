@@ -357,7 +357,7 @@ def test_the_job_steps_at_the_sites_after_decryption_and_checks_at_the_server(tm
         "aggregators.egress_gate.EgressGate",
     ]
     step = next(f for e in site["task_data_filters"] for f in e["filters"] if f["path"].endswith("OptimizerStep"))
-    assert step["args"] == {"rule": "fedadam", "rule_args": args}
+    assert step["args"] == {"server": "fedadam", "server_args": args}
     assert "controllers.he_fedopt.SiteOptimizerConsensus" in [c["path"] for c in server["components"]]
     assert server["workflows"][0]["args"]["min_clients"] == 3
 
