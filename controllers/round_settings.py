@@ -120,8 +120,8 @@ class ControllerSettings(RoundSettings):
         return cls(**rounds, seed=job.seed, local_keys=tuple(local_keys), companions=dict(companions or {}))
 
     def as_dict(self) -> dict[str, Any]:
-        """The plain JSON form, what NVFlare writes into ``config_fed_server.json`` (`ALWAYS_WRITTEN`, then every
-        other setting that differs from its default)."""
+        """The plain JSON form, what NVFlare writes into ``config_fed_server.json``: `ALWAYS_WRITTEN` and every other
+        setting that differs from its default, in declaration order."""
         default = ControllerSettings()
         plain: dict[str, Any] = {}
         for name in self.names():
