@@ -335,8 +335,9 @@ class ClientAlgorithmSettings:
     local_keys: str = setting(
         "",
         "state_dict entries that never leave the site (partial sharing, docs/personalization.md): comma-separated "
-        "globs over the model's state_dict names (e.g. 'net.classifier.*': FedPer) or the word batchnorm (every "
-        "BatchNorm entry: FedBN); with --client fedrep, the head. The builder resolves them against the job's model "
+        "globs over the model's state_dict names (e.g. 'net.classifier.*': FedPer), the word batchnorm (every "
+        "BatchNorm entry: FedBN) or the word head (the head the model declares in fl_head_keys, e.g. the genomics "
+        "model's net.head.*); with --client fedrep, the head. The builder resolves them against the job's model "
         "and writes the explicit names into the job. Like every personal method (ditto, fedrep, fine-tuning), needs "
         "a validation split (--site-val-fraction, or your data module's val_dataloader)",
         exported_when=_has_local_keys,
