@@ -85,7 +85,7 @@ def stopped_early(records: Sequence[dict[str, Any]]) -> bool:
     rule (``--stop-patience``) ending it: a round record marked ``stopped`` is a finished run."""
     if not records:
         return True
-    if any(r.get("stage") == "round" and r.get("stopped") for r in records):
+    if stop_note(records) is not None:
         return False
     expected = records[0].get("num_rounds")
     return isinstance(expected, int) and _rounds_done(records) < expected

@@ -320,7 +320,7 @@ def site_gain_fields(protocol: Protocol, cell: Cell) -> dict[str, Any]:
         fields["local_baseline"] = True
     if getattr(protocol, "site_pooled_test", 0):  # the genomics harness's protocol has no pooled view
         fields["site_pooled_test"] = protocol.site_pooled_test
-    if getattr(protocol, "stop_patience", None) is not None:
+    if protocol.stop_patience is not None:  # both harnesses' protocols have it
         fields["stop_patience"] = protocol.stop_patience
     return fields  # an algorithm's own model (FedBN's bn_cnn) over the protocol's
 

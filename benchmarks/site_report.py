@@ -25,20 +25,16 @@ from typing import Any
 
 from benchmarks import site_stats
 
-#: The pre-registered default recommendation, fixed before any held-out setting was run (the independent review's
-#: 7-site Dirichlet 0.3 grid, the quantity-skew settings): the method every site runs by default and the settings it
-#: runs with. Chosen from the committed settings only (benchmarks/results/personalization.md, 8 settings, 3 seeds):
-#: FedRep had the best personalized mean site accuracy in 4 of them (Fashion-MNIST Dirichlet 0.1, 1000 Genomes
-#: Dirichlet 0.1, simulated cohort iid and Dirichlet 0.1) and was within the seed spread of the best in the other 4,
-#: the best record of the five methods. ``keep="best"`` lets each site fall back to its local-only model
-#: (``local_baseline``) or the global model when its validation split says FedRep's personal model is worse. The
-#: reports check this one recommendation in every setting; they never pick a method after the fact.
 #: The centrally trained model of a grid (benchmarks/compare.py): a ceiling for the federated global models, not a
 #: method a site could choose.
 CENTRAL = "central"
-#: Fixed before the runs it is judged on (benchmarks/results/site_gain.md says which): FedRep for the runs up to
-#: the early-stopped counterfactual's section; from the 'site_gain_v3' grid on, FedAvg clients with server momentum
-#: (FedAvgM), chosen on a tuning setting (Dirichlet 0.3, 8 sites, 4,000 images) that no held-out run uses.
+#: The pre-registered default recommendation, fixed in code before the held-out runs it is judged on: the method every
+#: site runs by default and the settings it runs with. The reports check this one recommendation in every setting;
+#: they never pick a method after the fact. Up to the early-stopped counterfactual's section of
+#: benchmarks/results/site_gain.md it was FedRep (the best personalized record of five methods on the committed
+#: settings of benchmarks/results/personalization.md); from the 'site_gain_v3' grid on, FedAvg clients with server
+#: momentum (FedAvgM), chosen on a tuning setting (Dirichlet 0.3, 8 sites, 4,000 images) that no held-out run uses.
+#: ``keep="best"`` lets each site fall back to its own early-stopped local-only model (``local_baseline``).
 PREREGISTERED_DEFAULT: Mapping[str, Any] = {"method": "fedavgm", "keep": "best", "local_baseline": True}
 
 #: The candidates a site scores on its test split, in the order of the tables.

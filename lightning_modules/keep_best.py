@@ -181,8 +181,9 @@ class SiteCandidates:
         if self.splits is not None:
             # Without a personal model of its own (FedAvg, SCAFFOLD, ...), the site's personal candidate is its
             # round's trained model: the received global model after this round's local epochs on the site's data
-            # (fine-tuned, chosen over rounds on validation like every candidate). It is scored, never trained more.
-            trained = {} if "personal" in present else {"personal": with_weights(module, {})}
+            # (fine-tuned, chosen over rounds on validation like every candidate). It is scored in place (the scorer
+            # restores its mode and draws on a forked stream), never trained more, and not copied for it.
+            trained = {} if "personal" in present else {"personal": module}
             chosen = self._classifier_round({**present, **trained}, round_num, run_id)
             if chosen is not None:
                 self.received = self.finetuned = None
