@@ -546,13 +546,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     labels = args.labels or [default_label(ws) for ws in args.workspaces]
     if len(labels) != len(args.workspaces):
         parser.error("give one label per workspace")
-    sites = {label: ws for label, ws in zip(labels, args.workspaces, strict=True) if is_site_folder(ws)}
-    for label, ws in sites.items():  # run at a site: its own scores, which a DP job never sent
-        print_site(label, ws)
-    if len(sites) == len(labels):
+    at_site = [is_site_folder(ws) for ws in args.workspaces]  # each folder looked at once
+    for label, ws, site in zip(labels, args.workspaces, at_site, strict=True):
+        if site:  # run at a site: its own scores, which a DP job never sent
+            print_site(label, ws)
+    if all(at_site):
         return 0
-    labels = [label for label in labels if label not in sites]
-    args.workspaces = [ws for ws in args.workspaces if not is_site_folder(ws)]
+    labels = [label for label, site in zip(labels, at_site, strict=True) if not site]
+    args.workspaces = [ws for ws, site in zip(args.workspaces, at_site, strict=True) if not site]
     try:
         run_dirs = {label: find_run_dir(ws) for label, ws in zip(labels, args.workspaces, strict=True)}
     except FileNotFoundError as exc:
