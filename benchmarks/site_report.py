@@ -102,10 +102,11 @@ def bytes_per_site_round(traffic: Sequence[Mapping[str, int]]) -> float:
 # Gathering cells
 # --------------------------------------------------------------------------------------------------------------------
 def group_cells(cells: Sequence[Mapping[str, Any]]) -> dict[tuple[str, Any], dict[str, dict[int, Mapping[str, Any]]]]:
-    """Cells with test-split scores by (partition, partition seed), method and training seed."""
+    """Cells with test-split scores (or, a central model's, pooled-test scores only) by (partition, partition
+    seed), method and training seed."""
     grouped: dict[tuple[str, Any], dict[str, dict[int, Mapping[str, Any]]]] = defaultdict(lambda: defaultdict(dict))
     for cell in cells:
-        if not cell.get("site_test"):
+        if not cell.get("site_test") and not cell.get("site_pooled_test"):
             continue
         key = cell["cell"]
         setting = (key.get("partition") or key["split"], key.get("partition_seed"))

@@ -347,7 +347,7 @@ class UserSite:
         return found
 
     def classifier_splits(self, with_test: bool) -> dict[str, Any]:
-        """The data module's validation (and test) batches, read once, for the classifier path
+        """The data module's validation (and test, and pooled test) batches, read once, for the classifier path
         (lightning_modules/split_scores.py; ``None`` where the batches are not (x, integer y))."""
         from lightning_modules.split_scores import classifier_batches
 
@@ -360,6 +360,11 @@ class UserSite:
             splits["test"] = classifier_batches(data.test_dataloader(), transfer)
             if splits["test"] is None:  # the test_step's own metrics then, through Lightning
                 return {"val": None}
+            # The "next patient" view: a data module that has a pooled test set offers it through this optional
+            # hook (docs/own_model.md); every candidate is scored on it beside the site's own test split.
+            pooled = getattr(data, "pooled_test_dataloader", lambda: None)()
+            if pooled is not None:
+                splits["pooled"] = classifier_batches(pooled, transfer)
         return splits
 
     def fit(self, round_num: int, connect: Any) -> dict[str, Any]:

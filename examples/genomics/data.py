@@ -9,14 +9,14 @@ coordination:
 - ``source="sim"``: a simulated cohort (``data_prep.genomics_sim``; ``n_snps``, ``samples_per_population``),
   with each person's true ancestry proportions for ``target="proportions"``.
 
-A fixed stratified 20 % of the people is held out as a test set that no site trains on (``test_dataloader``; for
-benchmarks only: a real federation has no such set). The rest is split over the sites with ``split``: ``iid``,
-``dirichlet`` (over populations, concentration ``alpha``) or ``population`` (site = population). Each site keeps
-``val_fraction`` of its share for validation (the site evaluation of the global model, and the selection of
-``--keep best``) and, with ``test_fraction`` > 0, a further disjoint ``test_fraction`` as its OWN test split: then
-``test_dataloader`` is that split (the site's reporting split: ``eval.*_test_*``), in simulation and on a real site
-alike. The three parts come from one permutation seeded by ``seed``: the validation split is the same with and
-without a test split.
+A fixed stratified 20 % of the people is held out as a test set that no site trains on (``test_dataloader``, and
+``pooled_test_dataloader``: the "next patient" view; for benchmarks only: a real federation has no such set). The
+rest is split over the sites with ``split``: ``iid``, ``dirichlet`` (over populations, concentration ``alpha``) or
+``population`` (site = population). Each site keeps ``val_fraction`` of its share for validation (the site
+evaluation of the global model, and the selection of ``--keep best``) and, with ``test_fraction`` > 0, a further
+disjoint ``test_fraction`` as its OWN test split: then ``test_dataloader`` is that split (the site's reporting
+split: ``eval.*_test_*``), in simulation and on a real site alike. The three parts come from one permutation seeded
+by ``seed``: the validation split is the same with and without a test split.
 
 A real site reads its own genotype CSV (``sample``, one column per SNP, a ``population`` column) with the
 consortium's SNP table (a CSV of ``snp,ref,alt`` rows) and the agreed ``classes`` (population names, in order). The
@@ -102,7 +102,7 @@ class SnpSites(pl.LightningDataModule):
         if data_file:
             own, self.data_source = _site_file(site, data_file, snp_table, classes), data_file
             print(read_line(site, files, len(own.labels), own.genotypes.shape[1], own.classes), flush=True)
-            self.test = None
+            self.test = self.pooled = None
         else:
             data = source_data(source, label, populations, n_snps, samples_per_population)
             if target == "proportions" and data.proportions is None:
@@ -111,7 +111,7 @@ class SnpSites(pl.LightningDataModule):
             parts = partition(data.labels[train], num_sites, split, seed=seed, alpha=alpha)
             own = _subset(data, train[parts[site_index(site, num_sites)]])
             self.data_source = f"a derived share of source {source!r}"
-            self.test = self._tensors(_subset(data, test))
+            self.test = self.pooled = self._tensors(_subset(data, test))
             print(
                 f"{site}: simulation: no genotype file of its own; derived share of source {source!r}: "
                 f"{len(own.labels)} people x {own.genotypes.shape[1]} SNPs, classes {list(own.classes)}",
@@ -154,6 +154,7 @@ class SnpSites(pl.LightningDataModule):
         self.val = GenotypeRows(own.genotypes, own.labels[val], val)
         self.train = GenotypeRows(own.genotypes, own.labels[train], train)
         self.test = GenotypeRows(own.genotypes, own.labels[test], test) if self.test_fraction > 0 else None
+        self.pooled = None
         self.num_snps, self.classes = own.genotypes.shape[1], own.classes
         return len(own.labels)
 
@@ -171,6 +172,12 @@ class SnpSites(pl.LightningDataModule):
         if isinstance(self.val, GenotypeRows):
             return genotype_loader(self.val, 512)
         return DataLoader(self.val, batch_size=512)
+
+    def pooled_test_dataloader(self) -> DataLoader | None:
+        """The "next patient" view in simulation: the held-out people of every population, which no site trains on
+        (``None`` at a site reading its own file: a real site has no such set). The bundle scores every candidate on
+        it beside the site's own test split (``eval.kept_pooled_test_accuracy``, ``eval.local_pooled_test_*``)."""
+        return None if self.pooled is None else DataLoader(self.pooled, batch_size=512)
 
     def test_dataloader(self) -> DataLoader:
         if self.test is None:

@@ -193,3 +193,33 @@ def test_a_user_module_reports_its_own_metric_names_and_an_unlogged_keep_metric_
         ClientAlgorithmError, match=r"site-1: keep best selects on validation metric 'val_f1'.*\['val_loss'\]"
     ):
         candidates._keep({"global": None}, {}, {"eval.val_loss": 1.0, "eval.local_val_loss": 2.0}, 0, "r")
+
+
+def test_a_user_data_module_with_a_pooled_test_set_gets_the_next_patient_view(tmp_path, monkeypatch) -> None:
+    """The genomics example's data module offers its held-out people of every population through the optional
+    ``pooled_test_dataloader`` hook: every candidate is scored on it beside the site's own test split, and the kept
+    model's pooled score is its candidate's (before the hook, a user module had no pooled view at all)."""
+    from jobs.presets import EXAMPLES
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    spec = JobSpec(
+        name="snp", model="genomics.model:SnpClassifier", ship=str(EXAMPLES / "genomics"), num_sites=3,
+        model_args={"arch": "mlp", "n_snps": 127, "num_classes": 5, "lr": 1e-3}, data="genomics.data:SnpSites",
+        data_args={"source": "1kg", "split": "dirichlet", "alpha": 0.3, "batch_size": 256, "test_fraction": 0.2},
+        local_baseline=True, keep="best",
+    )  # fmt: skip
+    from benchmarks.in_process import site_args
+    from lightning_modules.kept_model import KINDS
+    from lightning_modules.own_model import UserSite
+
+    site = UserSite(site_args(spec), "site-2", ClientStateStore(tmp_path, "site-2"))
+    pooled = site.data.pooled_test_dataloader()
+    own_test = site.data.test_dataloader()
+    assert len(pooled.dataset) > 2 * len(own_test.dataset)  # every population's held-out people, not the site's
+    _, sent = site.train(0, initial_params(spec), meta(0))
+    views = {f"eval.{name}_pooled_test_accuracy" for name in ("global", "local", "kept")}
+    assert views <= set(sent)
+    kept = KINDS[int(sent["eval.kept_candidate"])]
+    name = "local" if kept == "local" else kept
+    if name in ("global", "local"):
+        assert sent["eval.kept_pooled_test_accuracy"] == sent[f"eval.{name}_pooled_test_accuracy"]
