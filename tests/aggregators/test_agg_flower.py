@@ -5,7 +5,7 @@ weights, v0 = 0, FedAdam's bias correction, FedAdagrad without momentum, Flower'
 global model must agree to 1e-6. Flower's FedAdam numbers its rounds from 1 and corrects with exponent
 ``server_round + 1``: its first round uses t = 2 where Kingma-Ba (and our option) use t = 1, so Flower is fed
 ``server_round = t - 1`` to compare the same formula; the last test pins that off-by-one. Needs the test-only extra
-``pip install -e ".[crosscheck]"`` (scripts/setup_env.sh installs it).
+``pip install -e ".[secagg]"`` (scripts/setup_env.sh installs it).
 """
 
 from __future__ import annotations

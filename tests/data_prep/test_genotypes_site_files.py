@@ -371,15 +371,6 @@ def test_a_gp_beside_a_gt_wins_as_a_ds_does(tmp_path: Path) -> None:
     np.testing.assert_array_equal(result.genotypes, [[M, 1], [2, 0]])
 
 
-def test_bgen_is_refused_naming_the_conversion(tmp_path: Path) -> None:
-    # Was: "not a genotype file; expected one of .vcf, ..." (no word of BGEN or how to read it).
-    path = tmp_path / "ukb_chr1.bgen"
-    path.write_bytes(b"\x00" * 32)
-    with pytest.raises(DataPrepError, match=r"ukb_chr1\.bgen: BGEN is not read here; convert it with plink2 --bgen .*"
-                       r"--make-pgen"):  # fmt: skip
-        harmonise(path, table(tmp_path, "rs1,1,100,A,G\n"))
-
-
 # ---- 4. honest advice: ID styles, the SNP table, the mitochondrion, a .pvar INFO with a space ------------------------
 
 ID_ROWS = "".join(f"rs{100 + j},1,{100 * (j + 1)},{TABLE_BASES[j % 4][0]},{TABLE_BASES[j % 4][1]}\n" for j in range(20))
