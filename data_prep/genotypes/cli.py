@@ -103,6 +103,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="he: the sites encrypt their counts (TenSEAL CKKS contexts from NVFlare's HEBuilder), the server only "
         "adds ciphertexts, every site decrypts the sum and filters; needs a provisioned deployment; docs/genomics.md",
     )
+    qc_job.add_argument(
+        "--dp-target-epsilon",
+        type=float,
+        default=None,
+        help="add discrete Gaussian noise to every site's counts before they leave it, accounted in the site's privacy "
+        "ledger; this is the epsilon a site may spend on them (per person, add/remove); docs/genomics.md",
+    )
+    qc_job.add_argument(
+        "--dp-noise-multiplier",
+        type=float,
+        default=None,
+        help="noise sigma per count over sqrt(SNPs) (the L2 sensitivity); default: calibrated to --dp-target-epsilon",
+    )
+    qc_job.add_argument("--dp-delta", type=float, default=None, help="delta of the accounting (default 1e-5)")
     simulate = commands.add_parser("simulate-sites", help="an msprime cohort as per-site genotype files (simulate)")
     simulate.add_argument("--out", required=True, type=Path, help="the folder to write into")
     simulate.add_argument("--snps", type=int, default=10_000)
@@ -149,11 +163,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _qc_job(args: argparse.Namespace) -> int:
     from data_prep.genotypes.federated_qc import export_qc_job
     from data_prep.genotypes.qc import QcThresholds
+    from data_prep.genotypes.qc_noise import QcNoise
 
     try:
         thresholds = QcThresholds(args.min_call_rate, args.min_maf)
+        noise = QcNoise.from_options(args.dp_noise_multiplier, args.dp_target_epsilon, args.dp_delta)
         job = export_qc_job(
-            args.output_dir, thresholds, args.num_sites, args.name, args.min_site_people, args.secure_aggregation
+            args.output_dir, thresholds, args.num_sites, args.name, args.min_site_people, args.secure_aggregation, noise
         )
     except DataPrepError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -39,7 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -59,6 +59,7 @@ from data_prep.genotypes.qc import (
     qc_filter,
     summary,
 )
+from data_prep.genotypes.qc_noise import QcNoise, usable_counts
 
 if TYPE_CHECKING:  # TenSEAL is the optional 'he' extra: imported only where a job uses it
     import tenseal as ts
@@ -87,6 +88,8 @@ QC_TABLE = Path("local") / "fedalg_qc_snp_table.csv"
 REPORT_FILE = "qc_report.json"
 COUNTS, FILTER = "qc_counts", "qc_filter"
 SITE_SCRIPT = "qc_site.py"  # beside this module; the job ships it as its client script
+#: The noisy job's client script (folder, file): in the site runtime's package, which holds the privacy ledger.
+NOISE_SITE_SCRIPT = (Path(__file__).resolve().parents[2] / "lightning_modules" / "privacy", "qc_noise_site.py")
 CLEAR_COUNTS_WARNING = (
     "federated QC: each site's per-SNP genotype counts are visible to the server unless the deployment uses secure "
     "aggregation; they reveal whether a given person is in a site (Homer-style test), and only their sum is used"
@@ -131,11 +134,12 @@ def from_wire(array: object) -> bytes:
 
 
 def combine_counts(
-    sites: Mapping[str, tuple[Sequence[str], np.ndarray]], min_site_people: int = 1
+    sites: Mapping[str, tuple[Sequence[str], np.ndarray]], min_site_people: int = 1, noisy: bool = False
 ) -> tuple[tuple[str, ...], np.ndarray]:
     """The table SNPs and the summed (S, 4) counts of every site. The only place the server reads one site's
     counts: it refuses, by site, SNP lists that differ, malformed counts and sites below ``min_site_people`` (the
-    site refuses first; this is defence in depth against a site that skipped or changed its check)."""
+    site refuses first; this is defence in depth against a site that skipped or changed its check). ``noisy``
+    counts (``qc_noise``) may be negative and imply no person count, so only their shape is checked."""
     if not sites:
         raise DataPrepError("federated QC: no site sent its counts")
     names = sorted(sites)
@@ -148,8 +152,11 @@ def combine_counts(
                 f"federated QC: {site} harmonised against other SNPs than {names[0]} ({len(site_snps)} vs "
                 f"{len(snps)}); every site must use the consortium's table"
             )
-        if counts.shape != total.shape or (counts < 0).any():
+        if counts.shape != total.shape or ((counts < 0).any() and not noisy):
             raise DataPrepError(f"federated QC: {site} sent counts of shape {counts.shape}, expected {total.shape}")
+        if noisy:
+            total += counts.astype(np.int64)
+            continue
         try:
             people = implied_people(counts)
         except DataPrepError as exc:
@@ -253,6 +260,14 @@ def he_server_report(
     }
 
 
+def noise_report(noise: QcNoise | None) -> dict[str, object]:
+    """The job's noise settings for a report (nothing without noise); never a site's draws."""
+    if noise is None:
+        return {}
+    return {"noise": {"target_epsilon": noise.target_epsilon, "noise_multiplier": noise.noise_multiplier,
+                      "delta": noise.delta, "mechanism": "discrete Gaussian per cell, added at each site"}}  # fmt: skip
+
+
 def _settings(thresholds: QcThresholds, min_site_people: int | None) -> dict[str, object]:
     settings: dict[str, object] = {"min_call_rate": thresholds.min_call_rate, "min_maf": thresholds.min_maf}
     if min_site_people is not None:
@@ -283,6 +298,9 @@ class GenotypeQcController(ModelController):
         min_maf: float = 0.01,
         min_site_people: int = MIN_SITE_PEOPLE,
         secure_aggregation: str = "none",
+        dp_target_epsilon: float | None = None,
+        dp_noise_multiplier: float | None = None,
+        dp_delta: float | None = None,
     ):
         # Strict: a site that fails or refuses (too few people) ends the job; a QC over the other sites only would not
         # be the consortium's filter.
@@ -291,6 +309,10 @@ class GenotypeQcController(ModelController):
         self.min_call_rate, self.min_maf = min_call_rate, min_maf
         self.min_site_people = check_min_site_people(min_site_people)
         self.secure_aggregation = check_secure_aggregation(secure_aggregation)
+        self.noise = QcNoise.from_options(dp_noise_multiplier, dp_target_epsilon, dp_delta)  # refused here too
+        # NVFlare's job API writes a component's constructor arguments from its attributes of the same names.
+        self.dp_target_epsilon, self.dp_noise_multiplier = dp_target_epsilon, dp_noise_multiplier
+        self.dp_delta = dp_delta
 
     def run(self) -> None:
         if self.secure_aggregation == "he":
@@ -302,9 +324,13 @@ class GenotypeQcController(ModelController):
             return
         sites = {r.meta["client_name"]: (r.meta["snps"], r.params["counts"]) for r in results}
         # The one place the server reads a site's counts; under HE (_run_encrypted) it adds ciphertexts instead.
-        snps, total = combine_counts(sites, self.min_site_people)
-        check_no_site_empties_the_table(sites, total, self.thresholds)
+        snps, total = combine_counts(sites, self.min_site_people, noisy=self.noise is not None)
+        if self.noise is None:  # with noise each site checked its own call rate (check_site_calls) before sending
+            check_no_site_empties_the_table(sites, total, self.thresholds)
+        else:
+            total = usable_counts(total)
         keep, report = global_qc(snps, total, self.thresholds, list(sites), self.min_site_people)
+        report.update(noise_report(self.noise))
         path = Path(self.get_run_dir()) / REPORT_FILE
         path.write_text(json.dumps(report, indent=2) + "\n")
         self.info(f"federated QC: kept {int(keep.sum())} of {len(snps)} SNPs over {len(sites)} sites; {path}")
@@ -325,6 +351,7 @@ class GenotypeQcController(ModelController):
         check_he_sites(len(sites), "sites that answered")  # defence in depth behind the export's check
         snps, summed = add_encrypted_counts(context, sites)
         report = he_server_report(snps, self.thresholds, list(sites), self.min_site_people)
+        report.update(noise_report(self.noise))
         path = Path(self.get_run_dir()) / REPORT_FILE
         path.write_text(json.dumps(report, indent=2) + "\n")
         self.info(f"federated QC: added the encrypted counts of {len(sites)} sites ({len(snps)} SNPs); {path}")
@@ -332,8 +359,14 @@ class GenotypeQcController(ModelController):
         self.send_model_and_wait(FILTER, FLModel(params={ENCRYPTED_SUM: to_wire(summed)}, meta=meta))
 
 
-def site_main(argv: Sequence[str] | None = None) -> None:
-    """The site's side (run by the job's client script): counts (encrypted under HE), then the filtered table."""
+#: A noisy release (``lightning_modules.privacy.qc_release``): (site, exact counts, settings) -> (noisy counts, what
+#: it cost). data_prep cannot account (the ledger is the site runtime's), so the noisy job's script passes it in.
+NoisyRelease = Callable[[str, np.ndarray, QcNoise], tuple[np.ndarray, Mapping[str, object]]]
+
+
+def site_main(argv: Sequence[str] | None = None, release: NoisyRelease | None = None) -> None:
+    """The site's side (run by the job's client script): counts (noisy with ``--dp-*``, encrypted under HE), then the
+    filtered table."""
     import nvflare.client as flare
 
     from data_prep.genotypes.harmonise import read_snp_table
@@ -344,6 +377,16 @@ def site_main(argv: Sequence[str] | None = None) -> None:
     args = _site_parser().parse_args(argv)
     flare.init()
     site = flare.get_site_name()
+    try:
+        noise = QcNoise.from_options(args.dp_noise_multiplier, args.dp_target_epsilon, args.dp_delta)
+    except DataPrepError as exc:
+        raise DataPrepError(f"{site}: {exc}") from None
+    if noise is not None and release is None:
+        raise DataPrepError(
+            f"{site}: the job adds noise to the QC counts, but its client script has no privacy ledger to account "
+            "it in (export the job with python -m data_prep.genotypes qc-job --dp-target-epsilon, whose script is "
+            "lightning_modules/privacy/qc_noise_site.py); nothing sent"
+        )
     files = site_genotype_files(site, site_workspace(), os.environ)  # the environment, then the kit's local/
     data_file, table_path = files.path("genotypes"), files.path("snp_table")
     if not data_file or not table_path:
@@ -366,10 +409,17 @@ def site_main(argv: Sequence[str] | None = None) -> None:
         if received is None:
             break
         if received.meta.get("step") == COUNTS:
-            flare.send(_counts_message(counts, snps, context))
+            sent, spent = (counts, None) if noise is None else release(site, counts, noise)  # ledger first
+            flare.send(_counts_message(sent, snps, context))
             how = "which sees them unless the deployment uses secure aggregation"
             if context is not None:
                 how = "encrypted with its CKKS context; the server adds ciphertexts it cannot decrypt"
+            if spent is not None:
+                how += (
+                    f"; with discrete Gaussian noise sigma {spent['sigma']:.4g} per count (noise multiplier "
+                    f"{spent['noise_multiplier']:.4g}), epsilon {spent['epsilon']:.4g} at delta {noise.delta:g} "
+                    f"in its ledger {spent['ledger']}"
+                )
             print(f"{site}: sent genotype counts of {len(snps)} SNPs ({len(genotypes)} people) to the server, {how}")
             continue
         if tuple(received.meta["snps"]) != tuple(snps):
@@ -377,7 +427,7 @@ def site_main(argv: Sequence[str] | None = None) -> None:
         if context is None:
             keep, report = np.asarray(received.params["keep"], dtype=bool), None
         else:
-            keep, report = site_qc(site, context, received, counts, thresholds, args.min_site_people)
+            keep, report = site_qc(site, context, received, counts, thresholds, args.min_site_people, noise)
         out.parent.mkdir(parents=True, exist_ok=True)
         read_snp_table(table_path).write(out, keep)
         if report is not None:
@@ -403,6 +453,10 @@ def _site_parser() -> argparse.ArgumentParser:
     # Under HE the site applies the thresholds itself; they come from the signed job config, not from the server.
     parser.add_argument("--min-call-rate", type=float, default=QcThresholds.min_call_rate)
     parser.add_argument("--min-maf", type=float, default=QcThresholds.min_maf)
+    # Noise (data_prep.genotypes.qc_noise): the site's budget for this run, the multiplier, the accounting's delta.
+    parser.add_argument("--dp-target-epsilon", type=float, default=None)
+    parser.add_argument("--dp-noise-multiplier", type=float, default=None)
+    parser.add_argument("--dp-delta", type=float, default=None)
     return parser
 
 
@@ -440,16 +494,23 @@ def site_qc(
     own: np.ndarray,
     thresholds: QcThresholds,
     min_site_people: int,
+    noise: QcNoise | None = None,
 ) -> tuple[np.ndarray, dict[str, object]]:
     """Under HE, at a site: decrypt the server's sum, check it, and filter it exactly as the server would in the
-    clear (`global_qc`); the report records the sites, the mode and the largest CKKS rounding error."""
+    clear (`global_qc`); the report records the sites, the mode and the largest CKKS rounding error. A noisy sum
+    (``noise``) is neither a count of people nor above this site's own counts: only its integrality is checked, and
+    the filter reads it with negative cells at 0."""
     from data_prep.genotypes.secure_qc import check_sum_covers_site, decrypt_counts
 
     snps = tuple(received.meta["snps"])
-    total, rounding = decrypt_counts(site, context, from_wire(received.params[ENCRYPTED_SUM]), len(snps))
-    check_sum_covers_site(site, total, own)
+    blob = from_wire(received.params[ENCRYPTED_SUM])
+    total, rounding = decrypt_counts(site, context, blob, len(snps), noisy=noise is not None)
+    if noise is None:
+        check_sum_covers_site(site, total, own)
+    else:
+        total = usable_counts(total)
     keep, report = global_qc(snps, total, thresholds, list(received.meta.get("sites", [])), min_site_people)
-    return keep, {"secure_aggregation": "he", "he_rounding_error": rounding, **report}
+    return keep, {"secure_aggregation": "he", "he_rounding_error": rounding, **report, **noise_report(noise)}
 
 
 def export_qc_job(
@@ -459,11 +520,14 @@ def export_qc_job(
     name: str = "genotype_qc",
     min_site_people: int = MIN_SITE_PEOPLE,
     secure_aggregation: str = "none",
+    noise: QcNoise | None = None,
 ) -> Path:
     """Export the QC job folder ``output_dir/name`` (NVFlare's job API; the bundle is installed at the sites).
     ``min_site_people`` goes to both sides: the server's workflow and every site's script arguments, so a site's
     admin sees the minimum in the job it is asked to run. Under ``secure_aggregation="he"`` the thresholds go to the
-    sites' arguments too, since there the sites filter."""
+    sites' arguments too, since there the sites filter. With ``noise`` every site adds noise to its counts before they
+    leave it, accounted in its ledger: the sites run ``lightning_modules/privacy/qc_noise_site.py`` (qc_noise,
+    qc_release), which the bundle installs beside this module's package."""
     min_site_people = check_min_site_people(min_site_people)
     secure_aggregation = check_secure_aggregation(secure_aggregation)
     if secure_aggregation == "he":
@@ -476,16 +540,25 @@ def export_qc_job(
     output_dir = Path(output_dir).resolve()
     job = FedJob(name=name, min_clients=num_sites)
     job.set_app_packages(list(APP_PACKAGES))
-    controller = GenotypeQcController(thresholds.min_call_rate, thresholds.min_maf, min_site_people, secure_aggregation)
+    dp = {} if noise is None else {"dp_target_epsilon": noise.target_epsilon, "dp_delta": noise.delta}
+    if noise is not None and noise.noise_multiplier is not None:
+        dp["dp_noise_multiplier"] = noise.noise_multiplier
+    controller = GenotypeQcController(
+        thresholds.min_call_rate, thresholds.min_maf, min_site_people, secure_aggregation, **dp
+    )
     job.to_server(controller)
-    # NVFlare writes the script path as given into the job config: relative, so it resolves inside custom/.
-    with inside_directory(Path(__file__).parent):
+    # NVFlare writes the script path as given into the job config: relative, so it resolves inside custom/. A noisy
+    # job's script is the site runtime's (it accounts in the ledger), a file of the installed bundle, not an import.
+    script_dir, script = (Path(__file__).parent, SITE_SCRIPT) if noise is None else NOISE_SITE_SCRIPT
+    with inside_directory(script_dir):
         script_args = f"--min-site-people {min_site_people}"
         if secure_aggregation == "he":
             script_args += (
                 f" --secure-aggregation he --min-call-rate {thresholds.min_call_rate} --min-maf {thresholds.min_maf}"
             )
-        job.to_clients(ScriptRunner(script=SITE_SCRIPT, script_args=script_args, framework=FrameworkType.NUMPY))
+        if noise is not None:
+            script_args += f" {noise.script_args()}"
+        job.to_clients(ScriptRunner(script=script, script_args=script_args, framework=FrameworkType.NUMPY))
         add_egress_gates(job, secure_aggregation)
         job.export_job(str(output_dir))
     return output_dir / name

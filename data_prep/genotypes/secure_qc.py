@@ -154,20 +154,24 @@ def add_encrypted_counts(
     return snps, total.serialize()
 
 
-def decrypt_counts(site: str, context: ts.Context, blob: bytes, n_snps: int) -> tuple[np.ndarray, float]:
+def decrypt_counts(
+    site: str, context: ts.Context, blob: bytes, n_snps: int, noisy: bool = False
+) -> tuple[np.ndarray, float]:
     """The site's view of the sum: decrypted with its secret key, rounded and checked (`round_counts`)."""
     try:
         values = ts.ckks_vector_from(context, bytes(blob)).decrypt()
     except Exception as exc:  # as above: bytes that are not a ciphertext of this context
         raise DataPrepError(f"federated QC: {site} cannot decrypt the server's sum: {exc}") from None
-    return round_counts(site, np.asarray(values, dtype=np.float64), n_snps)
+    return round_counts(site, np.asarray(values, dtype=np.float64), n_snps, noisy)
 
 
-def round_counts(site: str, values: np.ndarray, n_snps: int) -> tuple[np.ndarray, float]:
+def round_counts(site: str, values: np.ndarray, n_snps: int, noisy: bool = False) -> tuple[np.ndarray, float]:
     """(S, 4) int64 counts from decrypted values, and the largest distance of a value from its integer (what CKKS
     added; recorded in the site's report): refused unless every value is within `ROUNDING_TOLERANCE` of
     a non-negative integer, there are 4 per SNP, every SNP counts the same people and they are at most
-    `MAX_HE_PEOPLE`. Deterministic, so every site that decrypts the same ciphertext gets the same counts."""
+    `MAX_HE_PEOPLE`. Deterministic, so every site that decrypts the same ciphertext gets the same counts. A ``noisy``
+    sum (integer noise from every site, ``qc_noise``) is checked for integrality and range only: it may be negative
+    and its rows count no one number of people."""
     values = np.asarray(values, dtype=np.float64)
     if values.shape != (4 * n_snps,):
         raise DataPrepError(f"federated QC: {site} decrypted {values.size} counts, expected {4 * n_snps} (4 per SNP)")
@@ -182,6 +186,10 @@ def round_counts(site: str, values: np.ndarray, n_snps: int) -> tuple[np.ndarray
             "or a context other than HEBuilder's), so the counts cannot be rounded safely"
         )
     counts = rounded.astype(np.int64).reshape(n_snps, 4)
+    if noisy:
+        if np.abs(counts).max(initial=0) > MAX_HE_PEOPLE:
+            raise DataPrepError(f"federated QC: {site}: the decrypted noisy sum exceeds {MAX_HE_PEOPLE} in size")
+        return counts, largest
     if (counts < 0).any():
         raise DataPrepError(f"federated QC: {site}: the decrypted sum has negative counts; it is not a sum of counts")
     try:
