@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_JOBS ?= scaffold
 
-.PHONY: docs setup demo demo-quick demo-compare poc deploy bench bench-he bench-agg bench-algorithms bench-genomics bench-latency bench-niid pretrain-attention bench-robust compare test test-fast test-slow test-e2e lint format jobs check-jobs clean
+.PHONY: docs setup demo demo-quick demo-compare poc poc-stop deploy bench bench-he bench-agg bench-algorithms bench-genomics bench-latency bench-niid pretrain-attention bench-robust compare test test-fast test-slow test-e2e lint format jobs check-jobs clean
 
 setup: $(VENV)/.setup-done
 
@@ -33,17 +33,30 @@ demo-quick: setup
 demo-compare: setup
 	VENV=$(VENV) bash scripts/demo.sh scaffold fedavg
 
-# A real deployment on this machine (docs/deployment.md): provision, start server + POC_SITES sites, submit, wait, stop.
+# A real deployment on this machine (docs/deployment.md): provision, start server + POC_SITES sites, submit, wait, stop;
+# it prints the global model's final test accuracy and the report command. By default it runs the quick demo's job
+# (built here with demo-quick's builder line into POC_JOBS, not demo-quick's folder): each site gets the job's own
+# shard, so the deployment trains the model the simulator does (measured: 0.681 after round 5, chance 0.1, as
+# make demo-quick; tests/jobs/test_job_quick_setting.py checks that this target runs that job). With the committed
+# jobs/scaffold and the driver's 3,000 samples it stayed at chance for 3 rounds (0.454 after round 10).
 # POC_JOB=jobs/fedavg_he, or a QC job exported with --secure-aggregation he: the kits get HEBuilder's contexts by
 # themselves. POC_ARGS goes to the driver, e.g. each site's genotype files for the federated QC (docs/deployment.md):
 #   make poc POC_JOB=/tmp/jobs/genotype_qc POC_SITES=5 POC_ARGS="--genotypes /data/{site}.npz --snp-table /data/table.csv"
-POC_JOB ?= jobs/scaffold
+# POC_ARGS=--keep leaves the deployment running; make poc-stop stops it.
+POC_JOBS ?= /tmp/fedalg-poc-jobs
+POC_QUICK_JOB := $(POC_JOBS)/scaffold_quick
+POC_BUILD := $(PY) -m jobs.build --client scaffold --server scaffold --name scaffold_quick --output-dir $(POC_JOBS) $(QUICK_ARGS)
+POC_JOB ?= $(POC_QUICK_JOB)
 POC_WS ?= /tmp/fedalg-loopback
 POC_SITES ?= 3
 POC_ARGS ?=
 poc: setup
 	rm -rf $(POC_WS)
-	$(PY) -m jobs.provision.loopback $(POC_JOB) --workspace $(POC_WS) --sites $(POC_SITES) $(POC_ARGS)
+	$(if $(filter $(POC_QUICK_JOB),$(POC_JOB)),$(POC_BUILD))
+	OMP_NUM_THREADS=1 $(PY) -m jobs.provision.loopback $(POC_JOB) --workspace $(POC_WS) --sites $(POC_SITES) $(POC_ARGS)
+
+poc-stop: setup
+	$(PY) -m jobs.provision.loopback --stop $(POC_WS)
 
 # Runtime kits for containers and clusters (docs/deployment.md, section 11): provision jobs/provision/project.yml,
 # then `nvflare deploy prepare` every server and site kit for RUNTIME (docker, k8s or slurm) with the bundle's config

@@ -2,6 +2,7 @@
 
     python -m jobs.provision.loopback jobs/scaffold --workspace /tmp/fedalg-loopback
     python -m jobs.provision.loopback jobs/fedavg --workspace /tmp/fl --sites 3 --keep   # leave it running
+    python -m jobs.provision.loopback --stop /tmp/fl                                     # stop a kept deployment
 
 Everything a provisioned deployment does happens here, on loopback: ``nvflare provision`` with
 ``jobs/provision/project.yml`` (server ``localhost`` on a port that is free now), mutual-TLS startup kits, each
@@ -10,7 +11,9 @@ submitted as the project admin through ``nvflare.fuel.flare_api``. Each site get
 
 - the bundle's classes added to the class allow-list of its ``local/resources.json``;
 - its own training data: ``<site>/data/train.npz`` (written from the simulation shard, as a stand-in for the
-  site's real data) named by ``local/fedalg_site_data.json`` (see `data_prep.site_config`);
+  site's real data) named by ``local/fedalg_site_data.json`` (see `data_prep.site_config`). The shard is the one the
+  job's own record (``job_spec.json``) derives in simulation, so the deployed job trains as ``nvflare simulator``
+  does (`site_data_settings`; ``--max-train-samples`` overrides the record's count, 3,000 when it names none);
 - with ``--genotypes`` (``{site}`` replaced by each site's name), ``--snp-table`` and ``--labels``: its genotype
   files, named in the same ``local/fedalg_site_data.json`` (``"genotypes"``, ``"snp_table"``, ``"labels"``; see
   `data_prep.genotypes.site_files`), as a real site writes them in its own kit. The caller's ``FEDALG_SITE_*`` /
@@ -19,6 +22,10 @@ submitted as the project admin through ``nvflare.fuel.flare_api``. Each site get
 A job that uses secure aggregation under HE (NVFlare's HE components, or a federated QC job exported with
 ``--secure-aggregation he``) gets kits with HEBuilder's contexts by itself; a federated QC job succeeds when it ends
 ``FINISHED:COMPLETED`` with the server's ``qc_report.json`` (it has no rounds).
+
+The run ends with the global model's final test accuracy and the report command for the downloaded result. A
+deployment left running with ``--keep`` is stopped from any shell with ``--stop WORKSPACE`` (`stop_workspace`: the
+admin's ``shutdown all``, then every process whose command line names that workspace).
 
 The package must be importable by every participant's Python (here: the same ``.venv``).
 """
@@ -29,6 +36,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -111,6 +119,24 @@ def provision(workspace: Path, num_sites: int = 3, env: dict[str, str] | None = 
     if done.returncode != 0 or not kits:
         raise DeploymentError(f"nvflare provision failed ({done.returncode}): {done.stdout}\n{done.stderr}")
     kit = kits[-1]
+    return Deployment(workspace, kit / "localhost", {s: kit / s for s in sites}, kit / ADMIN, port)
+
+
+def deployment_in(workspace: Path) -> Deployment:
+    """The deployment `provision` wrote into ``workspace`` (read back from its kits and ``project.yml``), without
+    processes: what `stop_workspace` needs to shut it down from another process."""
+    workspace = Path(workspace).resolve()
+    kits = sorted((workspace / "provision").glob("*/prod_*"))
+    project_file = workspace / "project.yml"
+    if not kits or not project_file.is_file():
+        raise DeploymentError(
+            f"--stop {workspace}: no loopback deployment there (expected {project_file} and the kits in "
+            f"{workspace / 'provision'}/<project>/prod_NN/); pass the --workspace the deployment was started with"
+        )
+    kit = kits[-1]
+    participants = yaml.safe_load(project_file.read_text())["participants"]
+    port = next(p["fed_learn_port"] for p in participants if p["type"] == "server")
+    sites = [p["name"] for p in participants if p["type"] == "client"]
     return Deployment(workspace, kit / "localhost", {s: kit / s for s in sites}, kit / ADMIN, port)
 
 
@@ -389,15 +415,31 @@ def _deployment_processes(deployment: Deployment) -> list[Any]:
             root = psutil.Process(popen.pid)
             for process in [root, *root.children(recursive=True)]:
                 found[process.pid] = process
-    marker = str(deployment.workspace)
     for process in psutil.process_iter(["pid", "uids", "cmdline"]):
         with contextlib.suppress(psutil.Error, TypeError):
-            if process.info["uids"].real == os.getuid() and any(marker in arg for arg in process.info["cmdline"]):
+            if process.info["uids"].real == os.getuid() and names_workspace(
+                process.info["cmdline"], deployment.workspace
+            ):
                 found.setdefault(process.pid, process)
     # Never this process or what started it (make, a shell), whose command lines may name the workspace too.
     for process in [psutil.Process(), *psutil.Process().parents()]:
         found.pop(process.pid, None)
     return list(found.values())
+
+
+def names_workspace(cmdline: Sequence[str], workspace: Path) -> bool:
+    """Whether a command line names ``workspace`` or a path inside it; ``/tmp/fl`` is not named by ``/tmp/fl2/...``
+    (another deployment beside it)."""
+    inside = re.compile(re.escape(str(workspace)) + r"(?![^/\s])")
+    return any(inside.search(arg) for arg in cmdline)
+
+
+def stop_workspace(workspace: Path, grace: float = 15.0) -> list[int]:
+    """Stop the deployment in ``workspace`` from any process (one kept with ``--keep``), as `stop` does; the process
+    ids still running afterwards (empty: stopped)."""
+    deployment = deployment_in(workspace)
+    stop(deployment, grace)
+    return leftover_processes(deployment)
 
 
 def leftover_processes(deployment: Deployment) -> list[int]:
@@ -425,14 +467,67 @@ def job_problems(meta: Mapping[str, Any], result: Path, qc: bool = False) -> lis
     return problems + completion_problems(records)
 
 
+#: Training samples split across the sites when neither the command line nor the job's record names a number.
+DEFAULT_TRAIN_SAMPLES = 3000
+#: The data settings of a job's record that decide each site's shard (`data_prep.SiteDataConfig`).
+SHARD_SETTINGS = ("dataset", "scheme", "alpha", "classes_per_site", "seed", "partition_seed")
+
+
+def site_data_settings(job_dir: Path, num_sites: int, max_train_samples: int | None) -> dict[str, Any]:
+    """What `configure_site_data` derives each site's file from: the job's own data settings when its folder records
+    them (``job_spec.json``; a built-in dataset), so the deployed sites hold the shards the job's simulation does;
+    Fashion-MNIST with Dirichlet label skew otherwise. ``max_train_samples`` (the command line's) wins over the
+    record's; ``DEFAULT_TRAIN_SAMPLES`` when neither names one."""
+    from jobs.job_record import SPEC_FILE, recorded_spec
+
+    settings: dict[str, Any] = {"dataset": "fashion_mnist", "scheme": "dirichlet"}
+    recorded = None
+    if (Path(job_dir) / SPEC_FILE).is_file():
+        spec = recorded_spec(Path(job_dir))
+        if spec.data is None and spec.dataset is not None:
+            recorded = spec
+            settings = {name: getattr(spec, name) for name in SHARD_SETTINGS}
+            partition_seed = settings.pop("partition_seed")
+            if partition_seed is not None:
+                settings["seed"] = partition_seed
+    if max_train_samples is None and recorded is not None:
+        max_train_samples = recorded.max_train_samples
+    return {**settings, "num_sites": num_sites, "max_train_samples": max_train_samples or DEFAULT_TRAIN_SAMPLES}
+
+
+def result_summary(result: Path) -> str:
+    """The global model's final test accuracy in the downloaded ``result`` and the report command for it."""
+    from aggregators.run_records import load_records
+
+    scored = [r for r in load_records(result) if r.get("test_accuracy") is not None]
+    accuracy = f"{scored[-1]['test_accuracy']:.4f}" if scored else "not scored"
+    return f"final global test accuracy: {accuracy}\nsummary: python -m controllers.report {result.parent}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m jobs.provision.loopback", description=__doc__.splitlines()[0])
-    parser.add_argument("job", type=Path, help="an exported job folder, e.g. jobs/scaffold")
-    parser.add_argument("--workspace", type=Path, required=True, help="where kits and workspaces go (must not exist)")
+    parser.add_argument("job", type=Path, nargs="?", help="an exported job folder, e.g. jobs/scaffold")
+    parser.add_argument("--workspace", type=Path, help="where kits and workspaces go (must not exist)")
     parser.add_argument("--sites", type=int, default=3, help="number of sites (default: 3)")
-    parser.add_argument("--max-train-samples", type=int, default=3000, help="training samples split across sites")
+    parser.add_argument(
+        "--max-train-samples",
+        type=int,
+        default=None,
+        help="training samples split across sites (default: the job's own, as its job_spec.json records it; "
+        f"{DEFAULT_TRAIN_SAMPLES} when it records none)",
+    )
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for the job (default: 1800)")
-    parser.add_argument("--keep", action="store_true", help="leave the deployment running after the job")
+    parser.add_argument(
+        "--keep", action="store_true", help="leave the deployment running after the job (stop it with --stop)"
+    )
+    parser.add_argument(
+        "--stop",
+        type=Path,
+        metavar="WORKSPACE",
+        default=None,
+        help="stop the deployment kept running in WORKSPACE (--keep) instead of starting one: the admin's shutdown "
+        "all, then every process that names WORKSPACE; exit 1 if any is left",
+    )
     parser.add_argument(
         "--he",
         action="store_true",
@@ -460,8 +555,40 @@ def qc_input_problem(job: Path, args: argparse.Namespace) -> str | None:
     )
 
 
+def usage_problem(args: argparse.Namespace) -> str | None:
+    """Why the command line asks for neither or both of a run and ``--stop`` (one line), or ``None``."""
+    if args.stop is not None:
+        if args.job is not None or args.workspace is not None:
+            return "--stop WORKSPACE stops a kept deployment and takes no job or --workspace; run them separately"
+        return None
+    if args.job is None or args.workspace is None:
+        return "pass a job folder and --workspace DIR to run it, or --stop WORKSPACE to stop a kept deployment"
+    return None
+
+
+def stop_main(workspace: Path) -> int:
+    """``--stop WORKSPACE``: stop a kept deployment; 0 when nothing of it is left running."""
+    try:
+        left = stop_workspace(workspace)
+    except DeploymentError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if left:
+        print(f"error: {workspace}: processes still running after the shutdown: {left}", file=sys.stderr)
+        return 1
+    print(f"stopped: no process of the deployment in {Path(workspace).resolve()} is running")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    problem = usage_problem(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    if args.stop is not None:
+        return stop_main(args.stop)
     if args.workspace.exists():
         print(f"error: {args.workspace} exists; pass a new folder", file=sys.stderr)
         return 2
@@ -472,8 +599,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     workspace = args.workspace.resolve()
     env = participant_env(without_site_variables(os.environ))
     deployment = provision(workspace, args.sites, env, he=args.he or needs_he_contexts(args.job))
-    data = {"dataset": "fashion_mnist", "scheme": "dirichlet", "num_sites": args.sites}
-    data["max_train_samples"] = args.max_train_samples
+    data = site_data_settings(args.job, args.sites, args.max_train_samples)
     for participant in [deployment.server, *deployment.sites.values()]:
         allow_bundle_classes(participant)
     keep_server_storage_inside(deployment.server)
@@ -497,9 +623,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if not args.keep:
             stop(deployment)
-    problems = job_problems(meta, result, qc=qc_settings(args.job) is not None)
+    qc = qc_settings(args.job) is not None
+    problems = job_problems(meta, result, qc=qc)
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
+    if not problems and not qc:
+        print(result_summary(result))
+    if args.keep:
+        print(f"kept running: stop it with python -m jobs.provision.loopback --stop {workspace}")
     return 1 if problems else 0
 
 
