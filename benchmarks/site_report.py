@@ -224,19 +224,65 @@ def site_rows(by_seed: Mapping[int, Mapping[str, Any]]) -> list[str]:
     rows = []
     for site in sites:
         scores = [_site_mean(runs[c], site) for c in CANDIDATES]
-        gaps = []
-        for c in ("kept", "personal", "global"):
-            values = differences.get(c, {}).get(site)
-            gaps.append(interval_text(site_stats.t_interval(list(values.values()))) if values else "–")
+        gaps = [_gap_text(differences.get(c, {}).get(site)) for c in ("kept", "personal", "global")]
         kept = differences.get("kept", {}).get(site)
         verdict = site_stats.verdict(site_stats.t_interval(list(kept.values()))) if kept else "–"
         chosen = sorted(str(cell.get("kept_candidate", {}).get(site, "–")) for cell in by_seed.values())
+        if kept_own_everywhere(by_seed, site):  # the difference is 0 by construction, not a measured certainty
+            gaps[0], verdict = "no gain: kept its own model", "own"
+
         rows.append(
             f"| {site} | {sizes_text(by_seed, site)} | "
             + " | ".join([*scores, *gaps, verdict, ", ".join(chosen)])
             + " |"
         )
     return rows
+
+
+def _gap_text(values: Mapping[int, float] | None) -> str:
+    return interval_text(site_stats.t_interval(list(values.values()))) if values else "–"
+
+
+def kept_own_everywhere(by_seed: Mapping[int, Mapping[str, Any]], site: str) -> bool:
+    """Whether the site kept its own (local-only) model at every seed."""
+    flags = [cell.get("kept_own", {}).get(site) for cell in by_seed.values()]
+    return bool(flags) and all(flags)
+
+
+def pooled_site_rows(by_seed: Mapping[int, Mapping[str, Any]]) -> list[str]:
+    """Per site, the "next patient" view beside the own one: what the site has on the pooled test set (local-only,
+    kept) and what the federation's global model would give it there, at what cost on its own test split."""
+    own = {c: candidate_runs(by_seed, c) for c in ("global", "local")}
+    pooled = {c: candidate_runs(by_seed, c, "site_pooled_test") for c in ("global", "local", "kept")}
+    if not (pooled["local"] and pooled["kept"]):
+        return []
+    kept_gap = site_stats.paired_differences(pooled["kept"], pooled["local"])
+    global_gap = site_stats.paired_differences(pooled["global"], pooled["local"]) if pooled["global"] else {}
+    global_own = site_stats.paired_differences(own["global"], own["local"]) if own["global"] else {}
+    rows = []
+    for site in sorted(kept_gap, key=_site_order):
+        scores = [_site_mean(pooled[c], site) for c in ("local", "kept", "global")]
+        kept = "no gain: kept its own model" if kept_own_everywhere(by_seed, site) else _gap_text(kept_gap[site])
+        gaps = [kept, _gap_text(global_gap.get(site)), _gap_text(global_own.get(site))]
+        rows.append(f"| {site} | " + " | ".join([*scores, *gaps]) + " |")
+    return rows
+
+
+def pooled_site_table(method: str, by_seed: Mapping[int, Mapping[str, Any]]) -> list[str]:
+    rows = pooled_site_rows(by_seed)
+    if not rows:
+        return []
+    return [
+        f"Per site, {method}, the pooled view (all labels; the next patient): the site's models there, and what the "
+        "final global model would give it instead of its local-only model, on the pooled view and on its own test "
+        "split:",
+        "",
+        "| site | local-only: pooled | kept: pooled | global: pooled | kept − local-only: pooled | global − "
+        "local-only: pooled | global − local-only: own |",
+        "|---" * 7 + "|",
+        *rows,
+        "",
+    ]
 
 
 def _site_mean(runs: Mapping[int, Mapping[str, float]], site: str) -> str:
@@ -296,7 +342,7 @@ def setting_section(
     lines += ["", *(views_sentence(m, methods[m]) for m in sorted(methods))]
     lines.append("")
     for method in sorted(methods):
-        lines += per_site_table(method, methods[method])
+        lines += [*per_site_table(method, methods[method]), *pooled_site_table(method, methods[method])]
     return lines
 
 
@@ -309,7 +355,8 @@ def legend(seeds: Sequence[int], default: Mapping[str, Any], tolerance: float) -
         "site's in-job local-only model, compute-matched, never sent), kept (the candidate best on the site's "
         "validation split). Differences are paired per (site, seed); a setting's 95 % t-interval is taken over the "
         "per-seed means across sites (the sites are fixed, only training varies), a site's over its seeds; 'gain' "
-        "/ 'loss' when the interval excludes 0, 'within' otherwise (one seed: no interval). Target: no (site, "
+        "/ 'loss' when the interval excludes 0, 'within' otherwise (one seed: no interval), 'own' (no gain: kept "
+        "its own model) when the site kept its local-only model at every seed. Target: no (site, "
         f"seed) pair's kept accuracy more than {100 * tolerance:g} points below its local-only model, and mean "
         f"kept ≥ mean local-only. ★ the pre-registered default ({default['method']}, keep {default['keep']}, "
         f"local baseline {'on' if default['local_baseline'] else 'off'}), fixed in code before any held-out run.",

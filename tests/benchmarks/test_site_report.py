@@ -124,3 +124,34 @@ def test_the_central_run_is_read_only_against_the_federated_global_models():
     assert "trained centrally on data of the same size and distribution as the sites' union" in text
     assert "epochs and rounds: 80.0." in text
     assert "| central |" not in text and "Target for central" not in text  # no site could keep it
+
+
+def test_a_site_that_kept_its_own_model_everywhere_reads_no_gain_not_a_zero_width_interval():
+    cells = _cells("fedavgm", LOCAL, LOCAL)
+    for cell in cells:
+        cell["kept_own"] = {"site-1": True, "site-2": False}
+    rows = sr.site_rows(dict(enumerate(cells)))
+    assert "| no gain: kept its own model |" in rows[0] and rows[0].count("| own |") == 1
+    assert "no gain" not in rows[1] and "+0.0 [+0.0, +0.0]" in rows[1]  # site-2 left it at a seed: measured
+
+
+def test_the_pooled_site_table_gives_what_the_global_model_would_trade_per_site():
+    cells = _cells("fedavgm", KEPT, LOCAL)
+    pooled_global = {0: 0.80, 1: 0.82, 2: 0.84}
+    for seed, cell in enumerate(cells):
+        cell["site_pooled_test"] = {
+            "local": {"site-1": 0.40, "site-2": 0.50},
+            "kept": {"site-1": 0.60, "site-2": 0.50},
+            "global": {"site-1": pooled_global[seed], "site-2": pooled_global[seed]},
+        }
+        cell["site_test"]["global"] = {"site-1": LOCAL[seed]["site-1"] - 0.02, "site-2": LOCAL[seed]["site-2"]}
+        cell["kept_own"] = {"site-1": False, "site-2": True}
+    lines = sr.pooled_site_table("fedavgm", dict(enumerate(cells)))
+    site1 = next(line for line in lines if line.startswith("| site-1 |"))
+    site2 = next(line for line in lines if line.startswith("| site-2 |"))
+    # site-1: local 40.0, kept 60.0, global (80 + 82 + 84) / 3 = 82.0 pooled; kept +20.0 exactly at every seed;
+    # global - local pooled 40, 42, 44: mean +42.0, half-width t(0.975, 2) * 2 / sqrt(3) = 4.97; own cost -2.0
+    assert site1.startswith("| site-1 | 40.0 | 60.0 | 82.0 | +20.0 [+20.0, +20.0] | +42.0 [+37.0, +47.0] |")
+    assert site1.endswith("| -2.0 [-2.0, -2.0] |")
+    assert "| no gain: kept its own model |" in site2
+    assert sr.pooled_site_table("fedavgm", dict(enumerate(_cells("fedavgm", KEPT, LOCAL)))) == []  # no pooled view
