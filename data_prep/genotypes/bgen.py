@@ -36,6 +36,7 @@ from data_prep.optional import require
 __all__ = ["read_bgen", "sample_path", "write_bgen"]
 
 SUFFIX = ".bgen"
+CHUNK = 512  # records decoded, then called together
 
 
 def sample_path(path: Path) -> Path | None:
@@ -122,20 +123,47 @@ def read_bgen(path: Path, select: f.Selector, threshold: float) -> f.FileRecords
         n_people = len(samples)
         records.genotypes = np.full((n_people, len(offsets)), f.MISSING, np.int8)
         records.notes = np.zeros((len(offsets), len(f.CALL_NOTES)), np.int64)
-        for column, offset in enumerate(offsets):
-            if offset < 0:  # multi-allelic: no genotypes
-                continue
-            try:
-                genotype = bgen.read_genotype(offset, precision=64)
-            except Exception as exc:
-                raise DataPrepError(
-                    f"{path}: the probabilities of record {records.chrom[column]}:{records.pos[column]} do not "
-                    f"decode ({f._one_line(exc)}): the file is truncated or damaged, copy it again"
-                ) from None
-            codes = _codes(genotype, f._chrom_kind(records.chrom[column]), threshold)
-            records.genotypes[:, column] = f._COUNT[codes]
-            records.notes[column] = f._tally(codes)
+        kinds = [f._chrom_kind(chrom) for chrom in records.chrom]
+        for columns in _chunks(offsets, kinds):
+            _read_chunk(path, bgen, records, offsets, columns, kinds[columns[0]], threshold)
     return records
+
+
+def _chunks(offsets: list[int], kinds: list[int], size: int = CHUNK) -> list[list[int]]:
+    """Runs of at most ``size`` biallelic records (columns) on chromosomes of one kind, read and called together."""
+    runs: list[list[int]] = []
+    for column, offset in enumerate(offsets):
+        if offset < 0:  # multi-allelic: no genotypes
+            continue
+        if runs and len(runs[-1]) < size and kinds[runs[-1][-1]] == kinds[column]:
+            runs[-1].append(column)
+        else:
+            runs.append([column])
+    return runs
+
+
+def _read_chunk(path: Path, bgen, records: f.FileRecords, offsets: list[int], columns: list[int], kind: int,
+                threshold: float) -> None:  # fmt: skip
+    """Decode the records ``columns`` and call them all at once (the rule works per call, whatever its record)."""
+    n_people = len(records.samples)
+    distribution = np.empty((len(columns), n_people, 3))
+    ploidy = np.empty((len(columns), n_people), np.uint8)
+    missing = np.empty((len(columns), n_people), bool)
+    for row, column in enumerate(columns):
+        try:
+            genotype = bgen.read_genotype(offsets[column], precision=64)
+        except Exception as exc:
+            raise DataPrepError(
+                f"{path}: the probabilities of record {records.chrom[column]}:{records.pos[column]} do not "
+                f"decode ({f._one_line(exc)}): the file is truncated or damaged, copy it again"
+            ) from None
+        distribution[row] = _distribution(genotype)
+        ploidy[row], missing[row] = genotype.ploidy, genotype.missing
+    codes = _codes(distribution.reshape(-1, 3), ploidy.ravel(), missing.ravel(), kind, threshold)
+    codes = codes.reshape(len(columns), n_people)
+    records.genotypes[:, columns] = f._COUNT[codes].T
+    flat = (np.arange(len(columns))[:, None] * f._N_CODES + codes).ravel()
+    records.notes[columns] = np.bincount(flat, minlength=len(columns) * f._N_CODES).reshape(-1, f._N_CODES) @ f._NOTE
 
 
 def _add_variant(records: f.FileRecords, variants, k: int, select: f.Selector, offsets: list[int]) -> None:
@@ -152,28 +180,48 @@ def _add_variant(records: f.FileRecords, variants, k: int, select: f.Selector, o
     offsets.append(-1 if multi else int(variants.offset[k]))
 
 
-def _codes(genotype, kind: int, threshold: float) -> np.ndarray:
-    """Call codes of one biallelic record from cbgen's probabilities, ploidy and missingness (module docstring)."""
-    probs, ploidy = np.asarray(genotype.probability, np.float64), np.asarray(genotype.ploidy)
+def _distribution(genotype) -> np.ndarray:
+    """A record's people x 3 probabilities of 0, 1, 2 copies of its second allele (a one-copy call's two values in
+    the first two columns); a phased record's two copies combined as independent haplotypes."""
+    probs = np.asarray(genotype.probability, np.float64)
+    out = np.full((len(probs), 3), np.nan)
+    if not genotype.phased:
+        out[:, : min(3, probs.shape[1])] = probs[:, :3]
+        return out
+    first = probs[:, 0:2]  # per copy: P(allele 1), P(allele 2)
+    second = probs[:, 2:4] if probs.shape[1] >= 4 else np.full((len(probs), 2), np.nan)
+    diploid = np.stack(
+        [first[:, 0] * second[:, 0], first[:, 0] * second[:, 1] + first[:, 1] * second[:, 0],
+         first[:, 1] * second[:, 1]], axis=1)  # fmt: skip
+    haploid = np.asarray(genotype.ploidy) == 1
+    out[~haploid] = diploid[~haploid]
+    out[haploid, :2] = first[haploid]
+    return out
+
+
+def _codes(
+    distribution: np.ndarray, ploidy: np.ndarray, missing: np.ndarray, kind: int, threshold: float
+) -> np.ndarray:
+    """Call codes from probabilities, ploidy and missingness (one row a call, any number of records of one
+    chromosome kind; module docstring)."""
     haploid = ploidy == 1
     base = np.full(len(ploidy), f._MISS, np.int8)
     base[ploidy == 2] = f._HOM_REF  # a placeholder: the dosage replaces it
     base[haploid] = f._HAPLOID if kind == f._DIPLOID else f._HEMI_REF
     base[ploidy > 2] = f._POLYPLOID
-    base[np.asarray(genotype.missing, bool)] = f._MISS
-    distribution = np.full((len(ploidy), 3), np.nan)
-    if genotype.phased:  # per copy: P(allele 1), P(allele 2)
-        first, second = probs[:, 0:2], probs[:, 2:4] if probs.shape[1] >= 4 else np.full((len(ploidy), 2), np.nan)
-        diploid = np.stack(
-            [first[:, 0] * second[:, 0], first[:, 0] * second[:, 1] + first[:, 1] * second[:, 0],
-             first[:, 1] * second[:, 1]], axis=1)  # fmt: skip
-        distribution = np.where(haploid[:, None], np.column_stack([first, np.full(len(ploidy), np.nan)]), diploid)
-    else:
-        distribution[:, : min(3, probs.shape[1])] = probs[:, :3]
-    usable = (base != f._MISS) & (base != f._POLYPLOID)
-    distribution[~usable] = np.nan
-    dosage, spread = f._probability_dosage(distribution, haploid)
-    return f._vcf_dosage(base, dosage, True, kind, threshold, spread)
+    base[missing] = f._MISS
+    certain = np.zeros(len(base), bool)
+    if kind == f._DIPLOID:  # a certain diploid call (one probability 1, two 0: most of an imputed file) is its count,
+        # which is what the rule gives it; the rule runs on the others
+        hit = distribution == 1.0
+        certain = (base == f._HOM_REF) & hit.any(axis=1) & ((distribution == 0.0).sum(axis=1) == 2)
+        base[certain] = np.argmax(hit[certain], axis=1)  # _HOM_REF, _HET, _HOM_ALT are 0, 1, 2
+    rest = np.flatnonzero(~certain)
+    part = distribution[rest]
+    part[(base[rest] == f._MISS) | (base[rest] == f._POLYPLOID)] = np.nan
+    dosage, spread = f._probability_dosage(part, haploid[rest])
+    base[rest] = f._vcf_dosage(base[rest], dosage, True, kind, threshold, spread)
+    return base
 
 
 # ---- writing (BGEN v1.2, layout 2, zlib; unphased) -------------------------------------------------------------
