@@ -2,8 +2,8 @@
 
 Measures, on a random cohort (people x SNPs, genotypes 0/1/2 with 1 % missing calls, a table by position):
 
-1. read + harmonise seconds per format (VCF, VCF.gz, BCF, PLINK 1, PLINK 2) at ``--format-people`` x each SNP count,
-   the file written first by the libraries (not timed);
+1. read + harmonise seconds per format (VCF, VCF.gz, BCF, PLINK 1, PLINK 2, BGEN 8-bit) at ``--format-people`` x
+   each SNP count, the file written first by the libraries (not timed; BGEN by ``data_prep.genotypes.bgen``);
 2. the streaming loader's samples/s over a memory-mapped int8 matrix of ``--people`` x each SNP count (shuffled
    int8 rows -> int8 batch -> the device -> int64 there; ``open_matrix`` maps a harmonised ``.npz`` the same way),
    in all and split into the host's part and the device's, with the process's peak RSS before and after (the pages
@@ -17,7 +17,8 @@ Measures, on a random cohort (people x SNPs, genotypes 0/1/2 with 1 % missing ca
    repository, e.g. ``git worktree add /tmp/geno_base <commit>``) the same files are harmonised by that checkout's
    code too, the two alternating, ``--repeats`` times each, and every run must give the same matrix.
 
-Prints one line per measurement and writes them as JSON (``--out``).
+Every timed row carries the 1-minute load average before and after it (``load_before``, ``load_after``): on a shared
+machine the figures move with it. Prints one line per measurement and writes them as JSON (``--out``).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from data_prep.genotypes.harmonise import ReferenceTable, harmonise_file
 from data_prep.genotypes.loader import GenotypeRows, as_tokens, genotype_loader, open_matrix
 from data_prep.genotypes.writers import Sites, write_genotype_file
 
-FORMATS = ("vcf", "vcf.gz", "bcf", "bed", "pgen")
+FORMATS = ("vcf", "vcf.gz", "bcf", "bed", "pgen", "bgen")
 ALLELES = ("A", "C", "G", "T")
 
 
@@ -76,11 +77,13 @@ def time_formats(people: int, snps: int, folder: Path) -> list[dict]:
     rows = []
     for fmt in FORMATS:
         path = write_genotype_file(folder / f"cohort_{snps}.{fmt}", genotypes, samples, sites)
+        load = os.getloadavg()[0]
         start = time.perf_counter()
         result = harmonise_file(path, table)
         seconds = time.perf_counter() - start
         assert np.array_equal(result.genotypes, genotypes), fmt  # the round trip is exact
-        rows.append({"what": "read+harmonise", "format": fmt, "people": people, "snps": snps, "seconds": seconds})
+        rows.append({"what": "read+harmonise", "format": fmt, "people": people, "snps": snps, "seconds": seconds,
+                     "load_before": load, "load_after": os.getloadavg()[0]})  # fmt: skip
     return rows
 
 
@@ -181,6 +184,7 @@ def time_harmonise(
         for fmt, path in paths.items():
             order = list(codes.items())
             for label, root in order[::-1] if round_ % 2 else order:
+                load = os.getloadavg()[0]
                 done = subprocess.run(
                     [sys.executable, "-c", _HARMONISE_CHILD, str(root), str(path), str(table_path)],
                     capture_output=True, text=True, check=True, env=os.environ | {"PYTHONPATH": str(root)},
@@ -189,7 +193,9 @@ def time_harmonise(
                 if not measured["imported_from"].startswith(str(root)):
                     raise RuntimeError(f"the {label} run imported {measured['imported_from']}, not code under {root}")
                 rows.append({"what": "harmonise", "code": label, "root": str(root), "round": round_, "format": fmt,
-                             "people": people, "snps": snps, **measured})  # fmt: skip
+                             "people": people, "snps": snps, "file_mb": path.stat().st_size / 1e6, **measured,
+                             "load_before": load,
+                             "load_after": os.getloadavg()[0]})  # fmt: skip
     for fmt in formats:
         found = {r["sha1"] for r in rows if r["format"] == fmt}
         if len(found) != 1:
@@ -202,6 +208,8 @@ def harmonise_summary(rows: list[dict]) -> list[dict]:
     summary = []
     for fmt in dict.fromkeys(r["format"] for r in rows):
         row: dict[str, object] = {"what": "harmonise_summary", "format": fmt}
+        loads = [r[key] for r in rows if r["format"] == fmt for key in ("load_before", "load_after")]
+        row["load_min"], row["load_max"] = min(loads), max(loads)
         for code in ("this", "compared"):
             runs = [r for r in rows if r["format"] == fmt and r["code"] == code]
             if runs:

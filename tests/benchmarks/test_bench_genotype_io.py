@@ -23,6 +23,7 @@ def test_the_benchmark_measures_every_format_the_loader_and_the_step(tmp_path) -
     assert [r["format"] for r in rows if r["what"] == "read+harmonise"] == list(genotype_io.FORMATS)
     harmonised = [(r["round"], r["format"]) for r in rows if r["what"] == "harmonise"]
     assert harmonised == [(k, f) for k in range(2) for f in genotype_io.FORMATS]  # every format, --repeats 2 times
+    assert all(r["load_before"] >= 0 and r["load_after"] >= 0 for r in rows if r["what"] == "harmonise")
     loader = next(r for r in rows if r["what"] == "loader")
     assert loader["memmap"] is True and loader["samples_per_s"] > 0
     # The whole pipeline is the host's part and the device's part in sequence: its rate lies below both.
