@@ -24,9 +24,9 @@ job ships the same arguments to every site, so the paths come from the site: ``$
 ``$FEDALG_SNP_TABLE``, or ``"genotypes"`` / ``"snp_table"`` in its ``local/fedalg_site_data.json`` (or the
 ``data_file`` / ``snp_table`` arguments; ``data_prep.genotypes.site_files``). A provisioned site that names no file is
 refused in one line; it never derives the public panel. Every site prints the file it read (path, people, SNPs,
-classes, the SNP table it matched). ``data_file`` may also be a VCF / VCF.gz /
-BCF, a PLINK 1 ``.bed`` or a PLINK 2 ``.pgen`` (harmonised against a ``snp,chrom,pos,ref,alt`` table on the fly) or
-the ``.npz`` of ``python -m data_prep.genotypes harmonise``, with labels from ``$FEDALG_SITE_LABELS`` / ``labels_file``
+classes, the SNP table it matched). ``data_file`` may also be a VCF / VCF.gz / BCF, a PLINK 1 ``.bed``, a PLINK 2
+``.pgen`` or a BGEN ``.bgen`` (harmonised against a ``snp,chrom,pos,ref,alt`` table on the fly) or the ``.npz`` of
+``python -m data_prep.genotypes harmonise``, with labels from ``$FEDALG_SITE_LABELS`` / ``labels_file``
 (``data_prep.genotypes.site``); those stay int8 (memory-mapped for an ``.npz``), travel to the training device as
 int8 batches and are widened to int64 there (``on_after_batch_transfer``).
 
