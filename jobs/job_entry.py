@@ -9,20 +9,24 @@ The folder's own record of its settings (`jobs.job_record`) builds `jobs.recipe.
 ``nvflare simulator <job>`` and ``python <job>/job.py`` run one definition: the recipe's job is the folder's job,
 file for file (tested). Bad input (an unknown ``--env``, ``--env prod`` without a kit, a folder that is not an admin
 startup kit or is one of another project) is refused in one line before anything starts. A run ends with where its
-result is and the report command for it; the exit code is 1 when not every round ran.
+result is and the report command for it; the exit code is 1 when not every round ran. In SimEnv it prints what
+``make demo`` prints, the per-round lines, and keeps NVFlare's whole output in ``WORKSPACE/<job name>.log``
+(`jobs.run_output`; ``--verbose``: all of it here).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import tempfile
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Iterator, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from jobs.job_record import JOB_SCRIPT, recorded_spec
+from jobs.run_output import quiet_output
 from jobs.settings import JobBuildError, OneLineErrorParser
 from jobs.spec import JobSpec
 
@@ -61,6 +65,12 @@ def build_parser(spec: JobSpec, folder: str) -> OneLineErrorParser:
         default=None,
         help="sim: processes running the sites (default: one per site, so every site keeps its process; "
         "nvflare simulator's -t)",
+    )
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="sim: print NVFlare's whole output here (default: keep it in WORKSPACE/<job name>.log and print the "
+        "per-round lines, as make demo does)",
     )
     parser.add_argument(
         "--startup-kit",
@@ -113,6 +123,10 @@ def check_args(args: Any, spec: JobSpec) -> None:
         raise JobBuildError(f"--startup-kit/--project: only for --env prod, got --env {args.env}")
     if args.env != "sim" and args.threads is not None:
         raise JobBuildError(f"--threads: only for --env sim, got --env {args.env}")
+    if args.env != "sim" and args.verbose:
+        raise JobBuildError(
+            f"--verbose: only for --env sim (poc and prod print their output as it is), got --env {args.env}"
+        )
     if args.threads is not None and args.threads < 1:
         raise JobBuildError(f"--threads must be at least 1, got {args.threads}")
     if args.env == "sim" and spec.secure_aggregation == "he":
@@ -151,6 +165,7 @@ def poc_site_environment(environ: MutableMapping[str, str]) -> None:
 
 def main(job_folder: Path, argv: Sequence[str] | None = None) -> int:
     """Run the job recorded in ``job_folder`` in the environment the command line names; 0 when its rounds all ran."""
+    exporting = "--export" in sys.argv[1:]  # NVFlare's option, gone from sys.argv once nvflare.recipe is imported
     from jobs.recipe import FedAlgRecipe  # imports nvflare.recipe, which takes --export/--export-dir off sys.argv
 
     try:
@@ -166,13 +181,40 @@ def main(job_folder: Path, argv: Sequence[str] | None = None) -> int:
     except (JobBuildError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
-    try:
-        run = recipe.execute(env)
-    except RuntimeError as exc:  # SimEnv: the simulator exited non-zero; ProdEnv: the submission failed
-        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+    log = None if exporting else output_log(args, spec)
+    failure = None
+    with run_output(log, spec, args.workspace):
+        try:
+            run = recipe.execute(env)
+        except RuntimeError as exc:  # SimEnv: the simulator exited non-zero; ProdEnv: the submission failed
+            failure = exc
+        else:
+            # PocEnv would delete its workspace, and the downloaded result in it, when it stops: keep it.
+            result = run.get_result(clean_up=False) if args.env == "poc" else run.get_result()
+    if failure is not None:
+        seen = f" (the run's whole output: {log})" if log else ""
+        print(f"error: {' '.join(str(failure).split())}{seen}", file=sys.stderr)
         return report_result(env.get_job_result(spec.name)) if args.env == "sim" else 1
-    # PocEnv would delete its workspace, and the downloaded result in it, when it stops: keep it.
-    return report_result(run.get_result(clean_up=False) if args.env == "poc" else run.get_result())
+    return report_result(result)
+
+
+def output_log(args: Any, spec: JobSpec) -> Path | None:
+    """Where the run's whole output goes (`jobs.run_output`): beside the SimEnv run folder, ``WORKSPACE/<job
+    name>.log``; ``None`` (printed as it comes) with ``--verbose`` or outside SimEnv."""
+    return None if args.verbose or args.env != "sim" else Path(args.workspace) / f"{spec.name}.log"
+
+
+@contextlib.contextmanager
+def run_output(log: Path | None, spec: JobSpec, workspace: Path) -> Iterator[None]:
+    """The run's output kept in ``log`` with its per-round lines shown (`jobs.run_output.quiet_output`), or all of
+    it as it comes (``log`` None)."""
+    if log is None:
+        yield
+        return
+    run = Path(workspace) / spec.name
+    print(f"SimEnv: {spec.num_rounds} rounds, {spec.num_sites} sites in {run} (full log: {log}; --verbose prints it)")
+    with quiet_output(log):
+        yield
 
 
 def report_result(result: str | None) -> int:

@@ -59,6 +59,7 @@ SLOW_BY_FILE: dict[str, dict[str, str]] = {
     "tests/jobs/test_recipe_job_entry.py": {
         "test_job_py_runs_in_simenv_and_streams_tensorboard_curves": "SimEnv run",
         "test_report_reads_the_recipe_run_and_names_it_under_the_workspace_root": "the SimEnv run",
+        "test_job_py_shows_the_rounds_as_make_demo_does_and_keeps_the_rest_in_its_log": "the SimEnv run",
         "test_the_folder_and_its_job_py_train_bit_identical_models": "SimEnv and nvflare simulator runs",
         "test_every_committed_jobs_record_rebuilds_its_preset": "24 specs validated",
     },

@@ -25,11 +25,14 @@ from jobs import job_entry
 from jobs.build import JobSpec, export_job
 from jobs.job_record import JOB_SCRIPT, SPEC_FILE, recorded_spec
 from jobs.recipe import FedAlgRecipe
+from jobs.run_output import is_progress, quiet_output
 
 REPO = Path(__file__).resolve().parents[2]
 NVFLARE = Path(sys.executable).with_name("nvflare")
 TINY = JobSpec(name="recipe_sim", client="scaffold", server="scaffold", num_rounds=2, dataset="digits", arch="mlp")
 TRAINING = ("stage", "round", "sites", "aggregated", "global_sha256", "test_accuracy")
+#: The file in the fixture's folder that holds what the run printed on its terminal.
+TERMINAL = "terminal.txt"
 
 
 def _files(root: Path) -> set[Path]:
@@ -47,7 +50,9 @@ def recipe_run(tmp_path_factory) -> tuple[Path, Path]:
     """`TINY` exported as a job folder and run through its own job.py in SimEnv: (folder, result workspace)."""
     root = tmp_path_factory.mktemp("recipe")
     folder = export_job(TINY, root / "jobs")
-    assert job_entry.main(folder, ["--workspace", str(root / "sim")]) == 0
+    with quiet_output(root / TERMINAL):  # what job.py shows on the terminal, kept for the output test
+        code = job_entry.main(folder, ["--workspace", str(root / "sim")])
+    assert code == 0
     return folder, root / "sim" / TINY.name
 
 
@@ -71,6 +76,30 @@ def test_job_py_runs_in_simenv_and_streams_tensorboard_curves(recipe_run):
         assert [e.step for e in losses] == [0, 1]
         logged = {r["round"]: r["site_train_loss"][site] for r in records if r["stage"] == "round"}
         assert [e.value for e in losses] == pytest.approx([logged[0], logged[1]], rel=1e-6)
+
+
+def test_job_py_shows_the_rounds_as_make_demo_does_and_keeps_the_rest_in_its_log(recipe_run):
+    """NVFlare's whole output (about 280 lines for 5 rounds) went to the terminal; now only what make demo shows."""
+    _, workspace = recipe_run
+    printed = (workspace.parent.parent / TERMINAL).read_text().splitlines()
+    log = workspace.parent / f"{TINY.name}.log"
+    assert printed[0] == f"SimEnv: 2 rounds, 3 sites in {workspace} (full log: {log}; --verbose prints it)"
+    assert printed[-2:] == [f"result: {workspace}", f"summary: python -m controllers.report {workspace}"]
+    assert all(is_progress(line) for line in printed[1:-2]), printed
+    rounds = [line.split(" - ")[-1] for line in printed if ": training on " in line]
+    assert rounds == [f"round {r}/2: training on ['site-1', 'site-2', 'site-3']" for r in (1, 2)]
+    written = log.read_text().splitlines()
+    assert set(printed[1:-2]) <= set(written) and len(written) > 5 * len(printed)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [([], "{workspace}/recipe_sim.log"), (["--verbose"], None), (["--env", "poc"], None)],
+)
+def test_the_output_is_kept_in_a_log_beside_the_run_unless_verbose_or_not_in_simenv(argv, expected, tmp_path):
+    args = job_entry.build_parser(TINY, "recipe_sim").parse_args([*argv, "--workspace", str(tmp_path)])
+    log = job_entry.output_log(args, TINY)
+    assert log == (None if expected is None else Path(expected.format(workspace=tmp_path)))
 
 
 def test_the_folder_and_its_job_py_train_bit_identical_models(recipe_run, tmp_path):
@@ -180,6 +209,7 @@ def other_project_kit(kits: Path, tmp_path: Path) -> Path:
         ),
         ("fedavg", ["--startup-kit", "{kits}/admin@fedalg.org"], "--startup-kit/--project: only for --env prod"),
         ("fedavg", ["--env", "poc", "--threads", "2"], "--threads: only for --env sim, got --env poc"),
+        ("fedavg", ["--env", "poc", "--verbose"], "--verbose: only for --env sim (poc and prod print their output"),
         ("fedavg_he", [], "--env sim: this job aggregates under homomorphic encryption"),
     ],
 )
