@@ -18,6 +18,12 @@
   sites' scores of the received global model (``eval.*`` meta, which travels in clear) summarised as the bundle's
   controller summarises them (``site_eval``), and under DP-SGD each site's ``privacy.*`` (epsilon so far, ...). It
   also keeps, per site, the cumulative DP-SGD steps its last result reported (``released_steps``).
+- `BudgetScatterAndGather` (server, the workflow of a DP-SGD job): NVFlare's ``ScatterAndGather``, which asks every
+  site every round, ended after a round in which a site's result said that its next round would exceed its budget
+  (``privacy.next_round_epsilon`` above ``privacy.target_epsilon``, controllers/budget.py): the job finishes there, its
+  global model persisted, and the round's record carries ``stopped`` (rule ``privacy_budget``, the sites and why).
+  Without it the next round was sent, the spent site refused it before training, NVFlare's workflow ended in a fatal
+  abort, and every other site had trained and spent a round whose result nobody used.
 - `ReleasedStepsBroadcast` (server, task-data filter of a DP-SGD job): puts the recorder's ``released_steps`` into
   every task's meta as ``server.released_steps``, as the bundle's controller broadcasts it, so that a site whose
   ledger is behind what it released (an old backup restored) stops (lightning_modules/privacy/ledger.py).
@@ -41,10 +47,12 @@ from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable
 from nvflare.app_common.app_constant import AppConstants
 from nvflare.app_common.app_event_type import AppEventType
+from nvflare.app_common.workflows.scatter_and_gather import ScatterAndGather
 
 from aggregators import meta_keys
 from aggregators.run_records import METRICS_FILE  # the same file as the bundle's controller writes
 from aggregators.types import ClientUpdate
+from controllers.budget import end_of_budget_message, spent_budget
 from controllers.engine import SiteResult, released_steps, site_eval_summary
 
 
@@ -135,12 +143,17 @@ def site_scores(site: str, meta: Any) -> ClientUpdate:
 
 
 class RoundRecorder(FLComponent):
-    """Round records of NVFlare's ScatterAndGather (module docstring); ``secure_aggregation`` is the job's setting."""
+    """Round records of NVFlare's ScatterAndGather (module docstring); ``secure_aggregation`` is the job's setting.
+    With ``end_on_spent_budget`` (the workflow is a `BudgetScatterAndGather`) the round after which a site cannot
+    afford another is the last, and its record says so (``stopped``)."""
 
-    def __init__(self, num_rounds: int, secure_aggregation: str) -> None:
+    def __init__(self, num_rounds: int, secure_aggregation: str, end_on_spent_budget: bool = False) -> None:
         super().__init__()
         self.num_rounds = num_rounds
         self.secure_aggregation = secure_aggregation
+        self.end_on_spent_budget = end_on_spent_budget
+        #: DP sites whose last result said that their next round would exceed their budget, with why
+        self.out_of_budget: dict[str, str] = {}
         self._path: Path | None = None
         self._round: dict[str, Any] = {}
         self._started = 0.0
@@ -175,6 +188,9 @@ class RoundRecorder(FLComponent):
             self._round["result_bytes"][site] = self._measured(lambda: wire_bytes(result))
             dxo = from_shareable(result)
             self.note_result(site, dxo.meta)
+            why = spent_budget(dxo.meta or {})
+            if why:
+                self.out_of_budget.setdefault(site, why)
             self._round["private_ciphertexts"] += private_ciphertexts(dxo.data)
             self._round["scores"][site] = site_scores(site, dxo.meta)
             if meta_keys.PRIVACY_EPSILON in (dxo.meta or {}):
@@ -196,8 +212,22 @@ class RoundRecorder(FLComponent):
                 record["site_eval"] = summary
             if not record["privacy"]:
                 del record["privacy"]
+            if self.ends_after(record["round"]):
+                record["stopped"] = self.budget_note(record["round"], len(record["aggregated"]))
             self._append({"stage": "round", **record})
             self._round = {}
+
+    def ends_after(self, round_num: Any) -> bool:
+        """Whether the job ends after round ``round_num`` (0-based) because a site cannot afford the next one."""
+        last = isinstance(round_num, int) and round_num + 1 >= self.num_rounds
+        return self.end_on_spent_budget and bool(self.out_of_budget) and not last
+
+    def budget_note(self, round_num: int, sites: int) -> dict[str, Any]:
+        """The ``stopped`` note of the last round (read by ``aggregators.run_records.stop_note``): every site is asked
+        every round, so one spent site ends the job."""
+        message = end_of_budget_message(round_num + 1, self.out_of_budget, sites - len(self.out_of_budget), sites)
+        return {"rule": "privacy_budget", "round": round_num, "out_of_budget": dict(self.out_of_budget),
+                "message": f"{message} (NVFlare's ScatterAndGather asks every site every round)"}  # fmt: skip
 
     def _measured(self, measure: Any) -> int | None:
         """Run ``measure``, adding its seconds to the round's ``measure_s`` (kept apart from the round's own cost)."""
@@ -215,3 +245,27 @@ class RoundRecorder(FLComponent):
         self._path.parent.mkdir(parents=True, exist_ok=True)
         with self._path.open("a") as handle:
             handle.write(json.dumps(record, sort_keys=True) + "\n")
+
+
+class BudgetScatterAndGather(ScatterAndGather):
+    """NVFlare's ``ScatterAndGather`` that finishes after a round once the `RoundRecorder` (``recorder_id``) holds a
+    site whose next round would exceed its privacy budget (module docstring): no round is sent that a site would
+    refuse, and none trained that nobody uses. The round's model is persisted as every round's is."""
+
+    def __init__(self, *args: Any, recorder_id: str = "rounds", **kwargs: Any) -> None:
+        # *args and **kwargs: NVFlare's job API then reads ScatterAndGather's own arguments for the job's config.
+        super().__init__(*args, **kwargs)
+        self.recorder_id = recorder_id
+
+    def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
+        super().handle_event(event_type, fl_ctx)
+        if event_type != AppEventType.ROUND_DONE:
+            return
+        recorder = fl_ctx.get_engine().get_component(self.recorder_id)
+        if not isinstance(recorder, RoundRecorder):
+            raise ValueError(f"no RoundRecorder with id {self.recorder_id!r}: the workflow cannot see spent budgets")
+        if recorder.ends_after(self._current_round - self._start_round):
+            note = recorder.budget_note(self._current_round - self._start_round, len(self._engine.get_clients()))
+            self.log_warning(fl_ctx, note["message"])
+            # ScatterAndGather's loop runs while _current_round < _start_round + _num_rounds: this round is the last
+            self._num_rounds = self._current_round - self._start_round + 1

@@ -210,7 +210,10 @@ def add_sum_workflow(job: Any, spec: Any, model_config: Mapping[str, Any]) -> No
         job.to_server(FullModelShareableGenerator(), id="shareable_generator")
         aggregator = InTimeAccumulateWeightedAggregator(expected_data_kind=DataKind.WEIGHTS)
     job.to_server(aggregator, id="aggregator")
-    job.to_server(RoundRecorder(num_rounds=spec.num_rounds, secure_aggregation=spec.secure_aggregation), id="rounds")
+    # A DP-SGD job's workflow ends after the round in which a site's budget runs out (controllers/secure_aggregation.py)
+    budgeted = is_private(spec)
+    recorder = RoundRecorder(spec.num_rounds, spec.secure_aggregation, end_on_spent_budget=budgeted)
+    job.to_server(recorder, id="rounds")
     if is_private(spec):  # what each DP site released, with every task: a site on a stale ledger stops
         from nvflare.job_config.defs import FilterType
 
@@ -221,7 +224,12 @@ def add_sum_workflow(job: Any, spec: Any, model_config: Mapping[str, Any]) -> No
         from controllers.he_fedopt import SiteOptimizerConsensus
 
         job.to_server(SiteOptimizerConsensus(), id="fedopt_consensus")
-    controller = ScatterAndGather(
+    workflow = ScatterAndGather
+    if budgeted:
+        from controllers.secure_aggregation import BudgetScatterAndGather
+
+        workflow = BudgetScatterAndGather
+    controller = workflow(
         min_clients=spec.min_responses or spec.num_sites,
         num_rounds=spec.num_rounds,
         wait_time_after_min_received=0,
