@@ -2,7 +2,7 @@
 
     python -m jobs.build --client scaffold --server scaffold --name custom_scaffold --output-dir /tmp/jobs \\
         --model custom_model.model:DigitsClassifier --data custom_model.data:DigitsSites --ship examples/custom_model
-    nvflare simulator /tmp/jobs/custom_scaffold -w /tmp/ws -n 3
+    nvflare simulator /tmp/jobs/custom_scaffold -w /tmp/ws_custom -n 3
 
 See docs/own_model.md.
 """

@@ -6,7 +6,7 @@ it. A site with a regular install imports the installed copy before a shipped on
 appends the job's folder to the path, after site-packages): a changed version needs a package name of its own.
 
     python -m jobs.build --presets                     # regenerates the committed jobs, jobs/snp_scaffold among them
-    nvflare simulator jobs/snp_scaffold -w /tmp/ws -n 3
+    nvflare simulator jobs/snp_scaffold -w /tmp/ws_snp -n 3
 
 ``model.py``: genotype models (``cnn_transformer`` and an MLP baseline) as LightningModules with an adaptive
 optimizer; ``data.py``: a LightningDataModule that gives each site its share of the 1000 Genomes panel or of a
