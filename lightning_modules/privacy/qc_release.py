@@ -69,12 +69,17 @@ def release_counts(
     store.use_run(run_id)
     meta = {meta_keys.RUN_ID: run_id, meta_keys.ROUND: 0}  # one release per run: a site that has none may start
     ledger = read_ledger(store, site, meta, noise.delta)
-    z = _noise_multiplier(site, noise, ledger)
-    after = ledger.spend(QC_SAMPLE_RATE, z, 1)
-    if not after.epsilon() <= noise.target_epsilon * (1 + 1e-9):
+    try:
+        z = _noise_multiplier(site, noise, ledger)
+        after = ledger.spend(QC_SAMPLE_RATE, z, 1)
+        spent_before, spent_after = ledger.epsilon(), after.epsilon()
+    except AccountantUnavailable as exc:
+        problem = f"federated QC: {site}: noisy counts are accounted by Opacus: {exc}; nothing sent"
+        raise DataPrepError(problem) from None
+    if not spent_after <= noise.target_epsilon * (1 + 1e-9):
         raise QcBudgetExhausted(
             f"federated QC: {site}: privacy budget: releasing its counts with noise multiplier {z:.4g} would take "
-            f"epsilon from {ledger.epsilon():.4g} to {after.epsilon():.4g} > dp_target_epsilon "
+            f"epsilon from {spent_before:.4g} to {spent_after:.4g} > dp_target_epsilon "
             f"{noise.target_epsilon:g} (delta {noise.delta:g}; spent in this run: "
             f"{segments_text(ledger.segments) or 'nothing'}); raise --dp-target-epsilon or the noise multiplier, or "
             "leave the multiplier out to calibrate it; nothing sent"
@@ -83,7 +88,7 @@ def release_counts(
     sensitivity = l2_sensitivity(len(counts))
     sigma = z * sensitivity
     noisy = noisy_counts(counts, sigma, secret_rng() if rng is None else rng)
-    spent = {"noise_multiplier": z, "sigma": sigma, "l2_sensitivity": sensitivity, "epsilon": after.epsilon()}
+    spent = {"noise_multiplier": z, "sigma": sigma, "l2_sensitivity": sensitivity, "epsilon": spent_after}
     return noisy, QcRelease(spent, delta=noise.delta, ledger=str(store.path("privacy")))
 
 
@@ -92,7 +97,7 @@ def _noise_multiplier(site: str, noise: QcNoise, ledger: Ledger) -> float:
         return float(noise.noise_multiplier)
     try:
         return noise_for_budget(noise.target_epsilon, noise.delta, QC_SAMPLE_RATE, 1, spent=ledger.segments)
-    except (ValueError, AccountantUnavailable) as exc:
+    except ValueError as exc:
         raise QcBudgetExhausted(f"federated QC: {site}: dp_target_epsilon: {exc}; nothing sent") from None
 
 

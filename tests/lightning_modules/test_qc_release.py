@@ -215,3 +215,17 @@ def test_noise_without_a_budget_stops_the_export(tmp_path: Path, capsys: pytest.
 
 def test_sigma_is_the_noise_multiplier_times_the_add_remove_sensitivity() -> None:
     assert math.isclose(l2_sensitivity(len(SNPS)), math.sqrt(200), abs_tol=1e-12)
+
+
+def test_a_site_without_opacus_refuses_in_one_line_and_spends_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightning_modules.privacy import accountant
+
+    def missing():
+        raise accountant.AccountantUnavailable("DP-SGD needs Opacus, which is not installed: pip install ...")
+
+    monkeypatch.setattr(accountant, "_rdp_analysis", missing)
+    with pytest.raises(DataPrepError, match="site-1: noisy counts are accounted by Opacus") as refused:
+        release_counts("site-1", genotype_counts(cohort(50)), QcNoise(2.0, 8.0), store(tmp_path), RUN)
+    assert "nothing sent" in str(refused.value) and ledger_of(tmp_path) is None
