@@ -16,7 +16,7 @@ noise multiplier sqrt(2) smaller.
 
 The mechanism. The noise on each cell is the discrete Gaussian N_Z(0, sigma^2), P(x) proportional to
 exp(-x^2 / (2 sigma^2)) on the integers, with sigma = z * sqrt(S) for the job's noise multiplier z. Canonne, Kamath
-and Steinke (NeurIPS 2020, "The Discrete Gaussian for Differential Privacy", Theorem 14) show that the product of
+and Steinke (NeurIPS 2020, "The Discrete Gaussian for Differential Privacy", multivariate case) show that the product of
 discrete Gaussians with L2 sensitivity Delta satisfies the concentrated DP Delta^2 / (2 sigma^2) of the continuous
 Gaussian: its Renyi DP at every order alpha is at most alpha / (2 z^2), the continuous Gaussian's. So one QC release
 is accounted as one step of the Gaussian mechanism at sample rate 1 and noise multiplier z, by the same maintained
