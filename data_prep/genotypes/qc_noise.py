@@ -145,7 +145,7 @@ def discrete_gaussian_pmf(values: np.ndarray, sigma: float) -> np.ndarray:
 
 
 def discrete_gaussian(shape: tuple[int, ...], sigma: float, rng: np.random.Generator) -> np.ndarray:
-    """int64 draws of N_Z(0, sigma^2): Canonne, Kamath and Steinke's rejection sampler (2020, Algorithm 3), with a
+    """int64 draws of N_Z(0, sigma^2): Canonne, Kamath and Steinke's rejection sampler (2020), with a
     discrete Laplace of scale t = floor(sigma) + 1 as the proposal (a difference of two geometric draws) accepted with
     probability exp(-(|y| - sigma^2 / t)^2 / (2 sigma^2)). In double precision, as their reference sampler's float
     variant; the accounting (module docstring) is that of the exact distribution."""

@@ -66,7 +66,7 @@ def test_the_pmf_is_the_normalised_gaussian_on_the_integers_with_variance_sigma_
     pmf = discrete_gaussian_pmf(support, sigma)
     assert math.isclose(pmf.sum(), 1.0, abs_tol=1e-12)
     assert math.isclose(pmf[support == 1][0] / pmf[support == 0][0], math.exp(-1 / (2 * sigma**2)), rel_tol=1e-12)
-    # Its variance is below sigma^2 (Canonne et al. 2020, Prop. 19), by a term of order exp(-2 pi^2 sigma^2): within
+    # Its variance is below sigma^2 (Canonne et al. 2020 bound it), by a term of order exp(-2 pi^2 sigma^2): within
     # 1e-6 from sigma = 1 on, so the QC's sigmas (tens) are the noise's standard deviations
     variance = float((support**2 * pmf).sum())
     assert variance <= sigma**2 and (sigma < 1 or sigma**2 - variance < 1e-6 * sigma**2)
