@@ -475,23 +475,22 @@ SHARD_SETTINGS = ("dataset", "scheme", "alpha", "classes_per_site", "seed", "par
 
 def site_data_settings(job_dir: Path, num_sites: int, max_train_samples: int | None) -> dict[str, Any]:
     """What `configure_site_data` derives each site's file from: the job's own data settings when its folder records
-    them (``job_spec.json``; a built-in dataset), so the deployed sites hold the shards the job's simulation does;
-    Fashion-MNIST with Dirichlet label skew otherwise. ``max_train_samples`` (the command line's) wins over the
-    record's; ``DEFAULT_TRAIN_SAMPLES`` when neither names one."""
-    from jobs.job_record import SPEC_FILE, recorded_spec
+    them (``job_spec.json``, read as written: nothing of the job is imported; a built-in dataset), so the deployed
+    sites hold the shards the job's simulation does; Fashion-MNIST with Dirichlet label skew otherwise.
+    ``max_train_samples`` (the command line's) wins over the record's; ``DEFAULT_TRAIN_SAMPLES`` when neither names
+    one."""
+    from jobs.job_record import SPEC_FILE
 
     settings: dict[str, Any] = {"dataset": "fashion_mnist", "scheme": "dirichlet"}
-    recorded = None
-    if (Path(job_dir) / SPEC_FILE).is_file():
-        spec = recorded_spec(Path(job_dir))
-        if spec.data is None and spec.dataset is not None:
-            recorded = spec
-            settings = {name: getattr(spec, name) for name in SHARD_SETTINGS}
-            partition_seed = settings.pop("partition_seed")
-            if partition_seed is not None:
-                settings["seed"] = partition_seed
-    if max_train_samples is None and recorded is not None:
-        max_train_samples = recorded.max_train_samples
+    record_file = Path(job_dir) / SPEC_FILE
+    recorded = json.loads(record_file.read_text()).get("settings", {}) if record_file.is_file() else {}
+    if recorded.get("data") is None and recorded.get("dataset") is not None:
+        settings = {name: recorded[name] for name in SHARD_SETTINGS if name in recorded}
+        partition_seed = settings.pop("partition_seed", None)
+        if partition_seed is not None:
+            settings["seed"] = partition_seed
+        if max_train_samples is None:
+            max_train_samples = recorded.get("max_train_samples")
     return {**settings, "num_sites": num_sites, "max_train_samples": max_train_samples or DEFAULT_TRAIN_SAMPLES}
 
 
