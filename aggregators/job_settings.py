@@ -65,6 +65,10 @@ def setting(
     return field(default=default, metadata=metadata)
 
 
+def _secagg(spec: Any) -> bool:
+    return spec.secure_aggregation == "secagg"
+
+
 def _site_validation(spec: Any) -> bool:
     return spec.site_val_fraction > 0
 
@@ -526,17 +530,28 @@ class PrivacySettings:
 class SecureAggregationSettings:
     """Secure aggregation with NVFlare's homomorphic-encryption components (docs/deployment.md, "Secure aggregation
     (HE)"): the sites encrypt their weighted results with the provisioned TenSEAL CKKS context, the server only adds
-    ciphertexts, the sites decrypt the sum. Sum-type work only; the checks are in jobs/secure_aggregation.py."""
+    ciphertexts, the sites decrypt the sum; or SecAgg+ masking (aggregators/secagg.py). Sum-type work only; the checks
+    are in jobs/secure_aggregation.py."""
 
     title: ClassVar[str] = "secure aggregation"
 
-    secure_aggregation: Literal["none", "he", "plain"] = setting(
+    secure_aggregation: Literal["none", "he", "plain", "secagg"] = setting(
         "none",
         "none: the bundle's controller and rules on plaintext updates; he: NVFlare's ScatterAndGather with its HE "
         "encryptor, accumulating aggregator and decryptor (FedAvg, or FedOpt with its step taken at the sites; "
         "provisioned kits with HEBuilder, not the simulator); plain: the same NVFlare workflow without encryption "
-        "(the baseline HE's cost is measured against; runs in the simulator)",
+        "(the baseline HE's cost is measured against; runs in the simulator); secagg: SecAgg+ masking (pairwise and "
+        "self masks, Shamir-shared seeds): the server sees only the sum, even together with fewer than "
+        "--secagg-threshold sites; at least 3 sites; runs in the simulator",
         side=SERVER,
+    )
+    secagg_threshold: int | None = setting(
+        None,
+        "secagg: how many sites' shares rebuild a site's secret; a majority of the sites, at most all of them "
+        "(default: the smallest majority); the sites that may drop in a round: the sites less this",
+        side=SERVER,
+        low=1,
+        exported_when=_secagg,
     )
 
 

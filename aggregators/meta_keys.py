@@ -23,6 +23,8 @@ PARAM_KEYS = "train.param_keys"  # names of the trainable parameters; every othe
 # The server round the result was trained in (the broadcast's server.round, echoed): a result that arrives in another
 # round (late, or replayed by the transport) is rejected instead of being aggregated against the wrong global model.
 TRAINED_ROUND = "train.round"
+# The round of a masked result under --secure-aggregation secagg (aggregators/secagg.py): its masks are that round's.
+SECAGG_ROUND = "secagg.round"
 
 # Server -> client: round bookkeeping broadcast with the global model.
 ROUND = "server.round"

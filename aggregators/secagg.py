@@ -10,7 +10,8 @@ One round, for sites ``0..n-1`` (their positions in the round's sorted site list
    the server, which cannot read it.
 3. *Masked input*: a site quantises its weighted update ``w_i (x_i - g)`` (`quantise`, flwr's stochastic
    quantisation into ``[0, TARGET_RANGE]``), adds the self-mask PRG(b) and, for every neighbour j that shared keys,
-   +PRG(s_ij) if i < j else -PRG(s_ij) (`mask_update`), all in uint64 arithmetic, i.e. modulo 2^64.
+   +PRG(s_ij) if i < j else -PRG(s_ij) (`mask_update`), all modulo 2^48 (`MODULUS_BITS`), sent as 6 bytes a
+   coordinate (`pack`).
 4. *Unmask*: the server adds the masked inputs (`masked_sum`); every responding neighbour returns, for each site of
    its neighbourhood, the share of ``b`` if that site's masked input arrived, else the share of its mask secret key
    (`unmask_shares`: never both for one site). With ``t`` shares per site the server rebuilds the seeds and removes
@@ -49,9 +50,24 @@ Arrays = dict[str, np.ndarray]
 #: server rebuilds differs from FedAvg's by less than one step, `quantisation_step`, per coordinate (2^-20, ~1e-6).
 CLIP_RANGE = 8.0
 TARGET_RANGE = 2**24
+#: The masked inputs live modulo 2^48 and travel as 6 bytes a coordinate (1.5x float32): the weighted sum must stay
+#: below it, so `TARGET_RANGE` times the round's total weight (training samples) must be under 2^48, i.e. under 2^24
+#: samples in all (`check_total_weight`).
+MODULUS_BITS = 48
+WIRE_BYTES = MODULUS_BITS // 8
+_MASK = np.uint64(2**MODULUS_BITS - 1)
 #: A site's self-mask seed and the ChaCha20 key its pairwise masks are drawn with: 32 bytes.
 SEED_BYTES = 32
 MIN_SITES = 3
+
+#: On the wire (controllers/secagg.py, controllers/secagg_site.py; declared to the egress gate by jobs/egress.py):
+#: the NVFlare tasks of the key and unmask stages, the DXO kind of a site's answer to one and the one data entry
+#: each answer holds (the two public keys; the sealed shares by holder; the shares by source site), and the DXO kind
+#: of a masked training result (a masked, weighted, quantised update, uint64).
+KEYS_TASK, SHARES_TASK, UNMASK_TASK = "secagg_keys", "secagg_shares", "secagg_unmask"
+STAGE_KIND = "SECAGG_STAGE"
+STAGE_DATA = {KEYS_TASK: ("channel_pk", "mask_pk"), SHARES_TASK: ("sealed",), UNMASK_TASK: ("shares",)}
+MASKED_KIND = "WEIGHT_DIFF"
 
 
 class SecAggError(ValueError):
@@ -145,8 +161,8 @@ def agreed_key(secret_key: bytes, public_key: bytes) -> bytes:
 
 
 def prg(seed: bytes, round_num: int, shapes: Mapping[str, tuple[int, ...]]) -> Arrays:
-    """Uniform uint64 arrays of ``shapes`` (in sorted name order) from the ChaCha20 keystream of the 32-byte
-    ``seed``, the round number as the nonce."""
+    """Uniform arrays modulo 2^`MODULUS_BITS` (uint64) of ``shapes`` (in sorted name order) from the ChaCha20
+    keystream of the 32-byte ``seed``, the round number as the nonce."""
     from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
     if len(seed) != SEED_BYTES:
@@ -155,7 +171,7 @@ def prg(seed: bytes, round_num: int, shapes: Mapping[str, tuple[int, ...]]) -> A
     sizes = [math.prod(shapes[name]) for name in names]
     nonce = int(round_num).to_bytes(16, "little")
     stream = Cipher(algorithms.ChaCha20(seed, nonce), mode=None).encryptor().update(bytes(8 * sum(sizes)))
-    flat = np.frombuffer(stream, dtype="<u8").astype(np.uint64)
+    flat = np.frombuffer(stream, dtype="<u8").astype(np.uint64) & _MASK
     out, start = {}, 0
     for name, size in zip(names, sizes, strict=True):
         out[name] = flat[start : start + size].reshape(shapes[name])
@@ -250,7 +266,7 @@ def mask_update(
     round_num: int,
 ) -> Arrays:
     """The site's masked input: its weighted quantised update (uint64) plus PRG(b) plus, for each neighbour j in
-    ``peer_mask_pks`` (those that shared keys), +PRG(s_ij) for i < j and -PRG(s_ij) for i > j, modulo 2^64."""
+    ``peer_mask_pks`` (those that shared keys), +PRG(s_ij) for i < j and -PRG(s_ij) for i > j, modulo 2^48."""
     shapes = {name: np.shape(value) for name, value in weighted.items()}
     masked = {name: np.asarray(value, dtype=np.uint64).copy() for name, value in weighted.items()}
     _add(masked, prg(b_seed, round_num, shapes))
@@ -262,15 +278,50 @@ def mask_update(
     return masked
 
 
+def check_total_weight(total_weight: int, target_range: int = TARGET_RANGE) -> None:
+    """Refuse a total weight whose weighted sum could pass the modulus (the sum would wrap and be wrong)."""
+    if isinstance(total_weight, bool) or not isinstance(total_weight, int) or total_weight < 1:
+        raise SecAggError(f"a weight must be a positive integer, got {total_weight!r}")
+    if total_weight * target_range >= 2**MODULUS_BITS:
+        raise SecAggError(
+            f"total weight {total_weight} times the quantisation range {target_range} reaches 2^{MODULUS_BITS}: "
+            f"at most {(2**MODULUS_BITS - 1) // target_range} training samples in a round"
+        )
+
+
 def weigh(quantised: Mapping[str, np.ndarray], weight: int) -> Arrays:
-    """``weight * q`` modulo 2^64 (exact while the total stays below 2^64: `TARGET_RANGE` times the total weight)."""
-    if isinstance(weight, bool) or not isinstance(weight, int) or weight < 1:
-        raise SecAggError(f"a site's weight must be a positive integer, got {weight!r}")
+    """``weight * q`` (exact: `check_total_weight`)."""
+    check_total_weight(weight)
     return {name: np.asarray(value, dtype=np.uint64) * np.uint64(weight) for name, value in quantised.items()}
 
 
+def pack(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Each array's values (below 2^48) as its low `WIRE_BYTES` little-endian bytes, flat uint8."""
+    out = {}
+    for name, value in arrays.items():
+        raw = np.ascontiguousarray(np.asarray(value, dtype="<u8")).reshape(-1).view(np.uint8).reshape(-1, 8)
+        out[name] = np.ascontiguousarray(raw[:, :WIRE_BYTES]).reshape(-1)
+    return out
+
+
+def unpack(packed: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int, ...]]) -> Arrays:
+    """`pack`'s inverse, given each array's shape; a wrong length or set of names is refused."""
+    if set(packed) != set(shapes):
+        raise SecAggError(f"masked input with other entries than the model's: {sorted(set(packed) ^ set(shapes))}")
+    out = {}
+    for name, shape in shapes.items():
+        raw = np.asarray(packed[name], dtype=np.uint8).reshape(-1)
+        size = math.prod(shape)
+        if raw.size != size * WIRE_BYTES:
+            raise SecAggError(f"masked entry {name!r}: {raw.size} bytes, expected {size * WIRE_BYTES}")
+        wide = np.zeros((size, 8), dtype=np.uint8)
+        wide[:, :WIRE_BYTES] = raw.reshape(size, WIRE_BYTES)
+        out[name] = wide.reshape(-1).view("<u8").astype(np.uint64).reshape(shape)
+    return out
+
+
 def masked_sum(inputs: Sequence[Mapping[str, np.ndarray]]) -> Arrays:
-    """The sum of the masked inputs, modulo 2^64."""
+    """The sum of the masked inputs, modulo 2^48."""
     if not inputs:
         raise SecAggError("no masked input to sum")
     total = {name: np.asarray(value, dtype=np.uint64).copy() for name, value in inputs[0].items()}
@@ -351,8 +402,7 @@ def mean_update(
     """FedAvg's weighted mean update from ``sum_i w_i q_i`` (flwr's ``dequantize`` of the mean level)."""
     from flwr.common.secure_aggregation.quantization import dequantize
 
-    if total_weight < 1:
-        raise SecAggError(f"total weight {total_weight}: nothing to average")
+    check_total_weight(total_weight, target_range)
     names = sorted(weighted_sum)
     levels = [np.asarray(weighted_sum[name], dtype=np.uint64).astype(np.float64) / total_weight for name in names]
     return dict(zip(names, dequantize(levels, clip_range, target_range), strict=True))
@@ -360,9 +410,9 @@ def mean_update(
 
 def _add(target: Arrays, other: Mapping[str, np.ndarray]) -> None:
     for name in target:
-        target[name] = target[name] + other[name]  # uint64: wraps modulo 2^64
+        target[name] = (target[name] + other[name]) & _MASK  # uint64 wraps modulo 2^64, a multiple of 2^48
 
 
 def _subtract(target: Arrays, other: Mapping[str, np.ndarray]) -> None:
     for name in target:
-        target[name] = target[name] - other[name]
+        target[name] = (target[name] - other[name]) & _MASK

@@ -208,6 +208,12 @@ def site_requirements(spec: JobSpec) -> str:
             "# Secure aggregation (--secure-aggregation he): the server and every site need the bundle's he extra.",
             *project["optional-dependencies"]["he"],
         ]
+    if spec.secure_aggregation == "secagg":
+        # SecAgg+ (aggregators/secagg.py) runs on flwr's primitives, an optional extra of the bundle.
+        lines += [
+            "# Secure aggregation (--secure-aggregation secagg): the server and every site need the secagg extra.",
+            *project["optional-dependencies"]["secagg"],
+        ]
     if spec.devices > 1:
         lines.append("# --devices: the sites start the client with torch.distributed.run (part of torch).")
     shipped = [folder.name for folder in shipped_folders(spec)] if spec.model is not None else []

@@ -6,7 +6,8 @@ the local ones (``--local-keys``, the personal head), or anything for a ``--scri
 its own model); the meta is what `lightning_modules.privacy.release.declared_meta` declares for the client
 algorithm and the DP settings, plus what the mechanism's filters add (`jobs.secure_aggregation.sum_result_meta`)
 and NVFlare's step count; the metrics (NVFlare's Lightning callback's validation scores) only where the site's
-scores are released (no DP, or ``--dp-release-site-scores``). `add_egress_gates` puts one
+scores are released (no DP, or ``--dp-release-site-scores``); under ``--secure-aggregation secagg`` the training
+result is the masked update and the key and unmask stages' answers are declared too. `add_egress_gates` puts one
 `aggregators.egress_gate.EgressGate` per task last in the sites' result filters.
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from aggregators.egress import METRICS_KIND, NVFLARE_RESULT_META, Release
-from jobs.secure_aggregation import sum_result_meta
+from jobs.secure_aggregation import secagg_releases, sum_result_kind, sum_result_meta
 
 #: The tasks a training job's sites answer: NVFlare's default training task and the final site evaluation.
 TRAIN_TASK, VALIDATE_TASK = "train", "validate"
@@ -43,10 +44,10 @@ def job_releases(spec: Any) -> tuple[Release, ...]:
     meta += sum_result_meta(spec)
     metrics = ("*",) if not private or spec.dp_release_site_scores else ()
     releases = (
-        Release(TRAIN_TASK, (WEIGHTS_KIND,), job_weight_keys(spec), meta, metrics),
+        Release(TRAIN_TASK, (sum_result_kind(spec),), job_weight_keys(spec), meta, metrics),
         Release(VALIDATE_TASK, (METRICS_KIND,), (), meta, metrics),
     )
-    return releases + cross_site_releases(spec)
+    return releases + cross_site_releases(spec) + secagg_releases(spec)
 
 
 def cross_site_releases(spec: Any) -> tuple[Release, ...]:

@@ -149,6 +149,13 @@ def secure_aggregation_problem(spec: Any) -> str | None:
     for refused, setting_name, reason in refusals:
         if refused:
             return f"{who}: {setting_name}: {reason}"
+    if mode == "secagg":
+        from aggregators.secagg import protocol_problem
+
+        problem = protocol_problem(spec.num_sites, secagg_threshold(spec))
+        return f"{who}: {problem}" if problem else None
+    if spec.secagg_threshold is not None:
+        return f"{who}: secagg_threshold: applies to --secure-aggregation secagg only"
     return None
 
 
@@ -166,11 +173,34 @@ def sum_result_meta(spec: Any) -> tuple[str, ...]:
     meta: tuple[str, ...] = ("NUM_STEPS_CURRENT_ROUND", "filter_history")  # NVFlare's DXO filters name themselves
     if spec.secure_aggregation == "he":
         meta += HE_RESULT_META
+    if spec.secure_aggregation == "secagg":
+        from aggregators.meta_keys import SECAGG_ROUND
+
+        meta += (SECAGG_ROUND,)
     if steps_at_sites(spec.server):
         from lightning_modules.site_optimizer import DIGEST, DIGEST_ROUND
 
         meta += (DIGEST, DIGEST_ROUND)
     return meta
+
+
+def sum_result_kind(spec: Any) -> str:
+    """The DXO kind of a site's training result as it leaves: weights (ciphertexts under ``he``), or under
+    ``secagg`` the masked update."""
+    from aggregators.secagg import MASKED_KIND
+
+    return MASKED_KIND if spec.secure_aggregation == "secagg" else "WEIGHTS"
+
+
+def secagg_releases(spec: Any) -> tuple[Any, ...]:
+    """Under ``secagg``, what a site's answer to each key and unmask stage carries: one DXO of its own kind with
+    the stage's entries (the public keys; the shares sealed for their holders; the shares the unmask stage asks)."""
+    if spec.secure_aggregation != "secagg":
+        return ()
+    from aggregators.egress import Release
+    from aggregators.secagg import STAGE_DATA, STAGE_KIND
+
+    return tuple(Release(task, (STAGE_KIND,), entries, ()) for task, entries in STAGE_DATA.items())
 
 
 def add_sum_workflow(job: Any, spec: Any, model_config: Mapping[str, Any]) -> None:
@@ -185,6 +215,7 @@ def add_sum_workflow(job: Any, spec: Any, model_config: Mapping[str, Any]) -> No
     from lightning_modules.privacy.job_checks import is_private
 
     encrypted = spec.secure_aggregation == "he"
+    masked = spec.secure_aggregation == "secagg"
     if encrypted:
         from nvflare.app_opt.he.intime_accumulate_model_aggregator import HEInTimeAccumulateWeightedAggregator
         from nvflare.app_opt.he.model_serialize_filter import HEModelSerializeFilter
@@ -207,11 +238,16 @@ def add_sum_workflow(job: Any, spec: Any, model_config: Mapping[str, Any]) -> No
         )
 
         job.to_server(PTModel(dict(model_config)))
-        job.to_server(FullModelShareableGenerator(), id="shareable_generator")
-        aggregator = InTimeAccumulateWeightedAggregator(expected_data_kind=DataKind.WEIGHTS)
+        job.to_server(FullModelShareableGenerator(), id="shareable_generator")  # adds secagg's mean update too
+        if masked:
+            from controllers.secagg import SecAggAggregator
+
+            aggregator = SecAggAggregator()
+        else:
+            aggregator = InTimeAccumulateWeightedAggregator(expected_data_kind=DataKind.WEIGHTS)
     job.to_server(aggregator, id="aggregator")
     # A DP-SGD job's workflow ends after the round in which a site's budget runs out (controllers/secure_aggregation.py)
-    budgeted = is_private(spec)
+    budgeted = is_private(spec) and not masked
     recorder = RoundRecorder(spec.num_rounds, spec.secure_aggregation, end_on_spent_budget=budgeted)
     job.to_server(recorder, id="rounds")
     if is_private(spec):  # what each DP site released, with every task: a site on a stale ledger stops
@@ -224,21 +260,33 @@ def add_sum_workflow(job: Any, spec: Any, model_config: Mapping[str, Any]) -> No
         from controllers.he_fedopt import SiteOptimizerConsensus
 
         job.to_server(SiteOptimizerConsensus(), id="fedopt_consensus")
-    workflow = ScatterAndGather
-    if budgeted:
+    rounds = {
+        "min_clients": spec.min_responses or spec.num_sites,
+        "num_rounds": spec.num_rounds,
+        "wait_time_after_min_received": 0,
+        "aggregator_id": "aggregator",
+        "persistor_id": "persistor",
+        "shareable_generator_id": "shareable_generator",
+        "train_timeout": spec.train_timeout,
+    }
+    if masked:  # SecAgg+'s key and unmask stages around ScatterAndGather's round (controllers/secagg.py)
+        from controllers.secagg import SecAggScatterAndGather
+
+        controller = SecAggScatterAndGather(threshold=secagg_threshold(spec), **rounds)
+    elif budgeted:
         from controllers.secure_aggregation import BudgetScatterAndGather
 
-        workflow = BudgetScatterAndGather
-    controller = workflow(
-        min_clients=spec.min_responses or spec.num_sites,
-        num_rounds=spec.num_rounds,
-        wait_time_after_min_received=0,
-        aggregator_id="aggregator",
-        persistor_id="persistor",
-        shareable_generator_id="shareable_generator",
-        train_timeout=spec.train_timeout,
-    )
+        controller = BudgetScatterAndGather(**rounds)
+    else:
+        controller = ScatterAndGather(**rounds)
     job.to_server(controller)
+
+
+def secagg_threshold(spec: Any) -> int:
+    """The job's SecAgg+ threshold: ``secagg_threshold``, or the smallest majority of the sites."""
+    from aggregators.secagg import default_threshold
+
+    return spec.secagg_threshold or default_threshold(spec.num_sites)
 
 
 def add_sum_site_filters(job: Any, spec: Any) -> None:
@@ -251,6 +299,8 @@ def add_sum_site_filters(job: Any, spec: Any) -> None:
     from lightning_modules.privacy.job_checks import is_private
 
     encrypted = spec.secure_aggregation == "he"
+    if spec.secure_aggregation == "secagg":  # first: it keeps the model as the server sent it, before any step
+        add_secagg_site(job)
     if encrypted:
         from nvflare.app_opt.he.model_decryptor import HEModelDecryptor
 
@@ -266,11 +316,31 @@ def add_sum_site_filters(job: Any, spec: Any) -> None:
         # The same task set as the filters above: NVFlare keeps one filter chain per set of tasks.
         job.to_clients(SumWorkflowRound(), tasks=["train", "validate"], filter_type=FilterType.TASK_DATA)
     job.to_clients(SampleCountWeight(), tasks=["train"], filter_type=FilterType.TASK_RESULT)
+    if spec.secure_aggregation == "secagg":
+        from controllers.secagg_site import SecAggMask
+
+        job.to_clients(SecAggMask(), tasks=["train"], filter_type=FilterType.TASK_RESULT)
     if encrypted:
         from nvflare.app_opt.he.model_encryptor import HEModelEncryptor
 
         encryptor = HEModelEncryptor(tenseal_context_file=CLIENT_CONTEXT, weigh_by_local_iter=True)
         job.to_clients(encryptor, tasks=["train"], filter_type=FilterType.TASK_RESULT)
+
+
+def add_secagg_site(job: Any) -> None:
+    """The sites' SecAgg+ state and key stages (controllers/secagg_site.py): the round's state, the executor of the
+    key and unmask stages, and the task-data filter that opens the shares addressed to the site and keeps the model
+    as the server sent it (the masked update is taken against it, so that the server's sum is the trained models'
+    mean under FedOpt's site step too). The masking result filter comes after the weight (`add_sum_site_filters`)."""
+    from nvflare.job_config.defs import FilterType
+
+    from aggregators.secagg import KEYS_TASK, SHARES_TASK, UNMASK_TASK
+    from controllers.secagg_site import STATE_ID, SecAggExecutor, SecAggSite, SecAggTaskData
+
+    job.to_clients(SecAggSite(), id=STATE_ID)
+    job.to_clients(SecAggExecutor(), tasks=[KEYS_TASK, SHARES_TASK, UNMASK_TASK])
+    # The same task set as the other task-data filters: NVFlare keeps one filter chain per set of tasks.
+    job.to_clients(SecAggTaskData(), tasks=["train", "validate"], filter_type=FilterType.TASK_DATA)
 
 
 def is_he_job(job_dir: Path) -> bool:

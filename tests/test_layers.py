@@ -54,6 +54,8 @@ JOB_API_CROSSINGS: frozenset[str] = frozenset(
         "jobs.assembly -> controllers.evaluator",
         "jobs.assembly -> controllers.fedalg_controller",
         "jobs.secure_aggregation -> controllers.he_fedopt",
+        "jobs.secure_aggregation -> controllers.secagg",
+        "jobs.secure_aggregation -> controllers.secagg_site",
         "jobs.secure_aggregation -> controllers.secure_aggregation",
     }
 )

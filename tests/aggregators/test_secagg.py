@@ -99,7 +99,8 @@ def play_round(
         update = {name: models[i][name].astype(np.float64) - GLOBAL[name] for name in GLOBAL}
         s.weighted = secagg.weigh(secagg.quantise(update), weights[i])
         peers = {j: seen.public[j][1] for j in secagg.neighbours(i, n, degree) if j in seen.sealed}
-        seen.masked[i] = secagg.mask_update(i, s.weighted, s.b_seed, s.keys.mask_sk, peers, round_num)
+        masked = secagg.mask_update(i, s.weighted, s.b_seed, s.keys.mask_sk, peers, round_num)
+        seen.masked[i] = secagg.unpack(secagg.pack(masked), SHAPES)  # as it travels
         seen.weights[i] = weights[i]
     # 4. unmask
     summed = sorted(seen.masked)
@@ -149,8 +150,9 @@ def test_masked_inputs_alone_look_nothing_like_the_updates() -> None:
     for i, s in enumerate(sites):
         for name in GLOBAL:
             assert not np.array_equal(seen.masked[i][name], s.weighted[name])
-            # uniform over 2^64: the top bit is set about half the time, never for a quantised weighted update
+            # a quantised weighted update stays below 2^40 here; a masked one is uniform below 2^48
             assert np.all(s.weighted[name] < np.uint64(2**40))
+            assert np.all(seen.masked[i][name] < np.uint64(2**48)) and np.any(seen.masked[i][name] >= 2**40)
 
 
 @pytest.mark.parametrize("dropped", [(0,), (2,), (4,)])
@@ -216,6 +218,23 @@ def test_a_misrouted_or_forged_share_is_refused() -> None:
         secagg.open_share(1, 0, sites[1], sites[0].channel_pk, sealed[1][:-4] + b"AAAA")
 
 
+def test_the_wire_form_is_six_bytes_a_coordinate_and_round_trips() -> None:
+    values = {"a": np.array([[0, 1, 2**48 - 1]], dtype=np.uint64), "b": np.array([2**47 + 5], dtype=np.uint64)}
+    packed = secagg.pack(values)
+    assert packed["a"].dtype == np.uint8 and packed["a"].size == 3 * 6 and packed["b"].size == 6
+    unpacked = secagg.unpack(packed, {"a": (1, 3), "b": (1,)})
+    for name in values:
+        np.testing.assert_array_equal(unpacked[name], values[name])
+    with pytest.raises(secagg.SecAggError, match="masked entry 'b': 5 bytes, expected 6"):
+        secagg.unpack({"a": packed["a"], "b": packed["b"][:5]}, {"a": (1, 3), "b": (1,)})
+
+
+def test_a_total_weight_the_modulus_cannot_hold_is_refused() -> None:
+    secagg.check_total_weight(2**24 - 1)
+    with pytest.raises(secagg.SecAggError, match=r"at most 16777215 training samples in a round$"):
+        secagg.check_total_weight(2**24)
+
+
 def test_out_of_range_update_is_refused_not_clipped() -> None:
     with pytest.raises(secagg.SecAggError, match=r"^update entry 'w' reaches 9, outside the quantisation range"):
         secagg.quantise({"w": np.array([0.5, -9.0])})
@@ -235,13 +254,14 @@ def secagg_coalition_estimate(seen: Transcript, sites: list[Site], extra_seeds: 
     shapes = {name: np.shape(v) for name, v in seen.masked[VICTIM].items()}
     b_shares = [r[VICTIM] for r in seen.returned.values() if VICTIM in r]
     estimate = dict(seen.masked[VICTIM])
+    mask48 = np.uint64(2**48 - 1)
     estimate = _minus(estimate, secagg.prg(secagg.rebuild(b_shares, threshold, "b"), 3, shapes))
     seeds = {COLLUDER: secagg.pairwise_seed(colluder.keys.mask_sk, seen.public[VICTIM][1]), **extra_seeds}
     for peer, seed in seeds.items():
         mask = secagg.prg(seed, 3, shapes)
         estimate = _minus(estimate, mask) if peer > VICTIM else _plus(estimate, mask)
     assert n == 3
-    return estimate
+    return {k: v & mask48 for k, v in estimate.items()}
 
 
 def _minus(a: dict, b: dict) -> dict:
@@ -258,9 +278,10 @@ def test_collusion_secagg_server_plus_one_site_cannot_recover_another_sites_upda
     truth = sites[VICTIM].weighted
     estimate = secagg_coalition_estimate(seen, sites, {})
     for name in GLOBAL:
-        # still under the honest third site's pairwise mask: uniform over 2^64, no coordinate near the truth
-        gap = np.minimum(estimate[name] - truth[name], truth[name] - estimate[name])
-        assert np.all(gap > np.uint64(2**40))
+        # still under the honest third site's pairwise mask: uniform below 2^48, no coordinate near the truth
+        diff = (estimate[name] - truth[name]) & np.uint64(2**48 - 1)
+        gap = np.minimum(diff, np.uint64(2**48) - diff)
+        assert np.all(gap > np.uint64(2**30))
     # Nor can the coalition rebuild the victim's mask key: the server got none of its key shares (it was summed),
     # and the colluder's one share is below the threshold.
     key_share = sites[COLLUDER].opened[VICTIM][1]

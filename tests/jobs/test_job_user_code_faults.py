@@ -178,7 +178,7 @@ def test_every_job_setting_is_declared_to_apply_or_not_under_model():
         "local_keys", "server", "server_args", "num_rounds", "clients_per_round", "min_responses", "min_accepted",
         "train_timeout", "save_client_updates", "resume_from", "final_site_eval", "tracking", "tracking_uri",
         "tracking_project", "wandb_mode", "dp_noise_multiplier", "dp_max_grad_norm", "dp_delta", "dp_target_epsilon",
-        "dp_release_site_scores", "secure_aggregation", "stop_patience", "cross_site_eval",
+        "dp_release_site_scores", "secure_aggregation", "secagg_threshold", "stop_patience", "cross_site_eval",
     }  # fmt: skip
     names = {f.name for group in JOB_GROUPS for f in dataclasses.fields(group)}
     assert names - applies == set(NO_EFFECT_WITH_MODEL) and not applies & set(NO_EFFECT_WITH_MODEL)
