@@ -342,6 +342,10 @@ class FederatedAlgorithm(pl.Callback):
         result as ``eval.personal_<metric>``."""
         self._personal_eval.update(personal_eval_meta(scores))
 
+    def add_site_scores(self, scores: Mapping[str, float]) -> None:
+        """Other site-evaluation values of this round (``eval.finetune_best_epoch``), sent as ``eval.<name>``."""
+        self._personal_eval.update({meta_keys.eval_key(name): float(value) for name, value in scores.items()})
+
     def _personal_meta(self, pl_module: pl.LightningModule) -> dict[str, float]:
         """The round's ``eval.personal_*`` meta: handed-over scores, and the algorithm's personal weights scored."""
         meta, self._personal_eval = self._personal_eval, {}

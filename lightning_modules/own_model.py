@@ -299,6 +299,7 @@ class UserSite:
         if not self.evaluate:
             print(f"{site}: no validation_step/val_dataloader: the global model is not evaluated at this site")
         self.finetune_epochs = int(getattr(args, "finetune_epochs", 0) or 0)
+        self._finetune_val: Any = None  # fine-tuning's validation batches on the classifier path (False: none)
         if self.finetune_epochs and not self.evaluate:
             raise UserCodeError(
                 f"{site}: finetune_epochs {self.finetune_epochs} needs a validation split to score the fine-tuned "
@@ -398,11 +399,17 @@ class UserSite:
         """Local fine-tuning (lightning_modules/finetune.py): a copy of the received model (loaded for the
         validation) trained ``finetune_epochs`` on the data module, scored on its validation split and sent as
         ``eval.personal_*``; the module and the round's random draws are untouched."""
-        from lightning_modules.finetune import finetune_seed, finetuned_copy
+        from lightning_modules.finetune import BEST_EPOCH, epoch_scorer, finetune_seed, finetuned_copy
         from lightning_modules.personal_scores import single_process_trainer, validation_scores
 
         seed = finetune_seed(self.args.seed, self.index, round_num)
         precision, accelerator = self.args.precision, self.args.accelerator
+
+        def validate(copy: pl.LightningModule) -> dict[str, float]:
+            return validation_scores(copy, single_process_trainer(precision, accelerator), datamodule=self.data)
+
+        if self._finetune_val is None and self.finetune_epochs >= 2:  # read once: the per-epoch scores' batches
+            self._finetune_val = self.classifier_splits(False)["val"] or False
         tuned = finetuned_copy(
             self.module,
             self.finetune_epochs,
@@ -410,9 +417,10 @@ class UserSite:
             lambda trainer, copy: trainer.fit(copy, datamodule=self.data),
             precision,
             accelerator,
+            epoch_scorer(self._finetune_val or None, validate),
         )
-        trainer = single_process_trainer(precision, accelerator)
-        self.callback.add_personal_scores(validation_scores(tuned, trainer, datamodule=self.data))
+        self.callback.add_personal_scores(validate(tuned))
+        self.callback.add_site_scores({BEST_EPOCH: tuned.__fl_best_epoch__})
         if self.callback.candidates is not None:
             self.callback.candidates.hand_over(tuned)
         return tuned

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -45,10 +45,11 @@ from lightning_modules.attacks import AttackCallback, AttackConfig, attack_confi
 from lightning_modules.classifier import FLClassifier
 from lightning_modules.distributed import check_launch
 from lightning_modules.federated import FederatedAlgorithm
-from lightning_modules.finetune import finetune_seed, finetuned_copy
+from lightning_modules.finetune import BEST_EPOCH, epoch_scorer, finetune_seed, finetuned_copy
 from lightning_modules.fl_callback import MetaSource, nvflare_meta_source
 from lightning_modules.options import json_arg
 from lightning_modules.personal_scores import single_process_trainer, validation_scorer, validation_scores
+from lightning_modules.split_scores import classifier_batches
 from lightning_modules.state_store import ClientStateStore
 
 __all__ = [
@@ -192,6 +193,7 @@ class SiteRound:
     dataset: TensorDataset | None = None  # ``to_tensor_dataset(x, y)``, built here unless the caller has it already
     validation: TensorDataset | None = None  # held-out split scoring the received model (needs a validation_step)
     test: TensorDataset | None = None  # held-out split the site reports on only (needs a test_step)
+    _finetune_val: Any = field(default=None, init=False, repr=False)  # fine-tuning's validation batches (or False)
 
     def __post_init__(self) -> None:
         if self.dataset is None:
@@ -248,9 +250,17 @@ class SiteRound:
             trainer.fit(copy, train_dataloaders=loader)
 
         precision, accelerator = self.training.precision, self.training.accelerator
-        tuned = finetuned_copy(self.module, self.training.finetune_epochs, seed, fit, precision, accelerator)
-        trainer = single_process_trainer(precision, accelerator)
-        self.round_callback.add_personal_scores(validation_scores(tuned, trainer, dataloaders=self.validation_loader()))
+
+        def validate(copy: pl.LightningModule) -> dict[str, float]:
+            trainer = single_process_trainer(precision, accelerator)
+            return validation_scores(copy, trainer, dataloaders=self.validation_loader())
+
+        if self._finetune_val is None and self.training.finetune_epochs >= 2:  # read once: the per-epoch scores
+            self._finetune_val = classifier_batches(self.validation_loader()) or False
+        score = epoch_scorer(self._finetune_val or None, validate)
+        tuned = finetuned_copy(self.module, self.training.finetune_epochs, seed, fit, precision, accelerator, score)
+        self.round_callback.add_personal_scores(validate(tuned))
+        self.round_callback.add_site_scores({BEST_EPOCH: tuned.__fl_best_epoch__})
         if self.round_callback.candidates is not None:
             self.round_callback.candidates.hand_over(tuned)
         return tuned
