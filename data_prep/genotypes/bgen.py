@@ -213,9 +213,11 @@ def _codes(
     certain = np.zeros(len(base), bool)
     if kind == f._DIPLOID:  # a certain diploid call (one probability 1, two 0: most of an imputed file) is its count,
         # which is what the rule gives it; the rule runs on the others
-        hit = distribution == 1.0
-        certain = (base == f._HOM_REF) & hit.any(axis=1) & ((distribution == 0.0).sum(axis=1) == 2)
-        base[certain] = np.argmax(hit[certain], axis=1)  # _HOM_REF, _HET, _HOM_ALT are 0, 1, 2
+        p0, p1, p2 = distribution[:, 0], distribution[:, 1], distribution[:, 2]
+        one_hot = ((p0 == 1.0) & (p1 == 0.0) & (p2 == 0.0)) | ((p1 == 1.0) & (p0 == 0.0) & (p2 == 0.0))
+        one_hot |= (p2 == 1.0) & (p0 == 0.0) & (p1 == 0.0)
+        certain = (base == f._HOM_REF) & one_hot
+        base = np.where(certain, np.where(certain, p1 + 2 * p2, 0).astype(np.int8), base)  # counts 0-2 = codes 0-2
     rest = np.flatnonzero(~certain)
     part = distribution[rest]
     part[(base[rest] == f._MISS) | (base[rest] == f._POLYPLOID)] = np.nan
