@@ -65,6 +65,8 @@ MIN_SITES = 3
 #: each answer holds (the two public keys; the sealed shares by holder; the shares by source site), and the DXO kind
 #: of a masked training result (a masked, weighted, quantised update, uint64).
 KEYS_TASK, SHARES_TASK, UNMASK_TASK = "secagg_keys", "secagg_shares", "secagg_unmask"
+#: The train task's header with the round's routing (which sites shared keys, every sealed share).
+HEADER = "secagg"
 STAGE_KIND = "SECAGG_STAGE"
 STAGE_DATA = {KEYS_TASK: ("channel_pk", "mask_pk"), SHARES_TASK: ("sealed",), UNMASK_TASK: ("shares",)}
 MASKED_KIND = "WEIGHT_DIFF"

@@ -1,5 +1,6 @@
-r"""What homomorphic encryption costs per round: the same job with ``--secure-aggregation he`` and ``plain``, on one
-loopback deployment provisioned with NVFlare's HEBuilder (docs/deployment.md, "Secure aggregation (HE)").
+r"""What secure aggregation costs per round: the same job with ``--secure-aggregation plain``, ``he`` and ``secagg``
+(``--modes``), on one loopback deployment (provisioned with NVFlare's HEBuilder when ``he`` runs; docs/deployment.md,
+"Secure aggregation").
 
     python -m benchmarks.secure_aggregation --rounds 3 --repeats 2 --out benchmarks/results/secure_aggregation.md
 
@@ -14,16 +15,17 @@ A user's own LightningModule and data module run the same way (``--model``, ``--
 
 ``--out`` replaces the table of the same model in the results file (a ``## <model>`` section) and keeps the others.
 
-Both jobs are NVFlare's ScatterAndGather with the bundle's Lightning client and the same settings; ``he`` adds
-NVFlare's HE encryptor/decryptor filters, accumulating aggregator and shareable generator. The runs alternate
-(plain, he, plain, he, ...) on the same started server and sites. From each run's ``metrics/round_metrics.jsonl``
-(`controllers.secure_aggregation.RoundRecorder`): seconds per round (the server's ROUND_STARTED -> ROUND_DONE,
-less the seconds the recorder spent measuring sizes), bytes of each site's result and of the global model sent down,
-as NVFlare serialises them. Round 1 (index 0) is reported apart: it includes every site's client start-up, and its
-global model goes down unencrypted in both jobs. Afterwards site-1 decrypts every HE run's final global model with its
-own context; they are compared with the plain runs' (same seeds, same data), beside the spread between plain runs
-(NVFlare adds the results in the order they arrive, so floating-point rounding differs from run to run, and later
-rounds train from slightly different models).
+Every job is NVFlare's ScatterAndGather with the bundle's Lightning client and the same settings; ``he`` adds
+NVFlare's HE encryptor/decryptor filters, accumulating aggregator and shareable generator; ``secagg`` SecAgg+'s key and
+unmask stages, masking filter and aggregator (controllers/secagg.py), whose seconds and message bytes the round record
+carries apart (``secagg``). The runs alternate (plain, he, secagg, plain, ...) on the same started server and sites.
+From each run's ``metrics/round_metrics.jsonl`` (`controllers.secure_aggregation.RoundRecorder`): seconds per round
+(the server's ROUND_STARTED -> ROUND_DONE, less the seconds the recorder spent measuring sizes), bytes of each site's
+result and of the global model sent down, as NVFlare serialises them. Round 1 (index 0) is reported apart: it
+includes every site's client start-up, and its global model goes down unencrypted in every job. Afterwards site-1
+decrypts every HE run's final global model with its own context; they and the SecAgg+ runs' are compared with the
+plain runs' (same seeds, same data), beside the spread between plain runs (NVFlare adds the results in the order they
+arrive, so floating-point rounding differs from run to run, and later rounds train from slightly different models).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-MODES = ("plain", "he")
+MODES = ("plain", "he", "secagg")
 
 
 def round_records(result: Path) -> list[dict[str, Any]]:
@@ -70,11 +72,37 @@ def summarise(runs: Mapping[str, Sequence[Sequence[Mapping[str, Any]]]]) -> dict
             "global_bytes_per_round": statistics.median(down) if down else float("nan"),
             "private_ciphertexts": sum(r.get("private_ciphertexts", 0) for records in mode_runs for r in records),
         }
+        # SecAgg+'s key and unmask stages (controllers/secagg.py's cost, in the later rounds' records)
+        stages = [r["secagg"] for records in mode_runs for r in records[1:] if r.get("secagg")]
+        for key in ("setup_s", "unmask_s", "up_bytes", "down_bytes"):
+            summary[mode][f"stage_{key}"] = statistics.median(s[key] for s in stages) if stages else 0.0
     return summary
+
+
+def saved_model(model_file: Path, shapes: Mapping[str, Sequence[int]]) -> dict[str, np.ndarray]:
+    """A plaintext run's saved global model (``app_server/FL_global_model.pt``) as float32 arrays of ``shapes``."""
+    import torch
+
+    saved = torch.load(model_file, map_location="cpu", weights_only=False)
+    weights = saved.get("model", saved) if isinstance(saved, dict) else saved
+    return {name: np.asarray(weights[name], dtype=np.float32).reshape(shape) for name, shape in shapes.items()}
 
 
 def _max_difference(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> float:
     return max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
+
+
+#: The table's rows: summary key, label, scale.
+ROWS = (
+    ("first_round_s", "round 1 (site start-up included), s", 1.0),
+    ("later_round_s", "later rounds, s per round", 1.0),
+    ("stage_setup_s", "of which SecAgg+ key set-up (advertise, share keys), s per round", 1.0),
+    ("stage_unmask_s", "of which SecAgg+ unmask stage, s per round", 1.0),
+    ("result_bytes_per_round", "results up (all sites), MB per round", 1e-6),
+    ("stage_up_bytes", "SecAgg+ stage answers up (all sites), MB per round", 1e-6),
+    ("global_bytes_per_round", "global model down (per site), MB per round", 1e-6),
+    ("stage_down_bytes", "SecAgg+ stage messages and routing down (all sites), MB per round", 1e-6),
+)
 
 
 def markdown(
@@ -84,30 +112,41 @@ def markdown(
     heading: str | None = None,
     model_size: tuple[int, int] | None = None,
 ) -> str:
+    modes = [m for m in MODES if m in summary]
+    others = [m for m in modes if m != "plain"]
     rows = [
-        "| | plain | he | he / plain |",
-        "|---|---|---|---|",
+        "| | " + " | ".join(modes) + " | " + " | ".join(f"{m} / plain" for m in others) + " |",
+        "|---|" + "---|" * (len(modes) + len(others)),
     ]
-    plain, he = summary["plain"], summary["he"]
-    for key, label, scale, unit in (
-        ("first_round_s", "round 1 (site start-up included), s", 1.0, ""),
-        ("later_round_s", "later rounds, s per round", 1.0, ""),
-        ("result_bytes_per_round", "results up (all sites), MB per round", 1e-6, ""),
-        ("global_bytes_per_round", "global model down (per site), MB per round", 1e-6, ""),
-    ):
-        ratio = he[key] / plain[key] if plain[key] else float("nan")
-        rows.append(f"| {label} | {plain[key] * scale:.3g}{unit} | {he[key] * scale:.3g}{unit} | {ratio:.1f}x |")
+    plain = summary["plain"]
+    secagg_rows = "secagg" in summary
+    for key, label, scale in ROWS:
+        if key.startswith("stage_") and not secagg_rows:
+            continue
+        values = " | ".join(f"{summary[m].get(key, 0.0) * scale:.3g}" for m in modes)
+        ratios = " | ".join(f"{summary[m][key] / plain[key]:.1f}x" if plain.get(key) else "-" for m in others)
+        rows.append(f"| {label} | {values} | {ratios} |")
     size = f"; model: {model_size[0]} state_dict entries, {model_size[1]:,} values" if model_size else ""
+    notes = []
+    if "he" in summary:
+        notes.append(f"an HE job's (decrypted by site-1) and a plain job's {differences['he_vs_plain']:.2e}")
+    if "secagg" in summary:
+        notes.append(f"a SecAgg+ job's and a plain job's {differences['secagg_vs_plain']:.2e}")
+    notes.append(f"two plain jobs' (the results are summed in arrival order) {differences['plain_vs_plain']:.2e}")
     lines = [
         *([f"## {heading}", ""] if heading else []),
         f"Settings: {json.dumps(dict(settings), sort_keys=True)}; runs per mode: {plain['runs']}, alternating{size}.",
         "",
         *rows,
         "",
-        "Largest difference per parameter between final global models: an HE job's (decrypted by site-1) and a "
-        f"plain job's {differences['he_vs_plain']:.2e}; two plain jobs' (the results are summed in arrival order) "
-        f"{differences['plain_vs_plain']:.2e}. Received ciphertexts whose context held a secret key: "
-        f"{he['private_ciphertexts']}.",
+        "Largest difference per parameter between final global models: "
+        + "; ".join(notes)
+        + "."
+        + (
+            f" Received ciphertexts whose context held a secret key: {summary['he']['private_ciphertexts']}."
+            if "he" in summary
+            else ""
+        ),
     ]
     return "\n".join(lines) + "\n"
 
@@ -159,7 +198,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ship", help="package folder(s) shipped with the job, comma-separated (with --model)")
     parser.add_argument("--workspace", type=Path, help="deployment folder (default: a temporary one, removed)")
     parser.add_argument("--out", type=Path, help="also write the table (markdown) here")
+    parser.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help=f"secure-aggregation modes to run, plain first (default: {','.join(MODES)})",
+    )
     args = parser.parse_args(argv)
+    modes = tuple(args.modes.split(","))
+    if modes[0] != "plain" or not set(modes) <= set(MODES):
+        parser.error(f"--modes: plain first, then any of {', '.join(MODES[1:])}; got {args.modes}")
 
     if (args.model is None) != (args.data is None):
         parser.error("--model and --data go together")
@@ -167,12 +214,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     heading = args.model or "built-in lenet5 on Fashion-MNIST"
     with tempfile.TemporaryDirectory(prefix="fedalg-he-bench-") as scratch:
         root = args.workspace.resolve() if args.workspace else Path(scratch)
-        specs = {m: JobSpec(name=f"bench_{m}", secure_aggregation=m, **settings) for m in MODES}
+        specs = {m: JobSpec(name=f"bench_{m}", secure_aggregation=m, **settings) for m in modes}
         jobs = {m: export_job(spec, root / "jobs") for m, spec in specs.items()}
-        with importable(shipped_folders(specs["he"])):  # the user's model gives the shapes to decrypt into
-            shapes = job_model_shapes(jobs["he"])
+        with importable(shipped_folders(specs["plain"])):  # the user's model gives the shapes to decrypt into
+            shapes = job_model_shapes(jobs["plain"])
         env = loopback.participant_env()
-        deployment = loopback.provision(root / "fl", args.sites, env, he=True)
+        deployment = loopback.provision(root / "fl", args.sites, env, he="he" in modes)
         for participant in [deployment.server, *deployment.sites.values()]:
             loopback.allow_bundle_classes(participant)
         loopback.keep_server_storage_inside(deployment.server)
@@ -180,14 +227,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         for site, site_dir in deployment.sites.items():  # a user's data module derives or reads its own data
             if args.model is None:
                 loopback.configure_site_data(site_dir, site, {**data, "max_train_samples": args.max_train_samples})
-        runs: dict[str, list[list[dict[str, Any]]]] = {m: [] for m in MODES}
-        results: dict[str, list[Path]] = {m: [] for m in MODES}
+        runs: dict[str, list[list[dict[str, Any]]]] = {m: [] for m in modes}
+        results: dict[str, list[Path]] = {m: [] for m in modes}
         try:
             loopback.start(deployment, env)
             with loopback.admin_session(deployment) as session:
                 loopback.wait_for_sites(session, deployment)
                 for repeat in range(args.repeats):
-                    for mode in MODES:
+                    for mode in modes:
                         started = time.monotonic()
                         job_id, meta = loopback.run_job(session, deployment, jobs[mode], timeout=900.0)
                         result = loopback.download_result(session, job_id)
@@ -201,13 +248,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                         print(f"{mode} run {repeat + 1}: {took:.1f} s from submission", flush=True)
         finally:
             loopback.stop(deployment)
-        context = deployment.sites["site-1"] / "startup" / CLIENT_CONTEXT
+        context = deployment.sites["site-1"] / "startup" / CLIENT_CONTEXT  # only an HE run's model is encrypted
         models = {
-            mode: [decrypt_global_model(r / "app_server" / "FL_global_model.pt", context, shapes) for r in found]
+            mode: [
+                decrypt_global_model(r / "app_server" / "FL_global_model.pt", context, shapes)
+                if mode == "he"
+                else saved_model(r / "app_server" / "FL_global_model.pt", shapes)
+                for r in found
+            ]
             for mode, found in results.items()
         }
         differences = {
-            "he_vs_plain": max(_max_difference(he, plain) for he in models["he"] for plain in models["plain"]),
+            f"{mode}_vs_plain": max(_max_difference(a, b) for a in models[mode] for b in models["plain"])
+            for mode in modes[1:]
+        }
+        differences |= {
             "plain_vs_plain": max(
                 (_max_difference(a, b) for i, a in enumerate(models["plain"]) for b in models["plain"][i + 1 :]),
                 default=float("nan"),

@@ -23,6 +23,7 @@ events, which it fires in its control flow's thread: the round, its records (con
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,10 +41,17 @@ from nvflare.app_common.workflows.scatter_and_gather import ScatterAndGather
 
 from aggregators import secagg
 from aggregators.meta_keys import SECAGG_ROUND
-from aggregators.secagg import KEYS_TASK, MASKED_KIND, SHARES_TASK, STAGE_DATA, STAGE_KIND, UNMASK_TASK
+from aggregators.secagg import HEADER, KEYS_TASK, MASKED_KIND, SHARES_TASK, STAGE_DATA, STAGE_KIND, UNMASK_TASK
 
-#: The train task's header with the round's routing (which sites shared keys, every sealed share).
-HEADER = "secagg"
+#: Seconds between the server's checks whether a task's answers are in: the bundle's controller's
+#: (controllers/fedalg_controller.py's TASK_CHECK_PERIOD), not NVFlare's 0.2 s in effect, which each of a round's four
+#: tasks would wait.
+TASK_CHECK_PERIOD = 0.02
+#: The FLContext property with the round's SecAgg+ cost, which controllers/secure_aggregation.py's RoundRecorder
+#: writes into the round's record: seconds of the key stages and of the unmask stage, and the bytes of the stages'
+#: answers (up, all sites) and of what they and the train task's header carried down (all sites), as NVFlare
+#: serialises them.
+COST_PROP = "secagg.cost"
 
 
 @dataclass
@@ -179,6 +187,7 @@ class SecAggScatterAndGather(ScatterAndGather):
         persistor_id: str = "persistor",
         shareable_generator_id: str = "shareable_generator",
         train_timeout: int = 0,
+        task_check_period: float = TASK_CHECK_PERIOD,
     ):
         # NVFlare's job API writes a component's constructor arguments by name: each is declared here.
         super().__init__(
@@ -189,10 +198,19 @@ class SecAggScatterAndGather(ScatterAndGather):
             persistor_id=persistor_id,
             shareable_generator_id=shareable_generator_id,
             train_timeout=train_timeout,
+            task_check_period=task_check_period,
         )
         self.threshold, self.degree, self.stage_timeout = threshold, degree, stage_timeout
         self._abort: Signal | None = None
         self._setup: RoundSetup | None = None
+        self._cost: dict[str, float] = {}
+
+    def set_communicator(self, communicator: Any) -> None:
+        """Poll at ``task_check_period`` (the bundle's controller's 0.02 s): each of the round's four tasks waits
+        for its answers, and NVFlare's monitor otherwise polls every 0.2 s (controllers/fedalg_controller.py)."""
+        super().set_communicator(communicator)
+        if isinstance(getattr(communicator, "_task_check_period", None), int | float):
+            communicator._task_check_period = self._task_check_period
 
     def control_flow(self, abort_signal: Signal, fl_ctx: FLContext) -> None:
         self._abort = abort_signal
@@ -211,7 +229,7 @@ class SecAggScatterAndGather(ScatterAndGather):
         return self.aggregator
 
     def _stage(self, name: str, data: dict[str, Any], targets: list[str], fl_ctx: FLContext) -> dict[str, Any]:
-        """Send ``data`` to ``targets`` as task ``name``; each answering site's ``answer``."""
+        """Send ``data`` to ``targets`` as task ``name``; each answering site's answer (its DXO's data)."""
         answers: dict[str, Any] = {}
 
         def received(client_task: ClientTask, fl_ctx: FLContext) -> None:
@@ -220,15 +238,24 @@ class SecAggScatterAndGather(ScatterAndGather):
                 dxo = from_shareable(result)
                 if dxo.data_kind == STAGE_KIND and set(dxo.data) == set(STAGE_DATA[name]):
                     answers[client_task.client.name] = dxo.data
+                    self._count("up_bytes", wire_size(result))
             client_task.result = None
 
+        started = time.monotonic()
         shareable = Shareable()
         shareable["secagg"] = data
+        self._count("down_bytes", wire_size(shareable) * len(targets))
         task = Task(name=name, data=shareable, timeout=self.stage_timeout, result_received_cb=received)
         self.broadcast_and_wait(task, fl_ctx, targets=targets, min_responses=len(targets), abort_signal=self._abort)
+        stage = "unmask_s" if name == UNMASK_TASK else "setup_s"
+        self._count(stage, time.monotonic() - started)
         return answers
 
+    def _count(self, key: str, amount: float) -> None:
+        self._cost[key] = self._cost.get(key, 0) + amount
+
     def _key_stages(self, fl_ctx: FLContext) -> None:
+        self._cost = {"setup_s": 0.0, "unmask_s": 0.0, "up_bytes": 0, "down_bytes": 0}
         sites = tuple(sorted(c.name for c in self._engine.get_clients()))
         secagg.check_protocol(len(sites), self.threshold, self.degree)
         setup = RoundSetup(fl_ctx.get_prop(AppConstants.CURRENT_ROUND), sites)
@@ -246,6 +273,7 @@ class SecAggScatterAndGather(ScatterAndGather):
             fl_ctx, f"secagg round {setup.round_num}: {len(setup.public)} advertised, {len(setup.sealed)} shared"
         )
         self._setup = setup
+        self._count("down_bytes", wire_size(setup.header(self.threshold, self.degree)) * len(setup.sealed))
         self._aggregator().begin_round(setup, self.threshold, self.degree)
 
     def _prepare_train_task_data(self, client_task: ClientTask, fl_ctx: FLContext) -> None:
@@ -262,3 +290,11 @@ class SecAggScatterAndGather(ScatterAndGather):
         data = {"round": setup.round_num, "summed": summed, "dropped": dropped}
         answers = self._stage(UNMASK_TASK, data, sorted(setup.sealed), fl_ctx)
         aggregator.unmask_with({site: dict(a["shares"]) for site, a in answers.items()})
+        fl_ctx.set_prop(COST_PROP, {k: round(v, 4) for k, v in self._cost.items()}, private=True, sticky=False)
+
+
+def wire_size(value: Any) -> int:
+    """Bytes of ``value`` as NVFlare serialises it (fobs)."""
+    from nvflare.fuel.utils import fobs
+
+    return len(fobs.dumps(value))

@@ -29,8 +29,7 @@ from nvflare.apis.shareable import Shareable
 from nvflare.apis.signal import Signal
 
 from aggregators import meta_keys, secagg
-from aggregators.secagg import KEYS_TASK, MASKED_KIND, SHARES_TASK, STAGE_KIND, UNMASK_TASK
-from controllers.secagg import HEADER
+from aggregators.secagg import HEADER, KEYS_TASK, MASKED_KIND, SHARES_TASK, STAGE_KIND, UNMASK_TASK
 
 STATE_ID = "secagg_site"
 

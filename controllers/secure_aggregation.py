@@ -16,7 +16,8 @@
   public context through NVFlare's HE decomposer), the bytes of the global model's weights sent down, how many
   received ciphertexts carried a context with a secret key (0: the server can add them but never decrypt), and the
   sites' scores of the received global model (``eval.*`` meta, which travels in clear) summarised as the bundle's
-  controller summarises them (``site_eval``), and under DP-SGD each site's ``privacy.*`` (epsilon so far, ...). It
+  controller summarises them (``site_eval``), under DP-SGD each site's ``privacy.*`` (epsilon so far, ...), and
+  under ``secagg`` the key and unmask stages' seconds and bytes (``secagg``: controllers/secagg.py's COST_PROP). It
   also keeps, per site, the cumulative DP-SGD steps its last result reported (``released_steps``).
 - `BudgetScatterAndGather` (server, the workflow of a DP-SGD job): NVFlare's ``ScatterAndGather``, which asks every
   site every round, ended after a round in which a site's result said that its next round would exceed its budget
@@ -214,6 +215,9 @@ class RoundRecorder(FLComponent):
                 del record["privacy"]
             if self.ends_after(record["round"]):
                 record["stopped"] = self.budget_note(record["round"], len(record["aggregated"]))
+            secagg_cost = fl_ctx.get_prop("secagg.cost")  # controllers/secagg.py's COST_PROP, under secagg only
+            if secagg_cost:
+                record["secagg"] = dict(secagg_cost)
             self._append({"stage": "round", **record})
             self._round = {}
 

@@ -35,3 +35,22 @@ def test_a_models_table_replaces_its_own_section_and_keeps_the_others():
     assert both == f"{lenet}\n{genomics}"
     assert replace_section(both, "## lenet5\n\nnew\n") == f"## lenet5\n\nnew\n\n{genomics}"
     assert replace_section(f"# Results\n\n{lenet}", genomics) == f"# Results\n\n{lenet}\n{genomics}"
+
+
+def test_secaggs_stage_cost_is_summarised_from_the_later_rounds_and_shown_beside_plain():
+    def secagg(round_num: int, setup: float) -> dict:
+        cost = {"setup_s": setup, "unmask_s": 0.2, "up_bytes": 30, "down_bytes": 40}
+        return {**_record(round_num, 2.0, 0.0, 150, 50), "secagg": cost}
+
+    runs = {
+        "plain": [[_record(0, 5.0, 0.0, 100, 50), _record(1, 1.0, 0.0, 100, 50), _record(2, 1.0, 0.0, 100, 50)]],
+        "secagg": [[secagg(0, 9.0), secagg(1, 0.5), secagg(2, 0.7)]],
+    }
+    summary = summarise(runs)
+    assert summary["secagg"]["stage_setup_s"] == pytest.approx(0.6)  # round 1's start-up left out
+    assert summary["plain"]["stage_setup_s"] == 0.0
+    text = markdown(summary, {"num_rounds": 3}, {"secagg_vs_plain": 1e-6, "plain_vs_plain": 2e-8})
+    assert "| | plain | secagg | secagg / plain |" in text
+    assert "| results up (all sites), MB per round | 0.0002 | 0.0003 | 1.5x |" in text
+    assert "| of which SecAgg+ key set-up (advertise, share keys), s per round | 0 | 0.6 | - |" in text
+    assert "a SecAgg+ job's and a plain job's 1.00e-06" in text and "ciphertexts" not in text
