@@ -349,6 +349,16 @@ class FederatedAlgorithm(pl.Callback):
     def _personal_meta(self, pl_module: pl.LightningModule) -> dict[str, float]:
         """The round's ``eval.personal_*`` meta: handed-over scores, and the algorithm's personal weights scored."""
         meta, self._personal_eval = self._personal_eval, {}
+        options = self.algorithm.personal_options(pl_module) if self.personal_scorer is not None else None
+        if options:  # one method at several strengths: the site keeps what its validation prefers
+            from lightning_modules.personalization.strength import preferred
+            from lightning_modules.site_choice import lower_is_better
+
+            scored = {option: self.personal_scorer(pl_module, weights) for option, weights in options.items()}
+            metric = getattr(self.candidates, "keep_metric", "val_loss")
+            option = preferred(scored, metric, lower_is_better(metric))
+            meta.update(self.algorithm.choose_personal(option))
+            return {**meta, **personal_eval_meta(scored[option])}
         weights = self._personal_weights(pl_module)
         if weights is not None and self.personal_scorer is not None:
             meta.update(personal_eval_meta(self.personal_scorer(pl_module, weights)))

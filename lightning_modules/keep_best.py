@@ -52,7 +52,7 @@ from lightning_modules.algorithms.base import ClientAlgorithmError
 from lightning_modules.kept_model import KEPT_STORE, KeptModel
 from lightning_modules.local_baseline import LocalBaseline, local_seed, matched_steps
 from lightning_modules.personal_scores import own_random_stream, single_process_trainer, site_copy, with_weights
-from lightning_modules.site_choice import DEFAULT_MARGIN, KINDS, paired_mean_se
+from lightning_modules.site_choice import DEFAULT_MARGIN, KINDS, lower_is_better, paired_mean_se
 from lightning_modules.split_scores import SplitBatches, classifier_batches, log_probs
 from lightning_modules.state_store import ClientStateStore
 
@@ -61,11 +61,6 @@ from lightning_modules.state_store import ClientStateStore
 CANDIDATES = KINDS
 KEPT_MINUS_LOCAL = "kept_minus_local_test_accuracy"
 Scorer = Callable[[pl.LightningModule], dict[str, float]]
-
-
-def lower_is_better(metric: str) -> bool:
-    """Losses and errors: lower is better; anything else (accuracy, AUC, ...): higher."""
-    return any(word in metric.lower() for word in ("loss", "error", "mae", "mse"))
 
 
 def choose(scores: Mapping[str, float | None], metric: str) -> str:

@@ -96,6 +96,11 @@ def scores_from_tables(log_probs: Mapping[str, np.ndarray], labels: Mapping[str,
     return scores
 
 
+def lower_is_better(metric: str) -> bool:
+    """Losses and errors: lower is better; anything else (accuracy, AUC, ...): higher."""
+    return any(word in metric.lower() for word in ("loss", "error", "mae", "mse"))
+
+
 def paired_mean_se(first: np.ndarray, second: np.ndarray) -> tuple[float, float]:
     """Mean and standard error of ``first - second`` over the same samples (sd with n - 1; nan below 2 samples)."""
     a, b = np.asarray(first, dtype=np.float64), np.asarray(second, dtype=np.float64)
@@ -150,6 +155,7 @@ __all__ = [
     "beats",
     "early_stopped",
     "keep",
+    "lower_is_better",
     "mixture_scores",
     "paired_mean_se",
     "scores_from_tables",

@@ -173,6 +173,17 @@ class ClientAlgorithm:
         ``personal_model`` is of kind ``weights`` override it."""
         return None
 
+    def personal_options(self, module: nn.Module) -> Mapping[float, Mapping[str, torch.Tensor]] | None:
+        """Several personal models of one method at different strengths (Ditto's ``lam_grid``), keyed by the
+        strength: the site scores each on validation and keeps the one it prefers (`choose_personal`); ``None``:
+        one personal model, `personal_weights`."""
+        return None
+
+    def choose_personal(self, option: float) -> dict[str, float]:
+        """Make ``option`` of `personal_options` the model `personal_weights` returns this round; the ``eval.*``
+        meta naming the choice."""
+        raise ClientAlgorithmError(f"{self.name} offers no personal models to choose from, got a choice of {option}")
+
     def dp_sgd_problem(self) -> str | None:
         """Why this instance's outputs cannot be accounted under DP-SGD, or ``None`` (the class's ``dp_sgd``;
         an algorithm whose answer depends on a setting overrides it: SCAFFOLD's option I). Read from the instance's

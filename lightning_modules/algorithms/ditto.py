@@ -43,6 +43,18 @@ job is built: SCAFFOLD, FedDyn and FedMoS exchange state of their own with their
 term, so each would need a second algorithm in the one callback that drives the hooks; Ditto's global part is
 their local update only when nothing else travels with it.
 
+**One personal model per strength** (``lam_grid``, optional; default: ``lam`` alone, today's Ditto bit for bit): a
+site trains one v_i per lam of the grid, each with the personal step above on the same batch (a grid of G lams
+costs G personal steps per training step: about G + 1 local trainings; ``ditto.personal_steps`` counts all G, so the
+local-only model's matched compute does too), keeps all of them in its state store (one entry per lam and
+parameter, under ``ditto``; a grid of one stores exactly today's entries), and after the round scores each on its
+validation split and keeps the one its validation prefers (`lightning_modules.personalization.strength`): that one is
+the site's personal model of the round (``eval.personal_*``, the ``personal`` candidate of ``--keep best``), and its
+lam is reported as ``eval.ditto_best_lam`` (an ``eval.*`` score). Since keep best takes the best of its challengers
+on the same validation loss, choosing among the grid first and offering the winner equals offering every v_i. The
+grid needs lams > 0, distinct, and ``lam`` among them (the job's nominal strength, sent as ``ditto.lam``; ties on
+validation go to the earlier lam of the grid). Under DP Ditto is refused, grid or not.
+
 Meta sent: ``ditto.lam``, ``ditto.personal_steps`` (for the logs); the server needs nothing from Ditto (any rule
 that takes FedAvg's clients takes Ditto's, FedNova included: the global part is plain or proximal SGD). The
 personal model is scored on the site's validation split after the round (``eval.personal_*``,
@@ -51,14 +63,16 @@ personal model is scored on the site's validation split after the round (``eval.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from aggregators import meta_keys
+from aggregators.hparams import CHECKED_TOGETHER
 from lightning_modules.algorithms.base import ClientAlgorithm, ClientAlgorithmError, settle_state, trainable_parameters
 from lightning_modules.algorithms.capabilities import DPSGD, PER_SITE_STATE, PersonalModel, Released
 from lightning_modules.algorithms.fedprox import FedProx
@@ -70,6 +84,8 @@ from lightning_modules.personalization.personal_state import load_personal, save
 DEFAULT_LAM = 0.1
 LAM_KEY = meta_keys.DITTO_LAM
 PERSONAL_STEPS_KEY = meta_keys.DITTO_PERSONAL_STEPS
+#: The site's chosen strength of a grid, an ``eval.*`` score (module docstring).
+BEST_LAM_KEY = meta_keys.eval_key("ditto_best_lam")
 #: The global parts Ditto composes with, and why the others are refused (module docstring).
 GLOBAL_CLIENTS = ("fedavg", "fedprox")
 REFUSED_GLOBAL_CLIENTS = {
@@ -93,8 +109,24 @@ class DittoHParams(HParams):
     personal_lr: float | None = hparam(None, low=0, low_open=True, note="eta_v; none = the optimizer's lr")
     global_client: str = "fedavg"
     mu: float = hparam(0.0, low=0, note="FedProx's mu of the global part (global_client 'fedprox')")
+    lam_grid: tuple[float, ...] | None = field(default=None, metadata=CHECKED_TOGETHER)
 
     def check_together(self) -> None:
+        if self.lam_grid is not None:
+            grid = self.lam_grid
+            numbers = isinstance(grid, list | tuple) and all(
+                isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in grid
+            )
+            if not numbers or not grid or len(set(grid)) != len(grid):
+                self.refuse(
+                    "lam_grid",
+                    "a non-empty list of distinct finite numbers > 0",
+                    grid,
+                    "one personal model per lam, each a personal training every step",
+                )
+            object.__setattr__(self, "lam_grid", tuple(float(v) for v in grid))
+            if self.lam not in self.lam_grid:
+                self.refuse("lam", f"one of lam_grid {list(self.lam_grid)}", self.lam, "the job's nominal strength")
         if self.global_client not in GLOBAL_CLIENTS:
             reason = REFUSED_GLOBAL_CLIENTS.get(self.global_client, "not a client algorithm Ditto's global part knows")
             self.refuse(
@@ -165,6 +197,7 @@ class Ditto(ClientAlgorithm):
     personal_lr: float | None
     global_client: str
     mu: float
+    lam_grid: tuple[float, ...] | None
 
     def init_state(self) -> None:
         self.global_part: ClientAlgorithm = (
@@ -173,7 +206,8 @@ class Ditto(ClientAlgorithm):
         self.local_update = self.global_part.local_update  # what FedNova normalises: the global part's update
         self._params: dict[str, nn.Parameter] = {}
         self.received: Tensors = {}
-        self.personal: Tensors | None = None
+        self.personal: Tensors | None = None  # the site's personal model: lam's v_i, or the grid's chosen one
+        self.personals: dict[float, Tensors] = {}  # every lam's v_i
         self._batch: Any = None
         self._steps = 0
         self._round = 0
@@ -201,12 +235,27 @@ class Ditto(ClientAlgorithm):
         self._run_id = str(meta.get(meta_keys.RUN_ID, ""))
         # w^t: the received global model, fp32, never a view of the live weights.
         self.received = {name: p.detach().to(torch.float32).clone() for name, p in self._params.items()}
-        self.personal = self._load_personal()
+        self.personals = self._load_personal()
+        self.personal = self.personals[self.lam]
         self._batch, self._steps = None, 0
 
-    def _load_personal(self) -> Tensors:
-        """v_i as this site left it, or the received model for the entries it cannot trust (with a warning)."""
-        return load_personal(self, self.received, self._run_id, "ditto personal model")
+    @property
+    def lams(self) -> tuple[float, ...]:
+        """The strengths trained, one personal model each: the grid, or ``lam`` alone."""
+        return self.lam_grid if self.lam_grid is not None else (self.lam,)
+
+    def _stored_names(self) -> dict[tuple[float, str], str]:
+        """Each lam's entry names in the state store: the parameter's name alone for one lam (today's file)."""
+        one = len(self.lams) == 1
+        return {(lam, name): name if one else f"lam={lam!r}/{name}" for lam in self.lams for name in self.received}
+
+    def _load_personal(self) -> dict[float, Tensors]:
+        """Every lam's v_i as this site left it, or the received model for the entries it cannot trust (with a
+        warning)."""
+        names = self._stored_names()
+        reference = {stored: self.received[name] for (_, name), stored in names.items()}
+        loaded = load_personal(self, reference, self._run_id, "ditto personal model")
+        return {lam: {name: loaded[names[lam, name]] for name in self.received} for lam in self.lams}
 
     # -- per step ------------------------------------------------------------------------------------------------
     def on_batch(self, module: nn.Module, batch: Any) -> None:
@@ -225,17 +274,27 @@ class Ditto(ClientAlgorithm):
             lrs = dict.fromkeys(self.personal, self.personal_lr)
         else:
             lrs = step_sizes(optimizer, self._params)
-        _, grads = task_gradient(module, self._batch, params=self.personal)
-        ditto_step_(self.personal, grads, self.received, lrs, self.lam)
-        self._steps += 1
+        for lam, personal in self.personals.items():
+            _, grads = task_gradient(module, self._batch, params=personal)
+            ditto_step_(personal, grads, self.received, lrs, lam)
+            self._steps += 1
 
     # -- round end -----------------------------------------------------------------------------------------------
     def on_round_end(self, module: nn.Module) -> dict[str, Any]:
         meta = self.global_part.on_round_end(module)
-        if self.personal is not None:
-            save_personal(self, self.personal, self._run_id, self._round)
+        if self.personals:
+            state = {stored: self.personals[lam][name] for (lam, name), stored in self._stored_names().items()}
+            save_personal(self, state, self._run_id, self._round)
         return {**meta, LAM_KEY: self.lam, PERSONAL_STEPS_KEY: self._steps}
 
     def personal_weights(self, module: nn.Module) -> Tensors | None:
         """v_i, the site's personal model (trainable parameters, fp32), once a round has started."""
         return self.personal
+
+    def personal_options(self, module: nn.Module) -> dict[float, Tensors] | None:
+        """With a grid of two or more lams, every lam's v_i (the site keeps the one its validation prefers)."""
+        return dict(self.personals) if len(self.personals) > 1 else None
+
+    def choose_personal(self, option: float) -> dict[str, float]:
+        self.personal = self.personals[option]
+        return {BEST_LAM_KEY: float(option)}
