@@ -1,7 +1,7 @@
 """A person enrolled at two sites found by private set intersection on genotype fingerprints, and counted once by
 the federated QC (data_prep/genotypes/fingerprint.py, psi.py). The intersection is NVFlare's own DH-PSI client and
 server classes (the ones its DhPSITaskHandler runs at each site) in process; the slow test runs the exported pair
-job in ``nvflare simulator``. Before these modules the QC counted a duplicated person twice (the issue's 120 people
+job in ``nvflare simulator``. Before these modules the QC counted a duplicated person twice (a review counted 120 people
 for 109 distinct)."""
 
 from __future__ import annotations
