@@ -13,6 +13,15 @@ A user's own LightningModule and data module run the same way (``--model``, ``--
         --data genomics.data:SnpSites --data-args '{"source":"1kg","split":"dirichlet","alpha":0.1,"batch_size":128}' \
         --ship examples/genomics --out benchmarks/results/secure_aggregation.md
 
+A provisioned genomics site trains on its own genotype file, never the public panel: ``--genotypes`` (``{site}`` for
+each site's name) and ``--snp-table`` name them, e.g. the genomics MLP on a simulated cohort harmonised per site
+(``python -m data_prep.genotypes simulate-sites`` and ``harmonise --labels``; docs/tutorials/consortium.md):
+
+    python -m benchmarks.secure_aggregation --rounds 3 --repeats 2 --model genomics.model:SnpClassifier \
+        --model-args '{"arch":"mlp","n_snps":127,"num_classes":4,"lr":0.001}' --data genomics.data:SnpSites \
+        --data-args '{"classes":["AFR","EUR","ASIA","ADMIX"],"batch_size":32}' --ship examples/genomics \
+        --genotypes "$C/{site}.npz" --snp-table $C/snp_table.csv   # $C: the cohort's folder
+
 ``--out`` replaces the table of the same model in the results file (a ``## <model>`` section) and keeps the others.
 
 Every job is NVFlare's ScatterAndGather with the bundle's Lightning client and the same settings; ``he`` adds
@@ -196,6 +205,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--data", help="the user's LightningDataModule, package.module:Class (with --model)")
     parser.add_argument("--data-args", default="{}", help="JSON arguments of --data")
     parser.add_argument("--ship", help="package folder(s) shipped with the job, comma-separated (with --model)")
+    parser.add_argument(
+        "--genotypes", help="each site's genotype file for --data genomics.data:SnpSites, {site} for its name"
+    )
+    parser.add_argument("--snp-table", help="the consortium's SNP table (with --genotypes)")
     parser.add_argument("--workspace", type=Path, help="deployment folder (default: a temporary one, removed)")
     parser.add_argument("--out", type=Path, help="also write the table (markdown) here")
     parser.add_argument(
@@ -227,6 +240,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for site, site_dir in deployment.sites.items():  # a user's data module derives or reads its own data
             if args.model is None:
                 loopback.configure_site_data(site_dir, site, {**data, "max_train_samples": args.max_train_samples})
+            elif args.genotypes:  # a provisioned genomics site trains on its own file, never the public panel
+                loopback.configure_site_genotypes(site_dir, site, args.genotypes, args.snp_table, None)
         runs: dict[str, list[list[dict[str, Any]]]] = {m: [] for m in modes}
         results: dict[str, list[Path]] = {m: [] for m in modes}
         try:

@@ -134,6 +134,11 @@ def check_args(args: Any, spec: JobSpec) -> None:
             "--env sim: this job aggregates under homomorphic encryption, which needs kits provisioned with NVFlare's "
             "HEBuilder: use --env poc (provisions them) or --env prod with such a kit"
         )
+    if spec.secure_aggregation == "secagg" and args.threads is not None and args.threads < spec.num_sites:
+        raise JobBuildError(
+            f"--threads {args.threads}: under secagg every site keeps its round's keys and shares in its own process; "
+            f"use --threads {spec.num_sites} or leave it out"
+        )
 
 
 def make_env(args: Any, spec: JobSpec) -> Any:

@@ -127,3 +127,15 @@ def test_committed_jobs_train_as_before():
         assert json.loads(record.read_text())["settings"]["secagg_threshold"] is None, record
         for config in record.parent.glob("app*/config/config_fed_*.json"):
             assert "secagg" not in config.read_text(), config
+
+
+def test_job_py_in_the_simulator_refuses_fewer_processes_than_sites():
+    from types import SimpleNamespace
+
+    from jobs.job_entry import check_args
+
+    spec = JobSpec(name="sa", num_sites=5, **SECAGG)
+    args = SimpleNamespace(env="sim", startup_kit=None, project=None, threads=3, verbose=False)
+    with pytest.raises(JobBuildError, match=r"^--threads 3: under secagg every site keeps .*use --threads 5 or leave"):
+        check_args(args, spec)
+    check_args(SimpleNamespace(**{**vars(args), "threads": None}), spec)
