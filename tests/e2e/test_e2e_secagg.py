@@ -5,7 +5,9 @@ plaintext accumulating aggregator) is the reference.
 Checked: every round aggregates every site after the key and unmask stages; what each site sent the server for
 training is the masked update (six bytes a coordinate: 1.5x the plain job's float32 result, less the shared
 overhead); the final global model equals the plain job's within the rounds' quantisation error (one step,
-2^-20, per round, carried through one more round of training) and moved from the initial model.
+2^-20, per round, carried through one more round of training) and moved from the initial model. The other admitted
+settings run too: FedOpt's step at the sites (FedAdam; every site held the same state both rounds) and DP-SGD at the
+sites (every site's epsilon recorded), with nothing for the egress gate to strip.
 """
 
 from __future__ import annotations
@@ -86,3 +88,24 @@ def test_the_final_model_equals_plain_fedavgs_within_the_quantisation_error(runs
     initial = job_model(JobSpec(name="init", secure_aggregation="plain", **SETTINGS)).state_dict()
     moved = max(float(np.max(np.abs(secagg[k] - initial[k].numpy()))) for k in secagg)
     assert moved > 100 * TOLERANCE
+
+
+#: The other admitted settings: FedOpt's step at the sites (on the unmasked mean) and DP-SGD at the sites.
+ADMITTED = {"fedadam": {"server": "fedadam"}, "dp_sgd": {"dp_target_epsilon": 8.0, "dp_max_grad_norm": 1.0}}
+
+
+@pytest.mark.parametrize("name", sorted(ADMITTED))
+def test_fedopts_site_step_and_dp_sgd_run_under_secagg(simulated, name):
+    spec = JobSpec(name=f"e2e_secagg_{name}", secure_aggregation="secagg", **SETTINGS, **ADMITTED[name])
+    workspace, completed = simulated(spec, NUM_SITES)
+    assert completed.returncode == 0, completed.stdout[-3000:]
+    records = _rounds(workspace)
+    assert [r["round"] for r in records] == list(range(ROUNDS))
+    assert all(r["aggregated"] == ["site-1", "site-2", "site-3"] and r["secagg"]["setup_s"] > 0 for r in records)
+    log = (workspace / "server" / "log.txt").read_text()
+    if name == "fedadam":  # every site stepped from the same unmasked mean, both rounds
+        assert log.count("FedOpt at the sites, round") == ROUNDS
+    else:
+        assert all(set(r["privacy"]) == {"site-1", "site-2", "site-3"} for r in records)
+    for site in ("site-1", "site-2", "site-3"):  # the egress gate had nothing to strip or refuse
+        assert "EgressGate" not in (workspace / site / "log.txt").read_text()
