@@ -47,6 +47,8 @@ from aggregators.secagg import HEADER, KEYS_TASK, MASKED_KIND, SHARES_TASK, STAG
 #: (controllers/fedalg_controller.py's TASK_CHECK_PERIOD), not NVFlare's 0.2 s in effect, which each of a round's four
 #: tasks would wait.
 TASK_CHECK_PERIOD = 0.02
+#: Seconds the unmask stage waits for the other holders once ``threshold`` of them answered.
+UNMASK_WAIT_S = 2
 #: The FLContext property with the round's SecAgg+ cost, which controllers/secure_aggregation.py's RoundRecorder
 #: writes into the round's record: seconds of the key stages and of the unmask stage, and the bytes of the stages'
 #: answers (up, all sites) and of what they and the train task's header carried down (all sites), as NVFlare
@@ -228,8 +230,12 @@ class SecAggScatterAndGather(ScatterAndGather):
             raise TypeError(f"secagg needs a SecAggAggregator, got {type(self.aggregator).__name__}")
         return self.aggregator
 
-    def _stage(self, name: str, data: dict[str, Any], targets: list[str], fl_ctx: FLContext) -> dict[str, Any]:
-        """Send ``data`` to ``targets`` as task ``name``; each answering site's answer (its DXO's data)."""
+    def _stage(
+        self, name: str, data: dict[str, Any], targets: list[str], fl_ctx: FLContext, enough: int | None = None
+    ) -> dict[str, Any]:
+        """Send ``data`` to ``targets`` as task ``name``; each answering site's answer (its DXO's data). The task
+        ends when every target answered, or ``UNMASK_WAIT_S`` after ``enough`` did (``None``: every target), or at
+        ``stage_timeout``."""
         answers: dict[str, Any] = {}
 
         def received(client_task: ClientTask, fl_ctx: FLContext) -> None:
@@ -246,7 +252,14 @@ class SecAggScatterAndGather(ScatterAndGather):
         shareable["secagg"] = data
         self._count("down_bytes", wire_size(shareable) * len(targets))
         task = Task(name=name, data=shareable, timeout=self.stage_timeout, result_received_cb=received)
-        self.broadcast_and_wait(task, fl_ctx, targets=targets, min_responses=len(targets), abort_signal=self._abort)
+        self.broadcast_and_wait(
+            task,
+            fl_ctx,
+            targets=targets,
+            min_responses=len(targets) if enough is None else enough,
+            wait_time_after_min_received=0 if enough is None else UNMASK_WAIT_S,
+            abort_signal=self._abort,
+        )
         stage = "unmask_s" if name == UNMASK_TASK else "setup_s"
         self._count(stage, time.monotonic() - started)
         return answers
@@ -288,7 +301,10 @@ class SecAggScatterAndGather(ScatterAndGather):
         if setup is None or len(summed) < self.threshold:
             return  # the aggregator refuses the round in one line
         data = {"round": setup.round_num, "summed": summed, "dropped": dropped}
-        answers = self._stage(UNMASK_TASK, data, sorted(setup.sealed), fl_ctx)
+        # With every site a holder of every site's shares (no ring degree), any t holders rebuild every secret: a
+        # site that dropped after its masked input delays the round by UNMASK_WAIT_S, not by the stage timeout.
+        enough = self.threshold if self.degree is None else None
+        answers = self._stage(UNMASK_TASK, data, sorted(setup.sealed), fl_ctx, enough=enough)
         aggregator.unmask_with({site: dict(a["shares"]) for site, a in answers.items()})
         fl_ctx.set_prop(COST_PROP, {k: round(v, 4) for k, v in self._cost.items()}, private=True, sticky=False)
 

@@ -7,7 +7,9 @@ training is the masked update (six bytes a coordinate: 1.5x the plain job's floa
 overhead); the final global model equals the plain job's within the rounds' quantisation error (one step,
 2^-20, per round, carried through one more round of training) and moved from the initial model. The other admitted
 settings run too: FedOpt's step at the sites (FedAdam; every site held the same state both rounds) and DP-SGD at the
-sites (every site's epsilon recorded), with nothing for the egress gate to strip.
+sites (every site's epsilon recorded), with nothing for the egress gate to strip. A site that sends its masked
+update and then fails the unmask stage (tests/e2e/secagg_dropout.py) is still summed: the round's model is the
+plain job's within one quantisation step.
 """
 
 from __future__ import annotations
@@ -109,3 +111,26 @@ def test_fedopts_site_step_and_dp_sgd_run_under_secagg(simulated, name):
         assert all(set(r["privacy"]) == {"site-1", "site-2", "site-3"} for r in records)
     for site in ("site-1", "site-2", "site-3"):  # the egress gate had nothing to strip or refuse
         assert "EgressGate" not in (workspace / site / "log.txt").read_text()
+
+
+def test_a_site_dropping_after_its_masked_update_is_still_summed(tmp_path, simulate):
+    """site-2 sends its masked update, then never answers the unmask stage: the other two holders (the threshold,
+    2 of 3) rebuild its self-mask, and the round's model is the plain job's (same data, same seeds)."""
+    from jobs.build import export_job
+    from tests.e2e import secagg_dropout
+
+    spec = JobSpec(name="e2e_secagg_dropout", secure_aggregation="secagg", **{**SETTINGS, "num_rounds": 1})
+    job = export_job(spec, tmp_path / "jobs")
+    secagg_dropout.install(job, "site-2")
+    completed = simulate(job, tmp_path / "ws", NUM_SITES, NUM_SITES)
+    assert completed.returncode == 0, completed.stdout[-3000:]
+    (record,) = _rounds(tmp_path / "ws")
+    assert record["aggregated"] == ["site-1", "site-2", "site-3"]
+    log = (tmp_path / "ws" / "server" / "log.txt").read_text()
+    assert "secagg round 0: unmasked the sum of ['site-1', 'site-2', 'site-3'], dropped []" in log
+    assert "site-2 dropped out before the unmask stage" in (tmp_path / "ws" / "site-2" / "log.txt").read_text()
+    plain_spec = JobSpec(name="e2e_plain_1", secure_aggregation="plain", **{**SETTINGS, "num_rounds": 1})
+    plain_job = export_job(plain_spec, tmp_path / "jobs")
+    assert simulate(plain_job, tmp_path / "ws_plain", NUM_SITES, NUM_SITES).returncode == 0
+    plain, secagg = _model(tmp_path / "ws_plain"), _model(tmp_path / "ws")
+    assert max(float(np.max(np.abs(plain[k] - secagg[k]))) for k in plain) < quantisation_step() + 1e-6
