@@ -76,7 +76,7 @@ bench: setup
 # What homomorphic encryption costs per round (docs/deployment.md, "Secure aggregation (HE)"): the same FedAvg job
 # with and without NVFlare's HE components, alternating on one loopback deployment provisioned with HEBuilder.
 bench-he: setup
-	$(PY) -m benchmarks.secure_aggregation --rounds 5 --repeats 3 --max-train-samples 3000 --out benchmarks/results/secure_aggregation.md
+	$(PY) -m benchmarks.secure_aggregation --modes plain,he --rounds 5 --repeats 3 --max-train-samples 3000 --out benchmarks/results/secure_aggregation.md
 
 # The genomics results (docs/genomics.md): federated algorithms vs local-only and pooled training, 3 seeds each.
 bench-genomics: setup
