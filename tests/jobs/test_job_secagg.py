@@ -49,6 +49,10 @@ def test_a_client_that_needs_the_bundles_controller_is_refused_as_under_he(clien
             r"^secure_aggregation 'secagg': secagg threshold 2 is not a majority",
         ),
         ({"save_client_updates": True}, r"^secure_aggregation 'secagg': save_client_updates: "),
+        (
+            {"dataset": "fashion_mnist", "arch": "bn_cnn"},
+            r"^secure_aggregation 'secagg': the model's entries \[.*num_batches_tracked.*\] are integers ",
+        ),
     ],
 )
 def test_bad_input_is_refused_in_one_line(settings, message):
