@@ -152,7 +152,7 @@ def secure_aggregation_problem(spec: Any) -> str | None:
     if mode == "secagg":
         from aggregators.secagg import protocol_problem
 
-        problem = protocol_problem(spec.num_sites, secagg_threshold(spec)) or secagg_entries_problem(spec)
+        problem = protocol_problem(spec.num_sites, secagg_threshold(spec))
         return f"{who}: {problem}" if problem else None
     if spec.secagg_threshold is not None:
         return f"{who}: secagg_threshold: applies to --secure-aggregation secagg only"
@@ -282,20 +282,15 @@ def add_sum_workflow(job: Any, spec: Any, model_config: Mapping[str, Any]) -> No
     job.to_server(controller)
 
 
-def secagg_entries_problem(spec: Any) -> str | None:
-    """SecAgg+ quantises each entry's floating-point update: an integer entry of the job's model (BatchNorm's
+def secagg_entries_problem(model: Any) -> str | None:
+    """SecAgg+ quantises each entry's floating-point update: an integer entry of the job's ``model`` (BatchNorm's
     ``num_batches_tracked``, which grows by the round's steps) would be refused at every site in round 1."""
-    from jobs.spec import job_model
-
-    try:
-        model = job_model(spec)
-    except Exception:  # the model's own settings are checked, and refused in one line, after this
-        return None
     integers = [name for name, value in model.state_dict().items() if not value.is_floating_point()]
     if integers:
         return (
-            f"the model's entries {integers} are integers (e.g. BatchNorm's num_batches_tracked): SecAgg+ sums "
-            "quantised floating-point updates; use a model without them or --secure-aggregation he"
+            f"secure_aggregation 'secagg': the model's entries {integers} are integers (e.g. BatchNorm's "
+            "num_batches_tracked): SecAgg+ sums quantised floating-point updates; use a model without them or "
+            "--secure-aggregation he"
         )
     return None
 

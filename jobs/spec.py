@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jobs.secure_aggregation import secure_aggregation_problem
+from jobs.secure_aggregation import secagg_entries_problem, secure_aggregation_problem
 from jobs.settings import (
     ATTACK_FIELDS,
     CLIENT,
@@ -121,6 +121,10 @@ def validate_spec(spec: JobSpec) -> None:
     _check_client_level_dp(spec)
     job_attack_args(spec)  # unknown attack, no malicious site, bad share: refused at build time
     _check_tracking(spec)
+    if spec.secure_aggregation == "secagg":  # its model is known to build by now
+        problem = secagg_entries_problem(job_model(spec))
+        if problem:
+            raise JobBuildError(problem)
 
 
 def job_model(spec: JobSpec) -> Any:
