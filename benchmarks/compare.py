@@ -149,6 +149,10 @@ PERSONALIZATION_METHODS: dict[str, dict[str, Any]] = {
     "fedbn": {"arch": "bn_cnn", "local_keys": "batchnorm"},
     "fedrep": {"client": "fedrep", "client_args": {"head_epochs": 1}},
     "ditto": {"client": "ditto", "client_args": {"lam": 0.1}},
+    # Each site's own strength, chosen on its validation split every round: fine-tuning early-stopped within 3
+    # epochs, and Ditto's v_i at three lams (the paper's sweep, 0.1 the job's nominal one).
+    "finetune_es3": {"finetune_epochs": 3},
+    "ditto_grid": {"client": "ditto", "client_args": {"lam": 0.1, "lam_grid": [0.01, 0.1, 1.0]}},
     # FedAvg clients with server momentum 0.9 at eta = 1 (Hsu et al. 2019): the server-optimizer row of a grid.
     "fedavgm": {"server": "fedavgm"},
     # The same model trained centrally: one site holding the same number of samples, IID (the sites' union in
