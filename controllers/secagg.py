@@ -18,7 +18,8 @@ Each round, `SecAggScatterAndGather` runs, in NVFlare tasks to every site:
 
 The stages hook into ScatterAndGather's own round at its ``ROUND_STARTED`` (1-2) and ``BEFORE_AGGREGATION`` (4)
 events, which it fires in its control flow's thread: the round, its records (controllers/secure_aggregation.py's
-``RoundRecorder``: the key stages' time counts in the round's), persisting and stopping stay NVFlare's.
+``RoundRecorder``: the key stages' time counts in the round's), persisting and stopping stay NVFlare's; the end of a
+DP site's budget ends the job after its round as under ``he``/``plain`` (``BudgetScatterAndGather``).
 """
 
 from __future__ import annotations
@@ -37,11 +38,11 @@ from nvflare.apis.signal import Signal
 from nvflare.app_common.abstract.aggregator import Aggregator
 from nvflare.app_common.app_constant import AppConstants
 from nvflare.app_common.app_event_type import AppEventType
-from nvflare.app_common.workflows.scatter_and_gather import ScatterAndGather
 
 from aggregators import secagg
 from aggregators.meta_keys import SECAGG_ROUND
 from aggregators.secagg import HEADER, KEYS_TASK, MASKED_KIND, SHARES_TASK, STAGE_DATA, STAGE_KIND, UNMASK_TASK
+from controllers.secure_aggregation import BudgetScatterAndGather
 
 #: Seconds between the server's checks whether a task's answers are in: the bundle's controller's
 #: (controllers/fedalg_controller.py's TASK_CHECK_PERIOD), not NVFlare's 0.2 s in effect, which each of a round's four
@@ -171,10 +172,13 @@ class SecAggAggregator(Aggregator):
         return dxo.to_shareable()
 
 
-class SecAggScatterAndGather(ScatterAndGather):
+class SecAggScatterAndGather(BudgetScatterAndGather):
     """ScatterAndGather with SecAgg+'s key stages before each round's training task and the unmask stage before
     its aggregation (module docstring). ``threshold``: shares that rebuild a site's secret; ``degree``: the ring
-    neighbourhood (``None``: every site); ``stage_timeout``: seconds a stage waits for the sites."""
+    neighbourhood (``None``: every site); ``stage_timeout``: seconds a stage waits for the sites. As a
+    `BudgetScatterAndGather` it finishes after the round in which a DP site's result says that its next round would
+    exceed its budget (the `RoundRecorder` ``recorder_id`` decides, with ``end_on_spent_budget``): no key stage and
+    no training for a round whose result could not be used."""
 
     def __init__(
         self,
@@ -190,6 +194,7 @@ class SecAggScatterAndGather(ScatterAndGather):
         shareable_generator_id: str = "shareable_generator",
         train_timeout: int = 0,
         task_check_period: float = TASK_CHECK_PERIOD,
+        recorder_id: str = "rounds",
     ):
         # NVFlare's job API writes a component's constructor arguments by name: each is declared here.
         super().__init__(
@@ -201,6 +206,7 @@ class SecAggScatterAndGather(ScatterAndGather):
             shareable_generator_id=shareable_generator_id,
             train_timeout=train_timeout,
             task_check_period=task_check_period,
+            recorder_id=recorder_id,
         )
         self.threshold, self.degree, self.stage_timeout = threshold, degree, stage_timeout
         self._abort: Signal | None = None

@@ -247,7 +247,7 @@ def add_sum_workflow(job: Any, spec: Any, model_config: Mapping[str, Any]) -> No
             aggregator = InTimeAccumulateWeightedAggregator(expected_data_kind=DataKind.WEIGHTS)
     job.to_server(aggregator, id="aggregator")
     # A DP-SGD job's workflow ends after the round in which a site's budget runs out (controllers/secure_aggregation.py)
-    budgeted = is_private(spec) and not masked
+    budgeted = is_private(spec)  # SecAggScatterAndGather is a BudgetScatterAndGather too
     recorder = RoundRecorder(spec.num_rounds, spec.secure_aggregation, end_on_spent_budget=budgeted)
     job.to_server(recorder, id="rounds")
     if is_private(spec):  # what each DP site released, with every task: a site on a stale ledger stops

@@ -57,3 +57,20 @@ def test_only_a_dp_sum_job_gets_the_budget_aware_workflow(tmp_path: Path, dp: bo
     assert controller["args"]["min_clients"] == 2
     (rounds,) = [c for c in config["components"] if c["id"] == "rounds"]
     assert rounds["args"].get("end_on_spent_budget", False) is dp
+
+
+def test_a_dp_secagg_job_ends_on_a_spent_budget_like_the_sum_workflow(tmp_path: Path) -> None:
+    """SecAgg+'s workflow is a BudgetScatterAndGather, and a DP secagg job's recorder ends the job on a spent budget
+    (tests/e2e/test_e2e_budget_sum_workflow.py runs it)."""
+    pytest.importorskip("flwr")
+    from controllers.secagg import SecAggScatterAndGather
+    from controllers.secure_aggregation import BudgetScatterAndGather
+
+    private = {"dp_noise_multiplier": 1.0, "dp_target_epsilon": 7.5, "dp_max_grad_norm": 1.0}
+    spec = JobSpec(name="sum", dataset="digits", arch="mlp", num_sites=3, secure_aggregation="secagg", **private)
+    config = json.loads((export_job(spec, tmp_path) / "app" / "config" / "config_fed_server.json").read_text())
+    (controller,) = config["workflows"]
+    assert controller["path"] == "controllers.secagg.SecAggScatterAndGather"
+    assert issubclass(SecAggScatterAndGather, BudgetScatterAndGather)
+    (rounds,) = [c for c in config["components"] if c["id"] == "rounds"]
+    assert rounds["args"]["end_on_spent_budget"] is True

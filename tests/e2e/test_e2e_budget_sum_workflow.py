@@ -18,6 +18,8 @@ from jobs.build import JobSpec, export_job
 from lightning_modules.privacy.ledger import LEDGER_NAME, ledger_from_state
 from lightning_modules.state_store import ClientStateStore
 
+SECAGG_SITES = ("site-1", "site-2", "site-3")
+
 
 def ledger_steps(workspace: Path, site: str) -> int:
     store = ClientStateStore(workspace / site / "client_state", site, per_run=True)
@@ -54,3 +56,43 @@ def test_a_spent_budget_ends_the_sum_workflow_as_finished_before_an_unused_round
     # site-2 could have afforded a third round, but none was sent: its ledger holds two rounds of steps
     steps = {site: ledger_steps(workspace, site) for site in ("site-1", "site-2")}
     assert steps == {"site-1": 6, "site-2": 8}
+
+
+def test_a_spent_budget_ends_the_secagg_workflow_as_finished_before_an_unused_round(tmp_path, simulate, round_metrics):
+    """The same under ``--secure-aggregation secagg`` (SecAgg+ needs 3 sites, so three): after round 2 some site's
+    next round would exceed epsilon 7.5. Before SecAggScatterAndGather was a BudgetScatterAndGather, the third round
+    was sent and the spent site refused it in training: no stop record, a site's failure instead."""
+    pytest.importorskip("flwr")
+    spec = JobSpec(
+        name="budget_secagg",
+        dataset="digits",
+        arch="mlp",
+        num_sites=3,
+        num_rounds=4,
+        max_train_samples=600,
+        secure_aggregation="secagg",
+        dp_noise_multiplier=1.0,
+        dp_target_epsilon=7.5,
+        dp_max_grad_norm=1.0,
+    )
+    job = export_job(spec, tmp_path / "jobs")
+    workspace = tmp_path / "ws"
+    completed = simulate(job, workspace, num_clients=3, threads=3)
+    output = completed.stdout + completed.stderr
+    records = round_metrics(workspace)
+    rounds = [r for r in records if r.get("stage") == "round"]
+    assert [r["round"] for r in rounds] == [0, 1], output[-3000:]
+    assert all(r["status"] == "aggregated" and r["aggregated"] == list(SECAGG_SITES) for r in rounds)
+    note = stop_note(records)
+    assert note is not None and note["rule"] == "privacy_budget", output[-3000:]
+    spent = set(note["out_of_budget"])
+    assert spent and spent < set(SECAGG_SITES)  # some site could have afforded a third round
+    assert all("dp_target_epsilon 7.5" in why for why in note["out_of_budget"].values())
+    assert not stopped_early(records)
+    assert "Exception in ScatterAndGather control_flow" not in output and "PrivacyBudgetExhausted" not in output
+    log = (workspace / "server" / "log.txt").read_text()
+    assert "secagg round 2" not in log  # no key stage for a round nobody could use
+    # every site's ledger holds exactly the steps of its last aggregated result (round 2's), none of a third round
+    steps = {site: ledger_steps(workspace, site) for site in SECAGG_SITES}
+    assert steps == {site: rounds[-1]["privacy"][site]["steps"] for site in SECAGG_SITES}
+    assert all(steps[site] > rounds[0]["privacy"][site]["steps"] > 0 for site in SECAGG_SITES)
