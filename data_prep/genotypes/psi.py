@@ -9,8 +9,11 @@ fingerprints of its people (`GenotypeFingerprintPSI.load_items`, from the same g
 QC); each site learns which of its own items the other site also holds, and from them which of its people are
 there too (at least ``min_panels`` of their fingerprints shared), and writes them to its shared-people file
 (``local/fedalg_shared_people.json`` in the site's workspace, or ``FEDALG_SHARED_PEOPLE`` with ``{site}`` replaced):
-its own sample IDs under the other site's name. Nothing leaves the site but the blinded items of the protocol; the
-server relays them and learns the sites' item counts and the intersection's size.
+its own sample IDs under the other site's name. Nothing leaves the site but the protocol's messages
+(`psi_releases`; the egress gate, last on each site's PSI results, strips or refuses anything else): its item count,
+its items under its own key in a Bloom filter (setup), its items blinded (request), the other site's blinded items
+blinded again (response), and the intersection's size. The server relays them and learns the sites' item counts and
+the intersection's size.
 
 **Counted once.** A person at two sites is counted by the site whose name sorts first; the other site leaves them out
 of its QC counts (`counted_once`, called by the QC site before it counts). Both sites know the pair's result, so no
@@ -32,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from aggregators.egress import Release
 from data_prep.errors import DataPrepError
 from data_prep.genotypes.fingerprint import (
     DEFAULT_MIN_PANELS,
@@ -49,6 +53,7 @@ __all__ = [
     "counted_once",
     "export_psi_jobs",
     "person_items",
+    "psi_releases",
     "read_shared_people",
     "record_shared_people",
     "shared_people_path",
@@ -186,6 +191,18 @@ class GenotypeFingerprintPSI(_PSIBase):
         print(f"{site}: {len(people)} of {len(self._people)} people also at {self._other(site)} ({path})", flush=True)
 
 
+def psi_releases() -> tuple[Release, ...]:
+    """What a PSI site declares it sends (docs/privacy.md, the PSI row), for the egress gate: NVFlare 2.9's DH-PSI
+    answers every stage of its one task ``PSI`` with a ``PSI`` DXO, no meta, whose data is the task handler's
+    Shareable (its ``__headers__``, empty, and one of: the item count (prepare; intersect: the intersection's size),
+    the setup message (the site's items under its key, in a Bloom filter; under the backward pass one per size), the
+    request (its items blinded), the response (the other site's request blinded again))."""
+    from nvflare.app_common.app_constant import PSIConst
+
+    data = (PSIConst.ITEMS_SIZE, PSIConst.SETUP_MSG, PSIConst.REQUEST_MSG, PSIConst.RESPONSE_MSG, "__headers__")
+    return (Release(PSIConst.TASK, ("PSI",), data, ()),)
+
+
 def export_psi_jobs(output_dir: Path, sites: Sequence[str], panels: int = DEFAULT_PANELS,
                     panel_size: int = DEFAULT_PANEL_SIZE, min_panels: int = DEFAULT_MIN_PANELS,
                     name: str = "genotype_psi") -> list[Path]:  # fmt: skip
@@ -199,8 +216,10 @@ def export_psi_jobs(output_dir: Path, sites: Sequence[str], panels: int = DEFAUL
     from nvflare.app_common.psi.psi_executor import PSIExecutor
     from nvflare.app_opt.psi.dh_psi.dh_psi_task_handler import DhPSITaskHandler
     from nvflare.job_config.api import FedJob
+    from nvflare.job_config.defs import FilterType
 
     from aggregators.bundle import APP_PACKAGES
+    from aggregators.egress_gate import EgressGate
 
     site_component = _site_component()
     out = []
@@ -214,6 +233,10 @@ def export_psi_jobs(output_dir: Path, sites: Sequence[str], panels: int = DEFAUL
             job.to(site_component("psi_writer", [first, second], panels, panel_size, min_panels), site,
                    id="local_psi")  # fmt: skip
             job.to(FilePSIWriter(output_path="psi/intersection.txt"), site, id="psi_writer")
+            for release in psi_releases():  # the last result filter: the job adds none other
+                job.to(
+                    EgressGate(**release.to_config()), site, tasks=[release.task], filter_type=FilterType.TASK_RESULT
+                )
         job.export_job(str(Path(output_dir).resolve()))
         out.append(Path(output_dir).resolve() / job.name)
     return out

@@ -147,11 +147,8 @@ def simulate(job: Path, workspace: Path, env: dict[str, str]) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
 
 
-@pytest.mark.slow
-def test_the_pair_job_in_the_simulator_finds_the_shared_person_and_the_qc_counts_them_once(tmp_path: Path) -> None:
-    pytest.importorskip("private_set_intersection")
-    pytest.importorskip("cyvcf2")
-    from data_prep.genotypes.cli import main
+def write_pair_sites(tmp_path: Path) -> dict[str, str]:
+    """``two_sites(discordant=2)`` as site-1's and site-2's VCF files and a SNP table; the sites' environment."""
     from data_prep.genotypes.writers import Sites, write_genotype_file
 
     site_1, site_2 = two_sites(discordant=2)
@@ -163,6 +160,16 @@ def test_the_pair_job_in_the_simulator_finds_the_shared_person_and_the_qc_counts
         f"{s},{c},{1000 * (j + 1)},A,G\n" for j, (s, c) in enumerate(zip(SNPS, CHROMS, strict=True))))  # fmt: skip
     env = os.environ | {"FEDALG_SITE_GENOTYPES": str(tmp_path / "{site}.vcf"), "FEDALG_SNP_TABLE": str(table),
                         "FEDALG_SHARED_PEOPLE": str(tmp_path / "{site}_shared.json")}  # fmt: skip
+    return env
+
+
+@pytest.mark.slow
+def test_the_pair_job_in_the_simulator_finds_the_shared_person_and_the_qc_counts_them_once(tmp_path: Path) -> None:
+    pytest.importorskip("private_set_intersection")
+    pytest.importorskip("cyvcf2")
+    from data_prep.genotypes.cli import main
+
+    env = write_pair_sites(tmp_path)
     (job,) = export_psi_jobs(tmp_path / "jobs", ["site-1", "site-2"])
     simulate(job, tmp_path / "psi_ws", env)
     shared = {
