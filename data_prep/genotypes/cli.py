@@ -98,10 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     qc_job.add_argument(
         "--secure-aggregation",
-        choices=("none", "he"),
+        choices=("none", "he", "secagg"),
         default="none",
         help="he: the sites encrypt their counts (TenSEAL CKKS contexts from NVFlare's HEBuilder), the server only "
-        "adds ciphertexts, every site decrypts the sum and filters; needs a provisioned deployment; docs/genomics.md",
+        "adds ciphertexts, every site decrypts the sum and filters; needs a provisioned deployment; secagg: the sites "
+        "mask their counts (SecAgg+, 3 sites or more), the server unmasks only their sum; docs/genomics.md",
     )
     qc_job.add_argument(
         "--dp-target-epsilon",

@@ -27,6 +27,10 @@ no longer count a site's people, so the site's own ``min_site_people`` refusal i
 holds the secret key and sees the sum, so the job needs `HE_MIN_SITES` sites (with two, the sum less a site's
 own counts is the other site's counts).
 
+With ``secure_aggregation="secagg"`` (SecAgg+, ``data_prep/genotypes/secagg_qc.py``) the sites mask their exact counts
+and the server unmasks only their sum, which it filters as in the clear; it sees no site's counts (the same minimum
+of sites and the same reliance on the site's own size check as ``he``).
+
 The site's data comes from the same settings as training: ``$FEDALG_SITE_GENOTYPES`` (a genotype file or harmonised
 ``.npz``, ``{site}`` replaced by the site's name) and ``$FEDALG_SNP_TABLE``, or ``"genotypes"`` and ``"snp_table"`` in
 the kit's ``local/fedalg_site_data.json`` (``data_prep.genotypes.site_files``).
@@ -99,12 +103,18 @@ HE_COUNTS_NOTE = (
     "counts nor their sum (its TenSEAL context holds no secret key); it cannot count a site's people either, so each "
     "site's own min_site_people refusal is the only size check"
 )
-#: ``--secure-aggregation`` values: ``none`` (the server sums counts in the clear) or ``he`` (module docstring).
-SECURE_AGGREGATION = ("none", "he")
+#: ``--secure-aggregation`` values: ``none`` (the server sums counts in the clear), ``he`` or ``secagg`` (SecAgg+'s
+#: masked sum, data_prep/genotypes/secagg_qc.py; module docstring).
+SECURE_AGGREGATION = ("none", "he", "secagg")
 #: Fewest sites an HE QC job runs with: every site decrypts the sum, and the sum of two sites less one's own counts
 #: is the other site's counts exactly.
 HE_MIN_SITES = 3
 ENCRYPTED_COUNTS, ENCRYPTED_SUM = "counts_he", "sum_he"
+SECAGG_COUNTS_NOTE = (
+    "federated QC with secure_aggregation 'secagg': the server adds the sites' masked counts and unmasks only their "
+    "sum (SecAgg+); it sees no site's counts and cannot count a site's people, so each site's own min_site_people "
+    "refusal is the only size check"
+)
 
 
 def check_secure_aggregation(value: object) -> str:
@@ -318,6 +328,9 @@ class GenotypeQcController(ModelController):
         if self.secure_aggregation == "he":
             self._run_encrypted()
             return
+        if self.secure_aggregation == "secagg":
+            self._run_masked()
+            return
         self.warning(CLEAR_COUNTS_WARNING)
         results = self.send_model_and_wait(COUNTS, FLModel(params={"none": np.zeros(1)}, meta={"step": COUNTS}))
         if self.abort_signal.triggered:  # a site failed or refused (its reason is logged): no sum over the others
@@ -334,6 +347,55 @@ class GenotypeQcController(ModelController):
         path = Path(self.get_run_dir()) / REPORT_FILE
         path.write_text(json.dumps(report, indent=2) + "\n")
         self.info(f"federated QC: kept {int(keep.sum())} of {len(snps)} SNPs over {len(sites)} sites; {path}")
+        message = FLModel(params={"keep": keep.astype(np.int8)}, meta={"step": FILTER, "snps": list(snps)})
+        self.send_model_and_wait(FILTER, message)
+
+    def _step(self, step: str, meta: dict[str, object]) -> dict[str, FLModel]:
+        """One broadcast of the secure sum (``step`` names the task and the step); every site's answer, by site."""
+        request = FLModel(params={"none": np.zeros(1)}, meta={"step": step, "secure_aggregation": "secagg", **meta})
+        results = self.send_model_and_wait(step, request)
+        return {} if self.abort_signal.triggered else {r.meta["client_name"]: r for r in results}
+
+    def _run_masked(self) -> None:
+        """The SecAgg+ variant (secagg_qc): the key steps, the masked counts, the unmask step; the server then holds
+        the exact sum, never a site's counts, and filters it as in the clear."""
+        from data_prep.genotypes import secagg_qc as sq
+
+        self.info(SECAGG_COUNTS_NOTE)
+        sites = tuple(sorted(c.name for c in self.engine.get_clients()))
+        threshold = sq.check_secagg_sites(len(sites), "sites connected")
+        keys = self._step(sq.KEYS_STEP, {"sites": list(sites), "threshold": threshold})
+        if not keys:
+            return
+        public = {s: sq.read_public(r.params) for s, r in keys.items()}
+        shares = self._step(sq.SHARES_STEP, {"public": sq.public_text(public)})
+        if not shares:
+            return
+        sealed = {s: sq.read_answer(r.params["sealed"]) for s, r in shares.items()}
+        masked = self._step(COUNTS, {"sealed": sealed})
+        if not masked:
+            return
+        snp_lists = {tuple(r.meta["snps"]) for r in masked.values()}
+        if len(snp_lists) != 1:
+            raise DataPrepError("federated QC: the sites harmonised against different SNPs; every site must use "
+                                "the consortium's table")  # fmt: skip
+        (snps,) = snp_lists
+        packed = {s: r.params[sq.MASKED_COUNTS] for s, r in masked.items()}
+        returned = self._step(sq.UNMASK_STEP, {"summed": sorted(packed)})
+        if not returned:
+            return
+        held = {
+            h: {s: sq.from_text(v) for s, v in sq.read_answer(r.params["shares"]).items()} for h, r in returned.items()
+        }
+        mask_pks = {s: pk for s, (_, pk) in public.items()}
+        noisy = self.noise is not None
+        total = sq.unmask_counts(sites, packed, held, mask_pks, threshold, len(snps), noisy=noisy)
+        keep, report = global_qc(snps, usable_counts(total) if noisy else total, self.thresholds, sites,
+                                 self.min_site_people)  # fmt: skip
+        report = {"secure_aggregation": "secagg", **report, **noise_report(self.noise)}
+        path = Path(self.get_run_dir()) / REPORT_FILE
+        path.write_text(json.dumps(report, indent=2) + "\n")
+        self.info(f"federated QC: unmasked the sum of {len(sites)} sites; kept {int(keep.sum())} of {len(snps)} SNPs")
         message = FLModel(params={"keep": keep.astype(np.int8)}, meta={"step": FILTER, "snps": list(snps)})
         self.send_model_and_wait(FILTER, message)
 
@@ -404,17 +466,28 @@ def site_main(argv: Sequence[str] | None = None, release: NoisyRelease | None = 
     counts = genotype_counts(genotypes)
     check_site_calls(site, counts)  # before the first message: under HE nobody else can see it
     context = _site_context(site, len(genotypes)) if args.secure_aggregation == "he" else None
+    masking = _site_masking(site) if args.secure_aggregation == "secagg" else None
     out = Path(args.out) if args.out else site_workspace() / QC_TABLE
     while flare.is_running():
         received = flare.receive()
         if received is None:
             break
-        if received.meta.get("step") == COUNTS:
+        step = received.meta.get("step")
+        if masking is not None and step in masking.steps:  # SecAgg+'s key and unmask steps (secagg_qc)
+            flare.send(FLModel(params=masking.steps[step](received.meta), meta={}))
+            continue
+        if step == COUNTS:
             sent, spent = (counts, None) if noise is None else release(site, counts, noise)  # ledger first
-            flare.send(_counts_message(sent, snps, context))
+            if masking is not None:
+                message = FLModel(params=masking.site.mask(sent, received.meta), meta={"snps": list(snps)})
+            else:
+                message = _counts_message(sent, snps, context)
+            flare.send(message)
             how = "which sees them unless the deployment uses secure aggregation"
             if context is not None:
                 how = "encrypted with its CKKS context; the server adds ciphertexts it cannot decrypt"
+            if masking is not None:
+                how = "masked (SecAgg+); the server unmasks only the sum over the sites"
             if spent is not None:
                 how += (
                     f"; with discrete Gaussian noise sigma {spent['sigma']:.4g} per count (noise multiplier "
@@ -458,7 +531,8 @@ def _site_parser() -> argparse.ArgumentParser:
         "--secure-aggregation",
         choices=SECURE_AGGREGATION,
         default="none",
-        help="he: encrypt the counts with startup/client_context.tenseal and filter the decrypted sum here",
+        help="he: encrypt the counts with startup/client_context.tenseal and filter the decrypted sum here; "
+        "secagg: mask the counts (SecAgg+), the server unmasks only their sum",
     )
     # Under HE the site applies the thresholds itself; they come from the signed job config, not from the server.
     parser.add_argument("--min-call-rate", type=float, default=QcThresholds.min_call_rate)
@@ -487,6 +561,32 @@ def _site_context(site: str, people: int) -> ts.Context:
     # NVFlare points its content service at the kit's startup/ in a provisioned job process; else find the kit.
     startup = Path(SecurityContentService.content_folder or site_workspace() / "startup")
     return load_client_context(site, startup)
+
+
+class _SiteMasking:
+    """A site's SecAgg+ state (secagg_qc.QcSecAggSite) and its answer to each key or unmask step, by step."""
+
+    def __init__(self, site: str) -> None:
+        from data_prep.genotypes import secagg_qc as sq
+
+        self.site = sq.QcSecAggSite(site)
+        self.steps = {
+            sq.KEYS_STEP: self.site.advertise,
+            sq.SHARES_STEP: self.site.share,
+            sq.UNMASK_STEP: self.site.unmask,
+        }
+
+
+def _site_masking(site: str) -> _SiteMasking:
+    """The site's side of the secure sum; refused in one line without flwr (the 'secagg' extra)."""
+    try:
+        import flwr.common.secure_aggregation  # noqa: F401
+    except ImportError as missing:
+        raise DataPrepError(
+            f"federated QC: {site}: secure_aggregation 'secagg' needs flwr at the site (pip install "
+            f"'nvflare-noniid[secagg]'): {missing}; nothing sent"
+        ) from None
+    return _SiteMasking(site)
 
 
 def _counts_message(counts: np.ndarray, snps: Sequence[str], context: ts.Context | None) -> FLModel:
@@ -542,6 +642,10 @@ def export_qc_job(
     secure_aggregation = check_secure_aggregation(secure_aggregation)
     if secure_aggregation == "he":
         check_he_sites(num_sites, "--num-sites")
+    if secure_aggregation == "secagg":
+        from data_prep.genotypes.secagg_qc import check_secagg_sites
+
+        check_secagg_sites(num_sites, "--num-sites")
     from nvflare.job_config.api import FedJob
     from nvflare.job_config.script_runner import FrameworkType, ScriptRunner
 
@@ -566,6 +670,8 @@ def export_qc_job(
             script_args += (
                 f" --secure-aggregation he --min-call-rate {thresholds.min_call_rate} --min-maf {thresholds.min_maf}"
             )
+        if secure_aggregation == "secagg":
+            script_args += " --secure-aggregation secagg"
         if noise is not None:
             script_args += f" {noise.script_args()}"
         job.to_clients(ScriptRunner(script=script, script_args=script_args, framework=FrameworkType.NUMPY))
@@ -574,15 +680,23 @@ def export_qc_job(
     return output_dir / name
 
 
-def qc_releases(secure_aggregation: str) -> tuple[Release, Release]:
+def qc_releases(secure_aggregation: str) -> tuple[Release, ...]:
     """What a QC site declares it sends (docs/privacy.md, the genotype QC rows), per task, for the egress gate: its
-    counts (clear, or the ciphertext under HE) and the SNP IDs they refer to; then the kept count (clear only: under
-    HE even that stays at the site)."""
-    counts = ENCRYPTED_COUNTS if check_secure_aggregation(secure_aggregation) == "he" else "counts"
-    return (
+    counts (clear, the ciphertext under HE, the masked vector under SecAgg+) and the SNP IDs they refer to; then the
+    kept count (clear and SecAgg+, where the server knows the keep-mask: under HE even that stays at the site); under
+    SecAgg+ also each key and unmask step's answer (secagg_qc.STEP_DATA: public keys, sealed shares, the shares of
+    the summed sites' self-mask seeds)."""
+    mode = check_secure_aggregation(secure_aggregation)
+    counts = {"he": ENCRYPTED_COUNTS, "secagg": "counts_masked"}.get(mode, "counts")
+    releases = (
         Release(COUNTS, ("WEIGHTS",), (counts,), ("snps",)),
-        Release(FILTER, ("WEIGHTS",), ("none",), () if secure_aggregation == "he" else ("kept",)),
+        Release(FILTER, ("WEIGHTS",), ("none",), () if mode == "he" else ("kept",)),
     )
+    if mode != "secagg":
+        return releases
+    from data_prep.genotypes.secagg_qc import STEP_DATA
+
+    return (*releases, *(Release(step, ("WEIGHTS",), entries, ()) for step, entries in STEP_DATA.items()))
 
 
 def add_egress_gates(job: object, secure_aggregation: str) -> None:

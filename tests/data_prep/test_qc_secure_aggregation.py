@@ -340,8 +340,8 @@ def test_an_unknown_secure_aggregation_is_refused(capsys: pytest.CaptureFixture[
 
     with pytest.raises(SystemExit):
         main(["qc-job", "--output-dir", "/nonexistent", "--secure-aggregation", "rsa"])
-    assert "invalid choice: 'rsa' (choose from 'none', 'he')" in capsys.readouterr().err
-    with pytest.raises(DataPrepError, match="secure_aggregation must be one of none, he, got 'rsa'"):
+    assert "invalid choice: 'rsa' (choose from 'none', 'he', 'secagg')" in capsys.readouterr().err
+    with pytest.raises(DataPrepError, match="secure_aggregation must be one of none, he, secagg, got 'rsa'"):
         GenotypeQcController(secure_aggregation="rsa")
 
 
