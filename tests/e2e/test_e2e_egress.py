@@ -74,6 +74,14 @@ DP_PUBLIC_META = (
 )
 #: docs/privacy.md, genotype QC row (in the clear): per-SNP counts and the SNP IDs they refer to; then the kept count.
 QC_RELEASE = {"qc_counts": ({"counts"}, {"snps"}), "qc_filter": ({"none"}, {"kept"})}
+#: docs/privacy.md, "genotype QC under SecAgg+": the masked counts, the kept count, each step's answer.
+QC_SECAGG_RELEASE = {
+    "qc_counts": ({"counts_masked"}, {"snps"}),
+    "qc_filter": ({"none"}, {"kept"}),
+    "qc_secagg_keys": ({"channel_pk", "mask_pk"}, set()),
+    "qc_secagg_shares": ({"sealed"}, set()),
+    "qc_secagg_unmask": ({"shares"}, set()),
+}
 PEOPLE = {"site-1": 12, "site-2": 15, "site-3": 18}
 
 
@@ -170,18 +178,23 @@ def write_qc_sites(root: Path) -> None:
     (root / "table.csv").write_text("snp,chrom,pos,ref,alt\n" + rows)
 
 
-def test_a_qc_site_sends_only_its_counts_and_snp_ids(tmp_path, simulate):
+@pytest.mark.parametrize("mode", ["none", "secagg"])
+def test_a_qc_site_sends_only_its_counts_and_snp_ids(tmp_path, simulate, mode):
+    """In the clear: the QC row's counts and SNP IDs. Under SecAgg+ (docs/privacy.md, "genotype QC under SecAgg+"):
+    the masked counts instead, and each key and unmask step's answer."""
     from data_prep.genotypes.cli import main as genotypes_main
 
+    release = QC_RELEASE if mode == "none" else QC_SECAGG_RELEASE
     write_qc_sites(tmp_path)
     options = ["--num-sites", "3", "--min-maf", "0.01", "--min-site-people", "10", "--name", "egress_qc"]
+    options += ["--secure-aggregation", mode]
     assert genotypes_main(["qc-job", "--output-dir", str(tmp_path / "jobs"), *options]) == 0
     job = tmp_path / "jobs" / "egress_qc"
     env = {"FEDALG_SITE_GENOTYPES": str(tmp_path / "{site}.npz"), "FEDALG_SNP_TABLE": str(tmp_path / "table.csv")}
-    records = run_recorded(simulate, job, list(QC_RELEASE), len(PEOPLE), env)
-    assert sorted((r["task"], r["site"]) for r in records) == sorted((t, s) for t in QC_RELEASE for s in PEOPLE)
+    records = run_recorded(simulate, job, list(release), len(PEOPLE), env)
+    assert sorted((r["task"], r["site"]) for r in records) == sorted((t, s) for t in release for s in PEOPLE)
     for r in records:
-        data, meta = QC_RELEASE[r["task"]]
+        data, meta = release[r["task"]]
         assert set(r["data"]) <= data and set(r["meta"]) <= meta, r
         assert not set(r["headers"]) - NVFLARE_HEADERS, r
     check_against_config(records, job)

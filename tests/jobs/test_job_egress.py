@@ -84,13 +84,19 @@ def test_every_committed_job_gates_train_and_validate_last(name):
     assert found["train"]["data_kinds"] == ["WEIGHTS"] and found["validate"]["data_kinds"] == ["METRICS"]
 
 
-@pytest.mark.parametrize("mode", ["none", "he"])
+@pytest.mark.parametrize("mode", ["none", "he", "secagg"])
 def test_the_qc_job_gates_its_two_tasks(tmp_path, mode):
     from data_prep.genotypes.cli import main as genotypes_main
 
     options = ["--num-sites", "3", "--secure-aggregation", mode, "--name", "qc"]
     assert genotypes_main(["qc-job", "--output-dir", str(tmp_path), *options]) == 0
     found = gates(tmp_path / "qc" / "app" / "config" / "config_fed_client.json")
-    counts = "counts_he" if mode == "he" else "counts"
+    counts = {"he": "counts_he", "secagg": "counts_masked"}.get(mode, "counts")
     assert found["qc_counts"] == {"task": "qc_counts", "data_kinds": ["WEIGHTS"], "data": [counts], "meta": ["snps"]}
     assert found["qc_filter"]["data"] == ["none"] and found["qc_filter"]["meta"] == ([] if mode == "he" else ["kept"])
+    steps = {
+        "qc_secagg_keys": ["channel_pk", "mask_pk"],
+        "qc_secagg_shares": ["sealed"],
+        "qc_secagg_unmask": ["shares"],
+    }
+    assert {t: found[t]["data"] for t in found if t.startswith("qc_secagg")} == (steps if mode == "secagg" else {})
