@@ -134,3 +134,31 @@ def test_the_exported_job_runs_secagg_at_both_sides_and_declares_each_step(tmp_p
     }
     for task in tasks:
         assert f'"{task}"' in client  # an egress gate on every task a QC site answers
+
+
+def test_the_server_with_one_site_cannot_recover_anothers_counts() -> None:
+    """Collusion below the threshold: the server (every answer) plus site-1 (its keys and opened shares) rebuild
+    site-2's self-mask seed (site-1's share and site-3's unmask answer) and strip their own pairwise mask, yet
+    site-2's counts stay under its pairwise mask with site-3; given that one missing seed they come out exactly."""
+    rng = np.random.default_rng(3)
+    counts = {s: random_counts(rng, 80, 50) for s in SITES}
+    sites = {s: sq.QcSecAggSite(s) for s in SITES}
+    keys = {s: site.advertise({"sites": list(SITES), "threshold": 2}) for s, site in sites.items()}
+    public = sq.public_text({s: sq.read_public(k) for s, k in keys.items()})
+    shares = {s: site.share({"public": public}) for s, site in sites.items()}
+    sealed = {s: sq.read_answer(a["sealed"]) for s, a in shares.items()}
+    masked = {s: site.mask(counts[s], {"sealed": sealed}) for s, site in sites.items()}
+    held = {s: sq.read_shares(site.unmask({"summed": list(SITES)})["shares"]) for s, site in sites.items()}
+    shape = {"x": (4 * 50,)}
+    view = sq.secagg.unpack({"x": masked["site-2"][sq.MASKED_COUNTS]}, shape)
+    b2 = sq.secagg.rebuild([held["site-1"]["site-2"], held["site-3"]["site-2"]], 2, "site-2's self-mask")
+    sq.secagg._subtract(view, sq.secagg.prg(b2, sq.QC_ROUND, shape))
+    insider = sites["site-1"]
+    mask_pk = {s: sq.read_public(k)[1] for s, k in keys.items()}
+    s12 = sq.secagg.pairwise_seed(insider.keys.mask_sk, mask_pk["site-2"])
+    sq.secagg._add(view, sq.secagg.prg(s12, sq.QC_ROUND, shape))  # site-2 (index 1) subtracted its mask with site-1
+    truth = sq.encode_counts("site-2", counts["site-2"]).reshape(-1)
+    assert np.mean(view["x"] == truth) < 0.01
+    s23 = sq.secagg.pairwise_seed(sites["site-3"].keys.mask_sk, mask_pk["site-2"])  # the seed they lack
+    sq.secagg._subtract(view, sq.secagg.prg(s23, sq.QC_ROUND, shape))  # site-2 (index 1 < 2) added it
+    np.testing.assert_array_equal(sq.decode_counts(view["x"], 50, noisy=False), counts["site-2"])
