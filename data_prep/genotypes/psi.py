@@ -4,16 +4,16 @@ fingerprints (`data_prep.genotypes.fingerprint`), then the federated QC counts e
 
 **The jobs.** NVFlare's DH-PSI workflow intersects the items of *all* the sites of a job; a person at two of three
 sites is in no all-site intersection. So the consortium runs one PSI job per pair of sites (``export_psi_jobs``:
-``genotype_psi_<a>__<b>``, deployed to those two sites only; n sites, n(n-1)/2 small jobs). Each site's items are the
-fingerprints of its people (`GenotypeFingerprintPSI.load_items`, from the same genotype file and SNP table as the
-QC); each site learns which of its own items the other site also holds, and from them which of its people are
+``genotype_psi_<a>__<b>``, deployed to those two sites only; n sites, n(n-1)/2 small jobs). Each site's items are
+the fingerprints of its people (`GenotypeFingerprintPSI.load_items`, from the same genotype file and SNP table as
+the QC); each site learns which of its own items the other site also holds, and from them which of its people are
 there too (at least ``min_panels`` of their fingerprints shared), and writes them to its shared-people file
 (``local/fedalg_shared_people.json`` in the site's workspace, or ``FEDALG_SHARED_PEOPLE`` with ``{site}`` replaced):
-its own sample IDs under the other site's name. Nothing leaves the site but the protocol's messages
-(`psi_releases`; the egress gate, last on each site's PSI results, strips or refuses anything else): its item count,
-its items under its own key in a Bloom filter (setup), its items blinded (request), the other site's blinded items
-blinded again (response), and the intersection's size. The server relays them and learns the sites' item counts and
-the intersection's size.
+its own sample IDs under the other site's name. Nothing leaves the site but the protocol's messages (`psi_releases`;
+the egress gate, last on each site's PSI results, strips or refuses anything else): its item count, its items under
+its own key (setup; as a plain list: `psi_site.ExactPSIServer`), its items blinded (request), the other site's
+blinded items blinded again (response), and the intersection's size. The server relays them and learns the sites'
+item counts and the intersection's size.
 
 **Counted once.** A person at two sites is counted by the site whose name sorts first; the other site leaves them out
 of its QC counts (`counted_once`, called by the QC site before it counts). Both sites know the pair's result, so no
@@ -195,7 +195,7 @@ def psi_releases() -> tuple[Release, ...]:
     """What a PSI site declares it sends (docs/privacy.md, the PSI row), for the egress gate: NVFlare 2.9's DH-PSI
     answers every stage of its one task ``PSI`` with a ``PSI`` DXO, no meta, whose data is the task handler's
     Shareable (its ``__headers__``, empty, and one of: the item count (prepare; intersect: the intersection's size),
-    the setup message (the site's items under its key, in a Bloom filter; under the backward pass one per size), the
+    the setup message (the site's items under its key, a plain list; under the backward pass one per size), the
     request (its items blinded), the response (the other site's request blinded again))."""
     from nvflare.app_common.app_constant import PSIConst
 
@@ -214,14 +214,13 @@ def export_psi_jobs(output_dir: Path, sites: Sequence[str], panels: int = DEFAUL
     from nvflare.app_common.psi.dh_psi.dh_psi_controller import DhPSIController
     from nvflare.app_common.psi.file_psi_writer import FilePSIWriter
     from nvflare.app_common.psi.psi_executor import PSIExecutor
-    from nvflare.app_opt.psi.dh_psi.dh_psi_task_handler import DhPSITaskHandler
     from nvflare.job_config.api import FedJob
     from nvflare.job_config.defs import FilterType
 
     from aggregators.bundle import APP_PACKAGES
     from aggregators.egress_gate import EgressGate
 
-    site_component = _site_component()
+    site_component, task_handler = _site_component(), _site_component("ExactDhPSITaskHandler")
     out = []
     for first, second in itertools.combinations(sorted(sites), 2):
         job = FedJob(name=f"{name}_{first}__{second}", min_clients=2)
@@ -229,7 +228,7 @@ def export_psi_jobs(output_dir: Path, sites: Sequence[str], panels: int = DEFAUL
         job.to_server(DhPSIController(), id="DhPSIController")
         for site in (first, second):
             job.to(PSIExecutor(psi_algo_id="dh_psi"), site, id="psi_executor", tasks=["PSI"])
-            job.to(DhPSITaskHandler(local_psi_id="local_psi"), site, id="dh_psi")
+            job.to(task_handler(local_psi_id="local_psi"), site, id="dh_psi")  # an exact intersection: psi_site
             job.to(site_component("psi_writer", [first, second], panels, panel_size, min_panels), site,
                    id="local_psi")  # fmt: skip
             job.to(FilePSIWriter(output_path="psi/intersection.txt"), site, id="psi_writer")
@@ -242,16 +241,17 @@ def export_psi_jobs(output_dir: Path, sites: Sequence[str], panels: int = DEFAUL
     return out
 
 
-def _site_component() -> type:
-    """``psi_site.FingerprintPSI``, imported as a top-level module so that NVFlare's job API copies ``psi_site.py``
-    into the job's custom/ folder (module docstring of ``psi_site``)."""
+def _site_component(name: str = "FingerprintPSI") -> type:
+    """``psi_site.<name>`` (the fingerprints' site component, or the exact DH-PSI task handler), imported as a
+    top-level module so that NVFlare's job API copies ``psi_site.py`` into the job's custom/ folder (module docstring
+    of ``psi_site``)."""
     import importlib
     import sys
 
     folder = str(Path(__file__).parent)
     sys.path.append(folder)
     try:
-        return importlib.import_module("psi_site").FingerprintPSI
+        return getattr(importlib.import_module("psi_site"), name)
     finally:
         sys.path.remove(folder)  # the package's other modules stay importable by their package names only
 
