@@ -4,13 +4,13 @@ fingerprints and the shared-people file are `data_prep.genotypes.psi`'s, from th
 
 **An exact intersection.** NVFlare's ``PSIServer`` sends its items to the other site in a Bloom filter
 (``openmined.psi``'s ``DataStructure.BLOOM_FILTER``), which should err once in 10^11 queries at NVFlare's default
-rate. Measured here (openmined.psi 2.0.6, two sites of 240 fingerprints, 6 shared): the client's intersection held
-an item the server did not have in 3-12 of 300 runs, at requested rates 1e-11 to 1e-6 (NVFlare's own docstring cites
-openmined's issue 143 on small rates). A false item is never a false match (``min_panels`` fingerprints must match),
-but only the site that learns the intersection first holds it, so the workflow's final check that both sites hold the
-same intersection failed those runs. `ExactPSIServer` sends its (blinded) items as a plain list
-(``DataStructure.RAW``) instead: 0 of 300 runs wrong; the setup message grows from about a byte per item to a
-compressed curve point per item, a few kilobytes for a site's fingerprints.
+rate. Measured here (openmined.psi 2.0.6, 240 hashed items a side, 6 shared): the client's intersection held an item
+the server did not have in 3-12 of 300 runs, at requested rates 1e-11 to 1e-6 (NVFlare's own docstring cites a known
+openmined bug at small rates). A false item is never a false match (``min_panels`` fingerprints must match), but
+only the site that learns the intersection first holds it, so the workflow's final check that both sites hold the
+same intersection would end such a run (read from NVFlare's code). `ExactPSIServer` sends its (blinded) items as a
+plain list (``DataStructure.RAW``) instead: 0 of 300 runs wrong; the setup message grows from about a byte per item
+to a compressed curve point per item, a few kilobytes for a site's fingerprints.
 """
 
 from nvflare.apis.shareable import Shareable
