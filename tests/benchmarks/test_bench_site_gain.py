@@ -129,4 +129,5 @@ def test_site_gain_smoke_grid_end_to_end_reports_every_sites_kept_model_against_
     sizes = {json.dumps(c["site_sizes"], sort_keys=True) for c in cells}
     assert len(sizes) == 1  # fixed site data across seeds and methods
     report = (tmp_path / "report.md").read_text()
-    assert "Target for fedavgm (the pre-registered default)" in report and report.count("Per site, ") == 2
+    assert "Target for fedavgm (the pre-registered default)" in report
+    assert report.count("Per site, ") == 4 and report.count(", the pooled view (all labels; the next patient)") == 2
