@@ -64,6 +64,16 @@ SENT_BY_EVERY_SITE: tuple[Item, ...] = (
     Item("fednova.*", "FedNova's tau and ||a||_1: the step count and the lr schedule", "public"),
     Item("attack.*", "simulated attacks (experiments): whether and how this site attacked", "public"),
 )
+#: Items a secure-aggregation workflow's own site filter adds after the site's release (declared to the egress gate
+#: by that workflow, jobs/secure_aggregation.py, not by every training job).
+SENT_BY_MECHANISM: tuple[Item, ...] = (
+    Item(
+        meta_keys.SECAGG_ROUND,
+        "under --secure-aggregation secagg: the round a masked result belongs to (the server matches it to the "
+        "round's key stage)",
+        "public",
+    ),
+)
 #: Data-dependent items no epsilon covers, withheld under DP (the catch-all last).
 WITHHELD: tuple[Item, ...] = (
     Item(meta_keys.TRAIN_LOSS, "mean training loss: computed on the data outside DP", "withheld"),
@@ -87,7 +97,10 @@ def released_by(algorithm_cls: type) -> tuple[Item, ...]:
 
 #: Every item, in the order `status_of` matches them: each algorithm's own items before the withheld ones.
 RELEASED: tuple[Item, ...] = (
-    SENT_BY_EVERY_SITE + tuple(item for cls in CLIENT_ALGORITHMS.values() for item in released_by(cls)) + WITHHELD
+    SENT_BY_EVERY_SITE
+    + SENT_BY_MECHANISM
+    + tuple(item for cls in CLIENT_ALGORITHMS.values() for item in released_by(cls))
+    + WITHHELD
 )
 
 
