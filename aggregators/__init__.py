@@ -1,18 +1,7 @@
-"""Pure aggregation math: numpy dicts in, numpy dicts out. No NVFlare import anywhere in this package."""
+"""The aggregation rules' math: numpy dicts in, numpy dicts out (``fedavg.py``, ``fedopt.py``, ..., ``registry.py``).
 
-from aggregators.fedavg import FedAvg, fedavg_params
-from aggregators.registry import RULES, build_rule
-from aggregators.types import AggregationError, AggregationResult, AggregationRule, ClientUpdate, Params, RoundContext
-
-__all__ = [
-    "RULES",
-    "AggregationError",
-    "AggregationResult",
-    "AggregationRule",
-    "ClientUpdate",
-    "FedAvg",
-    "Params",
-    "RoundContext",
-    "build_rule",
-    "fedavg_params",
-]
+The layers' contracts, what build time, the server and the sites agree on (job settings, wire messages, meta keys,
+hparams, sampling, run records, egress declarations), sit below the math in `aggregators.contracts`. This file
+imports nothing, so importing the contracts loads none of the math: import a rule's names from the module that
+defines them (`aggregators.registry.RULES`, `aggregators.types.ClientUpdate`).
+"""

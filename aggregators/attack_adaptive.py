@@ -35,7 +35,6 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from aggregators import meta_keys
 from aggregators.attention import (
     AttentionCheckpointError,
     AttentionNet,
@@ -46,10 +45,18 @@ from aggregators.attention import (
     projection_width,
 )
 from aggregators.capture import CapturedRound, capture_labels, new_run_dir, write_round
+from aggregators.contracts import meta_keys
+from aggregators.contracts.hparams import hparam
 from aggregators.deltas import model_trainable_keys, trainable_keys
-from aggregators.hparams import RuleHParams, hparam
 from aggregators.robust import assemble, finite_updates
-from aggregators.types import AggregationError, AggregationResult, AggregationRule, ClientUpdate, RoundContext
+from aggregators.types import (
+    AggregationError,
+    AggregationResult,
+    AggregationRule,
+    ClientUpdate,
+    RoundContext,
+    RuleHParams,
+)
 
 LOG = logging.getLogger("fedalg.attack_adaptive")
 PACKAGE_DIR = Path(__file__).resolve().parent

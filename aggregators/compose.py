@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from aggregators.scaffold import ScaffoldControl
 from aggregators.types import (
     AggregationError,

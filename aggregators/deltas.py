@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from aggregators.functional import is_float_array, weighted_average_params
 from aggregators.types import AggregationError, ClientUpdate
 

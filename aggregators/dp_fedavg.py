@@ -73,13 +73,20 @@ from typing import Any, ClassVar, Literal, get_args
 
 import numpy as np
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
+from aggregators.contracts.hparams import CHECKED_TOGETHER, hparam
 from aggregators.deltas import delta_sq_norms, trainable_keys
 from aggregators.fedavg import FedAvg
 from aggregators.fedopt import FEDOPT_RULES
 from aggregators.functional import by_site, weighted_sum
-from aggregators.hparams import CHECKED_TOGETHER, RuleHParams, hparam
-from aggregators.types import AggregationError, AggregationResult, AggregationRule, ClientUpdate, RoundContext
+from aggregators.types import (
+    AggregationError,
+    AggregationResult,
+    AggregationRule,
+    ClientUpdate,
+    RoundContext,
+    RuleHParams,
+)
 
 #: Server optimizers that take the noisy mean as their one pseudo-gradient: the rules whose step is a function of
 #: the sum of the updates only.

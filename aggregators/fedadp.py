@@ -28,10 +28,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from aggregators.contracts.hparams import hparam
 from aggregators.deltas import average_buffers, delta_alignment, split_keys, trainable_keys
 from aggregators.functional import by_site, sample_weights, weighted_step
-from aggregators.hparams import RuleHParams, hparam
-from aggregators.types import AggregationResult, AggregationRule, ClientUpdate, RoundContext
+from aggregators.types import AggregationResult, AggregationRule, ClientUpdate, RoundContext, RuleHParams
 
 
 def gompertz(theta: np.ndarray, alpha: float) -> np.ndarray:

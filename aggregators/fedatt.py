@@ -23,10 +23,17 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from aggregators.contracts.hparams import hparam
 from aggregators.deltas import average_buffers, delta_sq_norms, split_keys, trainable_keys
 from aggregators.functional import by_site, weighted_step
-from aggregators.hparams import RuleHParams, hparam
-from aggregators.types import AggregationError, AggregationResult, AggregationRule, ClientUpdate, RoundContext
+from aggregators.types import (
+    AggregationError,
+    AggregationResult,
+    AggregationRule,
+    ClientUpdate,
+    RoundContext,
+    RuleHParams,
+)
 
 
 def softmax(scores: np.ndarray) -> np.ndarray:

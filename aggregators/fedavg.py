@@ -19,9 +19,9 @@ from typing import ClassVar
 
 import numpy as np
 
+from aggregators.contracts.hparams import hparam
 from aggregators.functional import by_site, is_float_array, sample_weights, weighted_average_params
-from aggregators.hparams import RuleHParams, hparam
-from aggregators.types import SECURE_SUM, AggregationRule, ClientUpdate, Params, RoundContext
+from aggregators.types import SECURE_SUM, AggregationRule, ClientUpdate, Params, RoundContext, RuleHParams
 
 
 def fedavg_params(

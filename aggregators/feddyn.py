@@ -47,11 +47,18 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
+from aggregators.contracts.hparams import hparam
+from aggregators.contracts.wire import FedDynReport
 from aggregators.functional import by_site, is_float_array, weighted_average_params, weighted_mean
-from aggregators.hparams import RuleHParams, hparam
-from aggregators.types import AggregationError, AggregationResult, AggregationRule, ClientUpdate, RoundContext
-from aggregators.wire import FedDynReport
+from aggregators.types import (
+    AggregationError,
+    AggregationResult,
+    AggregationRule,
+    ClientUpdate,
+    RoundContext,
+    RuleHParams,
+)
 
 DEFAULT_ALPHA = 0.01
 HSum = dict[str, np.ndarray]

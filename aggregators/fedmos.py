@@ -46,9 +46,16 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
+from aggregators.contracts.hparams import CHECKED_TOGETHER, hparam
 from aggregators.functional import by_site, is_float_array, sample_weights, weighted_mean
-from aggregators.hparams import CHECKED_TOGETHER, RuleHParams, hparam
-from aggregators.types import AggregationError, AggregationResult, AggregationRule, ClientUpdate, RoundContext
+from aggregators.types import (
+    AggregationError,
+    AggregationResult,
+    AggregationRule,
+    ClientUpdate,
+    RoundContext,
+    RuleHParams,
+)
 
 Selection = Literal["uniform", "adaptive"]
 _SELECTION_STREAM = 0x466D53  # separates the selection's random stream from other seeded draws of the job

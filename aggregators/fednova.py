@@ -33,12 +33,19 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
+from aggregators.contracts.hparams import hparam
+from aggregators.contracts.wire import FedNovaReport
 from aggregators.deltas import average_buffers, split_keys, trainable_keys
 from aggregators.functional import by_site, sample_weights, weighted_step, weighted_sum
-from aggregators.hparams import RuleHParams, hparam
-from aggregators.types import AggregationError, AggregationResult, AggregationRule, ClientUpdate, RoundContext
-from aggregators.wire import FedNovaReport
+from aggregators.types import (
+    AggregationError,
+    AggregationResult,
+    AggregationRule,
+    ClientUpdate,
+    RoundContext,
+    RuleHParams,
+)
 
 TauEff = Literal["a_norm", "steps"]
 

@@ -35,9 +35,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from aggregators.contracts.hparams import hparam, interval_text
 from aggregators.deltas import average_buffers, split_keys, trainable_keys
 from aggregators.functional import Weighting, by_site, sample_weights, weighted_sum
-from aggregators.hparams import RuleHParams, hparam, interval_text
 from aggregators.types import (
     SITE_STEP,
     AggregationError,
@@ -45,6 +45,7 @@ from aggregators.types import (
     AggregationRule,
     ClientUpdate,
     RoundContext,
+    RuleHParams,
 )
 
 CHUNK = 1 << 16  # elements per slice of a parameter: ~16 slices of 256 KiB stay in cache

@@ -22,10 +22,17 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from aggregators.contracts.hparams import hparam
 from aggregators.deltas import trainable_keys
-from aggregators.hparams import RuleHParams, hparam
 from aggregators.robust import assemble, finite_updates, stacked
-from aggregators.types import AggregationError, AggregationResult, AggregationRule, ClientUpdate, RoundContext
+from aggregators.types import (
+    AggregationError,
+    AggregationResult,
+    AggregationRule,
+    ClientUpdate,
+    RoundContext,
+    RuleHParams,
+)
 
 
 def krum_scores(vectors: np.ndarray, num_byzantine: int) -> np.ndarray:

@@ -20,9 +20,8 @@ from typing import ClassVar
 import numpy as np
 
 from aggregators.deltas import trainable_keys
-from aggregators.hparams import RuleHParams
 from aggregators.robust import assemble, finite_updates, stacked
-from aggregators.types import AggregationRule, ClientUpdate, Params, RoundContext
+from aggregators.types import AggregationRule, ClientUpdate, Params, RoundContext, RuleHParams
 
 
 def median_params(global_params: Mapping[str, np.ndarray], updates: Sequence[ClientUpdate]) -> dict[str, np.ndarray]:

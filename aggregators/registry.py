@@ -6,6 +6,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from aggregators.attack_adaptive import AttackAdaptive
+from aggregators.contracts.hparams import HParams
 from aggregators.dp_fedavg import DPFedAvg
 from aggregators.fedadp import FedAdp
 from aggregators.fedatt import FedAtt
@@ -14,7 +15,6 @@ from aggregators.feddyn import FedDyn
 from aggregators.fedmos import FedMoS
 from aggregators.fednova import FedNova
 from aggregators.fedopt import FEDOPT_RULES
-from aggregators.hparams import HParams
 from aggregators.krum import Krum
 from aggregators.median import Median
 from aggregators.scaffold import Scaffold
@@ -45,7 +45,7 @@ def unknown_setting_problem(owner: str, given: Iterable[str], allowed: Sequence[
 
 
 def rule_settings(rule_cls: type) -> tuple[str, ...] | None:
-    """The hyperparameters a rule's constructor takes, from its declaration (`aggregators.hparams.HParams`,
+    """The hyperparameters a rule's constructor takes, from its declaration (`aggregators.contracts.hparams.HParams`,
     as for the client algorithms), in declaration order (``None`` for a rule that declares none that way: its
     constructor checks its own arguments)."""
     if not (isinstance(rule_cls, type) and issubclass(rule_cls, HParams)):

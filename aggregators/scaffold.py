@@ -23,11 +23,12 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
+from aggregators.contracts.hparams import hparam
+from aggregators.contracts.wire import ControlVariate
 from aggregators.deltas import model_trainable_keys
 from aggregators.fedavg import weighted_model_step
 from aggregators.functional import Weighting, by_site, sample_weights
-from aggregators.hparams import RuleHParams, hparam
 from aggregators.types import (
     AggregationError,
     AggregationResult,
@@ -35,8 +36,8 @@ from aggregators.types import (
     ClientUpdate,
     CompanionRule,
     RoundContext,
+    RuleHParams,
 )
-from aggregators.wire import ControlVariate
 
 Controls = dict[str, np.ndarray]
 

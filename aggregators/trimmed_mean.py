@@ -20,10 +20,10 @@ from typing import ClassVar
 
 import numpy as np
 
+from aggregators.contracts.hparams import hparam
 from aggregators.deltas import trainable_keys
-from aggregators.hparams import RuleHParams, hparam
 from aggregators.robust import assemble, finite_updates, stacked
-from aggregators.types import AggregationError, AggregationRule, ClientUpdate, Params, RoundContext
+from aggregators.types import AggregationError, AggregationRule, ClientUpdate, Params, RoundContext, RuleHParams
 
 
 def trimmed_mean(values: np.ndarray, beta: float) -> np.ndarray:

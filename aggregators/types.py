@@ -12,11 +12,21 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from aggregators.contracts.hparams import HParams
+
 Params = dict[str, np.ndarray]
 
 
 class AggregationError(ValueError):
     """A round cannot be aggregated (no usable update, zero total weight, mismatched keys or shapes)."""
+
+
+@dataclass(frozen=True)
+class RuleHParams(HParams):
+    """Base of the server rules (and companions) that declare their hyperparameters as dataclass fields
+    (`aggregators.contracts.hparams`): a bad value is an `AggregationError`."""
+
+    error: ClassVar[type[Exception]] = AggregationError
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,12 @@ from typing import Any
 
 import numpy as np
 
-from aggregators import RULES, ClientUpdate, RoundContext, build_rule, meta_keys
+from aggregators.contracts import meta_keys
+from aggregators.registry import RULES, build_rule
+from aggregators.types import ClientUpdate, RoundContext
 
-#: Every registered rule (``aggregators.RULES``), in name order: a new rule is measured without being listed here.
+#: Every registered rule (``aggregators.registry.RULES``), in name order: a new rule is measured without being
+#: listed here.
 DEFAULT_RULES = tuple(sorted(RULES))
 #: Arguments a rule cannot be built without (attack_adaptive's shipped attention network fits LeNet-5 only).
 RULE_ARGS = {"attack_adaptive": {"allow_random_attention": True}}

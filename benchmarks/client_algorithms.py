@@ -50,7 +50,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from benchmarks.step_overhead import (
     BASELINE,
     SITE,

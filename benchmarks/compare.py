@@ -477,9 +477,12 @@ def require_rounds(rounds: Sequence[Any], planned: int) -> None:
     rounds none of which updated the global model (the round engine records failed rounds too, so such a federation
     would report the initial model's flat curve). Some failed rounds are not an error: a federation under attack
     may reject every result of a round. The check is the one made of simulator runs
-    (`aggregators.run_records.completion_problems`); a federation its stopping rule ended (``--stop-patience``) has
-    all its rounds."""
-    from aggregators.run_records import completion_problems, stop_note  # here: the harness's own imports stay its own
+    (`aggregators.contracts.run_records.completion_problems`); a federation its stopping rule ended
+    (``--stop-patience``) has all its rounds."""
+    from aggregators.contracts.run_records import (  # here: the harness's own imports stay its own
+        completion_problems,
+        stop_note,
+    )
 
     if len(rounds) < planned and stop_note(rounds) is None:  # the stopping rule's end is a finished run
         raise IncompleteFederation(f"{len(rounds)} round record(s) of {planned} planned")

@@ -127,7 +127,7 @@ def measure_one(
     import pytorch_lightning as pl
     import torch
 
-    from aggregators import meta_keys
+    from aggregators.contracts import meta_keys
     from lightning_modules.federated import FederatedAlgorithm
     from lightning_modules.privacy import PrivacyConfig
     from lightning_modules.privacy.dp_sgd import DPSGD, poisson_loader

@@ -413,8 +413,8 @@ def memory_rows(protocol: Protocol) -> list[list[str]]:
     """Per algorithm: what a site holds beyond its model during a round (tensors reachable from the client
     algorithm once every step is taken, shared storages once) and what it writes to disk (its state file), in units
     of the model's parameter bytes. One round of site-1 with the server's first broadcast, as the sites run it."""
-    from aggregators import build_rule
     from aggregators.compose import compose
+    from aggregators.registry import build_rule
     from benchmarks.client_algorithms import algorithm_state_bytes
     from benchmarks.in_process import initial_params, quiet_lightning, site_rounds
     from controllers.engine import RoundEngine

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aggregators import build_rule
 from aggregators.compose import compose
+from aggregators.registry import build_rule
 from controllers.engine import Host, InProcessTransport, Params, RoundEngine, RoundObserver, Transport
 from controllers.evaluator import TestSetEvaluator
 from data_prep import SiteDataConfig, site_split

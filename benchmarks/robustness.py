@@ -51,8 +51,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from aggregators import AggregationError, ClientUpdate, RoundContext, build_rule
 from aggregators.attack_adaptive import SHIPPED_CHECKPOINT
+from aggregators.registry import build_rule
+from aggregators.types import AggregationError, ClientUpdate, RoundContext
 from benchmarks.compare import mean_std, require_rounds, run_cells, same_protocol
 from benchmarks.in_process import quiet_lightning, run_in_process
 from jobs.build import JobSpec

@@ -136,7 +136,7 @@ def simulate(job_dir: Path, workspace: Path, env: Mapping[str, str]) -> list[Rou
     """Run the job with ``-t 3``; the rounds after round 0 (which includes the sites' start-up)."""
     command = [str(NVFLARE), "simulator", str(job_dir), "-w", str(workspace), "-n", str(SITES), "-t", str(SITES)]
     completed = subprocess.run(command, capture_output=True, text=True, env=dict(env), cwd=workspace.parent)
-    from aggregators.run_records import finished_records  # here: this module's own imports stay light
+    from aggregators.contracts.run_records import finished_records  # here: this module's own imports stay light
 
     records = finished_records(workspace, completed.stdout[-2000:] + completed.stderr[-2000:])
     rounds = [parse_round(record) for record in records]

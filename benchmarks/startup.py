@@ -230,7 +230,7 @@ def simulate_t1(
     completed = subprocess.run(
         command, capture_output=True, text=True, cwd=scratch, env=code_env(version.root), check=False
     )
-    from aggregators.run_records import finished_records  # here: this module's own imports stay light
+    from aggregators.contracts.run_records import finished_records  # here: this module's own imports stay light
 
     finished_records(workspace, completed.stdout[-2000:] + completed.stderr[-2000:])  # an aborted job is an error
     return client_rounds(workspace)

@@ -66,7 +66,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from benchmarks.snp_model import LARGE_SNP_MODEL
 from lightning_modules.algorithms import CLIENT_ALGORITHMS, ClientAlgorithm, build_client_algorithm
 from lightning_modules.algorithms.base import trainable_parameters

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from aggregators import ClientUpdate
+from aggregators.types import ClientUpdate
 from controllers.engine import SiteResult, validate_result  # the engine's one validation path
 from controllers.rejection import Rejection  # also imported from here by the NVFlare aggregator and tests
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 
 #: The site's own check (lightning_modules/privacy/dp_sgd.py) allows the same relative slack.
 TOLERANCE = 1e-9

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from aggregators import ClientUpdate
+from aggregators.types import ClientUpdate
 from lightning_modules.state_store import atomic_write_bytes
 
 STATE_FORMAT_VERSION = 1

@@ -1,12 +1,12 @@
 """Cross-site evaluation after the last round (``cross_site_eval``; the names and the arithmetic are in
-`aggregators.cross_site`): the bundle's controller runs it as two more tasks, over any transport.
+`aggregators.contracts.cross_site`): the bundle's controller runs it as two more tasks, over any transport.
 
-1. `aggregators.cross_site.SUBMIT_TASK` to every site of the job: each answers with its kept and its local-only
-   model, read from its private state store under the run id the task carries (the store is keyed by the
+1. `aggregators.contracts.cross_site.SUBMIT_TASK` to every site of the job: each answers with its kept and its
+   local-only model, read from its private state store under the run id the task carries (the store is keyed by the
    controller's run id, which NVFlare's ``CrossSiteModelEval`` cannot send: it has no task meta);
-2. `aggregators.cross_site.VALIDATE_TASK` to each site in turn, carrying the models of every other site that
+2. `aggregators.contracts.cross_site.VALIDATE_TASK` to each site in turn, carrying the models of every other site that
    submitted (never a site's own): it answers with counts on its validation split;
-3. the per-owner view (`aggregators.cross_site.summarize`), written with the raw counts to
+3. the per-owner view (`aggregators.contracts.cross_site.summarize`), written with the raw counts to
    ``<run dir>/metrics/cross_site_scores.json`` (`CROSS_SITE_SCORES_FILE`).
 
 A site that sends no models, or no counts, is named in the log and left out; nothing else stops.
@@ -18,8 +18,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from aggregators import cross_site, meta_keys
-from aggregators.run_records import CROSS_SITE_SCORES_FILE
+from aggregators.contracts import cross_site, meta_keys
+from aggregators.contracts.run_records import CROSS_SITE_SCORES_FILE
 
 __all__ = ["CROSS_SITE_SCORES_FILE", "Answer", "cross_site_record", "run_cross_site"]
 

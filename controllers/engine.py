@@ -38,11 +38,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from aggregators import AggregationRule, ClientUpdate, RoundContext, meta_keys
+from aggregators.contracts import meta_keys
+from aggregators.contracts.sampling import clients_per_round_count, clients_per_round_problem, select_round_sites
+from aggregators.contracts.wire import RoundInfo
 from aggregators.deltas import agreed_param_keys, leaked_local_keys, param_keys_problems, shared_entries
-from aggregators.sampling import clients_per_round_count, clients_per_round_problem, select_round_sites
+from aggregators.types import AggregationRule, ClientUpdate, RoundContext
 from aggregators.validation import meta_problems, num_samples_problems, param_problems
-from aggregators.wire import RoundInfo
 from controllers.budget import end_of_budget_message, required_sites, spent_budget
 from controllers.checkpoint import params_digest
 from controllers.rejection import Rejection
@@ -435,7 +436,7 @@ class RoundEngine:
         return {LOCAL_EVAL_FIELD: "initial"} if self.local_keys else {}
 
     def broadcast_meta(self, round_num: int, state: Mapping[str, Any], run_id: str) -> dict[str, Any]:
-        """The wire contract's `aggregators.wire.RoundInfo` (what sites parse with ``RoundInfo.from_meta``)
+        """The wire contract's `aggregators.contracts.wire.RoundInfo` (what sites parse with ``RoundInfo.from_meta``)
         plus the rule's own broadcast (e.g. SCAFFOLD's global control), which may not overwrite it."""
         rule_meta = self._call("broadcast_meta", lambda: dict(self.rule.broadcast_meta(state)))
         confirmed = None if self.last_aggregated is None else dict(self.last_aggregated)
@@ -518,7 +519,7 @@ class RoundEngine:
         # Sites out of privacy budget are not sampled; the rule's population (its rates, SCAFFOLD's N) is unchanged.
         population = tuple(site for site in population if site not in self.out_of_budget)
         count = clients_per_round_count(self.clients_per_round, len(population))
-        # The one site selection (aggregators/sampling.py): the rule's own, else the seeded sampling.
+        # The one site selection (aggregators/contracts/sampling.py): the rule's own, else the seeded sampling.
         return self._call(
             "select_sites", lambda: select_round_sites(self.rule, population, count, state, self.seed, round_num)
         )

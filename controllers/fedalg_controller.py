@@ -26,11 +26,13 @@ import numpy as np
 from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
 from nvflare.app_common.workflows.model_controller import ModelController
 
-from aggregators import AggregationRule, ClientUpdate, build_rule, meta_keys
 from aggregators.compose import compose
+from aggregators.contracts import meta_keys
 
 # The metrics files every reader of a run finds (``FINAL_SCORES_FILE``: the final global model scored by every site).
-from aggregators.run_records import FINAL_SCORES_FILE, METRICS_FILE
+from aggregators.contracts.run_records import FINAL_SCORES_FILE, METRICS_FILE
+from aggregators.registry import build_rule
+from aggregators.types import AggregationRule, ClientUpdate
 from controllers.adapters import result_site
 from controllers.checkpoint import append_metrics, load_resume_point, save_rule_state, save_updates
 from controllers.engine import Host, RoundEngine, SiteResult, scalar_meta
@@ -66,13 +68,13 @@ def to_numpy_params(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
 
 
 class FedAlgController(ModelController):
-    """Federated rounds driven by an aggregation rule from `aggregators.RULES`.
+    """Federated rounds driven by an aggregation rule from `aggregators.registry.RULES`.
 
     The job's settings come as one value, ``settings`` (`controllers.round_settings.ControllerSettings`, or its plain
     JSON form as NVFlare's job config holds it): every setting by its job name (``server``, ``server_args``,
     ``num_rounds``, ``clients_per_round``, ...), each defaulted from and checked against its one declaration in
-    ``aggregators/job_settings.py``, once, when the value is built; a bad value is refused when NVFlare builds the
-    controller, with one line naming the setting, the value and what is allowed, never at the first round. The
+    ``aggregators/contracts/job_settings.py``, once, when the value is built; a bad value is refused when NVFlare builds
+    the controller, with one line naming the setting, the value and what is allowed, never at the first round. The
     controller reads them from `round_settings`.
 
     Args:

@@ -50,7 +50,7 @@ from nvflare.apis.shareable import ReservedHeaderKey, Shareable
 from nvflare.app_common.app_constant import AppConstants
 from nvflare.app_common.app_event_type import AppEventType
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 
 # The step itself runs at the site (lightning_modules/site_optimizer.py); its names are re-exported here.
 from lightning_modules.site_optimizer import (  # noqa: F401

@@ -38,8 +38,8 @@ import numpy as np
 from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
 from nvflare.app_common.aggregators.model_aggregator import ModelAggregator
 
-from aggregators import RULES, AggregationError, ClientUpdate, RoundContext, build_rule
-from aggregators.types import UndeclaredCapability, declared
+from aggregators.registry import RULES, build_rule
+from aggregators.types import AggregationError, ClientUpdate, RoundContext, UndeclaredCapability, declared
 from controllers.adapters import Rejection, result_site
 from controllers.checkpoint import save_updates
 from controllers.engine import RoundEngine, SiteResult, aggregate_problems
@@ -88,7 +88,7 @@ LOCAL_KEYS_REFUSAL = (
 
 
 class RuleAggregator(ModelAggregator):
-    """A rule of `aggregators.RULES` as an NVFlare ``ModelAggregator`` (module docstring)."""
+    """A rule of `aggregators.registry.RULES` as an NVFlare ``ModelAggregator`` (module docstring)."""
 
     #: Rules whose result does not depend on the global model, with the settings under which that holds: derived
     #: from each rule's own ``translation_equivariant`` declaration (`equivariant_rules`).

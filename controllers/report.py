@@ -9,7 +9,7 @@ Reads the ``metrics/round_metrics.jsonl`` the controller writes into the server'
 it (`RUN_DIR_LAYOUTS`): a simulator workspace (``-w``; the recipe's SimEnv result), a job result downloaded
 from a POC or provisioned server (``<job id>/`` or its ``workspace/``), or the server's run folder itself. A job
 that did not run every configured round, or in which no round aggregated, makes it exit 1 with the reason; for a
-run that stopped early it adds how the run ended as NVFlare's logs record it (`aggregators.run_outcome`: a
+run that stopped early it adds how the run ended as NVFlare's logs record it (`aggregators.contracts.run_outcome`: a
 fatal error, on which ``nvflare simulator`` exits 2; a shutdown without one, on which it exits 0; a log cut off
 by a kill; a deployment's job status) and the first error any participant logged. ``make demo`` fails with it.
 That check comes before the plot, so without matplotlib (a site install) the reason is still printed; the missing
@@ -47,11 +47,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from aggregators.run_outcome import how_it_ended
+from aggregators.contracts.run_outcome import how_it_ended
 
 # The run's files and the finished-run check live in the bottom layer (the exported jobs' runner and the loopback
 # driver read runs too); the report's readers and tests also name them here.
-from aggregators.run_records import (  # noqa: F401
+from aggregators.contracts.run_records import (  # noqa: F401
     CROSS_SITE_SCORES_FILE,
     FINAL_SCORES,
     METRICS,

@@ -1,19 +1,19 @@
 """The server controller's settings as one typed value: `ControllerSettings`.
 
 `controllers.fedalg_controller.FedAlgController` takes this one value (``settings``), never the settings one by one:
-the job's round settings (`aggregators.job_settings.RoundSettings`: ``server``, ``server_args``, ``num_rounds``, ...,
-inherited, so each is declared once and keeps its job name), the seed of the site sampling (the job's ``seed``,
-declared in `aggregators.job_settings.DataSettings`), and what the job builder resolved from the job for the server:
-``local_keys`` (the explicit state_dict names of ``--local-keys``) and ``companions`` (the companion rules of the
-client algorithm, name -> arguments).
+the job's round settings (`aggregators.contracts.job_settings.RoundSettings`: ``server``, ``server_args``,
+``num_rounds``, ..., inherited, so each is declared once and keeps its job name), the seed of the site sampling (the
+job's ``seed``, declared in `aggregators.contracts.job_settings.DataSettings`), and what the job builder resolved from
+the job for the server: ``local_keys`` (the explicit state_dict names of ``--local-keys``) and ``companions`` (the
+companion rules of the client algorithm, name -> arguments).
 
 NVFlare's job API writes a component's constructor arguments into ``config_fed_server.json`` as plain JSON, so the
 controller's ``settings`` argument is the plain form, `ControllerSettings.as_dict`, and the controller turns it back
 into the typed value with `ControllerSettings.from_dict`. The value checks itself once, when it is built
 (``__post_init__``): every setting against its declaration, then what can be checked without the population. A bad
-value is refused with the builder's one-line `aggregators.job_settings.JobBuildError` (a ``ValueError``, what NVFlare
-reports when a component cannot be built) naming the setting, the value and what is allowed. The rule's name and
-arguments are left to `aggregators.build_rule`, which names the valid ones.
+value is refused with the builder's one-line `aggregators.contracts.job_settings.JobBuildError` (a ``ValueError``, what
+NVFlare reports when a component cannot be built) naming the setting, the value and what is allowed. The rule's name and
+arguments are left to `aggregators.registry.build_rule`, which names the valid ones.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from aggregators.job_settings import DataSettings, JobBuildError, RoundSettings, check_settings
-from aggregators.sampling import clients_per_round_problem
+from aggregators.contracts.job_settings import DataSettings, JobBuildError, RoundSettings, check_settings
+from aggregators.contracts.sampling import clients_per_round_problem
 
 __all__ = ["ControllerSettings"]
 
@@ -63,7 +63,7 @@ class ControllerSettings(RoundSettings):
     companions: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        check_settings(self, (RoundSettings, DataSettings), registries=False)  # RoundSettings' fields and seed
+        check_settings(self, (RoundSettings, DataSettings), registries=None)  # RoundSettings' fields and seed
         problem = clients_per_round_problem(self.clients_per_round)
         if problem:
             raise JobBuildError(problem)

@@ -40,7 +40,7 @@ from nvflare.app_common.app_constant import AppConstants
 from nvflare.app_common.app_event_type import AppEventType
 
 from aggregators import secagg
-from aggregators.meta_keys import SECAGG_ROUND
+from aggregators.contracts.meta_keys import SECAGG_ROUND
 from aggregators.secagg import HEADER, KEYS_TASK, MASKED_KIND, SHARES_TASK, STAGE_DATA, STAGE_KIND, UNMASK_TASK
 from controllers.secure_aggregation import BudgetScatterAndGather
 

@@ -28,7 +28,8 @@ from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable
 from nvflare.apis.signal import Signal
 
-from aggregators import meta_keys, secagg
+from aggregators import secagg
+from aggregators.contracts import meta_keys
 from aggregators.secagg import HEADER, KEYS_TASK, MASKED_KIND, SHARES_TASK, STAGE_KIND, UNMASK_TASK
 
 STATE_ID = "secagg_site"

@@ -50,8 +50,8 @@ from nvflare.app_common.app_constant import AppConstants
 from nvflare.app_common.app_event_type import AppEventType
 from nvflare.app_common.workflows.scatter_and_gather import ScatterAndGather
 
-from aggregators import meta_keys
-from aggregators.run_records import METRICS_FILE  # the same file as the bundle's controller writes
+from aggregators.contracts import meta_keys
+from aggregators.contracts.run_records import METRICS_FILE  # the same file as the bundle's controller writes
 from aggregators.types import ClientUpdate
 from controllers.budget import end_of_budget_message, spent_budget
 from controllers.engine import SiteResult, released_steps, site_eval_summary
@@ -227,8 +227,8 @@ class RoundRecorder(FLComponent):
         return self.end_on_spent_budget and bool(self.out_of_budget) and not last
 
     def budget_note(self, round_num: int, sites: int) -> dict[str, Any]:
-        """The ``stopped`` note of the last round (read by ``aggregators.run_records.stop_note``): every site is asked
-        every round, so one spent site ends the job."""
+        """The ``stopped`` note of the last round (read by ``aggregators.contracts.run_records.stop_note``): every site
+        is asked every round, so one spent site ends the job."""
         message = end_of_budget_message(round_num + 1, self.out_of_budget, sites - len(self.out_of_budget), sites)
         return {"rule": "privacy_budget", "round": round_num, "out_of_budget": dict(self.out_of_budget),
                 "message": f"{message} (NVFlare's ScatterAndGather asks every site every round)"}  # fmt: skip

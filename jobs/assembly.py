@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from aggregators.bundle import APP_PACKAGES, inside_directory
+from aggregators.contracts.bundle import APP_PACKAGES, inside_directory
 from jobs.egress import add_egress_gates
 from jobs.job_record import write_job_entry
 from jobs.secure_aggregation import add_sum_site_filters, add_sum_workflow

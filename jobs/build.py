@@ -5,7 +5,7 @@
     python -m jobs.build --presets                # re-export every committed jobs/<name>/ folder
     python -m jobs.build --presets --check        # fail if a committed folder differs from what is generated
 
-This module is the command line only. The settings are declared once in `aggregators.job_settings` (their
+This module is the command line only. The settings are declared once in `aggregators.contracts.job_settings` (their
 options come from `jobs.settings`), validated by `jobs.spec.JobSpec`, assembled with NVFlare's job API in
 `jobs.assembly`; the committed jobs are `jobs.presets`, diffed by `jobs.committed`. Any bad value, unknown name or
 impossible combination exits with code 2 and one line naming the setting, the value and what is allowed, before
@@ -84,7 +84,7 @@ DEFAULT_OUTPUT_DIR = "fl_jobs"
 
 def build_parser() -> argparse.ArgumentParser:
     """The builder's options: a few of its own, then one per job setting (`jobs.settings.add_arguments`)."""
-    from aggregators import RULES
+    from aggregators.registry import RULES
     from lightning_modules.algorithms import CLIENT_ALGORITHMS
     from lightning_modules.models import MODELS
 

@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def log_round_metrics(tracker: object, meta: dict, round_num: int) -> None:
     """Send the round's training loss and accuracy to the server (TensorBoard event files, one folder per site)."""
-    from aggregators import meta_keys
+    from aggregators.contracts import meta_keys
 
     for tag, key in (("train_loss", meta_keys.TRAIN_LOSS), ("train_accuracy", meta_keys.TRAIN_ACCURACY)):
         value = meta.get(key)
@@ -188,7 +188,7 @@ def run_builtin(args: argparse.Namespace) -> None:
     import nvflare.client.lightning as flare
     from nvflare.client.tracking import SummaryWriter
 
-    from aggregators import meta_keys
+    from aggregators.contracts import meta_keys
     from data_prep.site_config import seed_index
     from jobs.settings import dataset_num_classes
     from lightning_modules.cross_site import is_cross_site_task

@@ -1,21 +1,21 @@
 """What a training job declares its sites release, per task, and the egress gates that enforce it (docs/privacy.md).
 
-`job_releases` computes, once at build time, the `aggregators.egress.Release` of each task a training job's sites
-answer (``train``; ``validate``, the final site evaluation): the weights are the job model's state_dict entries but
-the local ones (``--local-keys``, the personal head), or anything for a ``--script`` job (the user's script builds
+`job_releases` computes, once at build time, the `aggregators.contracts.egress.Release` of each task a training job's
+sites answer (``train``; ``validate``, the final site evaluation): the weights are the job model's state_dict entries
+but the local ones (``--local-keys``, the personal head), or anything for a ``--script`` job (the user's script builds
 its own model); the meta is what `lightning_modules.privacy.release.declared_meta` declares for the client
 algorithm and the DP settings, plus what the mechanism's filters add (`jobs.secure_aggregation.sum_result_meta`)
 and NVFlare's step count; the metrics (NVFlare's Lightning callback's validation scores) only where the site's
 scores are released (no DP, or ``--dp-release-site-scores``); under ``--secure-aggregation secagg`` the training
 result is the masked update and the key and unmask stages' answers are declared too. `add_egress_gates` puts one
-`aggregators.egress_gate.EgressGate` per task last in the sites' result filters.
+`aggregators.contracts.egress_gate.EgressGate` per task last in the sites' result filters.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from aggregators.egress import METRICS_KIND, NVFLARE_RESULT_META, Release
+from aggregators.contracts.egress import METRICS_KIND, NVFLARE_RESULT_META, Release
 from jobs.secure_aggregation import secagg_releases, sum_result_kind, sum_result_meta
 
 #: The tasks a training job's sites answer: NVFlare's default training task and the final site evaluation.
@@ -51,12 +51,12 @@ def job_releases(spec: Any) -> tuple[Release, ...]:
 
 
 def cross_site_releases(spec: Any) -> tuple[Release, ...]:
-    """With ``cross_site_eval`` (aggregators/cross_site.py; refused under DP and for --script jobs): a site sends
-    its kept model (a mixture: both states and the weight) and its local-only model, every entry of the job's model
-    (local ones included: these are the site's whole models), and for the other sites' models counts only."""
+    """With ``cross_site_eval`` (aggregators/contracts/cross_site.py; refused under DP and for --script jobs): a site
+    sends its kept model (a mixture: both states and the weight) and its local-only model, every entry of the job's
+    model (local ones included: these are the site's whole models), and for the other sites' models counts only."""
     if not getattr(spec, "cross_site_eval", False):
         return ()
-    from aggregators import cross_site
+    from aggregators.contracts import cross_site
     from jobs.spec import job_model
 
     entries = tuple(job_model(spec).state_dict())
@@ -82,7 +82,7 @@ def add_egress_gates(job: Any, spec: Any) -> None:
     it last), so under secure aggregation it sees the encrypted result as it leaves."""
     from nvflare.job_config.defs import FilterType
 
-    from aggregators.egress_gate import EgressGate
+    from aggregators.contracts.egress_gate import EgressGate
 
     for release in job_releases(spec):
         job.to_clients(EgressGate(**release.to_config()), tasks=[release.task], filter_type=FilterType.TASK_RESULT)

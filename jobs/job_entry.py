@@ -224,7 +224,7 @@ def run_output(log: Path | None, spec: JobSpec, workspace: Path) -> Iterator[Non
 
 def report_result(result: str | None) -> int:
     """Print where the run's result is and whether every round ran (the simulator exits 0 on some aborts)."""
-    from aggregators.run_records import finished_records
+    from aggregators.contracts.run_records import finished_records
 
     if result is None:
         print("error: no result: the job did not finish (see the environment's logs)", file=sys.stderr)

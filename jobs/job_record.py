@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from aggregators.job_settings import SERVER
+from aggregators.contracts.job_settings import SERVER
 from jobs.settings import JobBuildError
 from jobs.spec import JobSpec, shipped_folders, spec_from_values
 

@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from aggregators.bundle import CLIENT_CONTEXT, SERVER_CONTEXT
+from aggregators.contracts.bundle import CLIENT_CONTEXT, SERVER_CONTEXT
 
 #: The tables below are derived from what every registered rule and client algorithm declares
 #: (``AggregationRule.secure_sum``, ``ClientAlgorithm.secure_sum``), on first use: the client registry loads
@@ -174,7 +174,7 @@ def sum_result_meta(spec: Any) -> tuple[str, ...]:
     if spec.secure_aggregation == "he":
         meta += HE_RESULT_META
     if spec.secure_aggregation == "secagg":
-        from aggregators.meta_keys import SECAGG_ROUND
+        from aggregators.contracts.meta_keys import SECAGG_ROUND
 
         meta += (SECAGG_ROUND,)
     if steps_at_sites(spec.server):
@@ -197,7 +197,7 @@ def secagg_releases(spec: Any) -> tuple[Any, ...]:
     the stage's entries (the public keys; the shares sealed for their holders; the shares the unmask stage asks)."""
     if spec.secure_aggregation != "secagg":
         return ()
-    from aggregators.egress import Release
+    from aggregators.contracts.egress import Release
     from aggregators.secagg import STAGE_DATA, STAGE_KIND
 
     return tuple(Release(task, (STAGE_KIND,), entries, ()) for task, entries in STAGE_DATA.items())

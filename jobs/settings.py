@@ -1,13 +1,14 @@
 """The job settings on the command line: ``python -m jobs.build`` and every site's client script ``jobs/client.py``.
 
-The settings themselves are declared once in `aggregators.job_settings` (the bottom layer, which the server's
-controller reads too), on the one declaration of `aggregators.hparams` that server rules and client algorithms use;
-they are re-exported here unchanged. This module adds what only a command line needs: one option per setting in an
+The settings themselves are declared once in `aggregators.contracts.job_settings` (the bottom layer, which the server's
+controller reads too), on the one declaration of `aggregators.contracts.hparams` that server rules and client algorithms
+use; they are re-exported here unchanged. This module adds what only a command line needs: one option per setting in an
 argument group per settings group (`add_arguments`), the parsers of JSON and number-or-none values, and argument
 parsers whose errors are one line.
 
 This module imports only the standard library and the bottom layer, so the client script can use it on a site
-before (and without) importing torch, Lightning or NVFlare's job API.
+before (and without) importing torch, Lightning or NVFlare's job API; `registries` imports the registries the
+settings name when build time calls it.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
-from aggregators.hparams import REAL, Kind, allowed_text, declared_fields, field_bounds
-from aggregators.job_settings import (
+from aggregators.contracts.hparams import REAL, Kind, allowed_text, declared_fields, field_bounds
+from aggregators.contracts.job_settings import (
     ATTACK_FIELDS,
     CLIENT,
     JOB_GROUPS,
@@ -83,11 +84,22 @@ __all__ = [  # the declarations, importable from here as before they moved to th
     "is_private",
     "parse_json_object",
     "parse_number_or_none",
+    "registries",
     "registry_problem",
     "setting",
     "setting_fields",
     "setting_problem",
 ]
+
+
+def registries() -> dict[str, Mapping[str, Any]]:
+    """The registries the job settings name (``registry="models"`` ...), by those names: the bottom layer names no
+    module above it, so build time hands them to `check_settings`. Imports them (and torch) when called."""
+    from aggregators.registry import RULES
+    from lightning_modules.algorithms.registry import CLIENT_ALGORITHMS
+    from lightning_modules.models import MODELS
+
+    return {"client_algorithms": CLIENT_ALGORITHMS, "models": MODELS, "rules": RULES}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -212,7 +224,7 @@ class ClientArgumentParser(argparse.ArgumentParser):
             except argparse.ArgumentTypeError as exc:
                 self.error(f"{flag(name)}: {exc}")
         try:
-            check_settings(checked, (*JOB_GROUPS, SiteSettings), registries=False)
+            check_settings(checked, (*JOB_GROUPS, SiteSettings), registries=None)
         except JobBuildError as exc:
             self.error(str(exc))
         return parsed, extra

@@ -37,6 +37,7 @@ from jobs.settings import (
     compact_json,
     dataset_num_classes,
     flag,
+    registries,
     setting_fields,
 )
 from jobs.shipping import importable, shipped_folders  # re-exported: jobs.assembly imports them from here
@@ -85,7 +86,7 @@ def validate_spec(spec: JobSpec) -> None:
     """Reject bad values, unknown names and impossible combinations at build time (one line each)."""
     if not isinstance(spec.name, str) or not spec.name or "/" in spec.name or spec.name in (".", ".."):
         raise JobBuildError(f"name must be a folder name (no '/'), got {spec.name!r}")
-    check_settings(spec)
+    check_settings(spec, registries=registries())
     problem = secure_aggregation_problem(spec)  # first: the sum workflow never runs what the later checks check
     if problem:
         raise JobBuildError(problem)
@@ -185,7 +186,7 @@ def _check_partial_sharing(spec: JobSpec) -> None:
 
 def _rule_declares(spec: JobSpec, capability: str) -> Any:
     """The job's rule's own declaration of ``capability`` (aggregators/types.py::declared): undeclared, refused."""
-    from aggregators import RULES
+    from aggregators.registry import RULES
     from aggregators.types import UndeclaredCapability, declared
 
     try:
@@ -250,7 +251,7 @@ def advisories(spec: JobSpec) -> list[str]:
 
 def sampled_sites(spec: JobSpec) -> int:
     """Sites trained per round (the controller's own resolution of ``clients_per_round``)."""
-    from aggregators.sampling import clients_per_round_count
+    from aggregators.contracts.sampling import clients_per_round_count
 
     return clients_per_round_count(spec.clients_per_round, spec.num_sites)
 
@@ -560,9 +561,8 @@ def _client_algorithm(spec: JobSpec) -> ClientAlgorithm:
 
 def _check_server_rule(spec: JobSpec) -> None:
     """The server rule and its companions, constructed with ``server_args`` as the controller will."""
-    from aggregators import build_rule
     from aggregators.compose import compose
-    from aggregators.registry import rule_args_problem
+    from aggregators.registry import build_rule, rule_args_problem
 
     problem = rule_args_problem(spec.server, spec.server_args)
     if problem:
@@ -609,7 +609,7 @@ def _check_composition(client_cls: type, rule_cls: type) -> tuple[str, ...]:
 
 
 def _check_composition_of(spec: JobSpec) -> tuple[str, ...]:
-    from aggregators import RULES
+    from aggregators.registry import RULES
     from lightning_modules.algorithms import CLIENT_ALGORITHMS
 
     return _check_composition(CLIENT_ALGORITHMS[spec.client], RULES[spec.server])
@@ -683,8 +683,8 @@ def _check_stopping(spec: JobSpec) -> None:
 
 
 def _check_cross_site(spec: JobSpec) -> None:
-    """``cross_site_eval`` (aggregators/cross_site.py) sends each site's kept and local-only models to the other
-    sites: never under DP (nothing accounts for that release), only where those models and the splits that score
+    """``cross_site_eval`` (aggregators/contracts/cross_site.py) sends each site's kept and local-only models to the
+    other sites: never under DP (nothing accounts for that release), only where those models and the splits that score
     them exist (docs/privacy.md, docs/personalization.md)."""
     if not spec.cross_site_eval:
         return

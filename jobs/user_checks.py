@@ -130,7 +130,7 @@ def same_entry(a: Any, b: Any) -> bool:
 
 def algorithm_problem(spec: Any, module: pl.LightningModule) -> str | None:
     """What the job's client algorithm or server rule cannot run with in ``module`` or its optimizer."""
-    from aggregators import RULES
+    from aggregators.registry import RULES
     from lightning_modules.algorithms import ClientAlgorithmError, build_client_algorithm
     from lightning_modules.protocols import configured_optimizer, module_problem, optimizer_problem
 

@@ -27,7 +27,7 @@ import pytorch_lightning as pl
 import torch
 from torch import Tensor
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 
 UPDATE_ATTACKS = ("sign_flip", "scale", "gaussian")
 ATTACKS = ("none", *UPDATE_ATTACKS, "label_flip")

@@ -1,12 +1,12 @@
-"""A site's side of cross-site evaluation (``cross_site_eval``; aggregators/cross_site.py has the names and the
-arithmetic, controllers/cross_site.py the server's side).
+"""A site's side of cross-site evaluation (``cross_site_eval``; aggregators/contracts/cross_site.py has the names and
+the arithmetic, controllers/cross_site.py the server's side).
 
 - `submission`: the model the site keeps (`lightning_modules.kept_model.KEPT_STORE`: one state, or for a mixture
   its own and federated states and the weight) and its early-stopped local-only model
   (`lightning_modules.kept_model.OWN_STORE`), both of the run the task names, as ``<part>/<entry>`` weights;
 - `score_owners`: the other sites' models the task carries, scored on this site's validation split in one plain
   forward pass per model (lightning_modules/split_scores.py; a mixture mixes the probabilities, as the owner chose
-  it), answered as counts per owner (`aggregators.cross_site.COUNTS`).
+  it), answered as counts per owner (`aggregators.contracts.cross_site.COUNTS`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 
-from aggregators import cross_site, meta_keys
+from aggregators.contracts import cross_site, meta_keys
 from lightning_modules.kept_model import KEPT_STORE, OWN_STORE, RUN_KEY
 from lightning_modules.site_choice import mixture_scores
 from lightning_modules.split_scores import SplitBatches, log_probs

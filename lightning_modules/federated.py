@@ -53,9 +53,9 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
+from aggregators.contracts.wire import FedNovaReport
 from aggregators.fednova import normalizer_l1
-from aggregators.wire import FedNovaReport
 from lightning_modules.algorithms.base import ClientAlgorithm, ClientAlgorithmError, check_server_meta
 from lightning_modules.algorithms.kernels import fold_linear_term_, gradient_observers
 from lightning_modules.fl_callback import MetaSource, nvflare_meta_source
@@ -145,7 +145,7 @@ def check_round_optimizer(algorithm: ClientAlgorithm, meta: Mapping[str, Any], o
     """Refuse, when the round starts, an optimizer the client algorithm or the server's rule (named in the meta)
     cannot work with: otherwise FedNova's report is silently left out and the server rejects every round with a
     message about a missing key, not about the optimizer."""
-    from aggregators import RULES
+    from aggregators.registry import RULES
 
     rule_cls = RULES.get(str(meta.get(meta_keys.AGGREGATION_RULE)))
     problem = optimizer_problem(algorithm, rule_cls, optimizer)

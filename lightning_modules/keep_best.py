@@ -47,7 +47,7 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from lightning_modules.algorithms.base import ClientAlgorithmError
 from lightning_modules.kept_model import KEPT_STORE, KeptModel
 from lightning_modules.local_baseline import LocalBaseline, local_seed, matched_steps

@@ -33,7 +33,7 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from lightning_modules.site_choice import (
     KINDS,
     MIXTURE_WEIGHTS,

@@ -37,7 +37,7 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from lightning_modules.algorithms.registry import CLIENT_ALGORITHMS
 from lightning_modules.personal_scores import own_random_stream, single_process_trainer
 from lightning_modules.state_store import ClientStateStore

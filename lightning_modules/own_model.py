@@ -32,7 +32,7 @@ from typing import Any
 import pytorch_lightning as pl
 from pytorch_lightning.utilities.model_helpers import is_overridden
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from lightning_modules.algorithms.base import ClientAlgorithmError
 from lightning_modules.options import json_arg
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from aggregators.deltas import model_trainable_keys
 from aggregators.functional import is_float_array
 from aggregators.types import AggregationError, ClientUpdate, RoundContext
@@ -115,7 +115,7 @@ class SiteOptimizer:
     """One site's FedOpt step on the decrypted mean (module docstring), its state in ``store``."""
 
     def __init__(self, rule: str, rule_args: Mapping[str, Any] | None, store: ClientStateStore) -> None:
-        from aggregators import build_rule
+        from aggregators.registry import build_rule
 
         self.rule = build_rule(rule, **dict(rule_args or {}))
         self.store = store

@@ -145,8 +145,8 @@ def test_every_table_derived_from_a_registry_is_on_the_page():
 
 
 def registered_names() -> set[str]:
-    from aggregators import RULES
     from aggregators.compose import COMPANIONS
+    from aggregators.registry import RULES
     from lightning_modules.algorithms import CLIENT_ALGORITHMS
 
     return set(RULES) | set(CLIENT_ALGORITHMS) | set(COMPANIONS)

@@ -10,6 +10,7 @@ circle too: such a submodule names the module that defines the name instead.
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -81,11 +82,66 @@ def imported_modules(tree: ast.AST, importer: str, modules: Mapping[str, Path]) 
     return {name for name in found if name in modules}
 
 
-def import_graph(modules: Mapping[str, Path]) -> dict[str, set[str]]:
+#: A string that is a whole dotted name, optionally with ``:ATTR`` (``"pkg.mod"``, ``"pkg.mod.Class"``,
+#: ``"pkg.mod:NAME"``).
+DOTTED_NAME = re.compile(r"[A-Za-z_]\w*(?:\.\w+)*(?::[\w.]+)?")
+
+
+def _named_module(text: str, modules: Mapping[str, Path]) -> str | None:
+    """The bundle module a string names: itself, the part before ``:`` (a registry or object path), or the part
+    before the last dot (a class path); ``None`` for any other string."""
+    if not DOTTED_NAME.fullmatch(text) or ("." not in text and ":" not in text):
+        return None
+    module = text.partition(":")[0]
+    for candidate in (module, module.rpartition(".")[0]):
+        if candidate in modules:
+            return candidate
+    return None
+
+
+#: The calls whose first argument is a module to import.
+IMPORTERS = {"import_module", "__import__"}
+
+
+def _call_name(func: ast.expr) -> str | None:
+    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    bodies = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    return {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, bodies) and node.body and isinstance(node.body[0], ast.Expr)
+    }
+
+
+def named_modules(tree: ast.AST, modules: Mapping[str, Path]) -> set[str]:
+    """The bundle modules that ``tree`` names in strings, outside docstrings: the literal argument of
+    ``import_module``/``__import__`` and every string that is a module's dotted name, ``module:ATTR`` (a registry)
+    or ``module.Class`` (a class path NVFlare's config reads). Such a name is a dependency as real as an import."""
+    docstrings = _docstrings(tree)
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and _call_name(node.func) in IMPORTERS and node.args:
+            argument = node.args[0]
+            if isinstance(argument, ast.Constant) and argument.value in modules:  # a top-level package's name
+                found.add(argument.value)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            module = _named_module(node.value, modules)
+            if module is not None:
+                found.add(module)
+    return found
+
+
+def import_graph(modules: Mapping[str, Path], by_name: bool = False) -> dict[str, set[str]]:
+    """Each module's imports; ``by_name``: also the modules it names in strings (`named_modules`)."""
     graph = {}
     for name, path in modules.items():
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
         graph[name] = imported_modules(tree, name, modules)
+        if by_name:
+            graph[name] |= named_modules(tree, modules) - {name}
     return graph
 
 

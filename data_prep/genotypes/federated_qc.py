@@ -51,7 +51,7 @@ import numpy as np
 from nvflare.app_common.abstract.fl_model import FLModel
 from nvflare.app_common.workflows.model_controller import ModelController
 
-from aggregators.egress import Release
+from aggregators.contracts.egress import Release
 from data_prep.errors import DataPrepError
 from data_prep.genotypes.qc import (
     MIN_SITE_PEOPLE,
@@ -649,7 +649,7 @@ def export_qc_job(
     from nvflare.job_config.api import FedJob
     from nvflare.job_config.script_runner import FrameworkType, ScriptRunner
 
-    from aggregators.bundle import APP_PACKAGES, inside_directory
+    from aggregators.contracts.bundle import APP_PACKAGES, inside_directory
 
     output_dir = Path(output_dir).resolve()
     job = FedJob(name=name, min_clients=num_sites)
@@ -700,10 +700,10 @@ def qc_releases(secure_aggregation: str) -> tuple[Release, ...]:
 
 
 def add_egress_gates(job: object, secure_aggregation: str) -> None:
-    """The egress gate last on each of the QC tasks' results (aggregators/egress_gate.py)."""
+    """The egress gate last on each of the QC tasks' results (aggregators/contracts/egress_gate.py)."""
     from nvflare.job_config.defs import FilterType
 
-    from aggregators.egress_gate import EgressGate
+    from aggregators.contracts.egress_gate import EgressGate
 
     for release in qc_releases(secure_aggregation):
         job.to_clients(EgressGate(**release.to_config()), tasks=[release.task], filter_type=FilterType.TASK_RESULT)

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from aggregators.egress import Release
+from aggregators.contracts.egress import Release
 from data_prep.errors import DataPrepError
 from data_prep.genotypes.fingerprint import (
     DEFAULT_MIN_PANELS,
@@ -217,8 +217,8 @@ def export_psi_jobs(output_dir: Path, sites: Sequence[str], panels: int = DEFAUL
     from nvflare.job_config.api import FedJob
     from nvflare.job_config.defs import FilterType
 
-    from aggregators.bundle import APP_PACKAGES
-    from aggregators.egress_gate import EgressGate
+    from aggregators.contracts.bundle import APP_PACKAGES
+    from aggregators.contracts.egress_gate import EgressGate
 
     site_component, task_handler = _site_component(), _site_component("ExactDhPSITaskHandler")
     out = []

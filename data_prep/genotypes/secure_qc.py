@@ -25,7 +25,7 @@ import numpy as np
 import tenseal as ts
 
 # The file names NVFlare's HEBuilder writes into the startup kits, as the training jobs' HE filters read them.
-from aggregators.bundle import CLIENT_CONTEXT, SERVER_CONTEXT
+from aggregators.contracts.bundle import CLIENT_CONTEXT, SERVER_CONTEXT
 from data_prep.errors import DataPrepError
 from data_prep.genotypes.qc import implied_people
 

@@ -450,10 +450,10 @@ def leftover_processes(deployment: Deployment) -> list[int]:
 def job_problems(meta: Mapping[str, Any], result: Path, qc: bool = False) -> list[str]:
     """Why a finished job did not do its work (empty: it did): NVFlare's status, then the server's metrics in the
     downloaded ``result``, whose round records must reach the planned rounds with one that aggregated
-    (`aggregators.run_records.completion_problems`, the check ``controllers.report`` makes of simulator runs): a
-    controller that stops early still ends in ``FINISHED:COMPLETED``. A federated QC job (``qc``) has no rounds:
+    (`aggregators.contracts.run_records.completion_problems`, the check ``controllers.report`` makes of simulator runs):
+    a controller that stops early still ends in ``FINISHED:COMPLETED``. A federated QC job (``qc``) has no rounds:
     the server's ``qc_report.json`` is its result."""
-    from aggregators.run_records import completion_problems
+    from aggregators.contracts.run_records import completion_problems
 
     status = str(meta.get("status", ""))
     problems = [] if status.startswith("FINISHED:COMPLETED") else [f"job status is {status or 'unknown'}"]
@@ -496,7 +496,7 @@ def site_data_settings(job_dir: Path, num_sites: int, max_train_samples: int | N
 
 def result_summary(result: Path) -> str:
     """The global model's final test accuracy in the downloaded ``result`` and the report command for it."""
-    from aggregators.run_records import load_records
+    from aggregators.contracts.run_records import load_records
 
     scored = [r for r in load_records(result) if r.get("test_accuracy") is not None]
     accuracy = f"{scored[-1]['test_accuracy']:.4f}" if scored else "not scored"

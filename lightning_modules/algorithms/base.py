@@ -33,8 +33,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from aggregators import meta_keys
-from aggregators.wire import round_meta_problems
+from aggregators.contracts import meta_keys
+from aggregators.contracts.wire import round_meta_problems
 from lightning_modules.algorithms.capabilities import DPSGD, PersonalModel, Released, declared_dp_sgd
 from lightning_modules.algorithms.errors import ClientAlgorithmError
 from lightning_modules.algorithms.hparams import HParams

@@ -71,8 +71,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from aggregators import meta_keys
-from aggregators.hparams import CHECKED_TOGETHER
+from aggregators.contracts import meta_keys
+from aggregators.contracts.hparams import CHECKED_TOGETHER
 from lightning_modules.algorithms.base import ClientAlgorithm, ClientAlgorithmError, settle_state, trainable_parameters
 from lightning_modules.algorithms.capabilities import DPSGD, PER_SITE_STATE, PersonalModel, Released
 from lightning_modules.algorithms.fedprox import FedProx

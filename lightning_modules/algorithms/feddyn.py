@@ -60,8 +60,8 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import nn
 
-from aggregators import meta_keys
-from aggregators.wire import FedDynReport
+from aggregators.contracts import meta_keys
+from aggregators.contracts.wire import FedDynReport
 from lightning_modules.algorithms.base import (
     ClientAlgorithm,
     ClientAlgorithmError,

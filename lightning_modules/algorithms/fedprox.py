@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from lightning_modules.algorithms.base import ClientAlgorithm, trainable_parameters
 from lightning_modules.algorithms.capabilities import DPSGD, Released
 from lightning_modules.algorithms.hparams import HParams, hparam

@@ -1,4 +1,4 @@
-"""The client algorithms' side of the one hyperparameter declaration (`aggregators.hparams`).
+"""The client algorithms' side of the one hyperparameter declaration (`aggregators.contracts.hparams`).
 
 Every client algorithm declares its hyperparameters as a frozen, keyword-only dataclass subclassing `HParams`
 (the algorithm's ``hparams_class``), exactly as a server rule declares its own: fields typed ``float``, ``int``,
@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from aggregators import hparams as declaration
-from aggregators.hparams import NOT_REPORTED, declared_fields, hparam
+from aggregators.contracts import hparams as declaration
+from aggregators.contracts.hparams import NOT_REPORTED, declared_fields, hparam
 from lightning_modules.algorithms.errors import ClientAlgorithmError
 
 __all__ = ["NOT_REPORTED", "HParams", "declared_fields", "hparam"]

@@ -77,9 +77,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
+from aggregators.contracts.wire import ControlVariate
 from aggregators.scaffold import l2_norm
-from aggregators.wire import ControlVariate
 from lightning_modules.algorithms.base import (
     ClientAlgorithm,
     ClientAlgorithmError,

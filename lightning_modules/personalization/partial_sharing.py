@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from lightning_modules.algorithms.base import (
     LOCAL_KEYS_ATTRIBUTE,
     RUN_ID_KEY,

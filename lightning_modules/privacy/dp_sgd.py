@@ -32,7 +32,7 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from lightning_modules.algorithms.base import ClientAlgorithm
 from lightning_modules.algorithms.capabilities import declared_dp_sgd
 from lightning_modules.algorithms.errors import ClientAlgorithmError

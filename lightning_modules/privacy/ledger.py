@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from lightning_modules.algorithms.errors import ClientAlgorithmError
 from lightning_modules.privacy.accountant import Segment, epsilon
 from lightning_modules.state_store import ClientStateStore, StateStoreError

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from data_prep.errors import DataPrepError
 from data_prep.genotypes.qc_noise import QcNoise, l2_sensitivity, noisy_counts
 from lightning_modules.privacy.accountant import AccountantUnavailable, noise_for_budget

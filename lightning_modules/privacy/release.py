@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from fnmatch import fnmatchcase
 from typing import Any
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from aggregators.types import declared
 from lightning_modules.algorithms.capabilities import Released, Status
 from lightning_modules.algorithms.registry import CLIENT_ALGORITHMS
@@ -131,9 +131,9 @@ def unaccounted_keys(meta: Mapping[str, Any]) -> list[str]:
 
 def declared_meta(client: str, private: bool, release_site_scores: bool = False) -> tuple[str, ...]:
     """The meta keys (patterns) a training site of a job declares it sends, for the egress gate
-    (`aggregators.egress`): every site's items and the job's client algorithm's (``released``); without DP also the
-    withheld families (``train.*``, ``eval.*``: a job without DP releases them), never the catch-all; under DP only
-    what is not withheld, and ``eval.*`` when the job releases the site scores (``--dp-release-site-scores``)."""
+    (`aggregators.contracts.egress`): every site's items and the job's client algorithm's (``released``); without DP
+    also the withheld families (``train.*``, ``eval.*``: a job without DP releases them), never the catch-all; under DP
+    only what is not withheld, and ``eval.*`` when the job releases the site scores (``--dp-release-site-scores``)."""
     items = SENT_BY_EVERY_SITE + released_by(CLIENT_ALGORITHMS[client])
     if private:
         patterns = [item.pattern for item in items if item.status != "withheld"]

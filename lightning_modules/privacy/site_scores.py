@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from lightning_modules.site_choice import KINDS
 from lightning_modules.state_store import ClientStateStore, is_writer
 

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from aggregators import ClientUpdate, RoundContext, build_rule, meta_keys
 from aggregators.attack_adaptive import SHIPPED_CHECKPOINT, AttackAdaptive
 from aggregators.attention import AttentionNet, save_attention_checkpoint
 from aggregators.capture import read_capture
-from aggregators.types import AggregationError
+from aggregators.contracts import meta_keys
+from aggregators.registry import build_rule
+from aggregators.types import AggregationError, ClientUpdate, RoundContext
 
 GLOBAL = {"w": np.array([0.5, -0.5, 1.0], np.float32), "bn.num_batches_tracked": np.array(4, np.int64)}
 DELTAS = [[1.0, 0.2, 0.1], [0.9, 0.1, 0.2], [0.8, 0.3, 0.0], [-2.0, 5.0, -3.0]]  # the last one is the outlier

@@ -7,9 +7,11 @@ import json
 import numpy as np
 import pytest
 
-from aggregators import RULES, ClientUpdate, RoundContext, build_rule, meta_keys
 from aggregators.compose import COMPANIONS, ComposedRule, CompositionError, compose, plan_composition
+from aggregators.contracts import meta_keys
+from aggregators.registry import RULES, build_rule
 from aggregators.scaffold import Scaffold
+from aggregators.types import ClientUpdate, RoundContext
 from jobs.build import JobBuildError, JobSpec, export_job, main
 from lightning_modules.algorithms import CLIENT_ALGORITHMS
 

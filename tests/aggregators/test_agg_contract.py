@@ -20,8 +20,11 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from aggregators import RULES, ClientUpdate, RoundContext, build_rule, dp_fedavg, meta_keys
+from aggregators import dp_fedavg
 from aggregators.compose import compose
+from aggregators.contracts import meta_keys
+from aggregators.registry import RULES, build_rule
+from aggregators.types import ClientUpdate, RoundContext
 from controllers.checkpoint import load_rule_state, save_rule_state
 
 RNG = np.random.default_rng(7)
@@ -192,7 +195,7 @@ def test_the_state_survives_the_server_checkpoint(tmp_path, name):
 
 
 def test_every_registered_rule_is_an_aggregation_rule_with_its_hooks():
-    from aggregators import AggregationRule
+    from aggregators.types import AggregationRule
 
     for name in rule_names():
         rule_cls = RULES[name]

@@ -1,5 +1,5 @@
-"""Cross-site evaluation's arithmetic (aggregators/cross_site.py), in closed form: the sample-weighted means over the
-other sites and the paired difference with its standard error, from counts only."""
+"""Cross-site evaluation's arithmetic (aggregators/contracts/cross_site.py), in closed form: the sample-weighted means
+over the other sites and the paired difference with its standard error, from counts only."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from aggregators import cross_site
-from aggregators.cross_site import owner_counts, split_key, summarize
+from aggregators.contracts import cross_site
+from aggregators.contracts.cross_site import owner_counts, split_key, summarize
 
 
 def counts(n: int, kept: int, local: int, kept_only: int, local_only: int) -> dict[str, int]:

@@ -10,7 +10,8 @@ import pickle
 import numpy as np
 import pytest
 
-from aggregators import RULES, AggregationError, ClientUpdate, RoundContext, build_rule, dp_fedavg, meta_keys
+from aggregators import dp_fedavg
+from aggregators.contracts import meta_keys
 from aggregators.dp_fedavg import (
     _COUNT_NOISE,
     CLIP_NORM,
@@ -26,6 +27,8 @@ from aggregators.dp_fedavg import (
     sampled_gaussian_rdp,
     update_noise_multiplier,
 )
+from aggregators.registry import RULES, build_rule
+from aggregators.types import AggregationError, ClientUpdate, RoundContext
 
 X = {"w": np.array([1.0, -2.0, 0.5], np.float32), "b": np.array([0.25], np.float32)}
 KEYS = ["w", "b"]

@@ -13,8 +13,11 @@ import math
 import numpy as np
 import pytest
 
-from aggregators import ClientUpdate, RoundContext, build_rule, dp_fedavg, meta_keys
+from aggregators import dp_fedavg
+from aggregators.contracts import meta_keys
 from aggregators.dp_fedavg import EPSILON, ORDERS
+from aggregators.registry import build_rule
+from aggregators.types import ClientUpdate, RoundContext
 
 dp_accounting = pytest.importorskip("dp_accounting")
 from dp_accounting import dp_event  # noqa: E402  (after the skip: an optional dev dependency)

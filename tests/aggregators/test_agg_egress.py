@@ -1,4 +1,5 @@
-"""The egress gate's rule (aggregators/egress.py) in closed form, and its NVFlare filter on real shareables."""
+"""The egress gate's rule (aggregators/contracts/egress.py) in closed form, and its NVFlare filter on real
+shareables."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import ReservedHeaderKey
 from nvflare.app_common.app_constant import AppConstants
 
-from aggregators.egress import INITIAL_METRICS, TRANSPORT_HEADERS, Carried, Release, judge, undeclared
-from aggregators.egress_gate import EgressGate, EgressRefused
+from aggregators.contracts.egress import INITIAL_METRICS, TRANSPORT_HEADERS, Carried, Release, judge, undeclared
+from aggregators.contracts.egress_gate import EgressGate, EgressRefused
 
 TRAIN = Release("train", ("WEIGHTS",), ("w", "b"), ("train.num_samples", "privacy.*"))
 

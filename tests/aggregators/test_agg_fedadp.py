@@ -7,9 +7,11 @@ import copy
 import numpy as np
 import pytest
 
-from aggregators import AggregationError, ClientUpdate, RoundContext, build_rule, meta_keys
+from aggregators.contracts import meta_keys
 from aggregators.fedadp import gompertz
 from aggregators.fedavg import fedavg_params
+from aggregators.registry import build_rule
+from aggregators.types import AggregationError, ClientUpdate, RoundContext
 
 CONTEXT = RoundContext(round_num=0, num_rounds=3, population=("site-1", "site-2", "site-3"))
 X0 = {"a": np.zeros(1, np.float32), "b": np.zeros(1, np.float32)}

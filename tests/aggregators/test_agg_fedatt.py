@@ -7,8 +7,10 @@ import copy
 import numpy as np
 import pytest
 
-from aggregators import AggregationError, ClientUpdate, RoundContext, build_rule, meta_keys
+from aggregators.contracts import meta_keys
 from aggregators.fedatt import softmax
+from aggregators.registry import build_rule
+from aggregators.types import AggregationError, ClientUpdate, RoundContext
 
 CONTEXT = RoundContext(round_num=0, num_rounds=3, population=("site-1", "site-2"))
 

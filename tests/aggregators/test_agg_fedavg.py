@@ -11,8 +11,8 @@ import itertools
 import numpy as np
 import pytest
 
-from aggregators import AggregationError, AggregationResult, AggregationRule, ClientUpdate, FedAvg, RoundContext
-from aggregators.fedavg import fedavg_params
+from aggregators.fedavg import FedAvg, fedavg_params
+from aggregators.types import AggregationError, AggregationResult, AggregationRule, ClientUpdate, RoundContext
 
 CONTEXT = RoundContext(round_num=0, num_rounds=1, population=("site-a", "site-b"))
 

@@ -10,8 +10,10 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from aggregators import AggregationError, ClientUpdate, RoundContext, build_rule, meta_keys
+from aggregators.contracts import meta_keys
 from aggregators.feddyn import FedDyn
+from aggregators.registry import build_rule
+from aggregators.types import AggregationError, ClientUpdate, RoundContext
 from controllers.checkpoint import load_rule_state, save_rule_state
 
 KEYS = meta_keys.FEDDYN_PARAM_KEYS

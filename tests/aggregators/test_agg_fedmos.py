@@ -9,9 +9,10 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from aggregators import AggregationError, ClientUpdate, RoundContext, build_rule
+from aggregators.contracts.sampling import sample_sites, select_round_sites
 from aggregators.fedmos import FedMoS, data_shares, select_adaptive, select_uniform, stratified_urns
-from aggregators.sampling import sample_sites, select_round_sites
+from aggregators.registry import build_rule
+from aggregators.types import AggregationError, ClientUpdate, RoundContext
 from controllers.checkpoint import load_rule_state, save_rule_state
 
 SITES = ("a", "b", "c", "d")

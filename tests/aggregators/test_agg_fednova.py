@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from aggregators import AggregationError, ClientUpdate, RoundContext, build_rule, meta_keys
+from aggregators.contracts import meta_keys
 from aggregators.fedavg import fedavg_params
 from aggregators.fednova import normalizer_l1
+from aggregators.registry import build_rule
+from aggregators.types import AggregationError, ClientUpdate, RoundContext
 from lightning_modules.algorithms import build_client_algorithm
 from lightning_modules.federated import fednova_meta, sgd_step_settings
 

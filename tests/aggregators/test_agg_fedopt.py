@@ -7,9 +7,11 @@ import copy
 import numpy as np
 import pytest
 
-from aggregators import AggregationError, ClientUpdate, RoundContext, build_rule, meta_keys
+from aggregators.contracts import meta_keys
 from aggregators.fedavg import fedavg_params
 from aggregators.fedopt import TAU_FLOOR_WHY
+from aggregators.registry import build_rule
+from aggregators.types import AggregationError, ClientUpdate, RoundContext
 from controllers.adapters import split_results
 
 CONTEXT = RoundContext(round_num=0, num_rounds=5, population=("site-1", "site-2"))

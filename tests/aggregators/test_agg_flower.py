@@ -18,7 +18,8 @@ flwr = pytest.importorskip("flwr")
 from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays  # noqa: E402
 from flwr.server.strategy import FedAdagrad, FedAdam, FedAvgM, FedYogi  # noqa: E402
 
-from aggregators import ClientUpdate, RoundContext, build_rule  # noqa: E402
+from aggregators.registry import build_rule  # noqa: E402
+from aggregators.types import ClientUpdate, RoundContext  # noqa: E402
 
 KEYS = ("conv.weight", "fc.bias")
 SHAPES = ((4, 3), (5,))

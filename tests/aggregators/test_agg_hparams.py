@@ -1,12 +1,12 @@
-"""One declaration for server rules, client algorithms and job settings (aggregators/hparams.py): every registered
-rule and every registered client algorithm declares its settings as fields, the registries take the accepted keys
-from that declaration, and a bad value of any field is refused with the one wording
+"""One declaration for server rules, client algorithms and job settings (aggregators/contracts/hparams.py): every
+registered rule and every registered client algorithm declares its settings as fields, the registries take the accepted
+keys from that declaration, and a bad value of any field is refused with the one wording
 
     <name>: hyperparameter '<field>' must be <allowed> (<note>), got <value>
 
 as an ``AggregationError`` for a rule and a ``ClientAlgorithmError`` for a client algorithm. The job settings
-(aggregators/job_settings.py) are read by the same reader and checker and say what is allowed in the same words
-(``<setting> must be <allowed>, got <value>``)."""
+(aggregators/contracts/job_settings.py) are read by the same reader and checker and say what is allowed in the same
+words (``<setting> must be <allowed>, got <value>``)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from aggregators import RULES, AggregationError, build_rule
-from aggregators.hparams import (
+from aggregators.contracts.hparams import (
     REAL,
     HParams,
     Kind,
@@ -30,8 +29,9 @@ from aggregators.hparams import (
     kind_of,
     refusal,
 )
-from aggregators.job_settings import JOB_GROUPS, JobBuildError, SiteSettings, check_settings, setting
-from aggregators.registry import rule_settings
+from aggregators.contracts.job_settings import JOB_GROUPS, JobBuildError, SiteSettings, check_settings, setting
+from aggregators.registry import RULES, build_rule, rule_settings
+from aggregators.types import AggregationError
 from lightning_modules.algorithms import CLIENT_ALGORITHMS, ClientAlgorithmError, build_client_algorithm
 
 
@@ -138,7 +138,7 @@ def test_a_field_type_outside_the_declaration_is_a_programming_error():
 )
 def test_every_job_setting_is_checked_and_worded_by_the_one_declaration(spec_field, kind, value):
     with pytest.raises(JobBuildError) as info:
-        check_settings(SimpleNamespace(**{spec_field.name: value}), (*JOB_GROUPS, SiteSettings), registries=False)
+        check_settings(SimpleNamespace(**{spec_field.name: value}), (*JOB_GROUPS, SiteSettings), registries=None)
     if kind.choices is not None and value is not None:
         assert str(info.value) == f"unknown {spec_field.name} {value!r}; choose one of {list(kind.choices)}"
     else:
@@ -178,7 +178,7 @@ def test_a_setting_declared_alike_is_refused_alike_as_a_hyperparameter_and_as_a_
     with pytest.raises(ValueError) as as_hparam:
         _ProbeHParams(**{field_name: value})
     with pytest.raises(JobBuildError) as as_setting:
-        check_settings(SimpleNamespace(**{field_name: value}), (_ProbeSettings,))
+        check_settings(SimpleNamespace(**{field_name: value}), (_ProbeSettings,), registries=None)
     assert str(as_hparam.value) == refusal("probe", field_name, allowed, value)
     assert str(as_setting.value) == f"{field_name} must be {allowed}, got {value!r}"
 

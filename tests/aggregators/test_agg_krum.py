@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aggregators import ClientUpdate, RoundContext, build_rule
 from aggregators.krum import krum_params, krum_scores, krum_select
-from aggregators.types import AggregationError
+from aggregators.registry import build_rule
+from aggregators.types import AggregationError, ClientUpdate, RoundContext
 
 POINTS = np.array([[0.0], [0.1], [0.3], [10.0]])
 GLOBAL = {"w": np.array([0.0], np.float32), "t": np.array(0, np.int64)}

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aggregators import ClientUpdate, RoundContext, build_rule
 from aggregators.median import median_params
-from aggregators.types import AggregationError
+from aggregators.registry import build_rule
+from aggregators.types import AggregationError, ClientUpdate, RoundContext
 
 CONTEXT = RoundContext(round_num=0, num_rounds=1, population=())
 

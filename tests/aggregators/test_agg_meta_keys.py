@@ -1,4 +1,5 @@
-"""``aggregators.meta_keys``: every wire key is namespaced, none is NVFlare's own name (docs/design.md, decision 3)."""
+"""``aggregators.contracts.meta_keys``: every wire key is namespaced, none is NVFlare's own name (docs/design.md,
+decision 3)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 from nvflare.apis.fl_constant import FLMetaKey
 from nvflare.app_common.app_constant import AlgorithmConstants
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 
 
 def _wire_keys() -> dict[str, str]:

@@ -6,7 +6,9 @@ import re
 
 import pytest
 
-from aggregators import RULES, AggregationError, FedAvg, build_rule
+from aggregators.fedavg import FedAvg
+from aggregators.registry import RULES, build_rule
+from aggregators.types import AggregationError
 
 
 def test_fedavg_is_registered_under_its_name():

@@ -5,8 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aggregators import AggregationError, ClientUpdate, RoundContext, build_rule, meta_keys
+from aggregators.contracts import meta_keys
+from aggregators.registry import build_rule
 from aggregators.scaffold import Scaffold, control_problems
+from aggregators.types import AggregationError, ClientUpdate, RoundContext
 
 DIFF = meta_keys.SCAFFOLD_CTRL_DIFF
 

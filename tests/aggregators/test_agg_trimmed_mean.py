@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aggregators import ClientUpdate, build_rule
+from aggregators.registry import build_rule
 from aggregators.trimmed_mean import TrimmedMean, trimmed_mean, trimmed_mean_params
-from aggregators.types import AggregationError
+from aggregators.types import AggregationError, ClientUpdate
 
 GLOBAL = {"w": np.array([0.0, 0.0], np.float32), "t": np.array(0, np.int64)}
 

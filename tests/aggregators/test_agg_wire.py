@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aggregators import meta_keys
-from aggregators.wire import ControlVariate, FedDynReport, FedNovaReport, RoundInfo, TrainingStats
+from aggregators.contracts import meta_keys
+from aggregators.contracts.wire import ControlVariate, FedDynReport, FedNovaReport, RoundInfo, TrainingStats
 
 SHAPES = {"w": (2, 2), "b": (2,)}
 CONTROL = {"w": np.ones((2, 2), np.float32), "b": np.zeros(2, np.float32)}

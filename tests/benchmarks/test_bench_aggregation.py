@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from aggregators import RULES
+from aggregators.registry import RULES
 from benchmarks.aggregation import (
     DEFAULT_RULES,
     main,

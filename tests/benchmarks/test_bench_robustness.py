@@ -11,9 +11,9 @@ from functools import partial
 
 import pytest
 
-from aggregators import build_rule
 from aggregators.attention import load_attention_checkpoint
 from aggregators.pretrain_attention import main as pretrain_main
+from aggregators.registry import build_rule
 from benchmarks.robustness import (
     RobustnessCell,
     Settings,

@@ -9,7 +9,8 @@ import pytest
 import torch
 from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
 
-from aggregators import ClientUpdate, fedavg_params
+from aggregators.fedavg import fedavg_params
+from aggregators.types import ClientUpdate
 from controllers.adapters import Rejection, result_site, split_results, to_client_update
 
 GLOBAL = {

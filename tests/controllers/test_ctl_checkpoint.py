@@ -269,7 +269,7 @@ def test_append_metrics_converts_other_numpy_values(tmp_path, value, expected):
 
 
 def test_save_updates_round_trips_through_load_updates(tmp_path):
-    from aggregators import ClientUpdate
+    from aggregators.types import ClientUpdate
     from controllers.checkpoint import load_updates, save_updates
 
     updates = [

@@ -4,7 +4,7 @@ become the per-owner view; a site that sends nothing is named and left out."""
 
 from __future__ import annotations
 
-from aggregators import cross_site
+from aggregators.contracts import cross_site
 from controllers.cross_site import Answer, cross_site_record, run_cross_site
 
 

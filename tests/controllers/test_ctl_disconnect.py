@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from controllers.fedalg_controller import FedAlgController
 
 SITES = ("site-1", "site-2", "site-3")

@@ -12,8 +12,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aggregators import AggregationResult, AggregationRule, build_rule, meta_keys
-from aggregators.sampling import sample_sites
+from aggregators.contracts import meta_keys
+from aggregators.contracts.sampling import sample_sites
+from aggregators.registry import build_rule
+from aggregators.types import AggregationResult, AggregationRule
 from controllers.engine import (
     Host,
     InProcessTransport,

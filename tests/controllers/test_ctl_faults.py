@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from benchmarks.in_process import quiet_lightning, run_in_process
 from controllers.engine import SiteResult
 from jobs.spec import JobSpec

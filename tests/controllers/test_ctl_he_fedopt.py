@@ -16,8 +16,9 @@ import sys
 import numpy as np
 import pytest
 
-from aggregators import build_rule, meta_keys
+from aggregators.contracts import meta_keys
 from aggregators.fedopt import FEDOPT_RULES
+from aggregators.registry import build_rule
 from aggregators.types import ClientUpdate, RoundContext
 from controllers import he_fedopt
 from controllers.he_fedopt import SiteOptimizer, SiteOptimizerError, divergence_problem
@@ -353,8 +354,8 @@ def test_the_job_steps_at_the_sites_after_decryption_and_checks_at_the_server(tm
         "controllers.he_fedopt.SiteOptimizerDigest",
         "controllers.secure_aggregation.SampleCountWeight",
         *encryptor,
-        "aggregators.egress_gate.EgressGate",  # last on train, then the validate chain
-        "aggregators.egress_gate.EgressGate",
+        "aggregators.contracts.egress_gate.EgressGate",  # last on train, then the validate chain
+        "aggregators.contracts.egress_gate.EgressGate",
     ]
     step = next(f for e in site["task_data_filters"] for f in e["filters"] if f["path"].endswith("OptimizerStep"))
     assert step["args"] == {"server": "fedadam", "server_args": args}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from benchmarks.in_process import initial_params, quiet_lightning, run_in_process, site_rounds
 from jobs.build import JobSpec
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aggregators import build_rule, meta_keys
+from aggregators.contracts import meta_keys
+from aggregators.registry import build_rule
 from controllers.engine import LOCAL_EVAL_FIELD, Host, InProcessTransport, RoundEngine
 from controllers.nvflare_aggregator import RuleAggregator
 

@@ -10,7 +10,9 @@ import pytest
 from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
 from nvflare.app_common.utils.fl_model_utils import FLModelUtils
 
-from aggregators import AggregationError, ClientUpdate, RoundContext, build_rule, meta_keys
+from aggregators.contracts import meta_keys
+from aggregators.registry import build_rule
+from aggregators.types import AggregationError, ClientUpdate, RoundContext
 from controllers.nvflare_aggregator import RuleAggregator
 
 RNG = np.random.default_rng(0)

@@ -11,7 +11,8 @@ import pytest
 from nvflare.app_common.abstract.fl_model import FLModel
 from nvflare.app_opt.lightning.algorithm import _AlgorithmHandlerManager
 
-from aggregators import RULES, build_rule, meta_keys
+from aggregators.contracts import meta_keys
+from aggregators.registry import RULES, build_rule
 from controllers.adapters import Rejection, to_client_update
 
 PARAMS = {"net.w": np.zeros(2, np.float32)}

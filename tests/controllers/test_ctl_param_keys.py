@@ -7,8 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aggregators import AggregationError, ClientUpdate, build_rule, meta_keys
+from aggregators.contracts import meta_keys
 from aggregators.deltas import agreed_param_keys, trainable_keys
+from aggregators.registry import build_rule
+from aggregators.types import AggregationError, ClientUpdate
 from controllers.engine import Host, InProcessTransport, RoundEngine
 
 SITES = ("site-1", "site-2", "site-3")

@@ -9,8 +9,9 @@ import logging
 import numpy as np
 import pytest
 
-from aggregators import build_rule, meta_keys
-from aggregators.wire import RoundInfo
+from aggregators.contracts import meta_keys
+from aggregators.contracts.wire import RoundInfo
+from aggregators.registry import build_rule
 from controllers.budget import end_of_budget_message, required_sites, spent_budget
 from controllers.engine import InProcessTransport, RoundEngine, SiteResult, released_steps
 from tests.controllers.test_ctl_engine import GLOBAL, SAMPLES, SITES, MemoryHost

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from aggregators import run_outcome
+from aggregators.contracts import run_outcome
 from controllers import report
 from tests.controllers.test_ctl_report import initial, round_record, write_metrics
 from tests.controllers.test_ctl_report_layouts import write_run

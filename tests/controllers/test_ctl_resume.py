@@ -17,7 +17,9 @@ import pytest
 import torch
 from nvflare.app_common.abstract.fl_model import FLModel
 
-from aggregators import RULES, dp_fedavg, meta_keys
+from aggregators import dp_fedavg
+from aggregators.contracts import meta_keys
+from aggregators.registry import RULES
 from controllers.checkpoint import GLOBAL_MODEL_FILE, load_resume_point, save_rule_state
 from controllers.fedalg_controller import STATE_FILE, FedAlgController, resumed_population
 

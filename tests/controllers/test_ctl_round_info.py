@@ -1,12 +1,13 @@
-"""The round meta the engine broadcasts is the wire contract's RoundInfo (aggregators/wire.py), so a site can
+"""The round meta the engine broadcasts is the wire contract's RoundInfo (aggregators/contracts/wire.py), so a site can
 check it with ``RoundInfo.from_meta`` and get its problems by key."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from aggregators import build_rule, meta_keys
-from aggregators.wire import RoundInfo
+from aggregators.contracts import meta_keys
+from aggregators.contracts.wire import RoundInfo
+from aggregators.registry import build_rule
 from controllers import engine as engine_module
 from controllers.engine import Host, InProcessTransport, RoundEngine
 

@@ -13,7 +13,7 @@ import pytest
 from nvflare.apis.impl.wf_comm_server import WFCommServer
 from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from controllers.fedalg_controller import ROUND_TIMING_KEYS, TASK_CHECK_PERIOD, FedAlgController, _ControllerHost
 
 SITES = ("site-1", "site-2")

@@ -9,8 +9,9 @@ import logging
 import numpy as np
 import pytest
 
-from aggregators import AggregationResult, AggregationRule, meta_keys
-from aggregators.sampling import sample_sites, select_round_sites
+from aggregators.contracts import meta_keys
+from aggregators.contracts.sampling import sample_sites, select_round_sites
+from aggregators.types import AggregationResult, AggregationRule
 from controllers import engine as engine_module
 from controllers.engine import Host, InProcessTransport, RoundEngine
 

@@ -1,4 +1,4 @@
-"""``aggregators.sampling``: how many sites train in a round and which ones (seeded, order independent)."""
+"""``aggregators.contracts.sampling``: how many sites train in a round and which ones (seeded, order independent)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from aggregators.sampling import clients_per_round_count, sample_sites
+from aggregators.contracts.sampling import clients_per_round_count, sample_sites
 
 SITES = [f"site-{i}" for i in range(1, 11)]
 

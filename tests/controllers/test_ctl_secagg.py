@@ -18,7 +18,8 @@ from nvflare.apis.fl_context import FLContext
 from nvflare.app_common.abstract.model import ModelLearnableKey, make_model_learnable
 from nvflare.app_common.app_constant import AppConstants
 
-from aggregators import meta_keys, secagg
+from aggregators import secagg
+from aggregators.contracts import meta_keys
 from controllers.secagg import RoundSetup, SecAggAggregator
 from controllers.secagg_site import SecAggSite
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aggregators import ClientUpdate
+from aggregators.types import ClientUpdate
 from controllers.engine import site_eval_summary, site_metrics
 
 PARAMS = {"w": np.zeros(2, np.float32)}

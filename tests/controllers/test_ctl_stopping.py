@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aggregators import build_rule, meta_keys
-from aggregators.run_records import completion_problems, stop_note, stopped_early
+from aggregators.contracts import meta_keys
+from aggregators.contracts.run_records import completion_problems, stop_note, stopped_early
+from aggregators.registry import build_rule
 from controllers.engine import InProcessTransport, RoundEngine
 from controllers.stopping import Plateau, rounds_since_best
 from jobs.build import JobSpec

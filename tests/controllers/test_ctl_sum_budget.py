@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from controllers.budget import spent_budget
 from controllers.secure_aggregation import RoundRecorder
 from jobs.build import JobSpec, export_job

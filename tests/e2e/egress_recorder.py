@@ -69,7 +69,7 @@ class EgressRecorder(Filter):
 
 # ---- for the tests (not used by the server) -------------------------------------------------------------------------
 
-GATE = "aggregators.egress_gate.EgressGate"
+GATE = "aggregators.contracts.egress_gate.EgressGate"
 #: The header NVFlare's server adds to a result on receipt (after the site's gate).
 SERVER_ADDED_HEADERS = ("fl_client",)
 

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("opacus")
 
-from aggregators.run_records import stop_note, stopped_early
+from aggregators.contracts.run_records import stop_note, stopped_early
 from jobs.build import JobSpec, export_job
 from lightning_modules.privacy.ledger import LEDGER_NAME, ledger_from_state
 from lightning_modules.state_store import ClientStateStore

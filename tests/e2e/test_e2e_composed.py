@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from aggregators import ClientUpdate, RoundContext, build_rule, meta_keys
+from aggregators.contracts import meta_keys
+from aggregators.registry import build_rule
+from aggregators.types import ClientUpdate, RoundContext
 from controllers.checkpoint import load_updates
 from jobs.build import JobSpec, export_job
 

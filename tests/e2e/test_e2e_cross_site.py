@@ -1,5 +1,5 @@
-"""Cross-site evaluation in a real simulator job (``--cross-site-eval``; aggregators/cross_site.py): after the last
-round each site's kept and local-only models are scored on the other site's validation split.
+"""Cross-site evaluation in a real simulator job (``--cross-site-eval``; aggregators/contracts/cross_site.py): after the
+last round each site's kept and local-only models are scored on the other site's validation split.
 
 Tiny: digits MLP, 2 label-skewed sites, 2 rounds, ``--keep best --local-baseline``. Checked against an independent
 recomputation: each site's kept and local-only models, read from its own state store after the run, scored here on
@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from aggregators import cross_site
+from aggregators.contracts import cross_site
 from jobs.build import JobSpec, export_job
 
 SPEC = JobSpec(

@@ -29,7 +29,7 @@ import pytest
 
 pytest.importorskip("opacus")
 
-from aggregators.egress import TRANSPORT_HEADERS
+from aggregators.contracts.egress import TRANSPORT_HEADERS
 from jobs.build import JobSpec, export_job
 from tests.e2e.egress_recorder import beyond_declared, install, read
 

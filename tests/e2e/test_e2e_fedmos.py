@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from controllers.checkpoint import load_updates
 from jobs.build import JobSpec, export_job
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from controllers import report
 from controllers.checkpoint import load_updates
 from jobs.build import JobSpec, export_job

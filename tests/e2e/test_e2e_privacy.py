@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("opacus")
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from jobs.build import export_job
 from jobs.presets import PRESETS
 from lightning_modules.privacy.accountant import Segment, epsilon

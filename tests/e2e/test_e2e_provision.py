@@ -346,8 +346,8 @@ def test_a_site_down_when_the_job_resumes_stays_in_feddyns_population_and_rejoin
     with m = 3 (recomputed from the saved client models; m = 2 would differ). Site-3 comes back; resumed once
     more with min_responses 3, the job aggregates all three, and the server's h equals the sum of the sites' H_k,
     site-3's settled from what it had written before its crash."""
-    from aggregators import ClientUpdate
     from aggregators.feddyn import feddyn_params
+    from aggregators.types import ClientUpdate
     from controllers.checkpoint import load_resume_point, load_updates
 
     deployment, _ = deployment

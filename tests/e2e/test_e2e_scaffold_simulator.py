@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from controllers import report
 from controllers.checkpoint import load_updates
 

@@ -40,7 +40,7 @@ from nvflare.app_common.app_constant import AlgorithmConstants
 from nvflare.app_common.workflows.scaffold import scaffold_aggregate_fn
 from nvflare.app_opt.lightning.algorithm import _AlgorithmHandlerManager
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from controllers import report
 from controllers.checkpoint import RoundCapture, load_updates
 from controllers.fedalg_controller import FedAlgController, outgoing_model

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from aggregators.egress import TRANSPORT_HEADERS
+from aggregators.contracts.egress import TRANSPORT_HEADERS
 from aggregators.secagg import KEYS_TASK, MASKED_KIND, SHARES_TASK, UNMASK_TASK
 from jobs.build import JobSpec, export_job
 from jobs.provision import loopback

@@ -35,7 +35,7 @@ import pytest
 import torch
 from nvflare.fuel.utils.class_utils import instantiate_class
 
-from aggregators.egress import TRANSPORT_HEADERS
+from aggregators.contracts.egress import TRANSPORT_HEADERS
 from data_prep.genotypes.cli import main as genotypes_main
 from data_prep.genotypes.federated_qc import CLEAR_COUNTS_WARNING, HE_COUNTS_NOTE, QC_TABLE, global_qc
 from data_prep.genotypes.qc import QcThresholds, genotype_counts

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from aggregators import cross_site
+from aggregators.contracts import cross_site
 from jobs.build import main
 from jobs.egress import job_releases
 from jobs.spec import JobSpec, job_model

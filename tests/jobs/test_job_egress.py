@@ -1,5 +1,5 @@
 """What each job declares its sites release (jobs/egress.py, the QC job's export), and that every exported job ends
-every result chain of its sites with the egress gate (aggregators/egress_gate.py)."""
+every result chain of its sites with the egress gate (aggregators/contracts/egress_gate.py)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from aggregators.egress import NVFLARE_RESULT_META
+from aggregators.contracts.egress import NVFLARE_RESULT_META
 from jobs.assembly import JOBS_DIR
 from jobs.egress import job_releases
 from jobs.presets import PRESETS
 from jobs.spec import JobSpec, job_model
 
-GATE = "aggregators.egress_gate.EgressGate"
+GATE = "aggregators.contracts.egress_gate.EgressGate"
 DP = {"dp_target_epsilon": 8.0, "dp_max_grad_norm": 1.0}
 DIGITS = {"dataset": "digits", "arch": "mlp"}
 

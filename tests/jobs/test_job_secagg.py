@@ -101,10 +101,10 @@ def test_the_exported_job_wires_secagg_around_the_bundles_client(tmp_path):
     assert by_task[("train",)] == [
         "controllers.secure_aggregation.SampleCountWeight",
         "controllers.secagg_site.SecAggMask",
-        "aggregators.egress_gate.EgressGate",
+        "aggregators.contracts.egress_gate.EgressGate",
     ]
     for task in ("secagg_keys", "secagg_shares", "secagg_unmask"):
-        assert by_task[(task,)] == ["aggregators.egress_gate.EgressGate"]
+        assert by_task[(task,)] == ["aggregators.contracts.egress_gate.EgressGate"]
     requirements = (job / "app" / "custom" / "site_requirements.txt").read_text()
     assert "flwr==1.41.0" in requirements and "tenseal" not in requirements
 

@@ -155,8 +155,8 @@ def test_a_user_model_job_ships_its_package_and_the_server_builds_the_users_mode
     assert _paths(site["task_result_filters"]) == [
         "controllers.secure_aggregation.SampleCountWeight",
         "nvflare.app_opt.he.model_encryptor.HEModelEncryptor",
-        "aggregators.egress_gate.EgressGate",  # last on train, then the validate chain
-        "aggregators.egress_gate.EgressGate",
+        "aggregators.contracts.egress_gate.EgressGate",  # last on train, then the validate chain
+        "aggregators.contracts.egress_gate.EgressGate",
     ]
     assert (job / "app" / "custom" / "custom_model" / "model.py").is_file()
     executor = site["executors"][0]["executor"]["args"]
@@ -225,8 +225,8 @@ def test_the_he_job_wires_nvflares_he_components_around_the_bundles_client(clien
     assert result_filters == [
         "controllers.secure_aggregation.SampleCountWeight",
         "nvflare.app_opt.he.model_encryptor.HEModelEncryptor",
-        "aggregators.egress_gate.EgressGate",  # last on train, then the validate chain
-        "aggregators.egress_gate.EgressGate",
+        "aggregators.contracts.egress_gate.EgressGate",  # last on train, then the validate chain
+        "aggregators.contracts.egress_gate.EgressGate",
     ]
     executor = site["executors"][0]["executor"]["args"]
     assert executor["task_script_path"] == "client.py" and f"--client {client}" in executor["task_script_args"]
@@ -244,8 +244,8 @@ def test_the_plain_twin_is_the_same_workflow_without_encryption(tmp_path):
     )
     assert _paths(site["task_result_filters"]) == [
         "controllers.secure_aggregation.SampleCountWeight",
-        "aggregators.egress_gate.EgressGate",  # last on train, then the validate chain
-        "aggregators.egress_gate.EgressGate",
+        "aggregators.contracts.egress_gate.EgressGate",  # last on train, then the validate chain
+        "aggregators.contracts.egress_gate.EgressGate",
     ]
     assert not is_he_job(job) and not is_he_job(JOBS_DIR / "fedavg")
 
@@ -294,7 +294,7 @@ def test_the_loopback_project_gets_hebuilder_before_the_signatures(tmp_path):
 def test_the_weight_filter_sets_nvflares_weight_to_the_sample_count():
     from nvflare.apis.dxo import DXO, DataKind, MetaKey
 
-    from aggregators import meta_keys
+    from aggregators.contracts import meta_keys
     from controllers.secure_aggregation import SampleCountWeight
 
     dxo = DXO(DataKind.WEIGHTS, data={"w": np.ones(2)}, meta={meta_keys.NUM_SAMPLES: 273})

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from aggregators import AggregationError, build_rule
 from aggregators.fedopt import TAU_FLOOR_WHY
-from aggregators.registry import RULES, rule_args_problem, rule_settings
+from aggregators.registry import RULES, build_rule, rule_args_problem, rule_settings
+from aggregators.types import AggregationError
 from jobs.build import JobBuildError, JobSpec, main
 from jobs.recipe import FedAlgRecipe
+from jobs.settings import registries, registry_problem, setting_fields
 from jobs.spec import spec_from_values
 
 REPO = Path(__file__).resolve().parents[2]
@@ -145,3 +146,18 @@ def test_scaffold_under_strong_skew_is_advised_by_its_effective_learning_rate(lr
     assert bool(notes) is advised
     if advised:
         assert f"effective lr {lr / (1 - momentum):g}" in notes[0] and "niid_bench.md" in notes[0]
+
+
+def test_every_registry_a_setting_names_is_one_build_time_resolves():
+    """The bottom layer names its registries by name; build time maps each name to the registry itself."""
+    named = {spec_field.metadata["registry"] for spec_field, _ in setting_fields() if spec_field.metadata["registry"]}
+    resolved = registries()
+    assert named == set(resolved) == {"client_algorithms", "models", "rules"}
+    assert resolved["rules"] is RULES
+
+
+def test_a_registry_the_caller_does_not_hand_over_is_an_error_not_a_pass():
+    server = next(spec_field for spec_field, _ in setting_fields() if spec_field.name == "server")
+    with pytest.raises(LookupError, match="server takes a name from the registry 'rules', not among \\['models'\\]"):
+        registry_problem(server, "fedavg", {"models": {}})
+    assert registry_problem(server, "nope", {"rules": RULES}).startswith("unknown server 'nope'; choose one of")

@@ -1,7 +1,7 @@
 """Every client algorithm declares its hyperparameters once, as a frozen dataclass (lightning_modules/algorithms/
-hparams.py, on the declaration the server rules share: aggregators/hparams.py): the constructor, the registry's key
-check and ``hparams()`` all come from it, and a bad value or an unknown key is refused with one line naming the
-algorithm, the setting, the value and what is allowed."""
+hparams.py, on the declaration the server rules share: aggregators/contracts/hparams.py): the constructor, the
+registry's key check and ``hparams()`` all come from it, and a bad value or an unknown key is refused with one line
+naming the algorithm, the setting, the value and what is allowed."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import typing
 
 import pytest
 
-from aggregators.hparams import check_choice, check_int, check_number
+from aggregators.contracts.hparams import check_choice, check_int, check_number
 from lightning_modules.algorithms import CLIENT_ALGORITHMS, ClientAlgorithmError, HParams, build_client_algorithm
 from lightning_modules.algorithms.hparams import declared_fields
 from lightning_modules.algorithms.registry import client_args_problem, declared_hparams

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from lightning_modules.attacks import (
     AttackCallback,
     AttackConfig,

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from aggregators import RULES, meta_keys
+from aggregators.contracts import meta_keys
+from aggregators.registry import RULES
 from lightning_modules.algorithms import CLIENT_ALGORITHMS, ClientAlgorithm
 from lightning_modules.algorithms.capabilities import PersonalModel, declared_dp_sgd
 from lightning_modules.algorithms.fedprox import FedProx
@@ -31,7 +32,7 @@ KEYS = {value for name, value in vars(meta_keys).items() if name.isupper() and i
 @pytest.mark.parametrize("name", sorted(CLIENT_ALGORITHMS))
 def test_every_key_an_algorithm_sends_lives_in_meta_keys_and_has_its_own_release_status(name):
     cls = CLIENT_ALGORITHMS[name]
-    assert set(cls.sent_meta) <= KEYS, f"{name}: add {set(cls.sent_meta) - KEYS} to aggregators/meta_keys.py"
+    assert set(cls.sent_meta) <= KEYS, f"{name}: add {set(cls.sent_meta) - KEYS} to aggregators/contracts/meta_keys.py"
     own = {item.pattern for item in cls.released}
     for key in cls.sent_meta:
         assert release.status_of(key).pattern in own, f"{name}: declare {key!r} in its class's released"

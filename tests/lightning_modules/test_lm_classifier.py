@@ -22,7 +22,7 @@ from pytorch_lightning.core.optimizer import LightningOptimizer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from lightning_modules import FederatedAlgorithm, FLClassifier
 from lightning_modules.algorithms import (
     CLIENT_ALGORITHMS,

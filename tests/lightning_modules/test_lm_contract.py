@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from aggregators import meta_keys
-from aggregators.wire import ControlVariate, FedDynReport, FedNovaReport, TrainingStats
+from aggregators.contracts import meta_keys
+from aggregators.contracts.wire import ControlVariate, FedDynReport, FedNovaReport, TrainingStats
 from lightning_modules import FederatedAlgorithm, FLClassifier
 from lightning_modules.algorithms import CLIENT_ALGORITHMS, build_client_algorithm
 from lightning_modules.personalization.partial_sharing import STORE_NAME

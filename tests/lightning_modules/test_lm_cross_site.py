@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aggregators import cross_site
+from aggregators.contracts import cross_site
 from lightning_modules.cross_site import CrossSiteError, answer, owner_models, score_owners, submission
 from lightning_modules.kept_model import KeptModel
 from lightning_modules.split_scores import classifier_batches

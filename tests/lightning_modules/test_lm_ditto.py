@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from lightning_modules.algorithms import ClientAlgorithmError, build_client_algorithm
 from lightning_modules.algorithms.ditto import Ditto, ditto_step_
 from lightning_modules.federated import FederatedAlgorithm

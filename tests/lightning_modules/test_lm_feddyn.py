@@ -17,8 +17,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from aggregators import RULES, ClientUpdate, RoundContext, meta_keys
+from aggregators.contracts import meta_keys
 from aggregators.feddyn import FedDyn as FedDynRule
+from aggregators.registry import RULES
+from aggregators.types import ClientUpdate, RoundContext
 from jobs.build import PRESETS, JobBuildError, JobSpec, _check_composition
 from lightning_modules import FederatedAlgorithm, FLClassifier
 from lightning_modules.algorithms import CLIENT_ALGORITHMS, ClientAlgorithm, ClientAlgorithmError

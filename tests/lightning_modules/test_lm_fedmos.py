@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from aggregators import RULES, meta_keys
+from aggregators.contracts import meta_keys
+from aggregators.registry import RULES
 from jobs.build import _check_composition
 from lightning_modules import FLClassifier
 from lightning_modules.algorithms import ClientAlgorithm, ClientAlgorithmError, build_client_algorithm

@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from aggregators import RULES, meta_keys
+from aggregators.contracts import meta_keys
+from aggregators.registry import RULES
 from jobs.build import PRESETS, JobSpec, _check_composition
 from lightning_modules.algorithms import ClientAlgorithm, ClientAlgorithmError, build_client_algorithm
 from lightning_modules.algorithms.fedprox import FedProx

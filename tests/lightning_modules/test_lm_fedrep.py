@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from jobs.build import JobBuildError, JobSpec
 from lightning_modules.algorithms import build_client_algorithm
 from lightning_modules.algorithms.base import ClientAlgorithmError

@@ -16,7 +16,7 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from lightning_modules import FederatedAlgorithm, FLClassifier
 from lightning_modules.algorithms import ClientAlgorithm, build_client_algorithm, kernels
 from lightning_modules.algorithms.feddyn import FedDyn

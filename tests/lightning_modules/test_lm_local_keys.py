@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from benchmarks.in_process import initial_params, quiet_lightning, site_rounds
 from jobs.build import JobBuildError, JobSpec
 from lightning_modules.algorithms.base import trainable_parameters

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aggregators import RULES, meta_keys
+from aggregators.contracts import meta_keys
+from aggregators.registry import RULES
 from jobs.build import PRESETS, JobBuildError, JobSpec, _check_composition, export_job, model_arch_args
 from lightning_modules import FLClassifier
 from lightning_modules.algorithms import ClientAlgorithm, ClientAlgorithmError, build_client_algorithm

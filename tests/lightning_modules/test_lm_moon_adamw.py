@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from lightning_modules import FederatedAlgorithm
 from lightning_modules.algorithms.base import RUN_ID_KEY
 from lightning_modules.federated import algorithm_loss

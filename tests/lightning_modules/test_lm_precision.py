@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from jobs.build import JobBuildError, JobSpec, client_script_args
 from jobs.client import build_parser
 from lightning_modules import FederatedAlgorithm, FLClassifier

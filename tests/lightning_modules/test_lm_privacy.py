@@ -14,7 +14,7 @@ from torch import nn
 
 pytest.importorskip("opacus")
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from lightning_modules.federated import FederatedAlgorithm
 from lightning_modules.privacy import PrivacyConfig
 from lightning_modules.privacy.accountant import Segment, epsilon, noise_for_budget

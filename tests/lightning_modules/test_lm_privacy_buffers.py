@@ -16,7 +16,7 @@ from torch import nn
 
 pytest.importorskip("opacus")
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from lightning_modules.algorithms.errors import ClientAlgorithmError
 from lightning_modules.privacy.dp_sgd import model_problem
 from lightning_modules.privacy.release import status_of

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("opacus")
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from benchmarks.in_process import quiet_lightning, run_in_process
 from jobs.presets import EXAMPLES
 from jobs.spec import JobSpec

@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from benchmarks.in_process import initial_params, quiet_lightning, site_rounds
 from controllers import report
 from jobs.build import JobSpec

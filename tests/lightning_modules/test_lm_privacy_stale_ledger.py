@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("opacus")
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from benchmarks.in_process import quiet_lightning, run_in_process
 from jobs.spec import JobSpec
 from lightning_modules.privacy.ledger import LEDGER_NAME

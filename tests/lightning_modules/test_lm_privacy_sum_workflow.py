@@ -22,7 +22,7 @@ from nvflare.apis.fl_constant import ReservedKey
 from nvflare.apis.fl_context import FLContext
 from nvflare.app_common.app_constant import AppConstants
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from controllers.secure_aggregation import ReleasedStepsBroadcast, RoundRecorder, SumWorkflowRound
 from lightning_modules.federated import FederatedAlgorithm
 from lightning_modules.privacy import PrivacyConfig

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("opacus")
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from jobs import client
 from lightning_modules.state_store import ClientStateStore
 

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aggregators import RULES, meta_keys
+from aggregators.contracts import meta_keys
+from aggregators.registry import RULES
 from lightning_modules import FederatedAlgorithm
 from lightning_modules.algorithms import ClientAlgorithm, ClientAlgorithmError, build_client_algorithm
 from lightning_modules.algorithms.fedmos import FedMoS

@@ -11,7 +11,7 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from jobs import build
 from lightning_modules import FederatedAlgorithm
 from lightning_modules.algorithms import ClientAlgorithmError, build_client_algorithm

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from lightning_modules.algorithms import ClientAlgorithmError, build_client_algorithm
 from lightning_modules.algorithms.scaffold import Scaffold
 from lightning_modules.state_store import ClientStateStore, StateStoreError

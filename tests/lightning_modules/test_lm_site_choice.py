@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from benchmarks.in_process import initial_params, quiet_lightning, site_rounds
 from jobs.build import JobSpec
 from jobs.settings import JobBuildError

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 from benchmarks.in_process import initial_params, quiet_lightning, run_in_process, site_args, site_rounds
 from jobs.build import JobSpec
 from jobs.client import build_parser

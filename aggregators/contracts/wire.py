@@ -1,9 +1,9 @@
 """The wire contract: one typed message per thing that travels between the server and the sites.
 
 Both sides import this module (it needs only numpy), so a message is written and checked by the same code:
-``to_meta()`` gives the namespaced meta entries (the keys of ``aggregators/meta_keys.py``, unchanged, so exported
-jobs keep their meaning) and ``from_meta(meta, ...)`` reads them back, checking keys, types, shapes and finiteness
-once, and returns a `Parsed`: the message, or every problem by key. Nothing here raises on bad input; the
+``to_meta()`` gives the namespaced meta entries (the keys of ``aggregators/contracts/meta_keys.py``, unchanged, so
+exported jobs keep their meaning) and ``from_meta(meta, ...)`` reads them back, checking keys, types, shapes and
+finiteness once, and returns a `Parsed`: the message, or every problem by key. Nothing here raises on bad input; the
 server rejects the site by name, the client refuses the round with the site's name.
 
 | message | direction | keys |
@@ -25,7 +25,7 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from aggregators import meta_keys
+from aggregators.contracts import meta_keys
 
 T = TypeVar("T")
 Shapes = Mapping[str, tuple[int, ...]]

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from aggregators.run_outcome import how_it_ended
+from aggregators.contracts.run_outcome import how_it_ended
 
 RUN_DIR = Path("server") / "simulate_job"
 METRICS_FILE = Path("metrics") / "round_metrics.jsonl"
@@ -67,7 +67,7 @@ def load_records(workspace: Path) -> list[dict[str, Any]]:
 
 def completion_problems(records: Sequence[dict[str, Any]]) -> list[str]:
     """Why the metrics show an unfinished or useless run: rounds missing, or no round that aggregated. What ended
-    it is not in the metrics: `aggregators.run_outcome.how_it_ended` reads that from the run's logs."""
+    it is not in the metrics: `aggregators.contracts.run_outcome.how_it_ended` reads that from the run's logs."""
     if not records:
         return ["the metrics file is empty: the server stopped before its first round"]
     rounds = [r for r in records if r.get("stage") == "round"]

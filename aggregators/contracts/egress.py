@@ -5,8 +5,8 @@ weights, the QC job's counts; for a ``METRICS`` DXO, the scores), its **meta** (
 NVFlare's own, e.g. ``NUM_STEPS_CURRENT_ROUND``), NVFlare's **metrics** (the Lightning callback's validation scores,
 sent as the meta entry ``initial_metrics``, or the data of a ``METRICS`` result) and its **headers**. The job
 declares, per task, what each may hold (`Release`: exact names or ``fnmatch`` patterns), once, when it is built;
-the site's last result filter (`aggregators.egress_gate.EgressGate`) compares the result against it (`judge`) and
-strips every undeclared meta key, metric, header and top-level entry, naming them in the site's log, and refuses a
+the site's last result filter (`aggregators.contracts.egress_gate.EgressGate`) compares the result against it (`judge`)
+and strips every undeclared meta key, metric, header and top-level entry, naming them in the site's log, and refuses a
 result whose data holds an undeclared key or whose DXO kind is undeclared (nothing of it is sent).
 
 Pure Python: the job builder, the QC job and the gate read the same rule.

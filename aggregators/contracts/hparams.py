@@ -16,7 +16,7 @@ one wording (`allowed_text`) says, in words, what is. The three declarations bui
       <name>: hyperparameter '<field>' must be <allowed> (<note>), got <value>
 
   The same declaration tells the registries which keys a rule or an algorithm takes (`HParams.names`);
-- the job settings (`aggregators.job_settings`, read by ``jobs`` and ``controllers``) give fields with
+- the job settings (`aggregators.contracts.job_settings`, read by ``jobs`` and ``controllers``) give fields with
   ``setting`` (help text, side, interval) and are refused as ``<setting> must be <allowed>, got <value>``.
 
 Neither torch nor NVFlare: every layer imports it (``lightning_modules``, ``jobs`` and ``controllers`` import
@@ -33,8 +33,6 @@ import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
-
-from aggregators.types import AggregationError
 
 Interval = tuple[float, float, bool, bool]  # low, high, low_open, high_open
 UNBOUNDED: Interval = (-math.inf, math.inf, False, False)
@@ -240,7 +238,7 @@ def check_field(name: str, spec_field: dataclasses.Field, kind: Kind, value: Any
 
 @dataclass(frozen=True)
 class HParams:
-    """Base of every hyperparameter declaration: a server rule (through `RuleHParams`) or a client
+    """Base of every hyperparameter declaration: a server rule (through `aggregators.types.RuleHParams`) or a client
     algorithm's hyperparameters (``lightning_modules.algorithms.hparams.HParams``). Subclasses are frozen
     dataclasses whose fields are the hyperparameters."""
 
@@ -275,11 +273,3 @@ class HParams:
             for spec_field in dataclasses.fields(self)
             if spec_field.init and spec_field.metadata.get("reported", True)
         }
-
-
-@dataclass(frozen=True)
-class RuleHParams(HParams):
-    """Base of the server rules (and companions) that declare their hyperparameters as dataclass fields: a bad value
-    is an `AggregationError`."""
-
-    error: ClassVar[type[Exception]] = AggregationError

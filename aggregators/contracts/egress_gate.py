@@ -1,8 +1,8 @@
-"""The egress gate at every site: the last filter on every result it sends (NVFlare glue for `aggregators.egress`).
+"""The egress gate at every site: the last filter on every result it sends (NVFlare glue for `egress`).
 
 The job builder (`jobs.egress`, and the QC job's export) puts one `EgressGate` per task at the end of the sites'
-``task_result_filters``, with the job's declared `aggregators.egress.Release` for that task as its arguments. It
-strips what the release does not declare and logs the names with the site's name; a result whose data holds an
+``task_result_filters``, with the job's declared `aggregators.contracts.egress.Release` for that task as its arguments.
+It strips what the release does not declare and logs the names with the site's name; a result whose data holds an
 undeclared key (or whose DXO kind is undeclared) is refused: the filter raises, NVFlare sends an error reply
 instead, and nothing of the result leaves.
 """
@@ -16,7 +16,15 @@ from nvflare.apis.filter import Filter
 from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import ReservedHeaderKey, Shareable
 
-from aggregators.egress import INITIAL_METRICS, METRICS_KIND, TRANSPORT_HEADERS, Carried, Release, Verdict, judge
+from aggregators.contracts.egress import (
+    INITIAL_METRICS,
+    METRICS_KIND,
+    TRANSPORT_HEADERS,
+    Carried,
+    Release,
+    Verdict,
+    judge,
+)
 
 DXO_KEY = "DXO"  # where NVFlare's DXO.update_shareable puts the DXO
 

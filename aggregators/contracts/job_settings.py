@@ -1,8 +1,8 @@
 """Every job-level setting, declared once: type, default, help text, allowed values and ranges.
 
 Each group of settings is a frozen dataclass whose fields carry their own metadata (help, interval, where the
-setting is used), declared and checked with the one declaration of `aggregators.hparams` that the server rules and
-the client algorithms use too. Everything else is derived from these declarations:
+setting is used), declared and checked with the one declaration of `aggregators.contracts.hparams` that the server rules
+and the client algorithms use too. Everything else is derived from these declarations:
 
 - `jobs.spec.JobSpec` (the flat spec of a job, used by ``python -m jobs.build`` and the recipe) inherits
   every group, so a setting is a field of the spec without being written again;
@@ -12,20 +12,19 @@ the client algorithms use too. Everything else is derived from these declaration
 
 It lives in the bottom layer (``aggregators``: settings and wire contracts) so that the builder (``jobs``) and the
 server runtime (``controllers``) both read it without importing each other. Only the standard library and
-`aggregators.hparams`: the client script uses it on a site before (and without) importing torch, Lightning or
+`aggregators.contracts.hparams`: the client script uses it on a site before (and without) importing torch, Lightning or
 NVFlare's job API.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from aggregators.hparams import Kind, allowed_text, declared_fields, field_bounds, fits, interval
+from aggregators.contracts.hparams import Kind, allowed_text, declared_fields, field_bounds, fits, interval
 
 #: Where a setting is used. ``client``: part of the job and of every site's client command line; ``server``: part
 #: of the job, used by the server components only; ``site``: chosen on the site, never by the job (client script).
@@ -49,10 +48,11 @@ def setting(
     exported_when: Callable[[Any], bool] | None = None,
 ) -> Any:
     """A job setting: its default, ``help`` (the option's help text), the ``side`` it is used on and the `interval`
-    a number must lie in, as `aggregators.hparams.hparam` declares one. ``registry`` (``"module:NAME"``) names the
-    dict whose keys are the allowed values, looked up only when a job is validated (it imports torch; named, not
-    imported, so this layer imports nothing above it); ``exported_when`` drops the option from the client command line
-    when it returns False for the spec (keeps committed jobs unchanged for settings added later)."""
+    a number must lie in, as `aggregators.contracts.hparams.hparam` declares one. ``registry`` names, by a
+    name (``"models"``, ``"client_algorithms"``, ``"rules"``), the registry whose keys are the allowed values: the
+    layer that owns the registries hands them to `check_settings` when it validates a job (they import torch, and
+    live above this layer, which names no module above it); ``exported_when`` drops the option from the client command
+    line when it returns False for the spec (keeps committed jobs unchanged for settings added later)."""
     metadata = {
         **interval(low, high, low_open, high_open),
         "help": help,
@@ -147,9 +147,7 @@ class ModelSettings:
 
     title: ClassVar[str] = "built-in model"
 
-    arch: str = setting(
-        "lenet5", "model: lenet5, simple_cnn (28x28 images) or mlp (digits)", registry="lightning_modules.models:MODELS"
-    )
+    arch: str = setting("lenet5", "model: lenet5, simple_cnn (28x28 images) or mlp (digits)", registry="models")
     arch_args: dict[str, Any] = setting(
         {}, 'model constructor arguments, a JSON object (e.g. {"projection_dim":256} for MOON\'s head)'
     )
@@ -332,9 +330,7 @@ class ClientAlgorithmSettings:
 
     title: ClassVar[str] = "client algorithm"
 
-    client: str = setting(
-        "fedavg", "client algorithm", registry="lightning_modules.algorithms.registry:CLIENT_ALGORITHMS"
-    )
+    client: str = setting("fedavg", "client algorithm", registry="client_algorithms")
     client_args: dict[str, Any] = setting({}, 'client algorithm hyperparameters, a JSON object (e.g. {"mu":0.01})')
     local_keys: str = setting(
         "",
@@ -354,7 +350,7 @@ class RoundSettings:
 
     title: ClassVar[str] = "server and rounds"
 
-    server: str = setting("fedavg", "server aggregation rule", side=SERVER, registry="aggregators.registry:RULES")
+    server: str = setting("fedavg", "server aggregation rule", side=SERVER, registry="rules")
     server_args: dict[str, Any] = setting(
         {},
         'server rule hyperparameters, a JSON object (e.g. {"alpha":0.01}: FedDyn\'s alpha is a server argument, sent '
@@ -409,8 +405,8 @@ class RoundSettings:
         "after the last round every site sends the model it keeps (--keep best) and its early-stopped local-only "
         "model (--local-baseline) to the other sites, which score them on their validation splits: per site "
         "eval.kept_cross_site_accuracy, eval.local_cross_site_accuracy and their paired difference in "
-        "<run dir>/metrics/cross_site_scores.json (aggregators/cross_site.py). A release of the site models to the "
-        "other sites (docs/privacy.md): refused under DP and secure aggregation and for --script",
+        "<run dir>/metrics/cross_site_scores.json (aggregators/contracts/cross_site.py). A release of the site "
+        "models to the other sites (docs/privacy.md): refused under DP and secure aggregation and for --script",
         side=SERVER,
         exported_when=_cross_site,
     )
@@ -613,25 +609,33 @@ def setting_problem(spec_field: dataclasses.Field, kind: Kind, value: Any) -> st
     return f"{spec_field.name} must be {allowed_text(kind, field_bounds(spec_field))}, got {value!r}"
 
 
-def registry_problem(spec_field: dataclasses.Field, value: Any) -> str | None:
-    """Names outside a registry (client algorithms, rules, models), with the valid ones; imports the registry."""
+def registry_problem(
+    spec_field: dataclasses.Field, value: Any, registries: Mapping[str, Collection[str]]
+) -> str | None:
+    """Names outside a registry (client algorithms, rules, models), with the valid ones. ``registries`` maps each
+    registry's name (a setting's ``registry``) to the registry; one a setting names that is not given is an error of
+    the caller (`LookupError`), never a setting that passes unchecked."""
     where = spec_field.metadata.get("registry")
     if where is None:
         return None
-    module, attribute = where.split(":")
-    valid = getattr(importlib.import_module(module), attribute)
+    if where not in registries:
+        raise LookupError(f"{spec_field.name} takes a name from the registry {where!r}, not among {sorted(registries)}")
+    valid = registries[where]
     return None if value in valid else f"unknown {spec_field.name} {value!r}; choose one of {sorted(valid)}"
 
 
-def check_settings(values: Any, groups: Sequence[type] = JOB_GROUPS, *, registries: bool = True) -> None:
+def check_settings(
+    values: Any, groups: Sequence[type] = JOB_GROUPS, *, registries: Mapping[str, Collection[str]] | None
+) -> None:
     """Raise `JobBuildError` for the first field of ``values`` (an object with the fields as attributes)
-    that its declaration refuses; ``registries``: also names outside their registry (imports the registries)."""
+    that its declaration refuses; with ``registries`` (registry name -> registry, `registry_problem`), also names
+    outside their registry; ``None`` leaves those to a later check."""
     for spec_field, kind in setting_fields(groups):
         if not hasattr(values, spec_field.name):
             continue
         value = getattr(values, spec_field.name)
         problem = setting_problem(spec_field, kind, value)
-        if problem is None and registries:
-            problem = registry_problem(spec_field, value)
+        if problem is None and registries is not None:
+            problem = registry_problem(spec_field, value, registries)
         if problem:
             raise JobBuildError(problem)
