@@ -35,6 +35,7 @@ a listed one that no longer exists.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -147,12 +148,12 @@ def test_importing_the_contracts_loads_none_of_the_math() -> None:
     contracts = sorted(name for name in layered_modules() if name.startswith("aggregators.contracts."))
     pure = [name for name in contracts if name != "aggregators.contracts.egress_gate"]  # NVFlare glue
     probe = (
-        "import importlib, sys\n"
+        "import importlib, json, sys\n"
         f"for name in {pure!r}: importlib.import_module(name)\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('aggregators', 'torch')))\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('aggregators', 'torch'))))\n"
     )
     loaded = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
-    assert eval(loaded.stdout) == sorted(["aggregators", "aggregators.contracts", *pure])
+    assert json.loads(loaded.stdout) == sorted(["aggregators", "aggregators.contracts", *pure])
 
 
 # --- the checker itself, on synthetic packages, so that a silent checker cannot pass the test above ---

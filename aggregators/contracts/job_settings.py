@@ -10,7 +10,7 @@ and the client algorithms use too. Everything else is derived from these declara
 - the command line the builder hands every site's client script (`jobs.spec.client_script_args`);
 - the per-value checks (`setting_problem`, `check_settings`) the builder and the server's controller run.
 
-It lives in the bottom layer (``aggregators``: settings and wire contracts) so that the builder (``jobs``) and the
+It lives in the bottom layer (``aggregators.contracts``, below the rules' math) so that the builder (``jobs``) and the
 server runtime (``controllers``) both read it without importing each other. Only the standard library and
 `aggregators.contracts.hparams`: the client script uses it on a site before (and without) importing torch, Lightning or
 NVFlare's job API.
