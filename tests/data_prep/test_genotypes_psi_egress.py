@@ -22,12 +22,12 @@ from nvflare.apis.shareable import Shareable
 from nvflare.apis.signal import Signal
 from nvflare.app_common.app_constant import PSIConst
 
-from aggregators.egress import TRANSPORT_HEADERS
-from aggregators.egress_gate import EgressGate, EgressRefused
+from aggregators.contracts.egress import TRANSPORT_HEADERS
+from aggregators.contracts.egress_gate import EgressGate, EgressRefused
 from data_prep.genotypes.psi import export_psi_jobs, person_items
 from tests.data_prep.test_genotypes_psi import CHROMS, N_PEOPLE, SETTINGS, SNPS, simulate, two_sites, write_pair_sites
 
-GATE = "aggregators.egress_gate.EgressGate"
+GATE = "aggregators.contracts.egress_gate.EgressGate"
 #: What NVFlare 2.9's DH-PSI sends from a site, by stage (DhPSITaskHandler): each result a ``PSI`` DXO whose data is
 #: the handler's Shareable (so its empty ``__headers__`` too) and whose meta is empty.
 STAGE_KEYS = {
