@@ -27,32 +27,42 @@ def ledger_steps(workspace: Path, site: str) -> int:
     return ledger_from_state(store.load(LEDGER_NAME).state).steps
 
 
-def test_a_spent_budget_ends_the_sum_workflow_as_finished_before_an_unused_round(tmp_path, simulate, round_metrics):
+def run_to_a_spent_budget(tmp_path, simulate, round_metrics, mechanism: str, sites: int, samples: int):
+    """A DP-SGD job under the sum workflow ``mechanism`` (sigma 1, epsilon 7.5, 4 planned rounds) in the simulator,
+    checked for what both workflows must do: rounds 0 and 1 aggregated, then a finished stop by the privacy budget
+    that names epsilon 7.5 for every spent site, and no fatal abort. Returns the workspace, the output, the round
+    records and the stop note."""
     spec = JobSpec(
-        name="budget_plain",
+        name=f"budget_{mechanism}",
         dataset="digits",
         arch="mlp",
-        num_sites=2,
+        num_sites=sites,
         num_rounds=4,
-        max_train_samples=400,
-        secure_aggregation="plain",
+        max_train_samples=samples,
+        secure_aggregation=mechanism,
         dp_noise_multiplier=1.0,
         dp_target_epsilon=7.5,
         dp_max_grad_norm=1.0,
     )
     job = export_job(spec, tmp_path / "jobs")
     workspace = tmp_path / "ws"
-    completed = simulate(job, workspace, num_clients=2, threads=2)
+    completed = simulate(job, workspace, num_clients=sites, threads=sites)
     output = completed.stdout + completed.stderr
     records = round_metrics(workspace)
     rounds = [r for r in records if r.get("stage") == "round"]
     assert [r["round"] for r in rounds] == [0, 1], output[-3000:]
     assert all(r["status"] == "aggregated" for r in rounds)
     note = stop_note(records)
-    assert note is not None and note["rule"] == "privacy_budget" and set(note["out_of_budget"]) == {"site-1"}
-    assert "dp_target_epsilon 7.5" in note["out_of_budget"]["site-1"]
+    assert note is not None and note["rule"] == "privacy_budget", output[-3000:]
+    assert all("dp_target_epsilon 7.5" in why for why in note["out_of_budget"].values())
     assert not stopped_early(records)
     assert "Exception in ScatterAndGather control_flow" not in output and "PrivacyBudgetExhausted" not in output
+    return workspace, output, rounds, note
+
+
+def test_a_spent_budget_ends_the_sum_workflow_as_finished_before_an_unused_round(tmp_path, simulate, round_metrics):
+    workspace, _, _, note = run_to_a_spent_budget(tmp_path, simulate, round_metrics, "plain", sites=2, samples=400)
+    assert set(note["out_of_budget"]) == {"site-1"}
     # site-2 could have afforded a third round, but none was sent: its ledger holds two rounds of steps
     steps = {site: ledger_steps(workspace, site) for site in ("site-1", "site-2")}
     assert steps == {"site-1": 6, "site-2": 8}
@@ -63,33 +73,12 @@ def test_a_spent_budget_ends_the_secagg_workflow_as_finished_before_an_unused_ro
     next round would exceed epsilon 7.5. Before SecAggScatterAndGather was a BudgetScatterAndGather, the third round
     was sent and the spent site refused it in training: no stop record, a site's failure instead."""
     pytest.importorskip("flwr")
-    spec = JobSpec(
-        name="budget_secagg",
-        dataset="digits",
-        arch="mlp",
-        num_sites=3,
-        num_rounds=4,
-        max_train_samples=600,
-        secure_aggregation="secagg",
-        dp_noise_multiplier=1.0,
-        dp_target_epsilon=7.5,
-        dp_max_grad_norm=1.0,
+    workspace, _, rounds, note = run_to_a_spent_budget(
+        tmp_path, simulate, round_metrics, "secagg", sites=3, samples=600
     )
-    job = export_job(spec, tmp_path / "jobs")
-    workspace = tmp_path / "ws"
-    completed = simulate(job, workspace, num_clients=3, threads=3)
-    output = completed.stdout + completed.stderr
-    records = round_metrics(workspace)
-    rounds = [r for r in records if r.get("stage") == "round"]
-    assert [r["round"] for r in rounds] == [0, 1], output[-3000:]
-    assert all(r["status"] == "aggregated" and r["aggregated"] == list(SECAGG_SITES) for r in rounds)
-    note = stop_note(records)
-    assert note is not None and note["rule"] == "privacy_budget", output[-3000:]
+    assert all(r["aggregated"] == list(SECAGG_SITES) for r in rounds)
     spent = set(note["out_of_budget"])
     assert spent and spent < set(SECAGG_SITES)  # some site could have afforded a third round
-    assert all("dp_target_epsilon 7.5" in why for why in note["out_of_budget"].values())
-    assert not stopped_early(records)
-    assert "Exception in ScatterAndGather control_flow" not in output and "PrivacyBudgetExhausted" not in output
     log = (workspace / "server" / "log.txt").read_text()
     assert "secagg round 2" not in log  # no key stage for a round nobody could use
     # every site's ledger holds exactly the steps of its last aggregated result (round 2's), none of a third round
