@@ -9,8 +9,8 @@ the server did not have in 3-12 of 300 runs, at requested rates 1e-11 to 1e-6 (N
 openmined bug at small rates). A false item is never a false match (``min_panels`` fingerprints must match), but
 only the site that learns the intersection first holds it, so the workflow's final check that both sites hold the
 same intersection would end such a run (read from NVFlare's code). `ExactPSIServer` sends its (blinded) items as a
-plain list (``DataStructure.RAW``) instead: 0 of 300 runs wrong; the setup message grows from about a byte per item
-to a compressed curve point per item, a few kilobytes for a site's fingerprints.
+plain list (``DataStructure.RAW``) instead: 0 of 300 runs wrong; for 240 items the setup message grows from 1,932
+bytes (the Bloom filter at 1e-11) to 8,403 (about 35 bytes an item), measured with openmined.psi 2.0.6.
 """
 
 from nvflare.apis.shareable import Shareable
