@@ -1,0 +1,212 @@
+"""Keep rules replayed offline on recorded candidate tables: which rule lets a small site leave its own model when
+the federation's is better, without losing where it is not (issue: joining pays; benchmarks/results/site_gain.md).
+
+A benchmark run with ``FL_RECORD_CANDIDATE_TABLES=<dir>`` (lightning_modules/kept_model.py) writes every site's
+round tables: per model (``global``, ``personal``, ``local``: the round's local-only model) and split (``val``,
+``test``, ``pooled``) the (n, classes) log-probabilities, and the labels. This script replays what the site does
+each round (lightning_modules/kept_model.py, `KeptModel.round`) with the site's own functions
+(lightning_modules/site_choice.py): the early-stopped own model, the challengers (the round's federated models,
+their mixtures with the own model, the model kept so far when federated) and a keep rule; and the server's stopping
+rule (controllers/stopping.py) on the mean kept validation loss. Only the rule changes between rows, so a row is
+what the job would have reported with that rule, stopping included.
+
+Rules (`RULES`): ``margin=m``: the best challenger replaces the own model when its validation loss is lower by more
+than ``m`` standard errors of the paired per-sample difference (the shipped rule at 1.645); ``guard=m``: the same,
+and the challenger is not below the own model on validation accuracy.
+
+    python -m benchmarks.keep_rule_study /tmp/tables/setting-a /tmp/tables/setting-b --patience 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from controllers.stopping import rounds_since_best
+from lightning_modules.site_choice import (
+    MIXTURE_WEIGHTS,
+    Candidate,
+    beats,
+    early_stopped,
+    mixture_scores,
+    scores_from_tables,
+)
+
+Tables = dict[str, np.ndarray]
+Rule = Callable[[Candidate, Candidate], bool]  # (challenger, own) -> replace the own model
+
+
+def margin_rule(margin: float) -> Rule:
+    return lambda challenger, own: beats(challenger, own, margin)
+
+
+def guard_rule(margin: float) -> Rule:
+    def rule(challenger: Candidate, own: Candidate) -> bool:
+        not_worse = challenger.scores.accuracy("val") >= own.scores.accuracy("val")
+        return not_worse and beats(challenger, own, margin)
+
+    return rule
+
+
+RULES: dict[str, Rule] = {
+    **{f"margin={m}": margin_rule(m) for m in (1.645, 1.282, 1.0, 0.5, 0.0)},
+    **{f"guard={m}": guard_rule(m) for m in (1.0, 0.5, 0.0)},
+}
+
+
+@dataclass
+class Pick:
+    candidate: Candidate
+    tables: Tables
+
+
+def read_round(path: Path) -> tuple[dict[str, Tables], dict[str, np.ndarray]]:
+    arrays = np.load(path)
+    models: dict[str, Tables] = {}
+    labels = {}
+    for key in arrays.files:
+        name, split = key.split("__")
+        if name == "labels":
+            labels[split] = arrays[key]
+        else:
+            models.setdefault(name, {})[split] = arrays[key].astype(np.float64)
+    return models, labels
+
+
+def site_rounds(run: Path) -> dict[str, list[Path]]:
+    """Per site, its recorded rounds in order."""
+    found: dict[str, dict[int, Path]] = {}
+    for path in run.glob("*_r*.npz"):
+        site, number = re.fullmatch(r"(.+)_r(\d+)\.npz", path.name).groups()
+        found.setdefault(site, {})[int(number)] = path
+    return {site: [rounds[r] for r in sorted(rounds)] for site, rounds in sorted(found.items())}
+
+
+def replay_site(paths: Sequence[Path], rule: Rule) -> list[dict[str, float]]:
+    """Per round: the kept and own models' scores after that round, as the site would report them."""
+    own: Pick | None = None
+    kept: Pick | None = None
+    out = []
+    for round_num, path in enumerate(paths):
+        models, labels = read_round(path)
+        latest = make_pick("local", round_num, models["local"], labels)
+        own = latest if own is None or early_stopped(own.candidate, latest.candidate) is latest.candidate else own
+        federated = [
+            make_pick(kind, round_num, models[kind], labels) for kind in ("global", "personal") if kind in models
+        ]
+        kept = choose(own, federated, kept, rule, round_num, labels)
+        row = {"kept_val_loss": kept.candidate.val_loss, "kept_own": float(kept is own)}
+        for split in ("test", "pooled"):
+            if split in labels:
+                row[f"kept_{split}"] = kept.candidate.scores.accuracy(split)
+                row[f"own_{split}"] = own.candidate.scores.accuracy(split)
+                row[f"global_{split}"] = federated[0].candidate.scores.accuracy(split)
+        out.append(row)
+    return out
+
+
+def make_pick(
+    kind: str, round_num: int, tables: Tables, labels: dict[str, np.ndarray], weight: float | None = None
+) -> Pick:
+    return Pick(Candidate(kind, round_num, scores_from_tables(tables, labels), weight), tables)
+
+
+def choose(
+    own: Pick, federated: list[Pick], kept: Pick | None, rule: Rule, round_num: int, labels: dict[str, np.ndarray]
+) -> Pick:
+    """The round's kept model (`KeptModel._keep` with ``rule`` in place of the margin test)."""
+    fed = min(federated, key=lambda p: p.candidate.val_loss)
+    mixtures = [
+        make_pick("mixture", round_num, mixture_scores(own.tables, fed.tables, w), labels, w) for w in MIXTURE_WEIGHTS
+    ]
+    challengers = [*federated, *mixtures, *([kept] if kept is not None and kept.candidate.kind != "local" else [])]
+    finite = [c for c in challengers if math.isfinite(c.candidate.val_loss)]
+    best = min(finite, key=lambda p: p.candidate.val_loss) if finite else None
+    return best if best is not None and rule(best.candidate, own.candidate) else own
+
+
+def stop_round(per_site: dict[str, list[dict[str, float]]], patience: int | None) -> int:
+    """The round the server's plateau rule ends the job after (the last recorded round without a rule)."""
+    rounds = min(len(rows) for rows in per_site.values())
+    if patience is None:
+        return rounds - 1
+    history = []
+    for t in range(rounds):
+        history.append(float(np.mean([rows[t]["kept_val_loss"] for rows in per_site.values()])))
+        if rounds_since_best(history) >= patience:
+            return t
+    return rounds - 1
+
+
+def t_interval(values: Sequence[float]) -> tuple[float, float, float]:
+    from scipy import stats
+
+    v = np.asarray(values, dtype=np.float64)
+    if len(v) < 2:
+        return float(v.mean()), float("nan"), float("nan")
+    half = stats.t.ppf(0.975, len(v) - 1) * v.std(ddof=1) / math.sqrt(len(v))
+    return float(v.mean()), float(v.mean() - half), float(v.mean() + half)
+
+
+def study(setting: Path, rule: Rule, patience: int | None) -> dict[str, object]:
+    """One setting (a folder of runs, one per training seed) under one rule."""
+    seed_means, pooled_means, pairs, own_kept, stops = [], [], [], 0, []
+    for run in sorted(p for p in setting.iterdir() if p.is_dir()):
+        per_site = {site: replay_site(paths, rule) for site, paths in site_rounds(run).items()}
+        if not per_site:
+            continue
+        t = stop_round(per_site, patience)
+        stops.append(t + 1)
+        finals = [rows[t] for rows in per_site.values()]
+        gains = [100 * (r["kept_test"] - r["own_test"]) for r in finals]
+        pairs += gains
+        own_kept += sum(int(r["kept_own"]) for r in finals)
+        seed_means.append(float(np.mean(gains)))
+        if "kept_pooled" in finals[0]:
+            pooled_means.append(float(np.mean([100 * (r["kept_pooled"] - r["own_pooled"]) for r in finals])))
+    return {
+        "gain": t_interval(seed_means),
+        "pooled": t_interval(pooled_means) if pooled_means else None,
+        "worst": min(pairs),
+        "below2": sum(g < -2 for g in pairs),
+        "pairs": len(pairs),
+        "own_kept": own_kept,
+        "rounds": stops,
+    }
+
+
+def fmt(interval: tuple[float, float, float] | None) -> str:
+    if interval is None:
+        return "–"
+    mean, low, high = interval
+    return f"{mean:+.1f} [{low:+.1f}, {high:+.1f}]"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("settings", nargs="+", type=Path, help="folders of recorded runs (one per setting)")
+    parser.add_argument("--patience", type=int, default=5, help="the stopping rule's patience (0: no stopping)")
+    parser.add_argument("--rules", nargs="+", default=list(RULES), choices=list(RULES), help="rules to replay")
+    args = parser.parse_args(argv)
+    patience = args.patience or None
+    print("| setting | rule | rounds | kept − own, own view | worst pair | pairs < −2 | own kept | pooled view |")
+    print("|---|---|---|---|---|---|---|---|")
+    for setting in args.settings:
+        for name in args.rules:
+            r = study(setting, RULES[name], patience)
+            print(
+                f"| {setting.name} | {name} | {', '.join(map(str, r['rounds']))} | {fmt(r['gain'])} | "
+                f"{r['worst']:+.1f} | {r['below2']} of {r['pairs']} | {r['own_kept']} of {r['pairs']} | "
+                f"{fmt(r['pooled'])} |"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
