@@ -200,7 +200,7 @@ class SiteCandidates:
     ) -> dict[str, float] | None:
         """The classifier path (lightning_modules/kept_model.py); ``None`` (and the Lightning path from now on)
         when a model's forward is not a classifier's."""
-        chooser = KeptModel(self.store, self.splits or {}, self.margin)
+        chooser = KeptModel(self.store, self.splits or {}, self.margin, self.site)
         choose = self.keep == "best" and "val" in chooser.splits
         out = chooser.round(models, round_num, run_id, choose, eligible_global=self.global_eligible)
         if out is None:

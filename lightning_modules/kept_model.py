@@ -25,8 +25,10 @@ Reported (``eval.`` keys; ``<view>`` is ``test`` and, with a pooled test set, ``
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -49,6 +51,10 @@ from lightning_modules.state_store import ClientStateStore
 
 OWN_STORE = "local_best"
 KEPT_STORE = "kept_model"
+#: Benchmark instrumentation (benchmarks/keep_rule_study.py): where set, every site writes each round's split tables
+#: and labels to ``<dir>/<run id>/<site>_r<round>.npz`` so that keep rules can be replayed offline. Off by default;
+#: the tables stay on the machine that runs the site (a simulation), nothing is sent.
+RECORD_ENV = "FL_RECORD_CANDIDATE_TABLES"
 RUN_KEY = "__run_id__"
 #: Reported views: the split name in the tables -> the name in the meta.
 VIEWS = {"test": "test", "pooled": "pooled_test"}
@@ -81,9 +87,22 @@ def gain_meta(kept: Candidate, own: Candidate) -> dict[str, float]:
 class KeptModel:
     """One site's choosing on the classifier path (module docstring)."""
 
-    def __init__(self, store: ClientStateStore | None, splits: Mapping[str, SplitBatches], margin: float) -> None:
-        self.store, self.splits, self.margin = store, dict(splits), margin
+    def __init__(
+        self, store: ClientStateStore | None, splits: Mapping[str, SplitBatches], margin: float, site: str = ""
+    ) -> None:
+        self.store, self.splits, self.margin, self.site = store, dict(splits), margin, site
         self.labels = {name: batches.labels for name, batches in self.splits.items()}
+
+    def record(self, tables: Mapping[str, Tables], round_num: int, run_id: str) -> None:
+        """Writes the round's tables where `RECORD_ENV` names a folder (benchmarks only; module constant)."""
+        folder = os.environ.get(RECORD_ENV)
+        if not folder:
+            return
+        target = Path(folder) / (run_id or "run")
+        target.mkdir(parents=True, exist_ok=True)
+        arrays = {f"{name}__{split}": t.astype(np.float32) for name, by in tables.items() for split, t in by.items()}
+        arrays.update({f"labels__{split}": y for split, y in self.labels.items()})
+        np.savez_compressed(target / f"{self.site or 'site'}_r{round_num}.npz", **arrays)
 
     def tables(self, models: Mapping[str, pl.LightningModule]) -> dict[str, Tables] | None:
         """Every model's split tables, or ``None`` when one is not a classifier."""
@@ -119,6 +138,7 @@ class KeptModel:
         tables = self.tables(models)
         if tables is None:
             return None
+        self.record(tables, round_num, run_id)
         out: dict[str, float] = {}
         latest = {
             name: Offer(self._candidate(name, round_num, t), t, models[name].state_dict) for name, t in tables.items()

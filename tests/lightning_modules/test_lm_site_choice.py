@@ -244,3 +244,23 @@ def test_a_pooled_view_with_a_users_data_module_is_refused() -> None:
         JobSpec(name="u", model="genomics.model:SnpClassifier", data="genomics.data:SnpSites", site_pooled_test=10,
                 local_baseline=True)  # fmt: skip
     assert "\n" not in str(refusal.value)
+
+
+def test_the_offline_replay_of_recorded_tables_reports_what_the_site_reported(tmp_path, monkeypatch) -> None:
+    # benchmarks/keep_rule_study.py replays keep rules on the tables a site records: with the shipped rule it must
+    # give the site's own reports round by round (kept/own test accuracy, kept validation loss, own model kept), or
+    # the rule comparisons it prints describe some other site.
+    from benchmarks.keep_rule_study import RULES, replay_site, site_rounds
+    from lightning_modules.kept_model import RECORD_ENV
+
+    monkeypatch.setenv(RECORD_ENV, str(tmp_path / "tables"))
+    sent = rounds_of_one_site(SPLIT, tmp_path / "ws")
+    recorded = site_rounds(tmp_path / "tables" / "run")
+    assert list(recorded) == ["site-1"] and len(recorded["site-1"]) == len(sent)
+    replayed = replay_site(recorded["site-1"], RULES["margin=1.645"])
+    for meta, row in zip(sent, replayed, strict=True):
+        assert row["kept_test"] == pytest.approx(meta["eval.kept_test_accuracy"], abs=1e-12)
+        assert row["own_test"] == pytest.approx(meta["eval.local_test_accuracy"], abs=1e-12)
+        assert row["kept_pooled"] == pytest.approx(meta["eval.kept_pooled_test_accuracy"], abs=1e-12)
+        assert row["kept_val_loss"] == pytest.approx(meta["eval.kept_val_loss"], abs=1e-6)
+        assert row["kept_own"] == meta["eval.kept_own"]
