@@ -101,6 +101,8 @@ class Protocol:
     local_baseline: bool = False
     #: Stop at a validation plateau (controllers/stopping.py); None: every round.
     stop_patience: int | None = None
+    #: Keep best's margin (lightning_modules/site_choice.py); None: the job's default.
+    keep_margin: float | None = None
 
     @property
     def num_classes(self) -> int:
@@ -165,6 +167,14 @@ GRIDS = {
         ("dir0.3",),
         (0, 1, 2),
         replace(site_gain_protocol(source), rounds=40, batch_size=16, stop_patience=5),
+    ),
+    # The second pre-registration: v3 with keep best's margin at 1.0 standard error (benchmarks/compare.py's
+    # site_gain_v4), fixed before any held-out run with it.
+    "site_gain_v4": lambda source: (
+        ("fedavgm", CENTRAL),
+        ("dir0.5",),
+        (0, 1, 2),
+        replace(site_gain_protocol(source), rounds=40, batch_size=16, stop_patience=5, keep_margin=1.0),
     ),
     "smoke": lambda source: (
         ("fedavg", "scaffold", "local", "pooled"),
@@ -641,9 +651,10 @@ OVERRIDES = (
     "local_baseline",
     "site_test_fraction",
     "stop_patience",
+    "keep_margin",
 )
 #: Grids whose site data are fixed across training seeds by default (the others: the committed grids' rule).
-PARTITION_SEEDS: dict[str, tuple[int | None, ...]] = {"site_gain": (0,), "site_gain_v3": (0,)}
+PARTITION_SEEDS: dict[str, tuple[int | None, ...]] = {"site_gain": (0,), "site_gain_v3": (0,), "site_gain_v4": (0,)}
 GENOMICS_HELP = PARTITION_HELP.replace(
     ", C<k> (#C=k label skew, every site k labels), C<k>nb (#C=k as NIID-Bench deals it)",
     ", population (site = population)",
@@ -668,7 +679,7 @@ def grid_from_args(args: argparse.Namespace) -> tuple[Protocol, list[Cell]]:
 def report_writer(grid: str, protocol: Protocol) -> Any:
     """The personalization grids' report (benchmarks/personalization.py; site_gain: its per-site test-split page),
     or the genomics table's."""
-    if grid not in ("personalization", "site_gain", "site_gain_v3"):
+    if grid not in ("personalization", "site_gain", "site_gain_v3", "site_gain_v4"):
         return write_report
     from benchmarks.personalization import write_folder_report
 
