@@ -164,3 +164,71 @@ def test_trainable_parameter_names_of_lenet5_in_order() -> None:
     assert trainable_parameter_names(LeNet5()) == [
         f"{layer}.{kind}" for layer in ("conv1", "conv2", "fc1", "fc2", "classifier") for kind in ("weight", "bias")
     ]
+
+
+# -- the max-pool of forward passes without autograd ------------------------------------------------------------------
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values and NaN where NaN (-0.0 == 0.0: a tie between the two zeros may return either)."""
+    nan = torch.isnan(a)
+    return a.shape == b.shape and torch.equal(nan, torch.isnan(b)) and torch.equal(a[~nan], b[~nan])
+
+
+@pytest.mark.parametrize("shape", [(3, 6, 28, 28), (2, 16, 10, 10), (2, 3, 7, 9), (5, 1, 3, 2)])
+def test_the_quarter_maximum_is_the_max_pool_bit_for_bit_on_hostile_input(shape: tuple[int, ...]) -> None:
+    from lightning_modules.models import quarter_max
+
+    g = torch.Generator().manual_seed(sum(shape))
+    # Ties everywhere (small integers, both signed zeros), infinities and NaNs; odd sides drop the last row/column;
+    # the layouts of a convolution's output (contiguous, channels-last) and a transposed view.
+    x = torch.randint(-2, 3, shape, generator=g).float()
+    x[torch.rand(shape, generator=g) < 0.2] = -0.0
+    x[torch.rand(shape, generator=g) < 0.05] = float("inf")
+    x[torch.rand(shape, generator=g) < 0.05] = float("-inf")
+    x[torch.rand(shape, generator=g) < 0.05] = float("nan")
+    expected = torch.nn.functional.max_pool2d(x, 2, 2)
+    for layout in (
+        x,
+        x.contiguous(memory_format=torch.channels_last),
+        x.transpose(-1, -2).contiguous().transpose(-1, -2),
+    ):
+        assert _same_values(quarter_max(layout), expected)
+
+
+def test_the_pool_refuses_a_map_smaller_than_its_window_with_and_without_autograd() -> None:
+    from lightning_modules.models import MaxPool2x2
+
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad), pytest.raises(RuntimeError, match="Output size is too small"):
+            MaxPool2x2()(torch.zeros(2, 3, 1, 5))
+
+
+@pytest.mark.parametrize("name", ["lenet5", "simple_cnn", "bn_cnn"])
+def test_scoring_forwards_skip_the_indexed_max_pool_and_training_keeps_it(name: str, monkeypatch) -> None:
+    # Without autograd (scoring, validation, evaluation) the CNNs pool by `quarter_max`: the same logits bit for bit
+    # as the indexed max-pool (ties and zeros everywhere after the ReLUs); with autograd they use the indexed max-pool,
+    # so training's gradients are unchanged.
+    model = build_model(name).eval()
+    x = torch.randn(8, 1, 28, 28, generator=torch.Generator().manual_seed(0))
+    reference = build_model(name).eval()
+    reference.load_state_dict(model.state_dict())
+    reference.pool = nn.MaxPool2d(kernel_size=2, stride=2)
+    with torch.no_grad():
+        expected = reference(x)
+    calls: list[bool] = []
+    indexed = torch.nn.functional.max_pool2d
+
+    def spy(*args, **kwargs):
+        calls.append(torch.is_grad_enabled())
+        return indexed(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "max_pool2d", spy)
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+    with torch.inference_mode():
+        assert torch.equal(model(x), expected)
+    assert calls == []
+    model(x).sum().backward()
+    reference(x).sum().backward()
+    assert calls == [True, True, True, True]
+    for (key, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), key
