@@ -84,11 +84,13 @@ def save_rule_state(
     last_aggregated_sites: Mapping[str, int] | None = None,
     population: Sequence[str] | None = None,
     released_steps: Mapping[str, int] | None = None,
+    stopping: Mapping[str, Any] | None = None,
 ) -> None:
     """Write the rule state after ``round_num`` (0-based, the last round attempted); ``global_sha256`` ties it to
     the model of that round; ``last_aggregated_round`` is the last round whose aggregate was used (``None``: none
     yet; by default ``round_num`` itself, i.e. this round aggregated); ``population`` the job's sites;
-    ``released_steps`` the DP-SGD steps each site's last result reported (public: the sites' ``privacy.steps``)."""
+    ``released_steps`` the DP-SGD steps each site's last result reported (public: the sites' ``privacy.steps``);
+    ``stopping`` the stopping rule's history after this round (``controllers.stopping.Plateau.state``)."""
     payload = {
         "format_version": STATE_FORMAT_VERSION,
         "rule": rule_name,
@@ -106,6 +108,8 @@ def save_rule_state(
         payload["population"] = sorted(population)
     if released_steps:  # a resumed job still stops a DP site on a stale ledger (lightning_modules/privacy/ledger.py)
         payload["released_steps"] = dict(released_steps)
+    if stopping is not None:  # a resumed job stops after the round the uninterrupted one stops after
+        payload["stopping"] = _to_saveable(stopping)
     atomic_torch_save(payload, path)
 
 
@@ -137,6 +141,7 @@ class ResumePoint:
     last_aggregated_sites: dict[str, int] | None = None  # None: a checkpoint written without them
     population: tuple[str, ...] | None = None  # None: a checkpoint written without it
     released_steps: dict[str, int] | None = None  # None: a checkpoint written without it (no DP site reported)
+    stopping: dict[str, Any] | None = None  # None: written without --stop-patience or by an older version
 
 
 GLOBAL_MODEL_FILE = "FL_global_model.pt"  # the name NVFlare's PTFileModelPersistor writes into the app folder
@@ -184,6 +189,7 @@ def load_resume_point(folder: Path, rule_name: str, state_file: str = "server_st
         last_aggregated_sites=payload.get("last_aggregated_sites"),
         population=tuple(payload["population"]) if "population" in payload else None,
         released_steps=payload.get("released_steps"),
+        stopping=payload.get("stopping"),
     )
 
 

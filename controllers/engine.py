@@ -274,8 +274,16 @@ class RoundEngine:
 
     # -- the whole federation -------------------------------------------------------------------------------------
 
-    def initial_record(self, params: Params, host: Host, stage: str = "initial", run_id: str = "") -> dict[str, Any]:
-        """The metrics line of the starting model (``stage`` is ``initial`` or ``resumed``)."""
+    def initial_record(
+        self,
+        params: Params,
+        host: Host,
+        stage: str = "initial",
+        run_id: str = "",
+        stopped: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The metrics line of the starting model (``stage`` is ``initial`` or ``resumed``; ``stopped``: the stopping
+        rule's note when a resumed job's restored history already reached the plateau)."""
         record = {
             "stage": stage,
             "round": None,
@@ -284,6 +292,8 @@ class RoundEngine:
             "num_rounds": self.num_rounds,  # lets a report tell a finished job from one that stopped early
             "global_sha256": params_digest(params),
         }
+        if stopped:
+            record["stopped"] = stopped
         record.update(self.local_eval_note())
         record.update(host.evaluate(params))
         host.record(record)
@@ -307,7 +317,10 @@ class RoundEngine:
         ``should_stop`` is asked before every round (NVFlare's abort signal).
         """
         population = tuple(sorted(population))
-        self.initial_record(params, host, stage, run_id)
+        stopped = self._stopped_before(first_round, host)
+        self.initial_record(params, host, stage, run_id, stopped)
+        if stopped:
+            return params, state
         for round_num in range(first_round, self.num_rounds):
             if should_stop():
                 host.log(logging.WARNING, f"abort requested; stopping before round {round_num + 1}")
@@ -388,9 +401,9 @@ class RoundEngine:
         record["aggregated"] = [u.site for u in updates] if aggregated else []
         digest = params_digest(new_params)
         record["global_sha256"] = digest
-        host.persist(round_num, new_params, new_state, digest, updates, aggregated)
         record.update(site_metrics(updates))
-        self._check_plateau(record, round_num, host)
+        self._check_plateau(record, round_num, host)  # before persisting: the checkpoint holds the rule's history
+        host.persist(round_num, new_params, new_state, digest, updates, aggregated)
         diagnostics = self._diagnostics(new_state, host) if aggregated else {}
         if diagnostics:
             record["rule_diagnostics"] = diagnostics
@@ -399,6 +412,20 @@ class RoundEngine:
         record["elapsed_s"] = round(time.monotonic() - started, 4)  # the precision of its parts (ROUND_TIMING_KEYS)
         host.record(record)
         return RoundOutcome(params=new_params, state=new_state, record=record, aggregated=aggregated, updates=updates)
+
+    def _stopped_before(self, first_round: int, host: Host) -> dict[str, Any] | None:
+        """The stopping rule's note when the history a resumed job restored already reached the plateau: the
+        uninterrupted job stopped after the round before ``first_round``, so no round is left to run."""
+        if self.plateau is None or not self.plateau.reached() or not 0 < first_round < self.num_rounds:
+            return None
+        note = self.plateau.note(first_round - 1)
+        host.log(
+            logging.INFO,
+            f"validation plateau already reached after round {first_round}/{self.num_rounds} by the resumed run's "
+            f"history (the sites' mean {note['metric']}, best {note['best']:.4f}, "
+            f"{note['rounds_without_improvement']} round(s) without improvement): no round to run (--stop-patience)",
+        )
+        return note
 
     def _check_plateau(self, record: dict[str, Any], round_num: int, host: Host) -> None:
         """Feed the stopping rule this round's site scores; mark the record when the job stops after it."""

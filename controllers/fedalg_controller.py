@@ -37,6 +37,7 @@ from controllers.adapters import result_site
 from controllers.checkpoint import append_metrics, load_resume_point, save_rule_state, save_updates
 from controllers.engine import Host, RoundEngine, SiteResult, scalar_meta
 from controllers.round_settings import ControllerSettings
+from controllers.stopping import Plateau
 
 __all__ = ["METRICS_FILE", "STATE_FILE", "ControllerSettings", "FedAlgController", "scalar_meta", "to_numpy_params"]
 
@@ -172,6 +173,10 @@ class FedAlgController(ModelController):
             engine.last_released = dict(resume.last_aggregated_sites or {})  # at least these sites have released
             engine.released_steps = dict(resume.released_steps or {})  # what the DP sites had released
             population = self._population = resumed_population(self._reachable, resume.population)
+            if engine.plateau is not None:  # the stopping rule goes on from the stopped run's history
+                engine.plateau, problem = Plateau.restored(engine.plateau.patience, resume.stopping, first_round)
+                if problem:
+                    self.warning(f"--stop-patience counts from round {first_round + 1}, not from round 1: {problem}")
             self.info(f"resuming from {rounds.resume_from} at round {first_round + 1}/{rounds.num_rounds}")
             absent = sorted(set(population) - set(self._reachable))
             if absent:
@@ -375,6 +380,7 @@ class _ControllerHost(Host):
             last_aggregated_sites=ctl._active_engine.last_aggregated if ctl._active_engine else None,
             population=ctl._population,
             released_steps=ctl._active_engine.released_steps if ctl._active_engine else None,
+            stopping=ctl._active_engine.plateau.state() if ctl._active_engine and ctl._active_engine.plateau else None,
         )
         if ctl.round_settings.save_client_updates:
             save_updates(ctl._updates_path(round_num), updates, params)

@@ -16,6 +16,13 @@ round ``t`` when none of the last ``patience`` rounds lowered the best value so 
 rounds before that count; ``num_rounds`` stays the cap. Each site's kept and own models are already chosen on
 validation over rounds (lightning_modules/site_choice.py), so stopping later changes no site's choice for the
 worse; the rule saves the rounds that no longer change anything.
+
+A resumed job continues the rule where the stopped run left it: its history, each site's latest score and the
+metric (`Plateau.state`) are checkpointed with the rule state after every round (``server_state.pt``, whose run id
+and model digest already tie it to the run) and restored by `Plateau.restored`, so the resumed job stops after the
+round the uninterrupted job stops after; one whose saved history already reached the plateau runs no round. A
+checkpoint without it (a run without ``--stop-patience``, an older version) or with one that does not hold together
+starts the history empty, with one line saying why.
 """
 
 from __future__ import annotations
@@ -45,6 +52,31 @@ def plateau_metric(site_eval: Mapping[str, Any]) -> str | None:
     return next((name for name in PLATEAU_METRICS if name in site_eval), None)
 
 
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def saved_state_problem(saved: Any, rounds_attempted: int) -> str | None:
+    """Why a checkpointed `Plateau.state` cannot be continued (``None``: it can): finite numbers only, a known
+    metric, at most one value per round attempted, and scores to average whenever there is a history."""
+    if saved is None:
+        return "the checkpoint holds no history of it (a run without --stop-patience, or an older version)"
+    if not isinstance(saved, Mapping):
+        return f"its saved state is not a mapping ({type(saved).__name__})"
+    history, latest, metric = saved.get("history"), saved.get("latest"), saved.get("metric")
+    if not isinstance(history, list) or not all(_finite(v) for v in history):
+        return "its saved history is not a list of finite numbers"
+    if len(history) > rounds_attempted:
+        return f"its saved history has {len(history)} values for {rounds_attempted} rounds attempted"
+    if not isinstance(latest, Mapping) or not all(_finite(v) for v in latest.values()):
+        return "its saved latest scores are not finite numbers by site"
+    if history and not latest:
+        return "its saved history has no latest scores it is the mean of"
+    if (metric is not None or history) and metric not in PLATEAU_METRICS:
+        return f"its saved metric {metric!r} is none of {list(PLATEAU_METRICS)}"
+    return None
+
+
 @dataclass
 class Plateau:
     """The rule over a run (module docstring): `observe` each round's site summary, then ask `reached`."""
@@ -66,6 +98,20 @@ class Plateau:
         if self.latest:
             self.history.append(sum(self.latest.values()) / len(self.latest))
 
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the rule (`restored` reads it back): plain values only."""
+        return {"metric": self.metric, "latest": dict(self.latest), "history": list(self.history)}
+
+    @classmethod
+    def restored(cls, patience: int, saved: Any, rounds_attempted: int) -> tuple[Plateau, str | None]:
+        """The rule as a stopped run left it after ``rounds_attempted`` rounds (``saved``: its `state`), with the
+        given ``patience``; an empty one and why when ``saved`` is missing or does not hold together."""
+        problem = saved_state_problem(saved, rounds_attempted)
+        if problem is not None:
+            return cls(patience), problem
+        latest = {str(site): float(value) for site, value in saved["latest"].items()}
+        return cls(patience, saved["metric"], latest, [float(v) for v in saved["history"]]), None
+
     def reached(self) -> bool:
         return bool(self.history) and rounds_since_best(self.history) >= self.patience
 
@@ -83,4 +129,4 @@ class Plateau:
         }
 
 
-__all__ = ["MIN_DELTA", "PLATEAU_METRICS", "Plateau", "plateau_metric", "rounds_since_best"]
+__all__ = ["MIN_DELTA", "PLATEAU_METRICS", "Plateau", "plateau_metric", "rounds_since_best", "saved_state_problem"]
