@@ -11,7 +11,7 @@ Per round, with ``T`` the split tables of a model (log-probabilities on ``val``,
 3. the challengers are the round's federated models, their mixtures with the own model at `MIXTURE_WEIGHTS`, and
    the model kept so far when it was a federated one (its tables stored with it);
 4. `site_choice.keep` picks; the kept model (state; for a mixture both states and the weight) and its tables are
-   stored (`KEPT_STORE`).
+   stored (`KEPT_STORE`), unless the store holds that model already (`already_stored`: kept again, no write).
 
 Reported (``eval.`` keys; ``<view>`` is ``test`` and, with a pooled test set, ``pooled_test``):
 
@@ -171,7 +171,7 @@ class KeptModel:
     def _stored_offer(self, kind: str, stored: Mapping[str, Any]) -> Offer:
         tables = _arrays(stored["tables"])
         candidate = self._candidate(kind, int(stored["round"]), tables, stored.get("weight"))
-        return Offer(candidate, tables, lambda: stored["state"])
+        return Offer(candidate, tables, lambda: stored["state"], from_store=True)
 
     def _keep(self, federated: list[Offer], own: Offer | None, round_num: int, run_id: str) -> dict[str, float]:
         """Choose among the own model and the challengers (module docstring, step 3), store and report the kept one."""
@@ -186,7 +186,7 @@ class KeptModel:
         chosen = (
             own if own is not None and kept is own.candidate else next(c for c in challengers if c.candidate is kept)
         )
-        if self.store is not None:
+        if self.store is not None and not already_stored(stored, chosen):
             record = {"kind": kept.kind, "round": kept.round_num, "weight": kept.weight, "state": chosen.weights()}
             self.store.save(
                 KEPT_STORE, {**record, "tables": _tensors(chosen.tables), RUN_KEY: run_id}, round_num=round_num
@@ -216,6 +216,21 @@ class Offer:
     candidate: Candidate
     tables: Tables
     weights: Callable[[], Any]
+    #: Read back from the state store (the kept or the own model of an earlier round), not built this round.
+    from_store: bool = False
+
+
+def already_stored(stored: Mapping[str, Any] | None, chosen: Offer) -> bool:
+    """Whether the stored kept model (`KEPT_STORE`'s record of this run, or ``None``) is ``chosen`` already, so that
+    writing it again would store the same model: ``chosen`` was read back from the store, and the record names the
+    same kind, round and weight with the same tables bit for bit. A model built this round is always written."""
+    if stored is None or not chosen.from_store:
+        return False
+    c = chosen.candidate
+    if (stored["kind"], int(stored["round"]), stored.get("weight")) != (c.kind, c.round_num, c.weight):
+        return False
+    tables = _arrays(stored["tables"])
+    return tables.keys() == chosen.tables.keys() and all(np.array_equal(tables[k], chosen.tables[k]) for k in tables)
 
 
 def early_stopped_offer(incumbent: Offer, latest: Offer) -> Offer:

@@ -172,6 +172,21 @@ def test_over_rounds_the_own_model_is_early_stopped_and_the_kept_one_never_worse
         assert {"eval.kept_pooled_test_accuracy", "eval.local_pooled_test_accuracy"} <= set(m)
 
 
+def eye_splits() -> dict:
+    """Validation and test splits of 30 one-hot inputs of 3 classes, labelled by their hot entry."""
+    x = torch.eye(3).repeat(10, 1)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.argmax(dim=1)), batch_size=8)
+    return {"val": classifier_batches(loader), "test": classifier_batches(loader)}
+
+
+def scaled_identity(scale: float) -> torch.nn.Module:
+    """A 3-class classifier of `eye_splits`: perfect and sure for a large ``scale``, uniform (knows nothing) at 0."""
+    layer = torch.nn.Linear(3, 3, bias=False)
+    torch.nn.init.eye_(layer.weight)
+    layer.weight.data.mul_(scale)
+    return layer
+
+
 def test_a_received_model_that_wins_on_validation_is_still_never_kept_when_no_site_could_use_it(tmp_path) -> None:
     # The hostile case: the received model scores best on validation (here a perfect classifier, the site's own and
     # personal models know nothing), yet under partial sharing it carries the server's copy of the site's head, so
@@ -179,17 +194,9 @@ def test_a_received_model_that_wins_on_validation_is_still_never_kept_when_no_si
     from lightning_modules.kept_model import KeptModel
     from lightning_modules.state_store import ClientStateStore
 
-    x = torch.eye(3).repeat(10, 1)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.argmax(dim=1)), batch_size=8)
-    splits = {"val": classifier_batches(loader), "test": classifier_batches(loader)}
+    splits = eye_splits()
 
-    def linear(scale: float) -> torch.nn.Module:
-        layer = torch.nn.Linear(3, 3, bias=False)
-        torch.nn.init.eye_(layer.weight)
-        layer.weight.data.mul_(scale)
-        return layer
-
-    models = {"global": linear(20.0), "personal": linear(0.0), "local": linear(0.0)}
+    models = {"global": scaled_identity(20.0), "personal": scaled_identity(0.0), "local": scaled_identity(0.0)}
     for eligible, where in ((True, "on"), (False, "off")):
         store = ClientStateStore(tmp_path / where, "site-1")
         meta = KeptModel(store, splits, margin=1.645).round(models, 0, "run", True, eligible_global=eligible)
@@ -264,3 +271,50 @@ def test_the_offline_replay_of_recorded_tables_reports_what_the_site_reported(tm
         assert row["kept_pooled"] == pytest.approx(meta["eval.kept_pooled_test_accuracy"], abs=1e-12)
         assert row["kept_val_loss"] == pytest.approx(meta["eval.kept_val_loss"], abs=1e-6)
         assert row["kept_own"] == meta["eval.kept_own"]
+
+
+def test_a_kept_model_kept_again_is_not_rewritten_and_a_restarted_site_still_finds_it(tmp_path, monkeypatch) -> None:
+    # Round 0 keeps the received model (a perfect classifier); rounds 1-2 offer only models that know nothing, so the
+    # stored one is kept again and the site writes nothing (round 2 in a new store and chooser: a restarted site);
+    # round 3 offers a new perfect model, which must be written. Every report and every stored model must be what a
+    # site that rewrites its kept model every round has: a skipped write that lost the model, or a stale one kept
+    # after a change, fails this.
+    from lightning_modules import kept_model
+    from lightning_modules.cross_site import submission
+    from lightning_modules.kept_model import KEPT_STORE, KeptModel
+    from lightning_modules.state_store import ClientStateStore
+
+    splits = eye_splits()
+
+    know_nothing = {"global": scaled_identity(0.0), "personal": scaled_identity(0.0), "local": scaled_identity(0.0)}
+    offers = [
+        {**know_nothing, "global": scaled_identity(20.0)},
+        know_nothing,
+        know_nothing,
+        {**know_nothing, "personal": scaled_identity(30.0)},
+    ]
+
+    def run(root, written: list) -> tuple[list, list]:
+        metas, kept = [], []
+        for r, models in enumerate(offers):
+            store = ClientStateStore(root, "site-1")  # a new store and chooser every round: a restarted site
+            save = store.save
+            store.save = lambda name, state, r=r, save=save, **kw: (written.append((r, name)), save(name, state, **kw))[
+                1
+            ]
+            metas.append(KeptModel(store, splits, margin=1.645).round(models, r, "run", True))
+            kept.append(submission(ClientStateStore(root, "site-1"), "run", "site-1")[0])
+        return metas, kept
+
+    written: list = []
+    metas, kept = run(tmp_path / "skip", written)
+    assert [r for r, name in written if name == KEPT_STORE] == [0, 3]
+    assert [(m["eval.kept_candidate"], m["eval.kept_round"]) for m in metas] == [(0, 0), (0, 0), (0, 0), (1, 3)]
+    assert torch.equal(kept[2]["kept/weight"], 20.0 * torch.eye(3)) and metas[2]["eval.kept_test_accuracy"] == 1.0
+    monkeypatch.setattr(kept_model, "already_stored", lambda *_: False)  # the site before: a write every round
+    always: list = []
+    metas_always, kept_always = run(tmp_path / "always", always)
+    assert [r for r, name in always if name == KEPT_STORE] == [0, 1, 2, 3]
+    assert metas == metas_always
+    for mine, theirs in zip(kept, kept_always, strict=True):
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
