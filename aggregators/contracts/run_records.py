@@ -92,8 +92,10 @@ def stopped_early(records: Sequence[dict[str, Any]]) -> bool:
 
 
 def stop_note(records: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
-    """The stopping rule's note of a run it ended (controllers/stopping.py), or ``None``."""
-    return next((r["stopped"] for r in records if r.get("stage") == "round" and r.get("stopped")), None)
+    """The stopping rule's note of a run it ended (controllers/stopping.py), or ``None``: on a round record, or on
+    the ``resumed`` record of a resumed job whose restored history had already reached the plateau (it runs no
+    round)."""
+    return next((r["stopped"] for r in records if r.get("stage") in ("round", "resumed") and r.get("stopped")), None)
 
 
 def _rounds_done(records: Sequence[dict[str, Any]]) -> int:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from aggregators.contracts import meta_keys
+from aggregators.contracts.run_records import completion_problems, stop_note
 from controllers.fedalg_controller import STATE_FILE
 from controllers.stopping import Plateau
 from tests.controllers.test_ctl_resume import FakeEngineController
@@ -101,6 +102,8 @@ def test_a_resumed_job_whose_saved_history_already_reached_the_plateau_runs_no_r
     assert resumed.rounds_run == 0 and _rounds(resumed.app_dir) == []
     (record,) = _records(resumed.app_dir)
     assert record["stage"] == "resumed" and record["stopped"] == note
+    # The run reader calls it a finished run (it ended by its rule), not one cut off after round 0.
+    assert stop_note([record]) == note and completion_problems([record]) == []
     (line,) = [m for m in resumed.infos if "validation plateau" in m]
     assert f"after round {STOPS_AFTER + 1}" in line and "no round to run" in line, line
 
