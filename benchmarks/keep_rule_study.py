@@ -39,6 +39,8 @@ from lightning_modules.site_choice import (
 )
 
 Tables = dict[str, np.ndarray]
+#: The centrally trained model's cells (benchmarks/site_report.py): one site, a ceiling, not a federation to replay.
+CENTRAL = "central"
 Rule = Callable[[Candidate, Candidate], bool]  # (challenger, own) -> replace the own model
 
 
@@ -157,7 +159,7 @@ def t_interval(values: Sequence[float]) -> tuple[float, float, float]:
 def study(setting: Path, rule: Rule, patience: int | None) -> dict[str, object]:
     """One setting (a folder of runs, one per training seed) under one rule."""
     seed_means, pooled_means, pairs, own_kept, stops = [], [], [], 0, []
-    for run in sorted(p for p in setting.iterdir() if p.is_dir()):
+    for run in sorted(p for p in setting.iterdir() if p.is_dir() and not p.name.startswith(f"{CENTRAL}__")):
         per_site = {site: replay_site(paths, rule) for site, paths in site_rounds(run).items()}
         if not per_site:
             continue
