@@ -15,11 +15,16 @@ than ``m`` standard errors of the paired per-sample difference (the shipped rule
 and the challenger is not below the own model on validation accuracy.
 
     python -m benchmarks.keep_rule_study /tmp/tables/setting-a /tmp/tables/setting-b --patience 5
+
+The tables are large (6-160 MB a setting) and stay out of the repository; ``--json`` writes what the tables in
+benchmarks/results/site_gain.md are computed from (every run's final kept/own scores per site and rule), which is
+committed (benchmarks/results/keep_rule_study/).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -158,7 +163,7 @@ def t_interval(values: Sequence[float]) -> tuple[float, float, float]:
 
 def study(setting: Path, rule: Rule, patience: int | None) -> dict[str, object]:
     """One setting (a folder of runs, one per training seed) under one rule."""
-    seed_means, pooled_means, pairs, own_kept, stops = [], [], [], 0, []
+    seed_means, pooled_means, pairs, own_kept, stops, finals_by_run = [], [], [], 0, [], {}
     for run in sorted(p for p in setting.iterdir() if p.is_dir() and not p.name.startswith(f"{CENTRAL}__")):
         per_site = {site: replay_site(paths, rule) for site, paths in site_rounds(run).items()}
         if not per_site:
@@ -166,6 +171,7 @@ def study(setting: Path, rule: Rule, patience: int | None) -> dict[str, object]:
         t = stop_round(per_site, patience)
         stops.append(t + 1)
         finals = [rows[t] for rows in per_site.values()]
+        finals_by_run[run.name] = {"stopped_after": t, "sites": {site: rows[t] for site, rows in per_site.items()}}
         gains = [100 * (r["kept_test"] - r["own_test"]) for r in finals]
         pairs += gains
         own_kept += sum(int(r["kept_own"]) for r in finals)
@@ -180,6 +186,7 @@ def study(setting: Path, rule: Rule, patience: int | None) -> dict[str, object]:
         "pairs": len(pairs),
         "own_kept": own_kept,
         "rounds": stops,
+        "finals": finals_by_run,
     }
 
 
@@ -195,18 +202,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("settings", nargs="+", type=Path, help="folders of recorded runs (one per setting)")
     parser.add_argument("--patience", type=int, default=5, help="the stopping rule's patience (0: no stopping)")
     parser.add_argument("--rules", nargs="+", default=list(RULES), choices=list(RULES), help="rules to replay")
+    parser.add_argument(
+        "--json", type=Path, help="also write every (setting, rule, run, site) final score here (the committed record)"
+    )
     args = parser.parse_args(argv)
     patience = args.patience or None
+    record: dict[str, dict[str, object]] = {}
     print("| setting | rule | rounds | kept − own, own view | worst pair | pairs < −2 | own kept | pooled view |")
     print("|---|---|---|---|---|---|---|---|")
     for setting in args.settings:
         for name in args.rules:
             r = study(setting, RULES[name], patience)
+            record.setdefault(setting.name, {})[name] = r
             print(
                 f"| {setting.name} | {name} | {', '.join(map(str, r['rounds']))} | {fmt(r['gain'])} | "
                 f"{r['worst']:+.1f} | {r['below2']} of {r['pairs']} | {r['own_kept']} of {r['pairs']} | "
                 f"{fmt(r['pooled'])} |"
             )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"patience": patience, "settings": record}, indent=1) + "\n")
     return 0
 
 
