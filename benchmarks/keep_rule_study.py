@@ -1,5 +1,5 @@
 """Keep rules replayed offline on recorded candidate tables: which rule lets a small site leave its own model when
-the federation's is better, without losing where it is not (issue: joining pays; benchmarks/results/site_gain.md).
+the federation's is better, without losing where it is not (benchmarks/results/site_gain.md).
 
 A benchmark run with ``FL_RECORD_CANDIDATE_TABLES=<dir>`` (lightning_modules/kept_model.py) writes every site's
 round tables: per model (``global``, ``personal``, ``local``: the round's local-only model) and split (``val``,

@@ -1,4 +1,4 @@
-"""The stopping rule across a resume (issue 44): a job stopped and resumed stops after the round the uninterrupted job
+"""The stopping rule across a resume: a job stopped and resumed stops after the round the uninterrupted job
 stops after, because the rule's history (controllers/stopping.py) is checkpointed with the rule state and restored.
 
 Driven through the controller's ``run()`` with the in-process fakes of tests/controllers/test_ctl_resume.py, whose
