@@ -4,6 +4,8 @@ The sites score on their own validation splits every round and send the scores a
 (controllers/engine.py ``site_eval_summary``). The stopping rule reads one of them, the first the sites report of
 `PLATEAU_METRICS`:
 
+- ``kept_pooled_val_loss``: with ``--keep-view pooled``, the loss of the model each site keeps on the pooled
+  validation split it is chosen on (lightning_modules/site_choice.py);
 - ``kept_val_loss``: the validation loss of the model each site keeps (``--keep best``); it improves only when a
   site found a better model, so its plateau means no site is still gaining;
 - ``personal_val_loss``: the personal model's (fine-tuning, Ditto, FedPer/FedBN/FedRep without keep best);
@@ -33,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: The validation scores the rule reads, in order of preference (module docstring).
-PLATEAU_METRICS = ("kept_val_loss", "personal_val_loss", "val_loss")
+PLATEAU_METRICS = ("kept_pooled_val_loss", "kept_val_loss", "personal_val_loss", "val_loss")
 #: An improvement smaller than this (absolute, in loss units) is no improvement.
 MIN_DELTA = 1e-4
 

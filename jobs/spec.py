@@ -415,6 +415,7 @@ BUILTIN_VAL_METRICS = ("val_loss", "val_accuracy")
 def _check_candidates(spec: JobSpec) -> None:
     """``--local-baseline`` and ``--keep best`` (lightning_modules/local_baseline.py, keep_best.py): the splits they
     score on, something to choose between, and the bundle's single-process site loop."""
+    _check_pooled_choice(spec)
     wanted = [name for name, on in (("local_baseline", spec.local_baseline), ("keep best", spec.keep == "best")) if on]
     if spec.keep == "last" and spec.keep_metric != "val_loss":
         raise JobBuildError(f"keep_metric {spec.keep_metric!r} selects for --keep best only; this job keeps 'last'")
@@ -446,6 +447,70 @@ def _check_candidates(spec: JobSpec) -> None:
         )
     if spec.model is None and spec.keep_metric not in BUILTIN_VAL_METRICS:
         raise JobBuildError(f"keep_metric {spec.keep_metric!r}: the built-in model logs {list(BUILTIN_VAL_METRICS)}")
+
+
+def _check_pooled_choice(spec: JobSpec) -> None:
+    """``keep_view pooled`` (lightning_modules/site_choice.py): the own and the kept model are both chosen on a pooled
+    validation split, which must exist and never overlap the pooled test view."""
+    pooled, count = spec.keep_view == "pooled", spec.site_pooled_val
+    if count and not pooled:
+        raise JobBuildError(
+            f"site_pooled_val {count} is the split keep_view 'pooled' chooses on; this job chooses on the sites' own "
+            "validation splits: set keep_view pooled, or leave site_pooled_val 0"
+        )
+    if not pooled:
+        return
+    if spec.keep != "best" or not spec.local_baseline:
+        raise JobBuildError(
+            "keep_view 'pooled' needs keep best and local_baseline: it chooses both the site's own early-stopped "
+            "model and the kept model on the pooled validation split; set both, or keep_view own"
+        )
+    if spec.keep_metric != "val_loss":
+        raise JobBuildError(
+            f"keep_view 'pooled' chooses on the validation loss per sample, not keep_metric {spec.keep_metric!r}: "
+            "leave keep_metric val_loss"
+        )
+    if spec.model is not None:
+        _check_pooled_val_hook(spec)
+        return
+    if not count:
+        raise JobBuildError(
+            "keep_view 'pooled' with the built-in data needs site_pooled_val n > 0: the n published test images "
+            "after site_pooled_test's that the sites choose on (e.g. site_pooled_val 1000)"
+        )
+    if not spec.site_pooled_test:
+        raise JobBuildError(
+            f"site_pooled_val needs site_pooled_test > 0: the pooled view the choice is reported on (its images come "
+            f"first, the {count} pooled validation images after them)"
+        )
+    published = _published_test_size(spec)
+    if spec.site_pooled_test + count > published:
+        raise JobBuildError(
+            f"site_pooled_test {spec.site_pooled_test} + site_pooled_val {count} = {spec.site_pooled_test + count} "
+            f"published test images, but {spec.dataset} has {published}: lower them so that the two do not overlap"
+        )
+
+
+def _published_test_size(spec: JobSpec) -> int:
+    from data_prep import SiteDataConfig
+    from data_prep.sites import test_split
+
+    return len(test_split(SiteDataConfig.from_namespace(spec))[1])
+
+
+def _check_pooled_val_hook(spec: JobSpec) -> None:
+    """A user's data module offers the pooled validation split through ``pooled_val_dataloader()``."""
+    import pytorch_lightning as pl
+
+    from lightning_modules.own_model import user_class
+
+    with importable(shipped_folders(spec)):
+        data_cls = user_class(spec.data, pl.LightningDataModule, "data")
+    if not callable(getattr(data_cls, "pooled_val_dataloader", None)):
+        raise JobBuildError(
+            f"keep_view 'pooled': data {spec.data!r} defines no pooled_val_dataloader(), the pooled validation split "
+            "the sites choose on: add it (docs/personalization.md), or keep_view own"
+        )
 
 
 def _active_personal_methods(spec: JobSpec) -> list[Any]:

@@ -43,6 +43,8 @@ NO_EFFECT_WITH_MODEL: dict[str, str] = {
     "batch_size": "your data module's train_dataloader() decides the batch size: give it in --data-args",
     "max_test_samples": "the server has no test set with --model: the sites evaluate on their val_dataloader()",
     "site_pooled_test": "the pooled view is the built-in dataset's published test set; with --model there is none",
+    "site_pooled_val": "it takes published test images of the built-in dataset; with --model your data module's "
+    "pooled_val_dataloader() gives the pooled validation split",
     "arch": "your module is the model: its constructor arguments go in --model-args",
     "arch_args": "your module is the model: its constructor arguments go in --model-args",
     "lr": _OPTIMIZER,

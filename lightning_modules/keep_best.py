@@ -130,6 +130,9 @@ class SiteCandidates:
     #: Reads ``splits`` at the first round's end (a user's data module is set up by then); ``None``: nothing to read.
     split_source: Callable[[], dict[str, SplitBatches | None]] | None = field(default=None, repr=False)
     margin: float = DEFAULT_MARGIN
+    #: The split the own and the kept model are chosen on (``keep_view``: site_choice.SELECT_SPLITS); other than
+    #: ``val``, the classifier path only.
+    select: str = "val"
     #: False under partial sharing (FedPer, FedBN, FedRep): the received model carries the server's copy of the
     #: site's own entries (the initial head), a model no site would use.
     global_eligible: bool = True
@@ -173,6 +176,8 @@ class SiteCandidates:
             read, self.split_source = self.split_source(), None
             # The classifier path needs validation batches of (x, integer y); anything else scores with Lightning.
             self.splits = {k: v for k, v in read.items() if v is not None} if read.get("val") is not None else None
+            if self.select not in (self.splits or {}):
+                self.splits = self._unselectable()
         if self.splits is not None:
             # Without a personal model of its own (FedAvg, SCAFFOLD, ...), the site's personal candidate is its
             # round's trained model: the received global model after this round's local epochs on the site's data
@@ -200,12 +205,22 @@ class SiteCandidates:
     ) -> dict[str, float] | None:
         """The classifier path (lightning_modules/kept_model.py); ``None`` (and the Lightning path from now on)
         when a model's forward is not a classifier's."""
-        chooser = KeptModel(self.store, self.splits or {}, self.margin, self.site)
-        choose = self.keep == "best" and "val" in chooser.splits
+        chooser = KeptModel(self.store, self.splits or {}, self.margin, self.site, self.select)
+        choose = self.keep == "best" and self.select in chooser.splits
         out = chooser.round(models, round_num, run_id, choose, eligible_global=self.global_eligible)
         if out is None:
-            self.splits = None
+            self.splits = None if self.select == "val" else self._unselectable()
         return out
+
+    def _unselectable(self) -> None:
+        """Only the classifier path chooses on another split than ``val``: elsewhere the choice cannot be made."""
+        if self.select == "val":
+            return None
+        raise ClientAlgorithmError(
+            f"{self.site}: keep_view 'pooled' chooses on the {self.select} split, scored per sample from a "
+            "classifier's logits on (x, integer label) batches; this site's model or that split is not one: set "
+            "keep_view own"
+        )
 
     def _keep(
         self,

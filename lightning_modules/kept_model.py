@@ -21,6 +21,10 @@ Reported (``eval.`` keys; ``<view>`` is ``test`` and, with a pooled test set, ``
   ``kept_weight`` (the federated model's share, mixtures only), ``kept_own`` (1: the own model, gain 0 by
   construction);
 - ``kept_minus_local_<view>_accuracy`` and ``..._se``: per-sample paired difference on that view.
+
+With ``keep_view pooled`` (``select`` ``pooled_val``) steps 2 and 4 compare losses on the pooled validation split
+instead of the site's own: every model's ``pooled_val_*`` scores are reported beside the others and
+``kept_on_pooled_val`` is 1.
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ def view_meta(prefix: str, candidate: Candidate) -> dict[str, float]:
     """``eval.<prefix><view>_{accuracy,loss}`` for every reported view the candidate was scored on, and its
     validation scores as ``eval.<prefix>val_*``."""
     out = {}
-    for split, view in (("val", "val"), *VIEWS.items()):
+    for split, view in (("val", "val"), ("pooled_val", "pooled_val"), *VIEWS.items()):
         if split in candidate.scores.log_prob:
             out[meta_keys.eval_key(f"{prefix}{view}_accuracy")] = candidate.scores.accuracy(split)
             out[meta_keys.eval_key(f"{prefix}{view}_loss")] = candidate.scores.loss(split)
@@ -88,9 +92,15 @@ class KeptModel:
     """One site's choosing on the classifier path (module docstring)."""
 
     def __init__(
-        self, store: ClientStateStore | None, splits: Mapping[str, SplitBatches], margin: float, site: str = ""
+        self,
+        store: ClientStateStore | None,
+        splits: Mapping[str, SplitBatches],
+        margin: float,
+        site: str = "",
+        select: str = "val",
     ) -> None:
         self.store, self.splits, self.margin, self.site = store, dict(splits), margin, site
+        self.select = select  # the split both the own and the kept model are chosen on (site_choice.SELECT_SPLITS)
         self.labels = {name: batches.labels for name, batches in self.splits.items()}
 
     def record(self, tables: Mapping[str, Tables], round_num: int, run_id: str) -> None:
@@ -158,11 +168,11 @@ class KeptModel:
 
     def _own(self, latest: Offer | None, run_id: str) -> Offer | None:
         """The early-stopped local-only model after this round (stored when new)."""
-        if latest is None or "val" not in latest.tables:  # nothing to stop on: the latest model
+        if latest is None or self.select not in latest.tables:  # nothing to stop on: the latest model
             return latest
         stored = self._stored(OWN_STORE, run_id)
         incumbent = None if stored is None else self._stored_offer("local", stored)
-        own = latest if incumbent is None else early_stopped_offer(incumbent, latest)
+        own = latest if incumbent is None else early_stopped_offer(incumbent, latest, self.select)
         if own is latest and self.store is not None:
             record = {"round": own.candidate.round_num, "tables": _tensors(own.tables), "state": own.weights()}
             self.store.save(OWN_STORE, {**record, RUN_KEY: run_id}, round_num=own.candidate.round_num)
@@ -177,12 +187,13 @@ class KeptModel:
         """Choose among the own model and the challengers (module docstring, step 3), store and report the kept one."""
         challengers = list(federated)
         if own is not None and federated:
-            fed = min(federated, key=lambda offer: offer.candidate.val_loss)
+            fed = min(federated, key=lambda offer: offer.candidate.scores.loss(self.select))
             challengers += [self._mixture(own, fed, weight, round_num) for weight in MIXTURE_WEIGHTS]
         stored = self._stored(KEPT_STORE, run_id)
         if stored is not None and stored["kind"] != "local":  # an earlier federated choice stays a challenger
             challengers.append(self._stored_offer(stored["kind"], stored))
-        kept = keep(None if own is None else own.candidate, [c.candidate for c in challengers], self.margin)
+        own_candidate = None if own is None else own.candidate
+        kept = keep(own_candidate, [c.candidate for c in challengers], self.margin, self.select)
         chosen = (
             own if own is not None and kept is own.candidate else next(c for c in challengers if c.candidate is kept)
         )
@@ -197,6 +208,8 @@ class KeptModel:
         out[meta_keys.eval_key("kept_own")] = float(chosen is own)
         if kept.weight is not None:
             out[meta_keys.eval_key("kept_weight")] = float(kept.weight)
+        if self.select != "val":
+            out[meta_keys.eval_key(f"kept_on_{self.select}")] = 1.0
         if own is not None:
             out.update(gain_meta(kept, own.candidate))
         return out
@@ -233,9 +246,9 @@ def already_stored(stored: Mapping[str, Any] | None, chosen: Offer) -> bool:
     return tables.keys() == chosen.tables.keys() and all(np.array_equal(tables[k], chosen.tables[k]) for k in tables)
 
 
-def early_stopped_offer(incumbent: Offer, latest: Offer) -> Offer:
-    """`site_choice.early_stopped` over offers."""
-    return latest if early_stopped(incumbent.candidate, latest.candidate) is latest.candidate else incumbent
+def early_stopped_offer(incumbent: Offer, latest: Offer, split: str = "val") -> Offer:
+    """`site_choice.early_stopped` over offers, on the validation ``split``."""
+    return latest if early_stopped(incumbent.candidate, latest.candidate, split) is latest.candidate else incumbent
 
 
 def _tensors(tables: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:

@@ -35,6 +35,7 @@ from pytorch_lightning.utilities.model_helpers import is_overridden
 from aggregators.contracts import meta_keys
 from lightning_modules.algorithms.base import ClientAlgorithmError
 from lightning_modules.options import json_arg
+from lightning_modules.site_choice import SELECT_SPLITS
 
 IMPORT_PATH_FORMAT = "'package.module:ClassName'"
 
@@ -343,13 +344,25 @@ class UserSite:
             fit = lambda trainer, module: trainer.fit(module, datamodule=data)  # noqa: E731
             found.local = LocalBaseline(self.site, store, make_module, fit, precision, accelerator)
         found.margin = float(getattr(args, "keep_margin", found.margin))
+        found.select = SELECT_SPLITS[getattr(args, "keep_view", "own")]
+        if found.select != "val" and not callable(getattr(data, "pooled_val_dataloader", None)):
+            raise UserCodeError(self.no_pooled_val())
         if self.evaluate:
-            found.split_source = lambda: self.classifier_splits(found.score_test is not None)
+            found.split_source = lambda: self.classifier_splits(found.score_test is not None, found.select != "val")
         return found
 
-    def classifier_splits(self, with_test: bool) -> dict[str, Any]:
-        """The data module's validation (and test, and pooled test) batches, read once, for the classifier path
-        (lightning_modules/split_scores.py; ``None`` where the batches are not (x, integer y))."""
+    def no_pooled_val(self) -> str:
+        """keep_view pooled at a site whose data module offers no pooled validation split."""
+        return (
+            f"{self.site}: keep_view 'pooled' chooses on a pooled validation split, but data {self.args.data!r} has "
+            "no pooled_val_dataloader() or it returned None: add the hook returning a reference set of the population "
+            "the site serves, disjoint from its test splits (docs/personalization.md), or set keep_view own"
+        )
+
+    def classifier_splits(self, with_test: bool, pooled_val: bool = False) -> dict[str, Any]:
+        """The data module's validation (and test, and pooled test, and with ``pooled_val`` the hook
+        ``pooled_val_dataloader()``'s) batches, read once, for the classifier path (lightning_modules/split_scores.py;
+        ``None`` where the batches are not (x, integer y))."""
         from lightning_modules.split_scores import classifier_batches
 
         data = self.data
@@ -366,6 +379,11 @@ class UserSite:
             pooled = getattr(data, "pooled_test_dataloader", lambda: None)()
             if pooled is not None:
                 splits["pooled"] = classifier_batches(pooled, transfer)
+        if pooled_val:  # keep_view pooled: the split the site chooses on (a reference set the site holds)
+            loader = data.pooled_val_dataloader()
+            if loader is None:
+                raise UserCodeError(self.no_pooled_val())
+            splits["pooled_val"] = classifier_batches(loader, transfer)
         return splits
 
     def fit(self, round_num: int, connect: Any) -> dict[str, Any]:

@@ -49,6 +49,7 @@ from lightning_modules.finetune import BEST_EPOCH, epoch_scorer, finetune_seed, 
 from lightning_modules.fl_callback import MetaSource, nvflare_meta_source
 from lightning_modules.options import json_arg
 from lightning_modules.personal_scores import single_process_trainer, validation_scorer, validation_scores
+from lightning_modules.site_choice import SELECT_SPLITS
 from lightning_modules.split_scores import classifier_batches
 from lightning_modules.state_store import ClientStateStore
 
@@ -368,20 +369,21 @@ def builtin_candidates(args: Any, site: str, site_index: int, splits: SiteSplits
     if local:
         candidates.local = LocalBaseline(site, store, make_module, fit, precision, accelerator, training_loader)
     candidates.margin = float(getattr(args, "keep_margin", candidates.margin))
+    candidates.select = SELECT_SPLITS[getattr(args, "keep_view", "own")]
     candidates.split_source = lambda: classifier_splits(
-        splits.validation, splits.test, pooled_test_set(args), batch_size=args.batch_size
+        splits.validation, splits.test, pooled_test_set(args), pooled_val_set(args), batch_size=args.batch_size
     )
     return candidates
 
 
 def classifier_splits(*datasets: TensorDataset | None, batch_size: int = 256) -> dict[str, Any]:
-    """The built-in site's validation, test and pooled test sets read once for the classifier path
+    """The built-in site's validation, test, pooled test and pooled validation sets read once for the classifier path
     (lightning_modules/split_scores.py); a missing one is left out."""
     from lightning_modules.split_scores import classifier_batches
 
     loaders = {
         name: torch.utils.data.DataLoader(dataset, batch_size=batch_size)
-        for name, dataset in zip(("val", "test", "pooled"), datasets, strict=True)
+        for name, dataset in zip(("val", "test", "pooled", "pooled_val"), datasets, strict=True)
         if dataset is not None
     }
     return {name: classifier_batches(loader) for name, loader in loaders.items()}
@@ -391,13 +393,24 @@ def pooled_test_set(args: Any) -> TensorDataset | None:
     """With ``--site-pooled-test n``: the "next patient" view, the first n images of the built-in dataset's
     published test set (all labels; the order the server scores the global model in), else ``None``."""
     limit = int(getattr(args, "site_pooled_test", 0) or 0)
-    if not limit:
-        return None
+    return published_test_images(args, 0, limit) if limit else None
+
+
+def pooled_val_set(args: Any) -> TensorDataset | None:
+    """With ``--site-pooled-val m``: the pooled validation split ``keep_view pooled`` chooses on, the m published test
+    images after the pooled test view's n (images n .. n + m - 1: never one the pooled view reports on), else
+    ``None``."""
+    start, count = int(getattr(args, "site_pooled_test", 0) or 0), int(getattr(args, "site_pooled_val", 0) or 0)
+    return published_test_images(args, start, start + count) if count else None
+
+
+def published_test_images(args: Any, start: int, stop: int) -> TensorDataset:
+    """Images ``start .. stop - 1`` of the built-in dataset's published test set, with their labels."""
     from data_prep import SiteDataConfig
     from data_prep.sites import test_split
 
     x, y = test_split(SiteDataConfig.from_namespace(args))
-    return to_tensor_dataset(np.asarray(x[:limit]), np.asarray(y[:limit]))
+    return to_tensor_dataset(np.asarray(x[start:stop]), np.asarray(y[start:stop]))
 
 
 def build_site_round(

@@ -14,6 +14,10 @@ A site compares the model it would have alone with what the federation offers, u
   scores is optimistic (the winner's curse). Otherwise the site keeps its own model, and its gain is exactly 0
   ("no gain: kept its own model").
 
+Both sides choose on one split: the site's own validation split (``val``), or with ``keep_view pooled`` a pooled
+validation split (``pooled_val``, `SELECT_SPLITS`): a reference set of the "next patient" distribution, disjoint from
+every split that reports, for a site that wants a model for the cases it rarely sees rather than for its own.
+
 Scores are per sample: the validation cross-entropy ``-log p(y | x)`` and whether the arg-max is right, from the
 forward's logits (lightning_modules/split_scores.py). Everything here is plain numpy on those vectors.
 
@@ -37,6 +41,8 @@ MIXTURE_WEIGHTS = (0.25, 0.5, 0.75)
 #: (benchmarks/keep_rule_study.py; benchmarks/results/site_gain.md): below 1.0 the mean gain stopped rising and the
 #: pairs below -2 points grew; 1.645 (a 5 % test) kept the own model at sites where the federation's was plainly better.
 DEFAULT_MARGIN = 1.0
+#: The split each ``keep_view`` chooses on (the own and the kept model alike).
+SELECT_SPLITS = {"own": "val", "pooled": "pooled_val"}
 #: Mean differences smaller than this are ties: two models' equal losses summed in another order differ by ~1e-16.
 TIE = 1e-12
 
@@ -115,10 +121,10 @@ def paired_mean_se(first: np.ndarray, second: np.ndarray) -> tuple[float, float]
     return float(d.mean()), float(d.std(ddof=1) / math.sqrt(len(d)))
 
 
-def beats(challenger: Candidate, incumbent: Candidate, margin: float) -> bool:
-    """Whether ``challenger``'s validation loss is below ``incumbent``'s by more than ``margin`` standard errors of
-    the per-sample paired difference (``margin`` 0: lower on the mean by more than `TIE`)."""
-    mean, se = paired_mean_se(-challenger.scores.log_prob["val"], -incumbent.scores.log_prob["val"])
+def beats(challenger: Candidate, incumbent: Candidate, margin: float, split: str = "val") -> bool:
+    """Whether ``challenger``'s loss on the validation ``split`` is below ``incumbent``'s by more than ``margin``
+    standard errors of the per-sample paired difference (``margin`` 0: lower on the mean by more than `TIE`)."""
+    mean, se = paired_mean_se(-challenger.scores.log_prob[split], -incumbent.scores.log_prob[split])
     if not math.isfinite(mean):
         return False
     if margin == 0:
@@ -126,33 +132,34 @@ def beats(challenger: Candidate, incumbent: Candidate, margin: float) -> bool:
     return math.isfinite(se) and mean + margin * se < -TIE
 
 
-def early_stopped(incumbent: Candidate | None, latest: Candidate) -> Candidate:
-    """The own model after this round: the latest local-only model if its validation loss is strictly lower than the
-    incumbent's (or there is none, or the incumbent's is not finite), else the incumbent."""
-    if incumbent is None or not math.isfinite(incumbent.val_loss):
+def early_stopped(incumbent: Candidate | None, latest: Candidate, split: str = "val") -> Candidate:
+    """The own model after this round: the latest local-only model if its loss on the validation ``split`` is
+    strictly lower than the incumbent's (or there is none, or the incumbent's is not finite), else the incumbent."""
+    if incumbent is None or not math.isfinite(incumbent.scores.loss(split)):
         return latest
-    return latest if latest.val_loss < incumbent.val_loss else incumbent
+    return latest if latest.scores.loss(split) < incumbent.scores.loss(split) else incumbent
 
 
-def keep(own: Candidate | None, challengers: Sequence[Candidate], margin: float) -> Candidate:
-    """The model a site keeps: the challenger with the lowest validation loss (ties to the earlier one) if it
-    `beats` the own model by ``margin``, else the own model. Without an own model (no local-only baseline) the best
-    challenger, with no margin."""
-    finite = [c for c in challengers if math.isfinite(c.val_loss)]
+def keep(own: Candidate | None, challengers: Sequence[Candidate], margin: float, split: str = "val") -> Candidate:
+    """The model a site keeps: the challenger with the lowest loss on the validation ``split`` (ties to the earlier
+    one) if it `beats` the own model by ``margin``, else the own model. Without an own model (no local-only
+    baseline) the best challenger, with no margin."""
+    finite = [c for c in challengers if math.isfinite(c.scores.loss(split))]
     if not finite:
         if own is None:
             raise ValueError("keep: no candidate with a finite validation loss")
         return own
-    best = min(finite, key=lambda c: c.val_loss)  # min keeps the first of equal values
+    best = min(finite, key=lambda c: c.scores.loss(split))  # min keeps the first of equal values
     if own is None:
         return best
-    return best if beats(best, own, margin) else own
+    return best if beats(best, own, margin, split) else own
 
 
 __all__ = [
     "DEFAULT_MARGIN",
     "KINDS",
     "MIXTURE_WEIGHTS",
+    "SELECT_SPLITS",
     "Candidate",
     "SplitScores",
     "beats",

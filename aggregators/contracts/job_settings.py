@@ -226,6 +226,14 @@ def _pools_test(spec: Any) -> bool:
     return spec.site_pooled_test > 0
 
 
+def _chooses_on_pooled(spec: Any) -> bool:
+    return spec.keep_view != "own"
+
+
+def _pools_val(spec: Any) -> bool:
+    return spec.site_pooled_val > 0
+
+
 @dataclass(frozen=True, kw_only=True)
 class LocalTrainingSettings:
     """The local optimizer (SGD) and how long each site trains per round."""
@@ -299,6 +307,22 @@ class LocalTrainingSettings:
         "Simulation and benchmarks with built-in data only (a real site has no pooled test set)",
         low=0,
         exported_when=_pools_test,
+    )
+    keep_view: Literal["own", "pooled"] = setting(
+        "own",
+        "with --keep best and --local-baseline: the validation split BOTH the site's own early-stopped model and the "
+        "kept model are chosen on: own (the site's own validation split) or pooled (a pooled validation split of "
+        "the population the site serves, the 'next patient': --site-pooled-val with built-in data, your data "
+        "module's pooled_val_dataloader() otherwise; docs/personalization.md). Reports stay on the test views. "
+        "Classifier sites only",
+        exported_when=_chooses_on_pooled,
+    )
+    site_pooled_val: int = setting(
+        0,
+        "with --keep-view pooled and built-in data: the pooled validation split, the next n images of the "
+        "published test set after --site-pooled-test's (disjoint from the pooled view; all labels); 0 = off",
+        low=0,
+        exported_when=_pools_val,
     )
 
 

@@ -18,6 +18,13 @@ disjoint ``test_fraction`` as its OWN test split: then ``test_dataloader`` is th
 split: ``eval.*_test_*``), in simulation and on a real site alike. The three parts come from one permutation seeded
 by ``seed``: the validation split is the same with and without a test split.
 
+With ``pooled_val_fraction`` > 0 (simulation only) that share of the held-out people, stratified by class and the
+same at every site, is a pooled VALIDATION split instead (``pooled_val_dataloader``: what a site choosing with
+``keep_view pooled`` chooses on), and the pooled test view is the rest: the two never share a person. At 0 (the
+default) there is no pooled validation split and the pooled test view is every held-out person, as before. A real
+site that holds a reference set of the population it serves (e.g. a public reference panel) would return it from
+``pooled_val_dataloader`` instead.
+
 A real site reads its own genotype CSV (``sample``, one column per SNP, a ``population`` column) with the
 consortium's SNP table (a CSV of ``snp,ref,alt`` rows) and the agreed ``classes`` (population names, in order). The
 job ships the same arguments to every site, so the paths come from the site: ``$FEDALG_SITE_GENOTYPES`` and
@@ -77,6 +84,7 @@ class SnpSites(pl.LightningDataModule):
         classes: Sequence[str] | None = None,
         labels_file: str | None = None,
         test_fraction: float = 0.0,
+        pooled_val_fraction: float = 0.0,
     ) -> None:
         super().__init__()
         if target not in ("population", "proportions"):
@@ -87,7 +95,10 @@ class SnpSites(pl.LightningDataModule):
                 f"{test_fraction!r} and {val_fraction!r}"
             )
         self.site, self.target, self.batch_size, self.val_fraction = site, target, batch_size, val_fraction
+        if not 0 <= pooled_val_fraction < 1:
+            raise DataPrepError(f"{site}: pooled_val_fraction must be in [0, 1), got {pooled_val_fraction!r}")
         self.seed, self.test_fraction = seed, test_fraction
+        self.pooled_val = self.pooled_people = self.pooled_val_people = None
         workspace = site_workspace()
         files = site_genotype_files(site, workspace, os.environ, data_file, snp_table, labels_file)
         problem = missing_file_problem(site, files, workspace, os.environ, is_simulated_site(workspace), classes)
@@ -111,7 +122,10 @@ class SnpSites(pl.LightningDataModule):
             parts = partition(data.labels[train], num_sites, split, seed=seed, alpha=alpha)
             own = _subset(data, train[parts[site_index(site, num_sites)]])
             self.data_source = f"a derived share of source {source!r}"
-            self.test = self.pooled = self._tensors(_subset(data, test))
+            self.pooled_people, self.pooled_val_people = pooled_parts(data.labels, test, pooled_val_fraction)
+            self.test = self.pooled = self._tensors(_subset(data, self.pooled_people))
+            if len(self.pooled_val_people):
+                self.pooled_val = self._tensors(_subset(data, self.pooled_val_people))
             print(
                 f"{site}: simulation: no genotype file of its own; derived share of source {source!r}: "
                 f"{len(own.labels)} people x {own.genotypes.shape[1]} SNPs, classes {list(own.classes)}",
@@ -179,6 +193,11 @@ class SnpSites(pl.LightningDataModule):
         it beside the site's own test split (``eval.kept_pooled_test_accuracy``, ``eval.local_pooled_test_*``)."""
         return None if self.pooled is None else DataLoader(self.pooled, batch_size=512)
 
+    def pooled_val_dataloader(self) -> DataLoader | None:
+        """The pooled validation split (``pooled_val_fraction`` of the held-out people, none of the pooled test view's)
+        that a site with ``keep_view pooled`` chooses its own and its kept model on; ``None`` without one."""
+        return None if self.pooled_val is None else DataLoader(self.pooled_val, batch_size=512)
+
     def test_dataloader(self) -> DataLoader:
         if self.test is None:
             raise DataPrepError(
@@ -188,6 +207,15 @@ class SnpSites(pl.LightningDataModule):
         if isinstance(self.test, GenotypeRows):
             return genotype_loader(self.test, 512)
         return DataLoader(self.test, batch_size=512)
+
+
+def pooled_parts(labels: np.ndarray, held_out: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """The held-out people (indices into ``labels``) as (pooled test, pooled validation): per class
+    ``round(fraction * n_class)`` of them to validation, by a fixed seed; at 0 all of them to the pooled test view."""
+    if not fraction:
+        return held_out, held_out[:0]
+    rest, val = held_out_split(labels[held_out], fraction, seed=1)
+    return held_out[rest], held_out[val]
 
 
 def _subset(data: GenotypeData, index: np.ndarray) -> GenotypeData:

@@ -174,7 +174,7 @@ def test_every_job_setting_is_declared_to_apply_or_not_under_model():
     applies = {
         "num_sites", "seed", "site_val_fraction", "site_test_fraction", "model", "model_args", "data", "data_args",
         "data_site_arg", "script", "ship", "epochs", "pattern", "max_local_epochs", "finetune_epochs", "local_baseline",
-        "keep", "keep_metric", "keep_margin", "precision", "devices", "client", "client_args",
+        "keep", "keep_metric", "keep_margin", "keep_view", "precision", "devices", "client", "client_args",
         "local_keys", "server", "server_args", "num_rounds", "clients_per_round", "min_responses", "min_accepted",
         "train_timeout", "save_client_updates", "resume_from", "final_site_eval", "tracking", "tracking_uri",
         "tracking_project", "wandb_mode", "dp_noise_multiplier", "dp_max_grad_norm", "dp_delta", "dp_target_epsilon",

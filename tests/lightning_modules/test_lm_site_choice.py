@@ -144,6 +144,9 @@ SPLIT = JobSpec(
     name="sc", dataset="digits", arch="mlp", num_rounds=4, batch_size=32, lr=0.1, max_train_samples=600,
     site_val_fraction=0.2, site_test_fraction=0.2, local_baseline=True, keep="best", site_pooled_test=200,
 )  # fmt: skip
+#: SPLIT choosing on the pooled view (tests/lightning_modules/test_lm_pooled_choice.py): the 100 published test images
+#: after the pooled view's 200.
+POOLED_CHOICE = {"keep_view": "pooled", "site_pooled_val": 100}
 
 
 def rounds_of_one_site(spec: JobSpec, tmp_path, rounds: int = 4) -> list[dict]:
@@ -238,6 +241,14 @@ def test_without_a_personal_model_the_personal_candidate_is_the_model_the_site_s
     "changes, message",
     [
         ({"keep_margin": -1.0}, "keep_margin must be"),
+        # keep_view pooled (POOLED_CHOICE) needs both sides chosen, a pooled validation split apart from the pooled view
+        ({**POOLED_CHOICE, "keep": "last"}, "keep_view 'pooled' needs keep best and local_baseline"),
+        ({**POOLED_CHOICE, "local_baseline": False, "finetune_epochs": 1}, "needs keep best and local_baseline"),
+        ({**POOLED_CHOICE, "site_pooled_val": 0}, "keep_view 'pooled' with the built-in data needs site_pooled_val"),
+        ({**POOLED_CHOICE, "site_pooled_test": 0}, "site_pooled_val needs site_pooled_test"),
+        ({**POOLED_CHOICE, "site_pooled_val": 200}, "site_pooled_test 200 \\+ site_pooled_val 200 = 400 published"),
+        ({"site_pooled_val": 100}, "site_pooled_val 100 is the split keep_view 'pooled' chooses on"),
+        ({**POOLED_CHOICE, "keep_metric": "val_accuracy"}, "keep_view 'pooled' chooses on the validation loss"),
     ],
 )
 def test_bad_choice_settings_are_refused_in_one_line(changes, message) -> None:
