@@ -106,6 +106,15 @@ class Protocol:
     stop_patience: int | None = None
     #: Keep best's margin (lightning_modules/site_choice.py); None: the job's default.
     keep_margin: float | None = None
+    #: The split the sites choose on: "own" (their validation splits) or "pooled" (the site_pooled_val published test
+    #: images after the pooled view's; lightning_modules/site_choice.py); the command line's --keep-view pooled sets
+    #: site_pooled_val to `POOLED_VAL_IMAGES` when the protocol has none.
+    keep_view: str = "own"
+    site_pooled_val: int = 0
+
+
+#: The pooled validation split of --keep-view pooled when the protocol names none: 1,000 published test images.
+POOLED_VAL_IMAGES = 1000
 
 
 @dataclass(frozen=True)
@@ -334,6 +343,10 @@ def site_gain_fields(protocol: Protocol, cell: Cell) -> dict[str, Any]:
         fields["stop_patience"] = protocol.stop_patience
     if getattr(protocol, "keep_margin", None) is not None:
         fields["keep_margin"] = protocol.keep_margin
+    if getattr(protocol, "keep_view", "own") != "own":
+        fields["keep_view"] = protocol.keep_view
+    if getattr(protocol, "site_pooled_val", 0):  # the genomics harness's data module holds its own
+        fields["site_pooled_val"] = protocol.site_pooled_val
     return fields  # an algorithm's own model (FedBN's bn_cnn) over the protocol's
 
 
@@ -934,6 +947,12 @@ def add_site_gain_options(parser: argparse.ArgumentParser) -> None:
         help="keep best's margin in standard errors (lightning_modules/site_choice.py; default: the grid's, else the "
         "job's)",
     )
+    parser.add_argument(
+        "--keep-view",
+        choices=("own", "pooled"),
+        help="the split each site chooses its own and its kept model on: own (its validation split; the default) or "
+        "pooled (a pooled validation split apart from the pooled test view; docs/personalization.md)",
+    )
 
 
 def grid_from_args(args: argparse.Namespace) -> Grid:
@@ -955,8 +974,11 @@ def grid_from_args(args: argparse.Namespace) -> Grid:
         "site_test_fraction",
         "stop_patience",
         "keep_margin",
+        "keep_view",
     )
     protocol = replace(grid.protocol, **{k: getattr(args, k) for k in overrides if getattr(args, k) is not None})
+    if protocol.keep_view == "pooled" and not protocol.site_pooled_val:
+        protocol = replace(protocol, site_pooled_val=POOLED_VAL_IMAGES)
     grid = replace(
         grid,
         algorithms=tuple(args.algorithms or grid.algorithms),
@@ -973,7 +995,10 @@ def finish(
     write: Callable[[Path, str], Path], out: Path, module: str, argv: Sequence[str] | None, failed: Sequence[str]
 ) -> int:
     """Write the report (naming the command that produced it), say which cells failed; the exit status."""
-    command = f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:])
+    # A report rewritten from finished cells names the command that ran them (--report-only only re-renders).
+    command = f"python -m {module} " + " ".join(
+        a for a in (argv if argv is not None else sys.argv[1:]) if a != "--report-only"
+    )
     if failed:
         print(f"error: {len(failed)} cell(s) failed: {', '.join(failed)}", file=sys.stderr)
         if not any((out / "cells").glob("*.json")):

@@ -92,7 +92,7 @@ def test_the_page_names_the_missing_pair_the_interval_and_every_methods_sites():
     row = next(line for line in lines if line.startswith("| fedavgm ★ |"))
     interval = st.setting_interval(st.paired_differences(KEPT, LOCAL))
     assert f"{100 * interval.mean:+.1f} [{100 * interval.low:+.1f}, {100 * interval.high:+.1f}]" in row
-    assert "-22.0 (site-2, seed 0)" in row and "| 1 of 6 | missed | 2 | 10 |"  # (2048 + 2048) B / 2 sites in row
+    assert "-22.0 (site-2, seed 0)" in row and "| 1 of 6 | missed | 2 | 10 |" in row  # (2048 + 2048) B / 2 sites
     # kept == local everywhere: no pair below, mean equal: met
     assert "Target for fedavg: **met**" in text
     assert (
@@ -155,3 +155,26 @@ def test_the_pooled_site_table_gives_what_the_global_model_would_trade_per_site(
     assert site1.endswith("| -2.0 [-2.0, -2.0] |")
     assert "| no gain: kept its own model |" in site2
     assert sr.pooled_site_table("fedavgm", dict(enumerate(_cells("fedavgm", KEPT, LOCAL)))) == []  # no pooled view
+
+
+def test_the_gain_targets_are_read_on_the_interval_over_seeds_and_the_pooled_mean():
+    # Own view: site means over seeds +4, +4, +4 points: mean +4 >= +3, interval [+4, +4] above 0: met. Pooled:
+    # +10 at every pair: below +15: missed. Sites of 30 and 600 training samples: one holds >= 600, said so.
+    local = {seed: {"site-1": 0.5, "site-2": 0.6} for seed in range(3)}
+    kept = {seed: {"site-1": 0.54, "site-2": 0.64} for seed in range(3)}
+    cells = _cells("fedavgm", kept, local)
+    for cell in cells:
+        cell["site_pooled_test"] = {"kept": {"site-1": 0.4, "site-2": 0.4}, "local": {"site-1": 0.3, "site-2": 0.3}}
+    by_seed = {cell["cell"]["seed"]: cell for cell in cells}
+    text = sr.gain_target_sentence("fedavgm", by_seed)
+    assert text == (
+        "Gain targets for fedavgm (sites of 30–600 training samples; some site holds ≥ 600): own view +4.0 "
+        "[+4.0, +4.0] (met: ≥ +3 with the interval above 0); pooled view +10.0 [+10.0, +10.0] (missed: ≥ +15 on "
+        "the mean)."
+    )
+    # A mean of +4 whose interval holds 0 misses: seeds +12, +0, +0 (site means).
+    kept[0] = {"site-1": 0.62, "site-2": 0.72}
+    kept[1], kept[2] = dict(local[1]), dict(local[2])
+    by_seed = {cell["cell"]["seed"]: cell for cell in _cells("fedavgm", kept, local)}
+    assert "own view +4.0 [-13.2, +21.2] (missed" in sr.gain_target_sentence("fedavgm", by_seed)
+    assert sr.gain_target_sentence("fedavgm", {0: {"site_test": {}}}) is None
