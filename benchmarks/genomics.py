@@ -103,6 +103,10 @@ class Protocol:
     stop_patience: int | None = None
     #: Keep best's margin (lightning_modules/site_choice.py); None: the job's default.
     keep_margin: float | None = None
+    #: The split the sites choose on: "own" or "pooled" (the data module's pooled validation split: that share of the
+    #: held-out people, the pooled test view the rest; --keep-view pooled sets `POOLED_VAL_FRACTION` when 0).
+    keep_view: str = "own"
+    pooled_val_fraction: float = 0.0
 
     @property
     def num_classes(self) -> int:
@@ -215,6 +219,8 @@ def data_args(protocol: Protocol, split: str, seed: int) -> dict[str, Any]:
         args.update(n_snps=protocol.n_snps, samples_per_population=protocol.samples_per_population)
     if protocol.site_test_fraction:  # a user data module holds out its own test split (the job's is built-in only)
         args["test_fraction"] = protocol.site_test_fraction
+    if protocol.pooled_val_fraction:
+        args["pooled_val_fraction"] = protocol.pooled_val_fraction
     return args
 
 
@@ -652,7 +658,10 @@ OVERRIDES = (
     "site_test_fraction",
     "stop_patience",
     "keep_margin",
+    "keep_view",
 )
+#: The share of the held-out people that --keep-view pooled chooses on when the protocol names none.
+POOLED_VAL_FRACTION = 0.5
 #: Grids whose site data are fixed across training seeds by default (the others: the committed grids' rule).
 PARTITION_SEEDS: dict[str, tuple[int | None, ...]] = {"site_gain": (0,), "site_gain_v3": (0,), "site_gain_v4": (0,)}
 GENOMICS_HELP = PARTITION_HELP.replace(
@@ -665,6 +674,8 @@ def grid_from_args(args: argparse.Namespace) -> tuple[Protocol, list[Cell]]:
     """The named grid's protocol with the command line's overrides, and its cells."""
     algorithms, splits, seeds, protocol = GRIDS[args.grid](args.source)
     protocol = replace(protocol, **{k: getattr(args, k) for k in OVERRIDES if getattr(args, k) is not None})
+    if protocol.keep_view == "pooled" and not protocol.pooled_val_fraction:
+        protocol = replace(protocol, pooled_val_fraction=POOLED_VAL_FRACTION)
     data_seeds = tuple(range(args.partition_seeds)) if args.partition_seeds else PARTITION_SEEDS.get(args.grid, (None,))
     cells = [
         Cell(a, s, seed, data)

@@ -131,3 +131,27 @@ def test_site_gain_smoke_grid_end_to_end_reports_every_sites_kept_model_against_
     report = (tmp_path / "report.md").read_text()
     assert "Target for fedavgm (the pre-registered default)" in report
     assert report.count("Per site, ") == 4 and report.count(", the pooled view (all labels; the next patient)") == 2
+
+
+def test_keep_view_pooled_reaches_both_harnesses_jobs_and_the_default_grids_build_the_jobs_they_built():
+    from dataclasses import asdict
+
+    from benchmarks import genomics
+
+    grid = _grid("--grid", "site_gain_v4", "--partitions", "C2", "--keep-view", "pooled")
+    assert grid.protocol.keep_view == "pooled" and grid.protocol.site_pooled_val == 1000
+    cell = compare.Cell("fedavgm", "C2", 1.0, 0, 0)
+    spec = compare.cell_spec(cell, grid.protocol)
+    assert spec.keep_view == "pooled" and spec.site_pooled_val == 1000 and spec.site_pooled_test == 1000
+    default = _grid("--grid", "site_gain_v4", "--partitions", "C2")
+    assert "keep_view" not in compare.site_gain_fields(default.protocol, cell)
+    assert asdict(compare.cell_spec(cell, default.protocol)) == asdict(
+        compare.cell_spec(cell, compare.GRIDS["site_gain_v4"]().protocol)
+    )
+    protocol, cells = _genomics("--grid", "site_gain_v4", "--keep-view", "pooled")
+    assert protocol.keep_view == "pooled" and protocol.pooled_val_fraction == 0.5
+    spec = genomics.cell_spec(cells[0], protocol)
+    assert spec.keep_view == "pooled" and spec.data_args["pooled_val_fraction"] == 0.5
+    protocol, cells = _genomics("--grid", "site_gain_v4")
+    assert "pooled_val_fraction" not in genomics.data_args(protocol, "dir0.5", 0)
+    assert genomics.cell_spec(cells[0], protocol).keep_view == "own"
