@@ -216,3 +216,24 @@ def test_a_users_data_module_without_the_pooled_validation_hook_is_refused_namin
         site.candidates(site.state_store).split_source()
     text = str(refusal.value)
     assert "\n" not in text and text.startswith("site-2: ") and "pooled_val_dataloader()" in text
+
+
+def _without_the_hook():
+    from genomics.data import SnpSites
+
+    return type("NoPooledVal", (SnpSites,), {"pooled_val_dataloader": None})
+
+
+NoPooledVal = None  # built on first use (the genomics example is importable once the tests' conftest ran)
+
+
+def test_a_users_data_module_without_the_hook_is_refused_at_build_time(monkeypatch) -> None:
+    import sys
+
+    monkeypatch.setattr(sys.modules[__name__], "NoPooledVal", _without_the_hook())  # the job names it by path
+    spec = {"model": "genomics.model:SnpClassifier", "model_args": {"n_snps": 127, "num_classes": 5}}
+    spec.update(data_args={"test_fraction": 0.2}, keep="best", local_baseline=True, keep_view="pooled")
+    with pytest.raises(JobBuildError, match="defines no pooled_val_dataloader") as refusal:
+        JobSpec(name="u", data=f"{__name__}:NoPooledVal", **spec)
+    assert "\n" not in str(refusal.value)
+    assert JobSpec(name="u", data="genomics.data:SnpSites", **spec).keep_view == "pooled"  # the example has it
