@@ -377,14 +377,27 @@ def setting_section(
     return lines
 
 
-def legend(seeds: Sequence[int], default: Mapping[str, Any], tolerance: float) -> list[str]:
+def chosen_on(cells: Sequence[Mapping[str, Any]]) -> str:
+    """The split the cells' sites chose their kept and own models on, as the legend names it (``keep_view``;
+    cells from before the setting chose on their own validation splits)."""
+    if any(cell.get("protocol", {}).get("keep_view", "own") == "pooled" for cell in cells):
+        return (
+            "a pooled validation split of all labels, disjoint from the pooled view (keep_view pooled; the local-only "
+            "model is early-stopped on it too)"
+        )
+    return "the site's validation split"
+
+
+def legend(
+    seeds: Sequence[int], default: Mapping[str, Any], tolerance: float, selection: str = "the site's validation split"
+) -> list[str]:
     return [
         f"Test accuracy in % on each site's own TEST split (never trained or selected on); training seeds "
         f"{list(seeds)} on fixed site data per setting (the partition seed is stated in the setting's title when it "
         "is not the training seed). Mean site: the unweighted mean over sites, per seed first, then over seeds. "
         "Candidates: global (the final global model), personal (the method's personal model), local-only (the "
-        "site's in-job local-only model, compute-matched, never sent), kept (the candidate best on the site's "
-        "validation split). Differences are paired per (site, seed); a setting's 95 % t-interval is taken over the "
+        f"site's in-job local-only model, compute-matched, never sent), kept (the candidate best on {selection}). "
+        "Differences are paired per (site, seed); a setting's 95 % t-interval is taken over the "
         "per-seed means across sites (the sites are fixed, only training varies), a site's over its seeds; 'gain' "
         "/ 'loss' when the interval excludes 0, 'within' otherwise (one seed: no interval), 'own' (no gain: kept "
         "its own model) when the site kept its local-only model at every seed. Target: no (site, "
@@ -404,7 +417,7 @@ def report_lines(
     if not grouped:
         return []
     seeds = sorted({seed for methods in grouped.values() for by_seed in methods.values() for seed in by_seed})
-    lines = legend(seeds, PREREGISTERED_DEFAULT, tolerance)
+    lines = legend(seeds, PREREGISTERED_DEFAULT, tolerance, chosen_on(cells))
     for (partition, partition_seed), methods in sorted(grouped.items(), key=lambda item: str(item[0])):
         title = f"{dataset}, {setting_title(partition, partition_seed)}"
         lines += setting_section(title, methods, PREREGISTERED_DEFAULT["method"], tolerance)

@@ -155,3 +155,13 @@ def test_keep_view_pooled_reaches_both_harnesses_jobs_and_the_default_grids_buil
     protocol, cells = _genomics("--grid", "site_gain_v4")
     assert "pooled_val_fraction" not in genomics.data_args(protocol, "dir0.5", 0)
     assert genomics.cell_spec(cells[0], protocol).keep_view == "own"
+
+
+def test_the_report_names_the_split_the_sites_chose_on():
+    from benchmarks.site_report import chosen_on, legend
+
+    own, pooled = {"protocol": {"keep_view": "own"}}, {"protocol": {"keep_view": "pooled"}}
+    assert chosen_on([own, {"protocol": {}}]) == "the site's validation split"  # older cells: no keep_view
+    assert chosen_on([pooled]).startswith("a pooled validation split")
+    text = legend([0], {"method": "fedavgm", "keep": "best", "local_baseline": True}, 0.02, chosen_on([pooled]))[0]
+    assert "kept (the candidate best on a pooled validation split" in text
