@@ -131,10 +131,17 @@ class Cell:
 
 
 def site_gain_protocol(source: str) -> Protocol:
-    """The per-site grids' protocol: keep best, the in-job local-only model, a 20 % test split at every site."""
+    """The per-site grids' protocol: keep best, the in-job local-only model, a 20 % test split at every site, and
+    the keep margin these grids ran with (the job default until the v4 grid, which sets its own)."""
     num_sites = 5 if source == "1kg" else 4
     return Protocol(
-        source=source, num_sites=num_sites, rounds=20, site_test_fraction=0.2, keep="best", local_baseline=True
+        source=source,
+        num_sites=num_sites,
+        rounds=20,
+        site_test_fraction=0.2,
+        keep="best",
+        local_baseline=True,
+        keep_margin=1.645,
     )
 
 

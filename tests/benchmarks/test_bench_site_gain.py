@@ -165,3 +165,15 @@ def test_the_report_names_the_split_the_sites_chose_on():
     assert chosen_on([pooled]).startswith("a pooled validation split")
     text = legend([0], {"method": "fedavgm", "keep": "best", "local_baseline": True}, 0.02, chosen_on([pooled]))[0]
     assert "kept (the candidate best on a pooled validation split" in text
+
+
+@pytest.mark.parametrize(("grid", "margin"), [("site_gain", 1.645), ("site_gain_v3", 1.645), ("site_gain_v4", 1.0)])
+def test_each_site_gain_grid_builds_its_jobs_with_the_keep_margin_it_ran_with(grid, margin):
+    # The job default moved from 1.645 to 1.0 with v4: a grid that relied on the default would no longer reproduce
+    # its committed page. Every site-gain grid names its own, in both harnesses.
+    from benchmarks import genomics
+
+    cell = compare.Cell("fedavgm", "dir0.3", 1.0, 0, 0)
+    assert compare.cell_spec(cell, compare.GRIDS[grid]().protocol).keep_margin == margin
+    protocol, cells = _genomics("--grid", grid)
+    assert genomics.cell_spec(cells[0], protocol).keep_margin == margin
