@@ -28,25 +28,21 @@ import json
 import math
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from benchmarks.site_stats import t_interval
 from controllers.stopping import rounds_since_best
-from lightning_modules.site_choice import (
-    MIXTURE_WEIGHTS,
-    Candidate,
-    beats,
-    early_stopped,
-    mixture_scores,
-    scores_from_tables,
-)
+from lightning_modules.kept_model import Offer, candidate_of, early_stopped_offer, round_challengers
+from lightning_modules.site_choice import Candidate, beats
 
 Tables = dict[str, np.ndarray]
 #: The centrally trained model's cells (benchmarks/site_report.py): one site, a ceiling, not a federation to replay.
 CENTRAL = "central"
 Rule = Callable[[Candidate, Candidate], bool]  # (challenger, own) -> replace the own model
+#: The replay never stores a model: no weights behind its offers.
+NO_WEIGHTS: Callable[[], None] = lambda: None  # noqa: E731
 
 
 def margin_rule(margin: float) -> Rule:
@@ -65,12 +61,6 @@ RULES: dict[str, Rule] = {
     **{f"margin={m}": margin_rule(m) for m in (1.645, 1.282, 1.0, 0.5, 0.0)},
     **{f"guard={m}": guard_rule(m) for m in (1.0, 0.5, 0.0)},
 }
-
-
-@dataclass
-class Pick:
-    candidate: Candidate
-    tables: Tables
 
 
 def read_round(path: Path) -> tuple[dict[str, Tables], dict[str, np.ndarray]]:
@@ -96,18 +86,22 @@ def site_rounds(run: Path) -> dict[str, list[Path]]:
 
 
 def replay_site(paths: Sequence[Path], rule: Rule) -> list[dict[str, float]]:
-    """Per round: the kept and own models' scores after that round, as the site would report them."""
-    own: Pick | None = None
-    kept: Pick | None = None
+    """Per round: the kept and own models' scores after that round, as the site would report them (the site's own
+    early stopping and challengers, kept_model.py; ``rule`` in place of the margin test)."""
+    own: Offer | None = None
+    kept: Offer | None = None
     out = []
     for round_num, path in enumerate(paths):
         models, labels = read_round(path)
-        latest = make_pick("local", round_num, models["local"], labels)
-        own = latest if own is None or early_stopped(own.candidate, latest.candidate) is latest.candidate else own
-        federated = [
-            make_pick(kind, round_num, models[kind], labels) for kind in ("global", "personal") if kind in models
+        offers = {kind: Offer(candidate_of(kind, round_num, t, labels), t, NO_WEIGHTS) for kind, t in models.items()}
+        latest = offers["local"]
+        own = latest if own is None else early_stopped_offer(own, latest)
+        federated = [offers[kind] for kind in ("global", "personal") if kind in offers]
+        finite = [
+            c for c in round_challengers(own, federated, kept, round_num, labels) if math.isfinite(c.candidate.val_loss)
         ]
-        kept = choose(own, federated, kept, rule, round_num, labels)
+        best = min(finite, key=lambda c: c.candidate.val_loss) if finite else None  # the first of equal values
+        kept = best if best is not None and rule(best.candidate, own.candidate) else own
         row = {"kept_val_loss": kept.candidate.val_loss, "kept_own": float(kept is own)}
         for split in ("test", "pooled"):
             if split in labels:
@@ -116,26 +110,6 @@ def replay_site(paths: Sequence[Path], rule: Rule) -> list[dict[str, float]]:
                 row[f"global_{split}"] = federated[0].candidate.scores.accuracy(split)
         out.append(row)
     return out
-
-
-def make_pick(
-    kind: str, round_num: int, tables: Tables, labels: dict[str, np.ndarray], weight: float | None = None
-) -> Pick:
-    return Pick(Candidate(kind, round_num, scores_from_tables(tables, labels), weight), tables)
-
-
-def choose(
-    own: Pick, federated: list[Pick], kept: Pick | None, rule: Rule, round_num: int, labels: dict[str, np.ndarray]
-) -> Pick:
-    """The round's kept model (`KeptModel._keep` with ``rule`` in place of the margin test)."""
-    fed = min(federated, key=lambda p: p.candidate.val_loss)
-    mixtures = [
-        make_pick("mixture", round_num, mixture_scores(own.tables, fed.tables, w), labels, w) for w in MIXTURE_WEIGHTS
-    ]
-    challengers = [*federated, *mixtures, *([kept] if kept is not None and kept.candidate.kind != "local" else [])]
-    finite = [c for c in challengers if math.isfinite(c.candidate.val_loss)]
-    best = min(finite, key=lambda p: p.candidate.val_loss) if finite else None
-    return best if best is not None and rule(best.candidate, own.candidate) else own
 
 
 def stop_round(per_site: dict[str, list[dict[str, float]]], patience: int | None) -> int:
@@ -151,14 +125,12 @@ def stop_round(per_site: dict[str, list[dict[str, float]]], patience: int | None
     return rounds - 1
 
 
-def t_interval(values: Sequence[float]) -> tuple[float, float, float]:
-    from scipy import stats
-
-    v = np.asarray(values, dtype=np.float64)
-    if len(v) < 2:
-        return float(v.mean()), float("nan"), float("nan")
-    half = stats.t.ppf(0.975, len(v) - 1) * v.std(ddof=1) / math.sqrt(len(v))
-    return float(v.mean()), float(v.mean() - half), float(v.mean() + half)
+def interval(values: Sequence[float]) -> tuple[float, float, float]:
+    """(mean, low, high) of the 95 % t-interval (benchmarks/site_stats.py); low and high nan below 2 values."""
+    found = t_interval(values)
+    if not math.isfinite(found.half):
+        return found.mean, float("nan"), float("nan")
+    return found.mean, found.low, found.high
 
 
 def study(setting: Path, rule: Rule, patience: int | None) -> dict[str, object]:
@@ -179,8 +151,8 @@ def study(setting: Path, rule: Rule, patience: int | None) -> dict[str, object]:
         if "kept_pooled" in finals[0]:
             pooled_means.append(float(np.mean([100 * (r["kept_pooled"] - r["own_pooled"]) for r in finals])))
     return {
-        "gain": t_interval(seed_means),
-        "pooled": t_interval(pooled_means) if pooled_means else None,
+        "gain": interval(seed_means),
+        "pooled": interval(pooled_means) if pooled_means else None,
         "worst": min(pairs),
         "below2": sum(g < -2 for g in pairs),
         "pairs": len(pairs),

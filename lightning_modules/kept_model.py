@@ -30,7 +30,7 @@ instead of the site's own: every model's ``pooled_val_*`` scores are reported be
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -133,7 +133,7 @@ class KeptModel:
         return dict(stored.state)
 
     def _candidate(self, kind: str, round_num: int, tables: Tables, weight: float | None = None) -> Candidate:
-        return Candidate(kind, round_num, scores_from_tables(tables, self.labels), weight)
+        return candidate_of(kind, round_num, tables, self.labels, weight)
 
     def round(
         self,
@@ -185,13 +185,10 @@ class KeptModel:
 
     def _keep(self, federated: list[Offer], own: Offer | None, round_num: int, run_id: str) -> dict[str, float]:
         """Choose among the own model and the challengers (module docstring, step 3), store and report the kept one."""
-        challengers = list(federated)
-        if own is not None and federated:
-            fed = min(federated, key=lambda offer: offer.candidate.scores.loss(self.select))
-            challengers += [self._mixture(own, fed, weight, round_num) for weight in MIXTURE_WEIGHTS]
         stored = self._stored(KEPT_STORE, run_id)
-        if stored is not None and stored["kind"] != "local":  # an earlier federated choice stays a challenger
-            challengers.append(self._stored_offer(stored["kind"], stored))
+        # The own model kept earlier is no challenger (`challengers`): its stored copy is not read back for nothing.
+        earlier = None if stored is None or stored["kind"] == "local" else self._stored_offer(stored["kind"], stored)
+        challengers = round_challengers(own, federated, earlier, round_num, self.labels, self.select)
         own_candidate = None if own is None else own.candidate
         kept = keep(own_candidate, [c.candidate for c in challengers], self.margin, self.select)
         chosen = (
@@ -213,12 +210,6 @@ class KeptModel:
         if own is not None:
             out.update(gain_meta(kept, own.candidate))
         return out
-
-    def _mixture(self, own: Offer, fed: Offer, weight: float, round_num: int) -> Offer:
-        """``(1 - weight) p_own + weight p_fed``; its stored weights are both models' and the weight."""
-        tables = mixture_scores(own.tables, fed.tables, weight)
-        candidate = self._candidate("mixture", round_num, tables, weight)
-        return Offer(candidate, tables, lambda: {"own": own.weights(), "federated": fed.weights(), "weight": weight})
 
 
 @dataclass
@@ -246,6 +237,40 @@ def already_stored(stored: Mapping[str, Any] | None, chosen: Offer) -> bool:
     return tables.keys() == chosen.tables.keys() and all(np.array_equal(tables[k], chosen.tables[k]) for k in tables)
 
 
+def candidate_of(
+    kind: str, round_num: int, tables: Tables, labels: Mapping[str, np.ndarray], weight: float | None = None
+) -> Candidate:
+    """A candidate scored from its split tables and the splits' labels."""
+    return Candidate(kind, round_num, scores_from_tables(tables, labels), weight)
+
+
+def mixture_offer(own: Offer, fed: Offer, weight: float, round_num: int, labels: Mapping[str, np.ndarray]) -> Offer:
+    """``(1 - weight) p_own + weight p_fed``; its stored weights are both models' and the weight."""
+    tables = mixture_scores(own.tables, fed.tables, weight)
+    candidate = candidate_of("mixture", round_num, tables, labels, weight)
+    return Offer(candidate, tables, lambda: {"own": own.weights(), "federated": fed.weights(), "weight": weight})
+
+
+def round_challengers(
+    own: Offer | None,
+    federated: Sequence[Offer],
+    earlier: Offer | None,
+    round_num: int,
+    labels: Mapping[str, np.ndarray],
+    select: str = "val",
+) -> list[Offer]:
+    """The round's challengers of the own model (module docstring, step 3): the federated models, their mixtures
+    with the own model (the federated one best on the ``select`` split) at `MIXTURE_WEIGHTS`, and ``earlier``, the
+    model kept so far, when it was a federated one."""
+    out = list(federated)
+    if own is not None and federated:
+        fed = min(federated, key=lambda offer: offer.candidate.scores.loss(select))
+        out += [mixture_offer(own, fed, weight, round_num, labels) for weight in MIXTURE_WEIGHTS]
+    if earlier is not None and earlier.candidate.kind != "local":
+        out.append(earlier)
+    return out
+
+
 def early_stopped_offer(incumbent: Offer, latest: Offer, split: str = "val") -> Offer:
     """`site_choice.early_stopped` over offers, on the validation ``split``."""
     return latest if early_stopped(incumbent.candidate, latest.candidate, split) is latest.candidate else incumbent
@@ -262,4 +287,14 @@ def _arrays(tables: Mapping[str, Any]) -> Tables:
     }
 
 
-__all__ = ["KEPT_STORE", "OWN_STORE", "KeptModel", "gain_meta", "view_meta"]
+__all__ = [
+    "KEPT_STORE",
+    "OWN_STORE",
+    "KeptModel",
+    "Offer",
+    "candidate_of",
+    "early_stopped_offer",
+    "gain_meta",
+    "round_challengers",
+    "view_meta",
+]
