@@ -214,21 +214,26 @@ def target_sentence(method: str, by_seed: Mapping[int, Mapping[str, Any]], toler
 OWN_GAIN_TARGET, POOLED_GAIN_TARGET, SMALL_SITE_SAMPLES = 0.03, 0.15, 600
 
 
+def kept_gain(by_seed: Mapping[int, Mapping[str, Any]], view: str = "site_test") -> site_stats.Interval | None:
+    """Kept − local-only on ``view``: the setting's t-interval over the seeds' site means (``None`` without both)."""
+    kept, local = candidate_runs(by_seed, "kept", view), candidate_runs(by_seed, "local", view)
+    if not (kept and local):
+        return None
+    return site_stats.setting_interval(site_stats.paired_differences(kept, local))
+
+
 def gain_target_sentence(method: str, by_seed: Mapping[int, Mapping[str, Any]]) -> str | None:
     """The gain targets (`OWN_GAIN_TARGET`, `POOLED_GAIN_TARGET`) of one method, met or missed with the numbers;
     ``None`` without kept and local-only scores. The pooled target applies under label skew only: the reader
     knows the setting, the sentence gives the number either way."""
-    kept, local = candidate_runs(by_seed, "kept"), candidate_runs(by_seed, "local")
-    if not (kept and local):
+    own = kept_gain(by_seed)
+    if own is None:
         return None
-    own = site_stats.setting_interval(site_stats.paired_differences(kept, local))
     own_met = own.mean >= OWN_GAIN_TARGET and own.low > 0
     parts = [f"own view {interval_text(own)} ({'met' if own_met else 'missed'}: ≥ +{100 * OWN_GAIN_TARGET:g} "
              "with the interval above 0)"]  # fmt: skip
-    pooled_kept = candidate_runs(by_seed, "kept", "site_pooled_test")
-    pooled_local = candidate_runs(by_seed, "local", "site_pooled_test")
-    if pooled_kept and pooled_local:
-        pooled = site_stats.setting_interval(site_stats.paired_differences(pooled_kept, pooled_local))
+    pooled = kept_gain(by_seed, "site_pooled_test")
+    if pooled is not None:
         verdict = "met" if pooled.mean >= POOLED_GAIN_TARGET else "missed"
         parts.append(f"pooled view {interval_text(pooled)} ({verdict}: ≥ +{100 * POOLED_GAIN_TARGET:g} on the mean)")
     sizes = [s.get("train", 0) for cell in by_seed.values() for s in cell.get("site_sizes", {}).values()]
