@@ -20,6 +20,7 @@ from lightning_modules.local_baseline import plain_fit
 from lightning_modules.personal_scores import own_random_stream, single_process_trainer, validation_scores
 from lightning_modules.site import ValidatedClassifier
 from lightning_modules.site_choice import (
+    DEFAULT_MARGIN,
     Candidate,
     beats,
     early_stopped,
@@ -73,6 +74,21 @@ def test_beats_is_a_one_sided_paired_test_on_validation_loss() -> None:
     noisy = candidate("global", [0.0, 2.0, 0.0, 1.6])  # mean d = -0.1, se 0.5: lower, but within the noise
     assert beats(noisy, own, margin=0) and not beats(noisy, own, margin=1.645)
     assert not beats(own, own, margin=0)  # equal is not better
+
+
+def test_the_default_margin_still_refuses_a_challenger_within_the_noise() -> None:
+    # The default moved from 1.645 to 1.0 standard errors (site_choice.DEFAULT_MARGIN): a challenger 1.6 SE better
+    # on validation now replaces the own model, one lower on the mean but within its noise (0.2 SE, the winner's
+    # curse among many candidates) still does not; with no margin at all it would.
+    own = candidate("local", [1.0, 1.0, 1.0, 1.0])
+    d = np.array([-0.3, -0.1, -0.2, 0.08])  # mean -0.13, se 0.0810: 1.60 SE
+    moderate = candidate("global", list(1.0 + d))
+    mean, se = paired_mean_se(-moderate.scores.log_prob["val"], -own.scores.log_prob["val"])
+    assert mean == pytest.approx(-0.13, abs=1e-12) and 1.0 < -mean / se < 1.645
+    assert DEFAULT_MARGIN == 1.0 and beats(moderate, own, DEFAULT_MARGIN) and not beats(moderate, own, 1.645)
+    noisy = candidate("global", [0.0, 2.0, 0.0, 1.6])  # mean d = -0.1, se 0.5
+    assert not beats(noisy, own, DEFAULT_MARGIN) and beats(noisy, own, 0)
+    assert keep(own, [noisy], DEFAULT_MARGIN) is own and keep(own, [noisy, moderate], DEFAULT_MARGIN) is moderate
 
 
 def test_early_stopping_keeps_the_incumbent_unless_strictly_lower() -> None:
