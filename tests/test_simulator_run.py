@@ -1,6 +1,7 @@
 """tests/e2e/simulator_run.py on a stand-in for ``nvflare simulator``: a script that, on the tries listed in its first
 argument, starts a worker in a session of its own (as the simulator does), prints NVFlare's start-up failure and
-then hangs as the simulator does; on other tries it writes its workspace and exits 0."""
+then hangs as the simulator does; on other tries it writes its workspace and exits 0. Given a fourth argument, every
+try also writes a run file into that folder outside its workspace (as W&B does into ``WANDB_DIR``)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,10 @@ FAKE_SIMULATOR = textwrap.dedent(
     tries.write_text(str(attempt))
     workspace.mkdir()
     (workspace / "attempt").write_text(str(attempt))
+    if len(sys.argv) > 4:  # a tracker's folder outside the workspace (WANDB_DIR): one run file per try
+        outside = Path(sys.argv[4])
+        outside.mkdir(exist_ok=True)
+        (outside / f"run-{attempt}.wandb").write_text(str(attempt))
     if attempt in failing:
         worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
         with pids.open("a") as out:
@@ -73,6 +78,19 @@ def test_a_failed_start_up_is_stopped_at_once_and_run_again_in_a_fresh_workspace
     assert (workspace / "attempt").read_text() == "2"
     assert (tmp_path / "ws-startup-failure" / "attempt").read_text() == "1"  # kept for a look
     assert _workers_gone(tmp_path)  # the hanging run's worker, in a session of its own, was stopped too
+
+
+def test_a_retry_starts_without_the_failed_trys_files_outside_its_workspace(tmp_path):
+    """The failed try wrote a run file into a folder outside its workspace before it hung: the retry must not find it
+    there, or a test counting the run files (one per site) counts both tries'. Set aside, kept for a look."""
+    command, workspace = _command(tmp_path, "1")
+    outside = tmp_path / "wandb_dir"
+    with pytest.warns(SimulatorRestarted, match="start-up failed"):
+        completed = run_simulator_command([*command, str(outside)], workspace, timeout=120, outputs=[outside])
+    assert completed.returncode == 0 and completed.stdout == "run 2 finished\n"
+    assert sorted(p.name for p in outside.iterdir()) == ["run-2.wandb"]
+    assert sorted(p.name for p in (tmp_path / "wandb_dir-startup-failure").iterdir()) == ["run-1.wandb"]
+    assert _workers_gone(tmp_path)
 
 
 def test_a_second_failure_is_stopped_and_returned_for_the_tests_checks(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -59,13 +60,16 @@ def simulated(tmp_path_factory):
     return run
 
 
-def run_simulator(job_dir: Path, workspace: Path, num_clients: int, threads: int | None) -> subprocess.CompletedProcess:
-    """Run the user's command line, once more if its start-up failed (tests/e2e/simulator_run.py); the simulator
+def run_simulator(
+    job_dir: Path, workspace: Path, num_clients: int, threads: int | None, outputs: Sequence[Path] = ()
+) -> subprocess.CompletedProcess:
+    """Run the user's command line, once more if its start-up failed (tests/e2e/simulator_run.py), the retry with a
+    fresh workspace and none of ``outputs`` (what the run writes outside it) left from the failed try; the simulator
     exits 0 even on some aborts, so callers check the outputs."""
     command = [str(NVFLARE), "simulator", str(job_dir), "-w", str(workspace), "-n", str(num_clients)]
     if threads is not None:
         command += ["-t", str(threads)]
-    return run_simulator_command(command, workspace, timeout=900, cwd=workspace.parent)
+    return run_simulator_command(command, workspace, timeout=900, outputs=outputs, cwd=workspace.parent)
 
 
 def read_metrics(workspace: Path) -> list[dict]:

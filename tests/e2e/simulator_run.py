@@ -7,8 +7,10 @@ for the worker to open its port. When the worker does not (a slow start on a loa
 client until the caller's timeout (900 s) instead of failing. The message is in the output as soon as it happens: the
 run is stopped then (every process of it) and started once more in a fresh workspace, the failed one kept beside it
 as ``<workspace>-startup-failure``, with the reason logged and a `SimulatorRestarted` warning (pytest's warnings
-summary names the test). A failure of the last try is stopped too and returned as it is, for the test's own
-checks to report.
+summary names the test). What the run writes outside its workspace (a tracker's folder named by an environment
+variable, such as ``WANDB_DIR``) is named by the caller in ``outputs`` and set aside the same way, so that the try
+that completes starts from none of the failed try's files. A failure of the last try is stopped too and returned
+as it is, for the test's own checks to report.
 
 Import it as ``from tests.e2e.simulator_run import run_simulator_command`` (tests/conftest.py puts the repository
 first on the path)."""
@@ -107,25 +109,38 @@ def _run_once(command: Sequence[str], timeout: float, **popen_kwargs) -> tuple[s
     return subprocess.CompletedProcess(list(command), process.returncode, out, err), failure
 
 
+def _set_aside(folder: Path) -> Path:
+    """Move ``folder`` (if the failed try made it) to ``<folder>-startup-failure``, replacing an older one there."""
+    kept = folder.with_name(f"{folder.name}-startup-failure")
+    shutil.rmtree(kept, ignore_errors=True)
+    if folder.exists():
+        folder.rename(kept)
+    return kept
+
+
 def run_simulator_command(
-    command: Sequence[str], workspace: Path, timeout: float = 900.0, retries: int = 1, **popen_kwargs
+    command: Sequence[str],
+    workspace: Path,
+    timeout: float = 900.0,
+    retries: int = 1,
+    outputs: Sequence[Path] = (),
+    **popen_kwargs,
 ) -> subprocess.CompletedProcess:
     """Run the ``nvflare simulator`` ``command`` line whose workspace (``-w``) is ``workspace``, like
     ``subprocess.run(command, capture_output=True, text=True, timeout=timeout, **popen_kwargs)`` (``cwd``, ``env``),
     but stopped as soon as its output says its start-up failed and then run again, at most ``retries`` times, in a
-    fresh workspace (module docstring). The simulator exits 0 even on some aborts, so callers check the outputs."""
-    workspace = Path(workspace)
+    fresh workspace and with none of ``outputs`` (the folders it writes outside the workspace) left from the failed
+    try (module docstring). The simulator exits 0 even on some aborts, so callers check the outputs."""
+    workspace, outputs = Path(workspace), [Path(folder) for folder in outputs]
     for attempt in range(retries + 1):
         completed, failure = _run_once(command, timeout, **popen_kwargs)
         if failure is None or attempt == retries:
             return completed
-        kept = workspace.with_name(f"{workspace.name}-startup-failure")
-        shutil.rmtree(kept, ignore_errors=True)
-        if workspace.exists():
-            workspace.rename(kept)
+        kept = [_set_aside(folder) for folder in (workspace, *outputs)]
         reason = (
             f"nvflare simulator start-up failed ({failure!r}); stopped it and running it again "
-            f"(attempt {attempt + 2} of {retries + 1}); the failed workspace is kept at {kept}"
+            f"(attempt {attempt + 2} of {retries + 1}); the failed try's workspace and outputs are kept at "
+            + ", ".join(map(str, kept))
         )
         log.warning(reason)
         warnings.warn(reason, SimulatorRestarted, stacklevel=2)

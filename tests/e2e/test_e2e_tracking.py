@@ -17,8 +17,11 @@ ROUNDS = 2
 WANDB_BLOCK = 32768  # W&B's transaction log is LevelDB's log format: 32 KiB blocks of framed records
 
 
-def _run(tmp_path: Path, simulate, round_metrics, **tracking) -> tuple[Path, dict[str, list[float]]]:
-    """Export and simulate the tiny job; return the server's run folder and each site's train loss per round."""
+def _run(
+    tmp_path: Path, simulate, round_metrics, outputs: tuple[Path, ...] = (), **tracking
+) -> tuple[Path, dict[str, list[float]]]:
+    """Export and simulate the tiny job; return the server's run folder and each site's train loss per round.
+    ``outputs``: the folders the run writes outside its workspace (a retried start-up sets the failed try's aside)."""
     spec = JobSpec(
         name="tracked",
         dataset="digits",
@@ -31,7 +34,7 @@ def _run(tmp_path: Path, simulate, round_metrics, **tracking) -> tuple[Path, dic
     )
     job_dir = export_job(spec, tmp_path / "jobs")
     workspace = tmp_path / "ws"
-    completed = simulate(job_dir, workspace, num_clients=len(SITES), threads=len(SITES))
+    completed = simulate(job_dir, workspace, num_clients=len(SITES), threads=len(SITES), outputs=outputs)
     records = [r for r in round_metrics(workspace) if r["stage"] == "round"]
     assert [r["round"] for r in records] == list(range(ROUNDS)), completed.stdout[-3000:]
     losses = {site: [r["site_train_loss"][site] for r in records] for site in SITES}
@@ -66,12 +69,14 @@ def test_wandb_offline_tracking_writes_a_run_per_site_with_its_curves(tmp_path, 
     pytest.importorskip("wandb")
     from wandb.proto import wandb_internal_pb2
 
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_dir"))  # the simulator's server inherits it
+    wandb_dir = tmp_path / "wandb_dir"
+    monkeypatch.setenv("WANDB_DIR", str(wandb_dir))  # the simulator's server inherits it
     monkeypatch.setenv("WANDB_MODE", "offline")
 
-    _, losses = _run(tmp_path, simulate, round_metrics, tracking="wandb", tracking_project="e2e")
+    # A failed start-up's runs are set aside with its workspace: one run per site counts the completed try's only.
+    _, losses = _run(tmp_path, simulate, round_metrics, (wandb_dir,), tracking="wandb", tracking_project="e2e")
 
-    run_files = sorted((tmp_path / "wandb_dir" / "wandb").glob("offline-run-*/run-*.wandb"))
+    run_files = sorted((wandb_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(run_files) == len(SITES), run_files
     seen = {}
     for path in run_files:
