@@ -134,13 +134,21 @@ def _env(code_root: Path, knobs: Knobs = Knobs()) -> dict[str, str]:
 # -- runs ----------------------------------------------------------------------------------------------------------
 def simulate(job_dir: Path, workspace: Path, env: Mapping[str, str]) -> list[Round]:
     """Run the job with ``-t 3``; the rounds after round 0 (which includes the sites' start-up)."""
-    command = [str(NVFLARE), "simulator", str(job_dir), "-w", str(workspace), "-n", str(SITES), "-t", str(SITES)]
+    records = simulator_records(job_dir, workspace, env, SITES, SITES)
+    rounds = [parse_round(record) for record in records]
+    return [r for r in rounds if r is not None][1:]
+
+
+def simulator_records(
+    job_dir: Path, workspace: Path, env: Mapping[str, str], sites: int, threads: int
+) -> list[dict[str, Any]]:
+    """``nvflare simulator job_dir -n sites -t threads``; the server's metrics records of the finished run (an error
+    with the log's tail when it did not finish)."""
+    command = [str(NVFLARE), "simulator", str(job_dir), "-w", str(workspace), "-n", str(sites), "-t", str(threads)]
     completed = subprocess.run(command, capture_output=True, text=True, env=dict(env), cwd=workspace.parent)
     from aggregators.contracts.run_records import finished_records  # here: this module's own imports stay light
 
-    records = finished_records(workspace, completed.stdout[-2000:] + completed.stderr[-2000:])
-    rounds = [parse_round(record) for record in records]
-    return [r for r in rounds if r is not None][1:]
+    return finished_records(workspace, completed.stdout[-2000:] + completed.stderr[-2000:])
 
 
 def parse_round(record: Mapping[str, Any]) -> Round | None:

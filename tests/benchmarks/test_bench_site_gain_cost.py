@@ -30,3 +30,23 @@ def test_ratios_are_against_the_baseline():
     rows = ratio_table(medians, "base")
     assert rows[2].endswith("| 1.00 | 2.00 | 1.00 |")
     assert rows[3].endswith("| 2.50 | 5.00 | 2.50 |")
+
+
+def test_the_v4_protocol_is_the_pre_registered_one_without_its_stopping_rule():
+    from dataclasses import replace
+
+    from benchmarks.site_gain_cost import VARIANTS, cell_spec, task_protocol
+
+    for task in ("fmnist", "genomics"):
+        protocol = task_protocol(task, "site_gain_v4", "1kg", num_sites=4, rounds=3)
+        assert (protocol.batch_size, protocol.keep_margin, protocol.stop_patience) == (16, 1.0, None)
+        assert (protocol.num_sites, protocol.rounds) == (4, 3)
+        for fields in VARIANTS.values():
+            spec = cell_spec(task, "fedavg", "dir0.3", 1, replace(protocol, **fields))
+            assert (spec.keep, spec.local_baseline, spec.num_rounds, spec.seed) == (
+                fields["keep"],
+                fields["local_baseline"],
+                3,
+                1,
+            )
+    assert task_protocol("fmnist", "site_gain", "1kg", 7, 4).batch_size != 16
