@@ -11,12 +11,14 @@ from the job; the bundle is used as installed in this ``.venv`` (the job carries
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -153,9 +155,10 @@ def test_job_without_custom_code_runs_from_the_installed_package_under_the_allow
 
 
 def _server_metrics(deployment, job_id: str) -> list[dict]:
-    """The running job's round records, read from the server's run folder while the job runs."""
+    """The running job's round records, read from the server's run folder while the job runs: its complete lines
+    only (the server may be writing the last one)."""
     for path in deployment.server.glob(f"{job_id}/**/round_metrics.jsonl"):
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return [json.loads(line) for line in path.read_text().split("\n")[:-1] if line.strip()]
     return []
 
 
@@ -178,10 +181,57 @@ def _crash(deployment, name: str, job_id: str) -> None:
 
 
 def _wait_for_round(deployment, job_id: str, round_num: int) -> None:
+    """Block until the server's run folder holds round ``round_num`` of the job ``job_id`` (its metrics looked at
+    every 0.2 s, its status every 10 looks). A job that has ended (NVFlare's status FINISHED:*, e.g.
+    CAN_NOT_SCHEDULE) records no more rounds: that fails at the first look at its status, naming it and what the
+    server said, and so does a job still without that round after `JOB_TIMEOUT_S` (in CI the deployment's start and
+    a whole 10-round jobs/scaffold run took 42-44 s together)."""
     deadline = time.monotonic() + JOB_TIMEOUT_S
-    while not [r for r in _server_metrics(deployment, job_id) if r.get("round") == round_num]:
-        assert time.monotonic() < deadline, f"round {round_num} of {job_id} not recorded"
-        time.sleep(0.2)
+    with loopback.admin_session(deployment) as session:
+        while True:
+            for _ in range(10):
+                if any(r.get("round") == round_num for r in _server_metrics(deployment, job_id)):
+                    return
+                time.sleep(0.2)
+            meta = session.get_job_meta(job_id)
+            if str(meta.get("status")).startswith("FINISHED") or time.monotonic() > deadline:
+                raise AssertionError(_not_recorded(deployment, session, job_id, round_num, meta))
+
+
+def _not_recorded(deployment, session, job_id: str, round_num: int, meta: dict) -> str:
+    """Why round ``round_num`` of ``job_id`` is missing, as far as the server tells: the job's status and
+    scheduling history, the rounds recorded so far, the sites the server lists, the end of the server's log."""
+    rounds = [r["round"] for r in _server_metrics(deployment, job_id) if r.get("stage") == "round"]
+    try:
+        listed = {c.name: time.ctime(c.last_connect_time or 0) for c in session.get_system_info().client_info}
+    except Exception as exc:  # the server may be down: the rest still says what happened
+        listed = f"unknown ({exc})"
+    log = deployment.server / "log.txt"
+    tail = log.read_text()[-3000:] if log.is_file() else "(no log.txt)"
+    return (
+        f"round {round_num} of job {job_id} not recorded: the job is {meta.get('status')} (rounds recorded: "
+        f"{rounds or 'none'}); schedule history: {meta.get('schedule_history')}; sites listed (registered at): "
+        f"{listed}; the server's log ends:\n{tail}"
+    )
+
+
+def _restart_site(deployment, site: str, timeout: float = 120.0) -> None:
+    """Start the crashed ``site`` again and wait until the server holds its new registration. Waiting until the
+    server lists the site is not enough: it keeps listing a SIGKILLed site (NVFlare drops a site only after 600 s
+    without a heartbeat), so that holds before the new process has registered, and a job submitted then is refused
+    in seconds (FINISHED:CAN_NOT_SCHEDULE: 2 of 3 sites answer the scheduler's resource check, twice)."""
+    since = time.time()
+    loopback.restart(deployment, site, loopback.participant_env())
+    deadline = time.monotonic() + timeout
+    with loopback.admin_session(deployment) as session:
+        while True:
+            listed = {c.name: c.last_connect_time for c in session.get_system_info().client_info}
+            if (listed.get(site) or 0.0) >= since and set(deployment.sites) <= set(listed):
+                return
+            exited = deployment.processes[site].poll()
+            assert exited is None, f"{site} exited with {exited} after its restart: see {deployment.workspace}"
+            assert time.monotonic() < deadline, f"{site} restarted but not registered again within {timeout:.0f} s"
+            time.sleep(0.5)
 
 
 def _restart_server(deployment) -> None:
@@ -245,10 +295,7 @@ def test_a_site_killed_mid_job_leaves_rounds_of_the_others_and_scaffold_state_co
         num_sites=NUM_SITES,
     )
     job_id = loopback.submit(session, deployment, export_job(spec, tmp_path / "exported"))
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    while not [r for r in _server_metrics(deployment, job_id) if r.get("stage") == "round"]:
-        assert time.monotonic() < deadline, "no round recorded"
-        time.sleep(0.5)
+    _wait_for_round(deployment, job_id, 0)
     _crash(deployment, "site-3", job_id)
     try:
         meta = session.wait_for_job(job_id, timeout=JOB_TIMEOUT_S, poll_interval=1.0)
@@ -276,8 +323,7 @@ def test_a_site_killed_mid_job_leaves_rounds_of_the_others_and_scaffold_state_co
     finally:
         # The machine comes back (also when an assertion above failed, so that the next tests find 3 sites): the
         # site restarts from its kit and registers again.
-        loopback.restart(deployment, "site-3", loopback.participant_env())
-        loopback.wait_for_sites(session, deployment)
+        _restart_site(deployment, "site-3")
 
 
 def test_the_server_crashed_mid_job_restarts_and_the_resumed_job_continues_bit_identically(
@@ -322,6 +368,91 @@ def test_the_server_crashed_mid_job_restarts_and_the_resumed_job_continues_bit_i
     controls = _site_states(deployment, crashed_run_id, final.last_aggregated_sites, "scaffold")
     for key, value in final.state["control"].items():
         np.testing.assert_allclose(value, np.mean([c[key] for c in controls], axis=0), atol=1e-6, err_msg=key)
+
+
+class _FakeAdmin:
+    """The admin session as the wait helpers use it, without a deployment: the job's meta is ``meta``; the sites the
+    server lists are ``stale`` (site: registration time) for the first ``stale_calls`` calls, then every one of them
+    registered now."""
+
+    def __init__(self, meta: dict | None = None, stale: dict[str, float] | None = None, stale_calls: int = 0) -> None:
+        self.meta, self.stale, self.stale_calls = meta or {}, stale or {}, stale_calls
+        self.meta_calls = self.info_calls = 0
+
+    def get_job_meta(self, job_id: str) -> dict:
+        self.meta_calls += 1
+        return self.meta
+
+    def get_system_info(self) -> SimpleNamespace:
+        self.info_calls += 1
+        now = time.time()
+        listed = self.stale if self.info_calls <= self.stale_calls else dict.fromkeys(self.stale, now)
+        return SimpleNamespace(client_info=[SimpleNamespace(name=n, last_connect_time=t) for n, t in listed.items()])
+
+
+@pytest.fixture
+def fake_admin(monkeypatch):
+    """Install a `_FakeAdmin` as every `loopback.admin_session`; returns the function that installs one."""
+
+    def install(admin: _FakeAdmin) -> _FakeAdmin:
+        monkeypatch.setattr(loopback, "admin_session", lambda *a, **k: contextlib.nullcontext(admin))
+        return admin
+
+    return install
+
+
+def _fake_run_folder(tmp_path: Path, job_id: str, text: str) -> SimpleNamespace:
+    metrics = tmp_path / "server" / job_id / "metrics" / "round_metrics.jsonl"
+    metrics.parent.mkdir(parents=True)
+    metrics.write_text(text)
+    return SimpleNamespace(server=tmp_path / "server", sites={}, processes={}, workspace=tmp_path)
+
+
+def test_the_running_jobs_records_leave_out_the_line_still_being_written(tmp_path):
+    record = json.dumps({"stage": "round", "round": 0, "run_id": "r"})
+    deployment = _fake_run_folder(tmp_path, "job", record + "\n" + record[:17])
+
+    assert _server_metrics(deployment, "job") == [json.loads(record)]
+
+
+def test_waiting_for_a_round_of_a_job_that_ended_fails_at_its_first_status_naming_it(tmp_path, fake_admin):
+    """The job was refused (as after a site's restart that the server had not seen yet): no round will come. The
+    wait fails at its first look at the job's status, with the status, the scheduler's reason and the rounds so far,
+    not after `JOB_TIMEOUT_S` with "not recorded" alone."""
+    refused = {
+        "status": "FINISHED:CAN_NOT_SCHEDULE",
+        "schedule_history": ["not enough sites have enough resources (ok sites 2 < min sites 3)"],
+    }
+    admin = fake_admin(_FakeAdmin(refused, {"site-1": 1.0}))
+    deployment = _fake_run_folder(tmp_path, "job", json.dumps({"stage": "round", "round": 0}) + "\n")
+
+    with pytest.raises(AssertionError) as failed:
+        _wait_for_round(deployment, "job", 3)
+
+    assert admin.meta_calls == 1
+    message = str(failed.value)
+    assert "FINISHED:CAN_NOT_SCHEDULE" in message and "ok sites 2 < min sites 3" in message, message
+    assert "rounds recorded: [0]" in message, message
+
+
+def test_a_restarted_site_counts_once_the_server_holds_its_new_registration_not_its_old_listing(
+    tmp_path, fake_admin, monkeypatch
+):
+    """The server still lists the crashed site-3 (registered long ago) for three looks: the restart is not done
+    until a look shows site-3 registered after the restart."""
+    admin = fake_admin(_FakeAdmin(stale={"site-1": 1.0, "site-2": 1.0, "site-3": 1.0}, stale_calls=3))
+    restarted = []
+
+    def restart(deployment, name, env):
+        restarted.append(name)
+        deployment.processes[name] = SimpleNamespace(poll=lambda: None)
+
+    monkeypatch.setattr(loopback, "restart", restart)
+    deployment = SimpleNamespace(sites=dict.fromkeys(["site-1", "site-2", "site-3"]), processes={}, workspace=tmp_path)
+
+    _restart_site(deployment, "site-3")
+
+    assert restarted == ["site-3"] and admin.info_calls == 4
 
 
 def _feddyn_spec(num_rounds: int, min_responses: int, resume_from: Path | None = None) -> JobSpec:
@@ -378,9 +509,8 @@ def test_a_site_down_when_the_job_resumes_stays_in_feddyns_population_and_rejoin
         same = all(np.allclose(expected[k], second_point.global_params[k], atol=1e-6) for k in h_sum)
         assert same is equal, f"population {m}"
 
-    loopback.restart(deployment, "site-3", loopback.participant_env())
+    _restart_site(deployment, "site-3")
     with loopback.admin_session(deployment) as session:
-        loopback.wait_for_sites(session, deployment)
         spec = _feddyn_spec(round_num + 2, 3, second_result / "app_server")
         third, meta = loopback.run_job(session, deployment, export_job(spec, tmp_path / "third"), JOB_TIMEOUT_S)
         third_result = loopback.download_result(session, third)
