@@ -27,6 +27,7 @@ import argparse
 import json
 import math
 import re
+from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -85,18 +86,43 @@ def site_rounds(run: Path) -> dict[str, list[Path]]:
     return {site: [rounds[r] for r in sorted(rounds)] for site, rounds in sorted(found.items())}
 
 
-def replay_site(paths: Sequence[Path], rule: Rule) -> list[dict[str, float]]:
+def recent_ensemble(tables: Sequence[Tables]) -> Tables:
+    """Per split, the log of the mean probability of ``tables`` (each model's (n, classes) log-probabilities)."""
+    return {
+        split: np.logaddexp.reduce(np.stack([t[split] for t in tables]), axis=0) - math.log(len(tables))
+        for split in tables[0]
+    }
+
+
+def replay_site(
+    paths: Sequence[Path], rule: Rule, local_patience: int | None = None, window: int = 0
+) -> list[dict[str, float]]:
     """Per round: the kept and own models' scores after that round, as the site would report them (the site's own
-    early stopping and challengers, kept_model.py; ``rule`` in place of the margin test)."""
+    early stopping and challengers, kept_model.py; ``rule`` in place of the margin test).
+
+    Counterfactuals the site does not run (``python -m benchmarks.keep_rule_study --help``): ``local_patience`` P
+    stops the local-only model's training once its validation loss has not improved for P rounds (the own model is
+    frozen from then on); ``window`` K >= 2 adds, per federated kind, the probability average of the last K
+    received models of that kind as a challenger."""
     own: Offer | None = None
     kept: Offer | None = None
+    since_better, recent = 0, {kind: deque(maxlen=max(window, 1)) for kind in ("global", "personal")}
     out = []
     for round_num, path in enumerate(paths):
         models, labels = read_round(path)
         offers = {kind: Offer(candidate_of(kind, round_num, t, labels), t, NO_WEIGHTS) for kind, t in models.items()}
-        latest = offers["local"]
-        own = latest if own is None else early_stopped_offer(own, latest)
+        if own is None or local_patience is None or since_better < local_patience:
+            latest = offers["local"]
+            stopped = latest if own is None else early_stopped_offer(own, latest)
+            since_better = 0 if stopped is latest else since_better + 1
+            own = stopped
         federated = [offers[kind] for kind in ("global", "personal") if kind in offers]
+        for kind in ("global", "personal") if window >= 2 else ():
+            if kind in models:
+                recent[kind].append(models[kind])
+            if len(recent[kind]) >= 2:
+                tables = recent_ensemble(list(recent[kind]))
+                federated.append(Offer(candidate_of(kind, round_num, tables, labels), tables, NO_WEIGHTS))
         finite = [
             c for c in round_challengers(own, federated, kept, round_num, labels) if math.isfinite(c.candidate.val_loss)
         ]
@@ -107,7 +133,7 @@ def replay_site(paths: Sequence[Path], rule: Rule) -> list[dict[str, float]]:
             if split in labels:
                 row[f"kept_{split}"] = kept.candidate.scores.accuracy(split)
                 row[f"own_{split}"] = own.candidate.scores.accuracy(split)
-                row[f"global_{split}"] = federated[0].candidate.scores.accuracy(split)
+                row[f"global_{split}"] = offers["global"].candidate.scores.accuracy(split)
         out.append(row)
     return out
 
@@ -133,11 +159,13 @@ def interval(values: Sequence[float]) -> tuple[float, float, float]:
     return found.mean, found.low, found.high
 
 
-def study(setting: Path, rule: Rule, patience: int | None) -> dict[str, object]:
-    """One setting (a folder of runs, one per training seed) under one rule."""
+def study(
+    setting: Path, rule: Rule, patience: int | None, local_patience: int | None = None, window: int = 0
+) -> dict[str, object]:
+    """One setting (a folder of runs, one per training seed) under one rule (counterfactuals: `replay_site`)."""
     seed_means, pooled_means, pairs, own_kept, stops, finals_by_run = [], [], [], 0, [], {}
     for run in sorted(p for p in setting.iterdir() if p.is_dir() and not p.name.startswith(f"{CENTRAL}__")):
-        per_site = {site: replay_site(paths, rule) for site, paths in site_rounds(run).items()}
+        per_site = {site: replay_site(paths, rule, local_patience, window) for site, paths in site_rounds(run).items()}
         if not per_site:
             continue
         t = stop_round(per_site, patience)
@@ -156,6 +184,7 @@ def study(setting: Path, rule: Rule, patience: int | None) -> dict[str, object]:
         "worst": min(pairs),
         "below2": sum(g < -2 for g in pairs),
         "pairs": len(pairs),
+        "own_test": float(np.mean([100 * r["own_test"] for f in finals_by_run.values() for r in f["sites"].values()])),
         "own_kept": own_kept,
         "rounds": stops,
         "finals": finals_by_run,
@@ -177,23 +206,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--json", type=Path, help="also write every (setting, rule, run, site) final score here (the committed record)"
     )
+    parser.add_argument(
+        "--local-patience",
+        type=int,
+        help="counterfactual: stop training the local-only model after this many rounds without a better "
+        "validation loss (the site trains it every round)",
+    )
+    parser.add_argument(
+        "--window",
+        type=int,
+        default=0,
+        help="counterfactual: also offer the probability average of the last K received global (and personal) "
+        "models as challengers (K >= 2; 0: none, as the site does)",
+    )
     args = parser.parse_args(argv)
     patience = args.patience or None
     record: dict[str, dict[str, object]] = {}
-    print("| setting | rule | rounds | kept − own, own view | worst pair | pairs < −2 | own kept | pooled view |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "| setting | rule | rounds | kept − own, own view | worst pair | pairs < −2 | own kept | pooled view "
+        "| own model, own test |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for setting in args.settings:
         for name in args.rules:
-            r = study(setting, RULES[name], patience)
+            r = study(setting, RULES[name], patience, args.local_patience, args.window)
             record.setdefault(setting.name, {})[name] = r
             print(
                 f"| {setting.name} | {name} | {', '.join(map(str, r['rounds']))} | {fmt(r['gain'])} | "
                 f"{r['worst']:+.1f} | {r['below2']} of {r['pairs']} | {r['own_kept']} of {r['pairs']} | "
-                f"{fmt(r['pooled'])} |"
+                f"{fmt(r['pooled'])} | {r['own_test']:.1f} |"
             )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"patience": patience, "settings": record}, indent=1) + "\n")
+        counterfactuals = {"local_patience": args.local_patience, "window": args.window}
+        args.json.write_text(json.dumps({"patience": patience, **counterfactuals, "settings": record}, indent=1) + "\n")
     return 0
 
 

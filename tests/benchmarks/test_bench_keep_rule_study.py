@@ -1,0 +1,73 @@
+"""The counterfactuals of benchmarks/keep_rule_study.py: the probability average of recent federated models, and a
+local-only model whose training stops at a validation plateau (a weaker baseline the site does not use)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from benchmarks.keep_rule_study import RULES, recent_ensemble, replay_site
+
+
+def test_the_recent_ensemble_is_the_log_of_the_mean_probability():
+    first = {"val": np.log(np.array([[0.9, 0.1], [0.2, 0.8]]))}
+    second = {"val": np.log(np.array([[0.5, 0.5], [0.6, 0.4]]))}
+    expected = np.log(np.array([[0.7, 0.3], [0.4, 0.6]]))
+    np.testing.assert_allclose(recent_ensemble([first, second])["val"], expected, atol=1e-12)
+
+
+def _tables(p_right: float, n: int = 4) -> dict[str, np.ndarray]:
+    """Every sample's true class (0) at probability ``p_right`` on every split."""
+    row = np.log(np.array([p_right, 1 - p_right]))
+    return {split: np.tile(row, (n, 1)) for split in ("val", "test")}
+
+
+def _write_rounds(folder, local_p: list[float], global_p: float = 0.5) -> list:
+    paths = []
+    labels = np.zeros(4, dtype=np.int64)
+    for r, p in enumerate(local_p):
+        arrays = {
+            f"{m}__{s}": t
+            for m, tables in (("local", _tables(p)), ("global", _tables(global_p)))
+            for s, t in tables.items()
+        }
+        arrays.update({"labels__val": labels, "labels__test": labels})
+        path = folder / f"site-1_r{r}.npz"
+        np.savez(path, **arrays)
+        paths.append(path)
+    return paths
+
+
+def test_a_local_patience_freezes_the_own_model_at_its_plateau(tmp_path):
+    # The local-only model's validation improves at round 0, not at rounds 1-2, and again at round 3: with patience
+    # 2 its training has stopped by then, so the own model stays round 0's; without, it is round 3's.
+    paths = _write_rounds(tmp_path, [0.6, 0.55, 0.58, 0.9])
+    rule = RULES["margin=1.0"]
+    full = replay_site(paths, rule)
+    stopped = replay_site(paths, rule, local_patience=2)
+    assert math.isclose(full[-1]["kept_val_loss"], -math.log(0.9))
+    assert math.isclose(stopped[-1]["kept_val_loss"], -math.log(0.6))
+    assert [row["kept_val_loss"] for row in full[:3]] == [row["kept_val_loss"] for row in stopped[:3]]
+
+
+def test_a_window_offers_the_average_of_the_recent_global_models(tmp_path):
+    # The two rounds' global models are each right (p 0.95) on half the samples and wrong (p 0.3) on the other
+    # half, the other half each time: alone each loses to the own model (p 0.6 everywhere; a mixture with a little
+    # of either is slightly better), their average (p 0.625 everywhere) beats all of them and is kept.
+    labels = np.zeros(4, dtype=np.int64)
+    halves = (np.array([0.95, 0.95, 0.3, 0.3]), np.array([0.3, 0.3, 0.95, 0.95]))
+    for r, p_right in enumerate(halves):
+        tables = {
+            "local": _tables(0.6),
+            "global": {s: np.log(np.stack([p_right, 1 - p_right], 1)) for s in ("val", "test")},
+        }
+        arrays = {f"{m}__{s}": t for m, by in tables.items() for s, t in by.items()}
+        arrays.update({"labels__val": labels, "labels__test": labels})
+        np.savez(tmp_path / f"site-1_r{r}.npz", **arrays)
+    paths = sorted(tmp_path.glob("*.npz"))
+    plain = replay_site(paths, RULES["margin=0.0"])
+    windowed = replay_site(paths, RULES["margin=0.0"], window=2)
+    assert plain[0] == windowed[0]  # one round: nothing to average
+    assert math.isclose(windowed[-1]["kept_val_loss"], -math.log(0.625))
+    assert plain[-1]["kept_val_loss"] > -math.log(0.625) + 0.03
