@@ -112,7 +112,11 @@ class LocalBaseline:
                 if self.plain_loader is not None and plain_training_fits(module, self.precision, self.accelerator):
                     plain_fit(module, self.plain_loader(), steps)
                 else:
-                    trainer = single_process_trainer(self.precision, self.accelerator, epochs=-1, steps=steps)
+                    # No validation loop after each epoch: the site scores the model once per round, and the
+                    # loop's draws from the generator would make this path differ from plain_fit's (tested).
+                    trainer = single_process_trainer(
+                        self.precision, self.accelerator, epochs=-1, steps=steps, validate=False
+                    )
                     self.fit(trainer, module)
         state: dict[str, Any] = {key: value.detach().cpu() for key, value in module.state_dict().items()}
         state[RUN_ID_KEY] = run_id
@@ -121,8 +125,9 @@ class LocalBaseline:
 
 
 def plain_training_fits(module: pl.LightningModule, precision: Any, accelerator: str) -> bool:
-    """Whether the local-only model may train in `plain_fit`: a module that declares its ``training_step`` needs
-    nothing of a Trainer (``fl_plain_training``: the built-in classifier), fp32, on the CPU."""
+    """Whether the local-only model may train in `plain_fit`: a module that declares its ``training_step`` and
+    ``configure_optimizers`` need nothing of a Trainer (``fl_plain_training = True``: the built-in classifier, the
+    genomics example's model; a user's module may declare it too), fp32, on the CPU."""
     on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
     return bool(getattr(module, "fl_plain_training", False)) and str(precision) in ("32-true", "32") and on_cpu
 
@@ -153,9 +158,64 @@ def plain_fit(module: pl.LightningModule, loader: Iterable[Any], steps: int) -> 
     return taken
 
 
+#: Lightning's batch hooks, called on every training batch between the loader and ``training_step``.
+BATCH_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
+
+
+class DataModuleBatches:
+    """A user data module's training batches as ``Trainer.fit(module, datamodule=data)`` hands them to
+    ``training_step`` on the CPU: ``data.train_dataloader()`` read once, iterated again every epoch, each batch
+    through the data module's ``on_before_batch_transfer`` and ``on_after_batch_transfer`` where it overrides them
+    (Lightning calls the data module's hook when it overrides one, the module's otherwise; `datamodule_batches`
+    refuses modules that override any)."""
+
+    def __init__(self, data: pl.LightningDataModule) -> None:
+        self.data = data
+        self.loader: Iterable[Any] | None = None
+
+    def __iter__(self):
+        if self.loader is None:
+            self.loader = self.data.train_dataloader()
+        before = _overridden_hook(self.data, "on_before_batch_transfer")
+        after = _overridden_hook(self.data, "on_after_batch_transfer")
+        for batch in self.loader:
+            batch = batch if before is None else before(batch, 0)
+            yield batch if after is None else after(batch, 0)
+
+
+def _overridden_hook(data: pl.LightningDataModule, name: str) -> Callable[[Any, int], Any] | None:
+    from pytorch_lightning.utilities.model_helpers import is_overridden
+
+    return getattr(data, name) if is_overridden(name, data, pl.LightningDataModule) else None
+
+
+def datamodule_batches(
+    data: pl.LightningDataModule, module_class: type[pl.LightningModule]
+) -> Callable[[], Iterable[Any]] | None:
+    """What `LocalBaseline` trains on without a Trainer for a user's data module (`DataModuleBatches`, fresh every
+    round as a fit reads it), or ``None`` (a Trainer, as before) when a batch hook could differ from Lightning's:
+    the module overrides one of `BATCH_HOOKS`, or the data module overrides ``transfer_batch_to_device``."""
+    from pytorch_lightning.utilities.model_helpers import is_overridden
+
+    if any(is_overridden(name, module_class, pl.LightningModule) for name in BATCH_HOOKS):
+        return None
+    if is_overridden("transfer_batch_to_device", data, pl.LightningDataModule):
+        return None
+    return lambda: DataModuleBatches(data)
+
+
 def taken_steps(trainer: pl.Trainer) -> int:
     """Optimizer steps a finished fit took (one optimizer: Lightning's global step)."""
     return int(trainer.global_step)
 
 
-__all__ = ["LocalBaseline", "local_seed", "matched_steps", "plain_fit", "plain_training_fits", "taken_steps"]
+__all__ = [
+    "DataModuleBatches",
+    "LocalBaseline",
+    "datamodule_batches",
+    "local_seed",
+    "matched_steps",
+    "plain_fit",
+    "plain_training_fits",
+    "taken_steps",
+]

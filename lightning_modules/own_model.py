@@ -323,7 +323,7 @@ class UserSite:
         if not local and keep == "last":
             return None
         from lightning_modules.keep_best import SiteCandidates, module_scorer, sample_correct
-        from lightning_modules.local_baseline import LocalBaseline
+        from lightning_modules.local_baseline import LocalBaseline, datamodule_batches
 
         data, precision, accelerator = self.data, args.precision, args.accelerator
         found = SiteCandidates(self.site, self.index, args.seed, keep, getattr(args, "keep_metric", "val_loss"))
@@ -342,7 +342,9 @@ class UserSite:
                 return build_user_module(args.model, json_arg(args.model_args), seed=args.seed)
 
             fit = lambda trainer, module: trainer.fit(module, datamodule=data)  # noqa: E731
-            found.local = LocalBaseline(self.site, store, make_module, fit, precision, accelerator)
+            # Without a Trainer per round where the module declares it needs none (local_baseline.plain_fit).
+            batches = datamodule_batches(data, type(self.module))
+            found.local = LocalBaseline(self.site, store, make_module, fit, precision, accelerator, batches)
         found.margin = float(getattr(args, "keep_margin", found.margin))
         found.select = SELECT_SPLITS[getattr(args, "keep_view", "own")]
         if found.select != "val" and not callable(getattr(data, "pooled_val_dataloader", None)):

@@ -61,12 +61,16 @@ def with_weights(module: pl.LightningModule, weights: Mapping[str, torch.Tensor]
     return duplicate
 
 
-def single_process_trainer(precision: Any, accelerator: str, epochs: int = 1, steps: int = -1) -> pl.Trainer:
+def single_process_trainer(
+    precision: Any, accelerator: str, epochs: int = 1, steps: int = -1, validate: bool = True
+) -> pl.Trainer:
     """A bare Trainer for the site's own side work (fine-tuning, scoring, the local-only model): no NVFlare
-    callback, no logger, one process, the job's precision; ``steps`` > 0 stops after that many optimizer steps."""
+    callback, no logger, one process, the job's precision; ``steps`` > 0 stops after that many optimizer steps;
+    ``validate`` False: a fit given a data module skips its validation loop after each epoch."""
     return pl.Trainer(
         max_epochs=epochs,
         max_steps=steps,
+        limit_val_batches=1.0 if validate else 0,
         accelerator=accelerator,
         devices=1,
         precision=precision,

@@ -178,6 +178,10 @@ class SnpClassifier(pl.LightningModule):
     ``optimizer="sgd"`` gives plain SGD, for the algorithms that describe SGD steps only (FedNova, FedMoS).
     """
 
+    #: Its training_step and configure_optimizers need nothing of a Trainer: a site's local-only model (the bundle's
+    #: --local-baseline) trains without building one every round, on the CPU in fp32 (the same steps, tested).
+    fl_plain_training = True
+
     def __init__(
         self,
         arch: str = "cnn_transformer",

@@ -10,6 +10,7 @@ import math
 
 import numpy as np
 import pytest
+import pytorch_lightning as pl
 import torch
 
 from aggregators.contracts import meta_keys
@@ -345,3 +346,53 @@ def test_a_kept_model_kept_again_is_not_rewritten_and_a_restarted_site_still_fin
     assert metas == metas_always
     for mine, theirs in zip(kept, kept_always, strict=True):
         assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def test_the_genomics_models_local_training_without_a_trainer_takes_lightnings_steps_bit_for_bit(monkeypatch) -> None:
+    # The user-module path: the consortium's model (dropout on: the forward draws random numbers) on its data
+    # module, whose on_after_batch_transfer widens int8 genotype batches. 20 steps of batch 16 cross an epoch.
+    from jobs.presets import EXAMPLES
+    from lightning_modules.local_baseline import DataModuleBatches
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    from genomics.data import SnpSites
+    from genomics.model import SnpClassifier
+
+    data = SnpSites(site="site-2", num_sites=5, source="1kg", split="iid", batch_size=16, test_fraction=0.2)
+    data.setup("fit")
+    assert len(data.train_dataloader()) < 20
+
+    def make() -> SnpClassifier:
+        return SnpClassifier(arch="mlp", n_snps=127, num_classes=5, lr=1e-3, dropout=0.3, seed=4)
+
+    plain, lightning = make(), make()
+    with own_random_stream(11):
+        assert plain_fit(plain, DataModuleBatches(data), 20) == 20
+    with own_random_stream(11):
+        # The local-only model's Trainer skips the validation loop after each epoch: creating the validation
+        # loader's iterator draws from the generator, so with it the shuffles and dropout after it would differ.
+        trainer = single_process_trainer("32-true", "cpu", epochs=-1, steps=20, validate=False)
+        trainer.fit(lightning, datamodule=data)
+    for key, value in plain.state_dict().items():
+        assert torch.equal(value, lightning.state_dict()[key]), key
+
+
+def test_a_batch_hook_that_lightning_would_call_keeps_the_local_model_on_a_trainer() -> None:
+    from lightning_modules.local_baseline import datamodule_batches
+
+    class Data(pl.LightningDataModule):
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(data(), batch_size=32)
+
+    class Moved(Data):
+        def transfer_batch_to_device(self, batch, device, dataloader_idx):
+            return batch
+
+    class Hooked(ValidatedClassifier):
+        def on_before_batch_transfer(self, batch, dataloader_idx):
+            return batch
+
+    batches = datamodule_batches(Data(), ValidatedClassifier)
+    assert batches is not None and sum(len(x) for x, _ in batches()) == 90
+    assert datamodule_batches(Data(), Hooked) is None
+    assert datamodule_batches(Moved(), ValidatedClassifier) is None
