@@ -322,7 +322,10 @@ def admin_session(deployment: Deployment, timeout: float = 60.0) -> Iterator[Any
 def wait_for_sites(
     session: Any, deployment: Deployment, timeout: float = 120.0, sites: Sequence[str] | None = None
 ) -> None:
-    """Block until every site (or every one of ``sites``) has registered with the server."""
+    """Block until the server lists every site (or every one of ``sites``). NVFlare keeps listing a killed site until
+    it has sent no heartbeat for 600 s, so right after restarting one this returns before its new process has
+    registered: wait for a registration time after the restart instead (``last_connect_time`` of the site's
+    ``client_info``)."""
     wanted = set(deployment.sites if sites is None else sites)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
