@@ -125,15 +125,15 @@ compare: setup
 # --durations=30: every CI log ends with the 30 slowest tests of each part (CI must stay under 45 min on 2 cores).
 # OMP_WAIT_POLICY=PASSIVE: torch's idle OpenMP threads sleep instead of spinning; with more busy threads than cores
 # (the simulator's sites, a shared runner) a spinning LeNet-5 step took 20-50x longer here (no result changes).
-# Two parts: everything outside tests/e2e, then tests/e2e on E2E_WORKERS pytest-xdist workers (E2E_WORKERS=0: one
-# process). An end-to-end run alone keeps about one core busy (the simulator's sites mostly wait), so two at once
-# use both cores; --dist loadgroup keeps the tests that share a simulator run or a deployment on one worker (the
+# Two parts: everything outside tests/e2e on two pytest-xdist workers (4 min 44 s against 7-8 min in one process),
+# then tests/e2e on E2E_WORKERS workers (E2E_WORKERS=0: one process). An end-to-end run alone keeps about one core
+# busy (the simulator's sites mostly wait), so two at once use both cores; --dist loadgroup keeps the tests that share a simulator run or a deployment on one worker (the
 # work units of tests/conftest.py's scheduler), and every run has its own workspace and ports. Times: docs/results.md,
 # "Test tiers".
 E2E_WORKERS ?= 2
 E2E_PARALLEL := -n $(E2E_WORKERS) --dist loadgroup
 test: setup lint
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest --ignore=tests/e2e --durations=30
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest --ignore=tests/e2e -n 2 --dist loadgroup --durations=30
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest tests/e2e $(E2E_PARALLEL) --durations=30
 
 # The test pyramid (tiers assigned in tests/conftest.py; times in docs/results.md, "Test tiers"):

@@ -86,12 +86,13 @@ def test_every_shared_session_fixture_is_a_session_fixture_of_the_end_to_end_con
 
 
 def test_make_test_runs_the_end_to_end_tier_on_two_xdist_workers_after_the_rest():
-    """The Makefile's `test` target: lint, every test outside tests/e2e, then tests/e2e with pytest-xdist's loadgroup
-    on E2E_WORKERS (2) workers; each part prints its slowest tests. `make setup` installs pytest-xdist (dev extra)."""
+    """The Makefile's `test` target: lint, every test outside tests/e2e on two pytest-xdist workers, then tests/e2e
+    with pytest-xdist's loadgroup on E2E_WORKERS (2) workers; each part prints its slowest tests. `make setup` installs
+    pytest-xdist (dev extra)."""
     makefile = (REPO / "Makefile").read_text()
     recipe = makefile.split("\ntest: setup lint\n", 1)[1].split("\n\n", 1)[0].splitlines()
     assert recipe == [
-        "\tOMP_WAIT_POLICY=PASSIVE $(PY) -m pytest --ignore=tests/e2e --durations=30",
+        "\tOMP_WAIT_POLICY=PASSIVE $(PY) -m pytest --ignore=tests/e2e -n 2 --dist loadgroup --durations=30",
         "\tOMP_WAIT_POLICY=PASSIVE $(PY) -m pytest tests/e2e $(E2E_PARALLEL) --durations=30",
     ]
     assert "\nE2E_WORKERS ?= 2\n" in makefile
