@@ -31,7 +31,9 @@ def job_views(name: str, pooled: int) -> dict:
         run = run_in_process(spec, Path(root))
     scores = cell_scores(test_metrics_record(run.records))
     wall = time.time() - start
-    return {"job": name, "pooled_test_images": pooled, "wall_s": wall, "rounds": len(run.rounds), **scores}
+    # The keep margin is recorded: a default that changes later must not make an old record read as today's.
+    head = {"job": name, "pooled_test_images": pooled, "keep_margin": spec.keep_margin}
+    return {**head, "wall_s": wall, "rounds": len(run.rounds), **scores}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
