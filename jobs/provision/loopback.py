@@ -320,17 +320,25 @@ def admin_session(deployment: Deployment, timeout: float = 60.0) -> Iterator[Any
 
 
 def wait_for_sites(
-    session: Any, deployment: Deployment, timeout: float = 120.0, sites: Sequence[str] | None = None
+    session: Any,
+    deployment: Deployment,
+    timeout: float = 120.0,
+    sites: Sequence[str] | None = None,
+    registered_after: Mapping[str, float] | None = None,
 ) -> None:
-    """Block until the server lists every site (or every one of ``sites``). NVFlare keeps listing a killed site until
-    it has sent no heartbeat for 600 s, so right after restarting one this returns before its new process has
-    registered: wait for a registration time after the restart instead (``last_connect_time`` of the site's
-    ``client_info``)."""
-    wanted = set(deployment.sites if sites is None else sites)
+    """Block until the server lists every site (or every one of ``sites``), and each site that
+    ``registered_after`` names with a registration at or after that time (``time.time()``; the server's
+    ``last_connect_time``). NVFlare keeps listing a killed site until it has sent no heartbeat for 600 s, so after
+    restarting one, being listed proves nothing: pass the restart's time for it."""
+    wanted = set(deployment.sites if sites is None else sites) | set(registered_after or {})
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         _check_alive(deployment)
-        connected = {client.name for client in session.get_system_info().client_info}
+        connected = {
+            client.name
+            for client in session.get_system_info().client_info
+            if (client.last_connect_time or 0.0) >= (registered_after or {}).get(client.name, 0.0)
+        }
         if wanted <= connected:
             return
         time.sleep(1.0)

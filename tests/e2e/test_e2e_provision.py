@@ -222,16 +222,8 @@ def _restart_site(deployment, site: str, timeout: float = 120.0) -> None:
     in seconds (FINISHED:CAN_NOT_SCHEDULE: 2 of 3 sites answer the scheduler's resource check, twice)."""
     since = time.time()
     loopback.restart(deployment, site, loopback.participant_env())
-    deadline = time.monotonic() + timeout
     with loopback.admin_session(deployment) as session:
-        while True:
-            listed = {c.name: c.last_connect_time for c in session.get_system_info().client_info}
-            if (listed.get(site) or 0.0) >= since and set(deployment.sites) <= set(listed):
-                return
-            exited = deployment.processes[site].poll()
-            assert exited is None, f"{site} exited with {exited} after its restart: see {deployment.workspace}"
-            assert time.monotonic() < deadline, f"{site} restarted but not registered again within {timeout:.0f} s"
-            time.sleep(0.5)
+        loopback.wait_for_sites(session, deployment, timeout, registered_after={site: since})
 
 
 def _restart_server(deployment) -> None:
