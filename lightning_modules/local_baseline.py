@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.utilities.model_helpers import is_overridden
 
 from aggregators.contracts import meta_keys
 from lightning_modules.algorithms.registry import CLIENT_ALGORITHMS
@@ -184,8 +185,6 @@ class DataModuleBatches:
 
 
 def _overridden_hook(data: pl.LightningDataModule, name: str) -> Callable[[Any, int], Any] | None:
-    from pytorch_lightning.utilities.model_helpers import is_overridden
-
     return getattr(data, name) if is_overridden(name, data, pl.LightningDataModule) else None
 
 
@@ -195,8 +194,6 @@ def datamodule_batches(
     """What `LocalBaseline` trains on without a Trainer for a user's data module (`DataModuleBatches`, fresh every
     round as a fit reads it), or ``None`` (a Trainer, as before) when a batch hook could differ from Lightning's:
     the module overrides one of `BATCH_HOOKS`, or the data module overrides ``transfer_batch_to_device``."""
-    from pytorch_lightning.utilities.model_helpers import is_overridden
-
     if any(is_overridden(name, module_class, pl.LightningModule) for name in BATCH_HOOKS):
         return None
     if is_overridden("transfer_batch_to_device", data, pl.LightningDataModule):
