@@ -87,11 +87,12 @@ def cell_records(spec: Any, engine: str, threads: int) -> list[dict[str, Any]]:
             torch.set_num_threads(threads)
             with quiet_lightning():
                 return run_in_process(spec, scratch, run_id=spec.name).records
-        from benchmarks.round_overhead import ROOT, _env, simulator_records
+        from benchmarks.round_overhead import simulator_records
+        from benchmarks.startup import ROOT, code_env
         from jobs.assembly import export_job
 
         job = export_job(spec, scratch / "jobs")
-        return simulator_records(job, scratch / "ws", _env(ROOT), spec.num_sites, threads)
+        return simulator_records(job, scratch / "ws", code_env(ROOT), spec.num_sites, threads)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
