@@ -166,9 +166,8 @@ BATCH_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after
 class DataModuleBatches:
     """A user data module's training batches as ``Trainer.fit(module, datamodule=data)`` hands them to
     ``training_step`` on the CPU: ``data.train_dataloader()`` read once, iterated again every epoch, each batch
-    through the data module's ``on_before_batch_transfer`` and ``on_after_batch_transfer`` where it overrides them
-    (Lightning calls the data module's hook when it overrides one, the module's otherwise; `datamodule_batches`
-    refuses modules that override any)."""
+    through `batch_transform` (the data module's ``on_before_batch_transfer`` and ``on_after_batch_transfer`` where
+    it overrides them; `datamodule_batches` refuses modules that override any)."""
 
     def __init__(self, data: pl.LightningDataModule) -> None:
         self.data = data
@@ -177,15 +176,32 @@ class DataModuleBatches:
     def __iter__(self):
         if self.loader is None:
             self.loader = self.data.train_dataloader()
-        before = _overridden_hook(self.data, "on_before_batch_transfer")
-        after = _overridden_hook(self.data, "on_after_batch_transfer")
+        transform = batch_transform(self.data)
         for batch in self.loader:
-            batch = batch if before is None else before(batch, 0)
-            yield batch if after is None else after(batch, 0)
+            yield batch if transform is None else transform(batch)
 
 
-def _overridden_hook(data: pl.LightningDataModule, name: str) -> Callable[[Any, int], Any] | None:
-    return getattr(data, name) if is_overridden(name, data, pl.LightningDataModule) else None
+def batch_transform(
+    data: pl.LightningDataModule, module: pl.LightningModule | None = None
+) -> Callable[[Any], Any] | None:
+    """What Lightning does to a batch between the loader and a ``*_step`` on the CPU: ``on_before_batch_transfer``
+    then ``on_after_batch_transfer``, each the data module's where it overrides the hook, else the module's where it
+    does (Lightning's rule, its data-hook selector), or ``None`` where neither overrides either."""
+    hooks = []
+    for name in ("on_before_batch_transfer", "on_after_batch_transfer"):
+        if is_overridden(name, data, pl.LightningDataModule):
+            hooks.append(getattr(data, name))
+        elif module is not None and is_overridden(name, module, pl.LightningModule):
+            hooks.append(getattr(module, name))
+    if not hooks:
+        return None
+
+    def transform(batch: Any) -> Any:
+        for hook in hooks:
+            batch = hook(batch, 0)
+        return batch
+
+    return transform
 
 
 def datamodule_batches(
@@ -209,6 +225,7 @@ def taken_steps(trainer: pl.Trainer) -> int:
 __all__ = [
     "DataModuleBatches",
     "LocalBaseline",
+    "batch_transform",
     "datamodule_batches",
     "local_seed",
     "matched_steps",

@@ -323,7 +323,7 @@ class UserSite:
         if not local and keep == "last":
             return None
         from lightning_modules.keep_best import SiteCandidates, module_scorer, sample_correct
-        from lightning_modules.local_baseline import LocalBaseline, datamodule_batches
+        from lightning_modules.local_baseline import LocalBaseline, batch_transform, datamodule_batches
 
         data, precision, accelerator = self.data, args.precision, args.accelerator
         found = SiteCandidates(self.site, self.index, args.seed, keep, getattr(args, "keep_metric", "val_loss"))
@@ -332,10 +332,8 @@ class UserSite:
             found.score_val = module_scorer(precision, accelerator, "validate", datamodule=data)
         if tests_at_the_site(self.module, data):
             found.score_test = module_scorer(precision, accelerator, "test", datamodule=data)
-            transfer = getattr(data, "on_after_batch_transfer", None)
-            found.correct = lambda module: sample_correct(
-                module, data.test_dataloader(), (lambda batch: transfer(batch, 0)) if transfer else None
-            )
+            transform = batch_transform(data, self.module)
+            found.correct = lambda module: sample_correct(module, data.test_dataloader(), transform)
         if local:
 
             def make_module() -> pl.LightningModule:  # the federation's initial model, as the persistor builds it
@@ -365,11 +363,11 @@ class UserSite:
         """The data module's validation (and test, and pooled test, and with ``pooled_val`` the hook
         ``pooled_val_dataloader()``'s) batches, read once, for the classifier path (lightning_modules/split_scores.py;
         ``None`` where the batches are not (x, integer y))."""
+        from lightning_modules.local_baseline import batch_transform
         from lightning_modules.split_scores import classifier_batches
 
         data = self.data
-        hook = getattr(data, "on_after_batch_transfer", None)
-        transfer = (lambda batch: hook(batch, 0)) if hook else None
+        transfer = batch_transform(data, self.module)  # what the Trainer's loops do to a batch, scored alike
         splits = {"val": classifier_batches(data.val_dataloader(), transfer)}
         if with_test:
             data.setup("test")  # trainer.test would have; a data module that splits per stage needs it

@@ -396,3 +396,55 @@ def test_a_batch_hook_that_lightning_would_call_keeps_the_local_model_on_a_train
     assert batches is not None and sum(len(x) for x, _ in batches()) == 90
     assert datamodule_batches(Data(), Hooked) is None
     assert datamodule_batches(Moved(), ValidatedClassifier) is None
+
+
+class ShiftedData(pl.LightningDataModule):
+    """Raw inputs 100 above what the model is meant to see; the data module's on_before_batch_transfer removes the
+    offset (the hook the site's scorer once skipped: it applied on_after_batch_transfer only)."""
+
+    def val_dataloader(self):
+        x, y = data(40, seed=3).tensors
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x + 100.0, y), batch_size=16)
+
+    def on_before_batch_transfer(self, batch, dataloader_idx):
+        return [batch[0] - 100.0, batch[1]]
+
+
+class Doubled(ValidatedClassifier):
+    """The module's own on_after_batch_transfer (Lightning calls it: the data module does not override that one)."""
+
+    def __init__(self) -> None:
+        super().__init__(arch="mlp", num_classes=10, init_seed=1)
+        self.seen: list[torch.Tensor] = []
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        return [batch[0] * 2.0, batch[1]]
+
+    def validation_step(self, batch, batch_idx):
+        self.seen.append(batch[0])
+        return super().validation_step(batch, batch_idx)
+
+
+def test_the_batch_transform_is_what_lightnings_loops_hand_a_step() -> None:
+    from lightning_modules.local_baseline import batch_transform
+
+    data_module, module = ShiftedData(), Doubled()
+    single_process_trainer("32-true", "cpu").validate(module, datamodule=data_module, verbose=False)
+    transform = batch_transform(data_module, module)
+    mine = [transform(batch)[0] for batch in data_module.val_dataloader()]
+    assert len(mine) == len(module.seen) == 3
+    assert all(torch.equal(a, b) for a, b in zip(mine, module.seen, strict=True))
+    x = data(40, seed=3).tensors[0]
+    assert torch.allclose(torch.cat(mine), 2.0 * x, atol=1e-4)  # both hooks, in Lightning's order
+    assert batch_transform(pl.LightningDataModule(), ValidatedClassifier(arch="mlp", num_classes=10)) is None
+
+
+def test_a_user_sites_scored_splits_go_through_the_data_modules_before_transfer_hook() -> None:
+    from types import SimpleNamespace
+
+    from lightning_modules.own_model import UserSite
+
+    site = SimpleNamespace(data=ShiftedData(), module=ValidatedClassifier(arch="mlp", num_classes=10, init_seed=1))
+    splits = UserSite.classifier_splits(site, with_test=False)
+    x = data(40, seed=3).tensors[0]
+    assert torch.allclose(torch.cat(splits["val"].inputs), x, atol=1e-4)  # not x + 100
