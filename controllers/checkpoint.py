@@ -85,12 +85,14 @@ def save_rule_state(
     population: Sequence[str] | None = None,
     released_steps: Mapping[str, int] | None = None,
     stopping: Mapping[str, Any] | None = None,
+    best_global: Mapping[str, Any] | None = None,
 ) -> None:
     """Write the rule state after ``round_num`` (0-based, the last round attempted); ``global_sha256`` ties it to
     the model of that round; ``last_aggregated_round`` is the last round whose aggregate was used (``None``: none
     yet; by default ``round_num`` itself, i.e. this round aggregated); ``population`` the job's sites;
     ``released_steps`` the DP-SGD steps each site's last result reported (public: the sites' ``privacy.steps``);
-    ``stopping`` the stopping rule's history after this round (``controllers.stopping.Plateau.state``)."""
+    ``stopping`` the stopping rule's history after this round (``controllers.stopping.Plateau.state``);
+    ``best_global`` the best-model selection's (``controllers.model_selection.BestGlobal.state``)."""
     payload = {
         "format_version": STATE_FORMAT_VERSION,
         "rule": rule_name,
@@ -110,6 +112,8 @@ def save_rule_state(
         payload["released_steps"] = dict(released_steps)
     if stopping is not None:  # a resumed job stops after the round the uninterrupted one stops after
         payload["stopping"] = _to_saveable(stopping)
+    if best_global is not None:  # a resumed job replaces the best model only with a better one
+        payload["best_global"] = _to_saveable(best_global)
     atomic_torch_save(payload, path)
 
 
@@ -142,6 +146,7 @@ class ResumePoint:
     population: tuple[str, ...] | None = None  # None: a checkpoint written without it
     released_steps: dict[str, int] | None = None  # None: a checkpoint written without it (no DP site reported)
     stopping: dict[str, Any] | None = None  # None: written without --stop-patience or by an older version
+    best_global: dict[str, Any] | None = None  # None: written by an older version or with local keys
 
 
 GLOBAL_MODEL_FILE = "FL_global_model.pt"  # the name NVFlare's PTFileModelPersistor writes into the app folder
@@ -190,6 +195,7 @@ def load_resume_point(folder: Path, rule_name: str, state_file: str = "server_st
         population=tuple(payload["population"]) if "population" in payload else None,
         released_steps=payload.get("released_steps"),
         stopping=payload.get("stopping"),
+        best_global=payload.get("best_global"),
     )
 
 

@@ -46,6 +46,7 @@ from aggregators.types import AggregationRule, ClientUpdate, RoundContext
 from aggregators.validation import meta_problems, num_samples_problems, param_problems
 from controllers.budget import end_of_budget_message, required_sites, spent_budget
 from controllers.checkpoint import params_digest
+from controllers.model_selection import BestGlobal
 from controllers.rejection import Rejection
 from controllers.stopping import Plateau
 
@@ -100,6 +101,10 @@ class Host:
     def evaluate(self, params: Params) -> dict[str, float]:
         """Metrics of the global model (e.g. test accuracy) for the round's record."""
         return {}
+
+    def save_best(self, round_num: int, params: Params) -> None:
+        """The model sent in ``round_num`` is the best global model so far on the sites' validation splits
+        (controllers/model_selection.py); called before that round's `persist`."""
 
     def record(self, record: dict[str, Any]) -> None:
         """One JSON-able line per stage (``initial``/``resumed``, then every ``round``)."""
@@ -271,6 +276,8 @@ class RoundEngine:
         self.out_of_budget: dict[str, str] = {}
         self.needed_sites = required_sites(self.min_accepted, min_responses)
         self.plateau = None if stop_patience is None else Plateau(stop_patience)
+        #: The best global model on the sites' validation scores; none with local keys (module model_selection).
+        self.best_global: BestGlobal | None = None if self.local_keys else BestGlobal()
 
     # -- the whole federation -------------------------------------------------------------------------------------
 
@@ -402,6 +409,9 @@ class RoundEngine:
         digest = params_digest(new_params)
         record["global_sha256"] = digest
         record.update(site_metrics(updates))
+        if self.best_global is not None and self.best_global.observe(record.get("site_eval") or {}, round_num):
+            record["best_global"] = self.best_global.note()
+            host.save_best(round_num, params)  # the model the sites scored: the one sent this round
         self._check_plateau(record, round_num, host)  # before persisting: the checkpoint holds the rule's history
         host.persist(round_num, new_params, new_state, digest, updates, aggregated)
         diagnostics = self._diagnostics(new_state, host) if aggregated else {}

@@ -24,6 +24,9 @@ from typing import Any
 
 import numpy as np
 from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
+from nvflare.app_common.abstract.model import make_model_learnable
+from nvflare.app_common.app_constant import AppConstants
+from nvflare.app_common.app_event_type import AppEventType
 from nvflare.app_common.workflows.model_controller import ModelController
 
 from aggregators.compose import compose
@@ -36,6 +39,7 @@ from aggregators.types import AggregationRule, ClientUpdate
 from controllers.adapters import result_site
 from controllers.checkpoint import append_metrics, load_resume_point, save_rule_state, save_updates
 from controllers.engine import Host, RoundEngine, SiteResult, scalar_meta
+from controllers.model_selection import BestGlobal
 from controllers.round_settings import ControllerSettings
 from controllers.stopping import Plateau
 
@@ -177,6 +181,10 @@ class FedAlgController(ModelController):
                 engine.plateau, problem = Plateau.restored(engine.plateau.patience, resume.stopping, first_round)
                 if problem:
                     self.warning(f"--stop-patience counts from round {first_round + 1}, not from round 1: {problem}")
+            if engine.best_global is not None:  # the best model so far stays the one to beat
+                engine.best_global, problem = BestGlobal.restored(resume.best_global, first_round)
+                if problem:
+                    self.warning(f"best global model: chosen among rounds {first_round + 1} on: {problem}")
             self.info(f"resuming from {rounds.resume_from} at round {first_round + 1}/{rounds.num_rounds}")
             absent = sorted(set(population) - set(self._reachable))
             if absent:
@@ -204,6 +212,22 @@ class FedAlgController(ModelController):
             self._cross_site_eval(population)
         if not self.abort_signal.triggered:
             self._report_outputs()
+
+    def save_best_model(self, model: FLModel) -> None:
+        """The persistor saves ``model`` as the best global model (controllers/model_selection.py): NVFlare's
+        ``GLOBAL_BEST_MODEL_AVAILABLE`` event with the model as ``GLOBAL_MODEL``; PTFileModelPersistor writes
+        ``best_FL_global_model.pt``."""
+        fl_ctx = self.fl_ctx
+        previous = fl_ctx.get_prop(AppConstants.GLOBAL_MODEL)
+        learnable = make_model_learnable(weights=model.params, meta_props=model.meta)
+        # Sticky and private, as NVFlare's load_model set it (a different mask is refused with a warning), and put
+        # back after the event: other components read GLOBAL_MODEL as the job's model.
+        fl_ctx.set_prop(AppConstants.GLOBAL_MODEL, learnable, private=True, sticky=True)
+        try:
+            self.event(AppEventType.GLOBAL_BEST_MODEL_AVAILABLE)
+        finally:
+            if previous is not None:
+                fl_ctx.set_prop(AppConstants.GLOBAL_MODEL, previous, private=True, sticky=True)
 
     def _score_final_model(self, population: Sequence[str], params: dict[str, np.ndarray]) -> None:
         """Every site scores the final global model on its own validation split (a site x metric table)."""
@@ -381,10 +405,16 @@ class _ControllerHost(Host):
             population=ctl._population,
             released_steps=ctl._active_engine.released_steps if ctl._active_engine else None,
             stopping=ctl._active_engine.plateau.state() if ctl._active_engine and ctl._active_engine.plateau else None,
+            best_global=ctl._active_engine.best_global.state()
+            if ctl._active_engine and ctl._active_engine.best_global
+            else None,
         )
         if ctl.round_settings.save_client_updates:
             save_updates(ctl._updates_path(round_num), updates, params)
         ctl._timings["persist_s"] = round(time.monotonic() - started, 4)
+
+    def save_best(self, round_num: int, params: dict[str, np.ndarray]) -> None:
+        self.controller.save_best_model(FLModel(params_type=ParamsType.FULL, params=params, meta={"round": round_num}))
 
     def evaluate(self, params: dict[str, np.ndarray]) -> dict[str, float]:
         if self.evaluator is None:

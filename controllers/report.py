@@ -58,6 +58,7 @@ from aggregators.contracts.run_records import (  # noqa: F401
     METRICS_FILE,
     RUN_DIR,
     RUN_DIR_LAYOUTS,
+    best_global,
     completion_problems,
     find_run_dir,
     finished_records,
@@ -647,6 +648,15 @@ def print_run(label: str, folder: Path, run_dir: Path, records: Sequence[dict[st
         )
     if final.get("test_accuracy") is not None:
         print(f"final global test accuracy: {_fmt(final.get('test_accuracy'))}")
+    best = best_global(records)
+    if best:
+        note, accuracy = best[0], (best[1] or {}).get("test_accuracy")
+        print(
+            f"best global model on the sites' validation splits: the one sent in round {note['sent_in_round']} "
+            f"(mean {note['metric']} over the sites {note['mean_over_sites']:.4f}"
+            + (f"; global test accuracy {_fmt(accuracy)}" if accuracy is not None else "")
+            + f"): {run_dir / 'app_server' / 'best_FL_global_model.pt'}"
+        )
     metric = site_eval_metric(records)
     summaries = last_site_eval(records)
     if summaries:

@@ -98,6 +98,24 @@ def stop_note(records: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     return next((r["stopped"] for r in records if r.get("stage") in ("round", "resumed") and r.get("stopped")), None)
 
 
+def best_global(records: Sequence[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
+    """The best global model's note (controllers/model_selection.py: the last one a round record carries) and the
+    record of that model: the round record before the round it was sent in, or the ``initial``/``resumed`` record
+    where it is the model the run started from (``test_accuracy`` there is that model's where a server evaluator
+    ran; ``None`` where the records do not reach back to it); ``None`` where no model was chosen."""
+    rounds = [r for r in records if r.get("stage") == "round"]
+    note = next((r["best_global"] for r in reversed(rounds) if r.get("best_global")), None)
+    if note is None:
+        return None
+    produced_by = note["sent_in_round"] - 2  # the 0-based round whose aggregate was sent in round sent_in_round
+    found = [r for r in rounds if r.get("round") == produced_by]
+    if found:
+        return note, found[-1]
+    starts = [r for r in records if r.get("stage") in ("initial", "resumed")]
+    started_with_it = bool(rounds) and rounds[0].get("round") == produced_by + 1
+    return note, starts[-1] if starts and started_with_it else None
+
+
 def _rounds_done(records: Sequence[dict[str, Any]]) -> int:
     return max((r["round"] + 1 for r in records if r.get("stage") == "round"), default=0)
 

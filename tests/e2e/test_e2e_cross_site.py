@@ -130,3 +130,24 @@ def test_a_users_own_model_takes_part_through_the_bundles_site_loop(tmp_path, si
         for task in (cross_site.SUBMIT_TASK, cross_site.VALIDATE_TASK):
             assert f"{site}: answered {task}" in output
     assert "egress gate" not in output
+
+
+def test_the_best_global_model_is_saved_beside_the_last_one(run, round_metrics):
+    """controllers/model_selection.py in NVFlare: the persistor wrote the model the sites' validation scores chose
+    (NVFlare's best-model event), the one the round records name, recomputed here from their site_eval."""
+    import numpy as np
+    import torch
+
+    from controllers.checkpoint import params_digest
+
+    workspace, completed = run
+    app = workspace / "server" / "simulate_job" / "app_server"
+    records = round_metrics(workspace)
+    means = [np.mean(list(r["site_eval"]["val_loss"]["per_site"].values())) for r in records[1:]]
+    best_round = int(np.argmin(means))  # the first of equal values, as the rule
+    assert best_round > 0  # a trained model, not the initial one (which a persistor ignoring the event would hold)
+    notes = [r["best_global"] for r in records[1:] if "best_global" in r]
+    assert notes[-1]["sent_in_round"] == best_round + 1 and notes[-1]["mean_over_sites"] == means[best_round]
+    saved = torch.load(app / "best_FL_global_model.pt", weights_only=False)["model"]
+    sent = records[best_round]["global_sha256"]  # the model sent in that round: the record before it
+    assert params_digest({k: v.numpy() for k, v in saved.items()}) == sent, completed.stdout[-2000:]
