@@ -434,7 +434,7 @@ def cell_site_scores(spec: Any, state_root: Path, run: Any) -> dict[str, Any]:
 def test_split_scores(run: Any, sizes: Callable[[], dict[str, dict[str, int]]]) -> dict[str, Any]:
     """What the sites reported on their test splits after the last round (every candidate, the kept one), with
     their split sizes (``sizes()``); a run whose sites reported no local-only or kept test score fails its cell."""
-    from benchmarks.site_report import cell_scores, test_metrics_record
+    from benchmarks.site_report import best_global_scores, cell_scores, test_metrics_record
 
     scores = cell_scores(test_metrics_record(run.records))
     if not scores["site_test"].get("local") or not scores["site_test"].get("kept"):
@@ -442,6 +442,9 @@ def test_split_scores(run: Any, sizes: Callable[[], dict[str, dict[str, int]]]) 
             "the sites reported no eval.local_test_accuracy / eval.kept_test_accuracy after the last round: this "
             "grid needs jobs with a test split, --local-baseline and --keep"
         )
+    best = best_global_scores(run.records)  # the global model the job delivers (chosen on validation)
+    if best:
+        scores["site_pooled_test"]["best_global"] = best
     return {**scores, "site_sizes": sizes()}
 
 

@@ -191,6 +191,12 @@ def study(
     }
 
 
+def write_record(path: Path, payload: dict[str, object]) -> None:
+    """The committed record of a replay: ``payload`` as indented JSON at ``path`` (its folder made)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1) + "\n")
+
+
 def fmt(interval: tuple[float, float, float] | None) -> str:
     if interval is None:
         return "–"
@@ -237,9 +243,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{fmt(r['pooled'])} | {r['own_test']:.1f} |"
             )
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         counterfactuals = {"local_patience": args.local_patience, "window": args.window}
-        args.json.write_text(json.dumps({"patience": patience, **counterfactuals, "settings": record}, indent=1) + "\n")
+        write_record(args.json, {"patience": patience, **counterfactuals, "settings": record})
     return 0
 
 

@@ -57,6 +57,18 @@ def test_metrics_record(records: Sequence[Mapping[str, Any]]) -> Mapping[str, Ma
     return {}
 
 
+def best_global_scores(records: Sequence[Mapping[str, Any]], view: str = "pooled_test") -> dict[str, float]:
+    """Per site, the ``view`` accuracy of the global model the job delivers (controllers/model_selection.py: the
+    model sent in the round the sites' validation scores chose, ``best_FL_global_model.pt``) as the sites scored it
+    in that round; empty where no model was chosen or the sites did not score that view."""
+    rounds = [r for r in records if r.get("stage") == "round"]
+    note = next((r["best_global"] for r in reversed(rounds) if r.get("best_global")), None)
+    sent = [r for r in rounds if note and r.get("round") == note["sent_in_round"] - 1]
+    site_meta = (sent[-1].get("site_meta") or {}) if sent else {}
+    key = f"eval.global_{view}_accuracy"
+    return {site: float(meta[key]) for site, meta in site_meta.items() if meta.get(key) is not None}
+
+
 def cell_scores(site_meta: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     """``site_test``: candidate -> site -> test accuracy (``eval.<candidate>_test_accuracy``), and
     ``kept_candidate``: site -> the candidate it kept (``eval.kept_candidate``)."""
@@ -352,11 +364,17 @@ def learning_sentence(methods: Mapping[str, Mapping[int, Mapping[str, Any]]]) ->
     pooled = {m: runs for m, runs in pooled.items() if runs}
     if CENTRAL not in pooled or len(pooled) < 2:
         return None
-    federated = ", ".join(f"{m} {mean_site(runs)}" for m, runs in sorted(pooled.items()) if m != CENTRAL)
+    best = {m: candidate_runs(by_seed, "best_global", "site_pooled_test") for m, by_seed in methods.items()}
+
+    def scores(method: str) -> str:  # with the model chosen on the sites' validation (controllers/model_selection.py)
+        last = mean_site(pooled[method])
+        return f"{last} at the end, {mean_site(best[method])} chosen on validation" if best.get(method) else last
+
+    federated = ", ".join(f"{m} {scores(m)}" for m in sorted(pooled) if m != CENTRAL)
     return (
         f"Does the federation learn? Global model on the pooled test set (all labels, mean over seeds): {federated}; "
         f"the same model trained centrally on data of the same size and distribution as the sites' union, same "
-        f"optimizer, epochs and rounds: {mean_site(pooled[CENTRAL])}."
+        f"optimizer, epochs and rounds: {scores(CENTRAL)}."
     )
 
 

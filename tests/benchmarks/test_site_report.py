@@ -126,6 +126,28 @@ def test_the_central_run_is_read_only_against_the_federated_global_models():
     assert "| central |" not in text and "Target for central" not in text  # no site could keep it
 
 
+def test_the_global_model_chosen_on_validation_is_shown_beside_the_last_ones():
+    cells = _cells("fedavg", KEPT, LOCAL) + _cells("central", KEPT, LOCAL)
+    for cell, pooled in zip(cells, (0.4, 0.5, 0.6, 0.7, 0.8, 0.9), strict=True):
+        cell["site_pooled_test"] = {"global": dict.fromkeys(("site-1", "site-2"), pooled)}
+        cell["site_pooled_test"]["best_global"] = dict.fromkeys(("site-1", "site-2"), pooled + 0.05)
+    text = "\n".join(sr.report_lines(cells, "x"))
+    assert "fedavg 50.0 at the end, 55.0 chosen on validation;" in text
+    assert "epochs and rounds: 80.0 at the end, 85.0 chosen on validation." in text
+
+
+def test_the_delivered_global_models_scores_are_the_sites_scores_in_the_round_it_was_sent():
+    def round_record(r: int, pooled: float, **extra) -> dict:
+        meta = {"eval.global_pooled_test_accuracy": pooled, "eval.global_test_accuracy": pooled / 2}
+        return {"stage": "round", "round": r, "site_meta": {"site-1": meta, "site-2": dict(meta)}, **extra}
+
+    note = {"sent_in_round": 2, "metric": "val_loss", "mean_over_sites": 0.3}
+    records = [{"stage": "initial"}, round_record(0, 0.4), round_record(1, 0.9, best_global=note), round_record(2, 0.6)]
+    assert sr.best_global_scores(records) == {"site-1": 0.9, "site-2": 0.9}  # round 2 (1-based) scored it
+    assert sr.best_global_scores(records, "test") == {"site-1": 0.45, "site-2": 0.45}
+    assert sr.best_global_scores(records[:2]) == {}  # nothing chosen
+
+
 def test_a_site_that_kept_its_own_model_everywhere_reads_no_gain_not_a_zero_width_interval():
     cells = _cells("fedavgm", LOCAL, LOCAL)
     for cell in cells:

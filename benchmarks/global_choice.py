@@ -1,0 +1,93 @@
+"""The global model a job delivers, replayed on recorded runs: the last round's against the one the sites'
+validation scores choose over rounds (controllers/model_selection.py; benchmarks/results/site_gain.md).
+
+A benchmark run with ``FL_RECORD_CANDIDATE_TABLES=<dir>`` (lightning_modules/kept_model.py) keeps, per site and
+round, the log-probabilities of the global model the site received on its validation split and on the pooled test
+set. For every run of a setting (the federated ones and, where recorded, the central ones: one site holding the
+sites' union), this replays where the run stopped (the stopping rule on the kept models, benchmarks/keep_rule_study.py,
+the shipped margin) and, up to that round, which received model the server's rule chooses: the lowest unweighted
+mean over the sites of its validation loss, the first of equal values. Printed per setting, mean over the runs of
+the pooled-test accuracy of the last received model (what the per-setting reports call the global model) and of the
+chosen one, and the best any round reached (an oracle, for scale; nothing can choose it without the test set).
+
+    python -m benchmarks.global_choice /tmp/tables/setting-a /tmp/tables/setting-b --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.keep_rule_study import CENTRAL, RULES, read_round, replay_site, site_rounds, stop_round, write_record
+from lightning_modules.site_choice import DEFAULT_MARGIN
+
+RULE = f"margin={DEFAULT_MARGIN}"
+
+
+def chosen_round(losses: Sequence[float]) -> int:
+    """The index of the lowest value, the first of equal ones (the server's rule)."""
+    return int(np.argmin(np.asarray(losses, dtype=np.float64)))
+
+
+def received_scores(paths: Sequence[Path], rounds: int) -> tuple[list[float], list[float]]:
+    """Per round up to ``rounds``: the received global model's validation loss and pooled-test accuracy (%)."""
+    losses, pooled = [], []
+    for path in paths[:rounds]:
+        models, labels = read_round(path)
+        table, y = models["global"]["val"], labels["val"]
+        losses.append(float(-table[np.arange(len(y)), y].mean()))
+        pooled.append(100.0 * float((models["global"]["pooled"].argmax(axis=1) == labels["pooled"]).mean()))
+    return losses, pooled
+
+
+def replay_run(run: Path, patience: int | None) -> dict[str, float]:
+    """One recorded run: where it stopped, the round the rule chooses, and the pooled accuracies."""
+    rounds_by_site = site_rounds(run)
+    stop = stop_round({site: replay_site(paths, RULES[RULE]) for site, paths in rounds_by_site.items()}, patience)
+    per_site = [received_scores(paths, stop + 1) for paths in rounds_by_site.values()]
+    mean_loss = np.mean([losses for losses, _ in per_site], axis=0)
+    pooled = per_site[0][1]  # the pooled test set is the same at every site: so is the received model's score
+    chosen = chosen_round(mean_loss)
+    return {"rounds": stop + 1, "chosen_round": chosen + 1, "last": pooled[-1], "chosen": pooled[chosen],
+            "best_any_round": max(pooled)}  # fmt: skip
+
+
+def replay_setting(setting: Path, patience: int | None) -> dict[str, dict[str, dict[str, float]]]:
+    """Per kind (federated, central) and run: `replay_run`."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for run in sorted(p for p in setting.iterdir() if p.is_dir()):
+        if site_rounds(run):
+            kind = CENTRAL if run.name.startswith(f"{CENTRAL}__") else "federated"
+            out.setdefault(kind, {})[run.name] = replay_run(run, patience)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("settings", nargs="+", type=Path, help="folders of recorded runs (one per setting)")
+    parser.add_argument("--patience", type=int, default=5, help="the stopping rule's patience (0: no stopping)")
+    parser.add_argument("--json", type=Path, help="also write every run's replay here (the committed record)")
+    args = parser.parse_args(argv)
+    record = {}
+    print("| setting | runs | rounds run | chosen round | last received model | chosen on validation | best any round |"
+          "\n|---|---|---|---|---|---|---|")  # fmt: skip
+    for setting in args.settings:
+        record[setting.name] = replayed = replay_setting(setting, args.patience or None)
+        for kind, runs in replayed.items():
+            rows = list(runs.values())
+            mean = {key: float(np.mean([r[key] for r in rows])) for key in ("last", "chosen", "best_any_round")}
+            print(
+                f"| {setting.name} | {kind} ×{len(rows)} | {', '.join(str(r['rounds']) for r in rows)} | "
+                f"{', '.join(str(r['chosen_round']) for r in rows)} | {mean['last']:.1f} | {mean['chosen']:.1f} | "
+                f"{mean['best_any_round']:.1f} |"
+            )
+    if args.json:
+        write_record(args.json, {"patience": args.patience, "rule": RULE, "settings": record})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
