@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.site_stats import t_interval
+from benchmarks.site_stats import ROUNDING, TOLERANCE, t_interval
 from controllers.stopping import rounds_since_best
 from lightning_modules.kept_model import Offer, candidate_of, early_stopped_offer, round_challengers
 from lightning_modules.site_choice import Candidate, beats
@@ -182,7 +182,7 @@ def study(
         "gain": interval(seed_means),
         "pooled": interval(pooled_means) if pooled_means else None,
         "worst": min(pairs),
-        "below2": sum(g < -2 for g in pairs),
+        "below2": sum(g < -100 * (TOLERANCE + ROUNDING) for g in pairs),
         "pairs": len(pairs),
         "own_test": float(np.mean([100 * r["own_test"] for f in finals_by_run.values() for r in f["sites"].values()])),
         "own_kept": own_kept,

@@ -159,9 +159,13 @@ def pct(value: float) -> str:
 
 
 def interval_text(interval: site_stats.Interval) -> str:
-    """'+1.2 [-0.3, +2.7]' in points; one run has no interval."""
+    """'+1.2 [-0.3, +2.7]' in points; one run has no interval, and runs that all gave the same value have no spread
+    to make one from (every site kept a model as good as its own on every test sample, say): a zero-width interval
+    would read as certainty."""
     if interval.half == float("inf"):
         return f"{100 * interval.mean:+.1f} (1 seed, no interval)"
+    if interval.half == 0:
+        return f"{100 * interval.mean:+.1f} (no spread over seeds)"
     return f"{100 * interval.mean:+.1f} [{100 * interval.low:+.1f}, {100 * interval.high:+.1f}]"
 
 

@@ -35,8 +35,11 @@ RunScores = Mapping[Any, Mapping[str, float]]
 #: site -> run -> paired difference
 Differences = Mapping[str, Mapping[Any, float]]
 
-#: The per-site target's allowance: a kept model may trail its local-only model by at most 3 points in any pair.
+#: The per-site target's allowance: a kept model may trail its local-only model by at most 2 points in any pair.
 TOLERANCE = 0.02
+#: Accuracies are counts over a split, so a difference of exactly the allowance (1 of 50 test samples) is computed a
+#: few ulps off it (0.96 - 0.98 = -0.020000000000000018); only a difference below it by more than this misses.
+ROUNDING = 1e-9
 #: Confidence level of every interval on the pages.
 LEVEL = 0.95
 
@@ -143,10 +146,8 @@ def target_check(kept: RunScores, local: RunScores, tolerance: float = TOLERANCE
         raise ValueError("target_check: the kept and local-only scores share no (site, run) pair")
     mean_kept = statistics.fmean(pair_values(kept, differences))
     mean_local = statistics.fmean(pair_values(local, differences))
-    misses = sorted(
-        ((site, run, d) for site, by_run in differences.items() for run, d in by_run.items() if d < -tolerance),
-        key=lambda miss: miss[2],
-    )
+    pairs = ((site, run, d) for site, by_run in differences.items() for run, d in by_run.items())
+    misses = sorted((pair for pair in pairs if pair[2] < -tolerance - ROUNDING), key=lambda miss: miss[2])
     count = sum(len(by_run) for by_run in differences.values())
     return TargetCheck(not misses and mean_kept >= mean_local, mean_kept, mean_local, tuple(misses), count)
 

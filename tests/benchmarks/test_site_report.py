@@ -154,7 +154,7 @@ def test_a_site_that_kept_its_own_model_everywhere_reads_no_gain_not_a_zero_widt
         cell["kept_own"] = {"site-1": True, "site-2": False}
     rows = sr.site_rows(dict(enumerate(cells)))
     assert "| no gain: kept its own model |" in rows[0] and rows[0].count("| own |") == 1
-    assert "no gain" not in rows[1] and "+0.0 [+0.0, +0.0]" in rows[1]  # site-2 left it at a seed: measured
+    assert "no gain" not in rows[1] and "+0.0 (no spread over seeds)" in rows[1]  # measured
 
 
 def test_the_pooled_site_table_gives_what_the_global_model_would_trade_per_site():
@@ -173,8 +173,8 @@ def test_the_pooled_site_table_gives_what_the_global_model_would_trade_per_site(
     site2 = next(line for line in lines if line.startswith("| site-2 |"))
     # site-1: local 40.0, kept 60.0, global (80 + 82 + 84) / 3 = 82.0 pooled; kept +20.0 exactly at every seed;
     # global - local pooled 40, 42, 44: mean +42.0, half-width t(0.975, 2) * 2 / sqrt(3) = 4.97; own cost -2.0
-    assert site1.startswith("| site-1 | 40.0 | 60.0 | 82.0 | +20.0 [+20.0, +20.0] | +42.0 [+37.0, +47.0] |")
-    assert site1.endswith("| -2.0 [-2.0, -2.0] |")
+    assert site1.startswith("| site-1 | 40.0 | 60.0 | 82.0 | +20.0 (no spread over seeds) | +42.0 [+37.0, +47.0] |")
+    assert site1.endswith("| -2.0 (no spread over seeds) |")
     assert "| no gain: kept its own model |" in site2
     assert sr.pooled_site_table("fedavgm", dict(enumerate(_cells("fedavgm", KEPT, LOCAL)))) == []  # no pooled view
 
@@ -191,8 +191,8 @@ def test_the_gain_targets_are_read_on_the_interval_over_seeds_and_the_pooled_mea
     text = sr.gain_target_sentence("fedavgm", by_seed)
     assert text == (
         "Gain targets for fedavgm (sites of 30–600 training samples; some site holds ≥ 600): own view +4.0 "
-        "[+4.0, +4.0] (met: ≥ +3 with the interval above 0); pooled view +10.0 [+10.0, +10.0] (missed: ≥ +15 on "
-        "the mean)."
+        "(no spread over seeds) (met: ≥ +3 with the interval above 0); pooled view +10.0 (no spread over seeds) "
+        "(missed: ≥ +15 on the mean)."
     )
     # A mean of +4 whose interval holds 0 misses: seeds +12, +0, +0 (site means).
     kept[0] = {"site-1": 0.62, "site-2": 0.72}
@@ -200,3 +200,8 @@ def test_the_gain_targets_are_read_on_the_interval_over_seeds_and_the_pooled_mea
     by_seed = {cell["cell"]["seed"]: cell for cell in _cells("fedavgm", kept, local)}
     assert "own view +4.0 [-13.2, +21.2] (missed" in sr.gain_target_sentence("fedavgm", by_seed)
     assert sr.gain_target_sentence("fedavgm", {0: {"site_test": {}}}) is None
+
+
+def test_seeds_that_all_give_the_same_value_read_no_spread_not_a_zero_width_interval():
+    assert sr.interval_text(st.t_interval([0.0, 0.0, 0.0])) == "+0.0 (no spread over seeds)"
+    assert sr.interval_text(st.t_interval([0.01, 0.03])).startswith("+2.0 [")

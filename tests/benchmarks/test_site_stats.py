@@ -83,6 +83,8 @@ def test_target_misses_a_pair_beyond_two_points_but_not_one_at_two():
     check = st.target_check(beyond, base)
     assert not check.met and [(s, r) for s, r, _ in check.misses] == [("a", 0)]
     assert check.misses[0][2] == pytest.approx(-0.0201, abs=1e-9)
+    # One test sample of 50 (48 vs 49 right): exactly 2 points, though 0.96 - 0.98 is a few ulps below -0.02.
+    assert 0.96 - 0.98 < -0.02 and st.target_check({0: {"a": 48 / 50}}, {0: {"a": 49 / 50}}).misses == ()
 
 
 def test_target_needs_the_mean_kept_at_least_the_mean_local_even_with_no_large_loss():
