@@ -439,6 +439,10 @@ def _run_curves(label: str, records: Sequence[dict[str, Any]], color: str) -> li
             ("personal", f"sites' {metric}", f"{label} global model", [s.get("mean") for s in site], "-.s"),
             ("personal", f"sites' {metric}", f"{label} personal model", mine, ":x"),
         ]
+    best = best_global(records)
+    if best and best[1] is not None:  # the delivered model (controllers/model_selection.py), at the row it is
+        chosen = [record.get("test_accuracy") if record is best[1] else None for record in records]
+        series.insert(1, ("global", "test accuracy", f"{label} chosen on validation", chosen, "*"))
     curves = [(kind, part, _line(name, rows, values, style, color)) for kind, part, name, values, style in series]
     curves += [("privacy", delta, line) for delta, line in _epsilon_curves(label, records, rows)]
     return [(kind, part, line) for kind, part, line in curves if line is not None]
@@ -492,7 +496,8 @@ def draw_runs(runs: dict[str, Sequence[dict[str, Any]]]) -> Any:
     fig, axes = plt.subplots(rows, columns, figsize=(6 * columns, 4 * rows), squeeze=False)
     for axis, (title, lines) in zip(axes.flat, panels.items(), strict=False):
         for line in lines:
-            axis.plot(line.x, line.y, line.style, color=line.color, label=line.label, markersize=4)
+            size = 12 if line.style == "*" else 4  # the chosen model's star, drawn over its round's marker
+            axis.plot(line.x, line.y, line.style, color=line.color, label=line.label, markersize=size)
         axis.set(xlabel=ROUND_AXIS, title=title)
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         axis.grid(alpha=0.3)

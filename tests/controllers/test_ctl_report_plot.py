@@ -45,6 +45,16 @@ def test_fedavg_has_the_global_model_and_the_loss_and_nothing_of_other_algorithm
     assert {line.label: line.y for line in panels[LOSS]}["fedavg mean site train loss"] == (2.0, 2.0, 2.0)
 
 
+def test_the_global_model_chosen_on_validation_is_marked_at_its_row() -> None:
+    records = fedavg()
+    records[2]["best_global"] = {"sent_in_round": 2, "metric": "val_loss", "mean_over_sites": 0.3}
+    records[1]["test_accuracy"] = 0.7  # the model round 1 produced (row 1), sent in round 2
+    lines = {line.label: line for line in report.plot_panels({"fedavg": records})[GLOBAL]}
+    assert lines["fedavg chosen on validation"].x == (1,) and lines["fedavg chosen on validation"].y == (0.7,)
+    unchosen = report.plot_panels({"fedavg": fedavg()})[GLOBAL]
+    assert "fedavg chosen on validation" not in {line.label for line in unchosen}
+
+
 def test_scaffold_adds_its_control_norms() -> None:
     def scaffold_round(i: int) -> dict:
         meta = {site: {report.DIFF_NORM: 1.0 + i} for site in SITES}
