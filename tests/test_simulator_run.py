@@ -41,7 +41,7 @@ FAKE_SIMULATOR = textwrap.dedent(
         time.sleep(600)
     print(f"run {attempt} finished", flush=True)
     """
-).replace("{failure}", STARTUP_FAILURE)
+)
 
 
 @pytest.fixture(autouse=True)
@@ -49,9 +49,9 @@ def quick_polls(monkeypatch):
     monkeypatch.setattr(simulator_run, "POLL_S", 0.1)
 
 
-def _command(tmp_path: Path, failing: str) -> tuple[list[str], Path]:
+def _command(tmp_path: Path, failing: str, failure: str = STARTUP_FAILURE) -> tuple[list[str], Path]:
     script = tmp_path / "fake_simulator.py"
-    script.write_text(FAKE_SIMULATOR)
+    script.write_text(FAKE_SIMULATOR.replace("{failure}", failure))
     workspace = tmp_path / "ws"
     return [sys.executable, str(script), failing, str(workspace), str(tmp_path / "worker_pids")], workspace
 
@@ -78,6 +78,17 @@ def test_a_failed_start_up_is_stopped_at_once_and_run_again_in_a_fresh_workspace
     assert (workspace / "attempt").read_text() == "2"
     assert (tmp_path / "ws-startup-failure" / "attempt").read_text() == "1"  # kept for a look
     assert _workers_gone(tmp_path)  # the hanging run's worker, in a session of its own, was stopped too
+
+
+def test_a_client_lost_as_it_starts_is_a_failed_start_up_too(tmp_path):
+    # NVFlare's line when the connection to a client's worker is reset: that client's thread ends, the run waits.
+    lost = "2026-12-06 04:20:18,049 - ERROR - Communication error with client site-2: [Errno 104] Connection reset"
+    command, workspace = _command(tmp_path, "1", failure=lost)
+    with pytest.warns(SimulatorRestarted, match="start-up failed") as caught:
+        completed = run_simulator_command(command, workspace, timeout=120, cwd=tmp_path)
+    assert simulator_run.LOST_CLIENT in str(caught[0].message)
+    assert completed.returncode == 0 and completed.stdout == "run 2 finished\n"
+    assert _workers_gone(tmp_path)
 
 
 def test_a_retry_starts_without_the_failed_trys_files_outside_its_workspace(tmp_path):

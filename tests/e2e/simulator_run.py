@@ -4,9 +4,12 @@ its start-up failed.
 NVFlare 2.9's simulator starts a worker process for a client and waits up to 60 s (its ``simulator_worker_timeout``)
 for the worker to open its port. When the worker does not (a slow start on a loaded machine), the simulator logs
 ``Failed to create connection to the child process``, that client's thread ends, and the run waits for the lost
-client until the caller's timeout (900 s) instead of failing. The message is in the output as soon as it happens: the
-run is stopped then (every process of it) and started once more in a fresh workspace, the failed one kept beside it
-as ``<workspace>-startup-failure``, with the reason logged and a `SimulatorRestarted` warning (pytest's warnings
+client until the caller's timeout (900 s) instead of failing. A worker whose connection is reset as it starts (seen
+once in CI: ``SimulatorClientRunner - ERROR - Communication error with client site-2: [Errno 104] Connection reset
+by peer``, the site never logged a line, the secure-aggregation QC job waited for it until its 300-s timeout) is lost
+the same way. Either message is in the output as soon as it happens (`STARTUP_FAILURES`): the run is stopped then
+(every process of it) and started once more in a fresh workspace, the failed one kept beside it as
+``<workspace>-startup-failure``, with the reason logged and a `SimulatorRestarted` warning (pytest's warnings
 summary names the test). What the run writes outside its workspace (a tracker's folder named by an environment
 variable, such as ``WANDB_DIR``) is named by the caller in ``outputs`` and set aside the same way, so that the try
 that completes starts from none of the failed try's files. A failure of the last try is stopped too and returned
@@ -29,7 +32,10 @@ from pathlib import Path
 
 #: What NVFlare's simulator logs (to stdout and its workspace's log.txt) when a client's worker never connected.
 STARTUP_FAILURE = "Failed to create connection to the child process"
-#: How often the output is looked at for `STARTUP_FAILURE` and the process for its exit, in seconds.
+#: ... and when its connection to a client's worker broke (the client's thread ends; the run waits for the client).
+LOST_CLIENT = "Communication error with client"  # the console line has no logger name: "<time> - ERROR - ..."
+STARTUP_FAILURES = (STARTUP_FAILURE, LOST_CLIENT)
+#: How often the output is looked at for `STARTUP_FAILURES` and the process for its exit, in seconds.
 POLL_S = 1.0
 
 log = logging.getLogger(__name__)
@@ -96,7 +102,8 @@ def _run_once(command: Sequence[str], timeout: float, **popen_kwargs) -> tuple[s
         for i, stream in enumerate(streams):
             lines = stream.chunks[looked_at[i] :]
             looked_at[i] += len(lines)
-            failure = failure or next((line.strip() for line in lines if STARTUP_FAILURE in line), None)
+            failed = (line.strip() for line in lines if any(known in line for known in STARTUP_FAILURES))
+            failure = failure or next(failed, None)
         if failure is not None:
             _stop_tree(process)
         elif time.monotonic() > deadline:
