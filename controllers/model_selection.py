@@ -28,6 +28,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from controllers.stopping import finite_number, latest_mean, update_latest
+
 #: The received global model's validation score, in order of preference: on the pooled validation split where the
 #: job chooses on it (``keep_view pooled``), else on the site's own.
 SELECTION_METRICS = ("global_pooled_val_loss", "val_loss")
@@ -36,10 +38,6 @@ SELECTION_METRICS = ("global_pooled_val_loss", "val_loss")
 def selection_metric(site_eval: Mapping[str, Any]) -> str | None:
     """The first of `SELECTION_METRICS` the sites reported this round (``site_eval``: the round record's summary)."""
     return next((name for name in SELECTION_METRICS if name in site_eval), None)
-
-
-def _finite_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass
@@ -56,11 +54,9 @@ class BestGlobal:
         """Take round ``round_num``'s ``site_eval`` summary (the sites' scores of the model sent in that round);
         whether that model is the new best."""
         self.metric = self.metric or selection_metric(site_eval)
-        per_site = (site_eval.get(self.metric) or {}).get("per_site", {}) if self.metric else {}
-        self.latest.update({site: float(v) for site, v in per_site.items() if _finite_number(v)})
-        if not per_site or not self.latest:
-            return False
-        mean = sum(self.latest.values()) / len(self.latest)
+        if not update_latest(self.latest, site_eval, self.metric) or not self.latest:
+            return False  # a round without scores chooses nothing
+        mean = latest_mean(self.latest)
         if mean < self.value:
             self.value, self.round = mean, round_num
             return True
@@ -96,9 +92,9 @@ def saved_best_problem(saved: Any, rounds_attempted: int) -> str | None:
         isinstance(best_round, bool) or not isinstance(best_round, int) or not 0 <= best_round < rounds_attempted
     ):
         return f"the checkpoint's best global model comes from round {best_round!r}, not one of its {rounds_attempted}"
-    if not isinstance(latest, Mapping) or not all(_finite_number(v) for v in latest.values()):
+    if not isinstance(latest, Mapping) or not all(finite_number(v) for v in latest.values()):
         return "the checkpoint's best-global-model scores are not finite numbers per site; the selection starts again"
-    if not isinstance(saved["value"], int | float) or (best_round is not None and not _finite_number(saved["value"])):
+    if not isinstance(saved["value"], int | float) or (best_round is not None and not finite_number(saved["value"])):
         return "the checkpoint's best-global-model value is not a finite number; the selection starts again"
     return None
 

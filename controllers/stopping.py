@@ -54,8 +54,21 @@ def plateau_metric(site_eval: Mapping[str, Any]) -> str | None:
     return next((name for name in PLATEAU_METRICS if name in site_eval), None)
 
 
-def _finite(value: Any) -> bool:
+def finite_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def update_latest(latest: dict[str, float], site_eval: Mapping[str, Any], metric: str | None) -> bool:
+    """Put each site's finite score of ``metric`` in this round's ``site_eval`` summary into ``latest`` (a site
+    without one keeps its last); whether the round reported the metric at all. The value of a round is then
+    `latest_mean`: the unweighted mean over the sites (this rule's and controllers/model_selection.py's)."""
+    per_site = (site_eval.get(metric) or {}).get("per_site", {}) if metric else {}
+    latest.update({site: float(v) for site, v in per_site.items() if math.isfinite(float(v))})
+    return bool(per_site)
+
+
+def latest_mean(latest: Mapping[str, float]) -> float:
+    return sum(latest.values()) / len(latest)
 
 
 def saved_state_problem(saved: Any, rounds_attempted: int) -> str | None:
@@ -66,11 +79,11 @@ def saved_state_problem(saved: Any, rounds_attempted: int) -> str | None:
     if not isinstance(saved, Mapping):
         return f"its saved state is not a mapping ({type(saved).__name__})"
     history, latest, metric = saved.get("history"), saved.get("latest"), saved.get("metric")
-    if not isinstance(history, list) or not all(_finite(v) for v in history):
+    if not isinstance(history, list) or not all(finite_number(v) for v in history):
         return "its saved history is not a list of finite numbers"
     if len(history) > rounds_attempted:
         return f"its saved history has {len(history)} values for {rounds_attempted} rounds attempted"
-    if not isinstance(latest, Mapping) or not all(_finite(v) for v in latest.values()):
+    if not isinstance(latest, Mapping) or not all(finite_number(v) for v in latest.values()):
         return "its saved latest scores are not finite numbers by site"
     if history and not latest:
         return "its saved history has no latest scores it is the mean of"
@@ -95,10 +108,9 @@ class Plateau:
     def observe(self, site_eval: Mapping[str, Any]) -> None:
         """Take a round's ``site_eval`` summary; a round without the metric repeats the last value."""
         self.metric = self.metric or plateau_metric(site_eval)
-        per_site = (site_eval.get(self.metric) or {}).get("per_site", {}) if self.metric else {}
-        self.latest.update({site: float(v) for site, v in per_site.items() if math.isfinite(float(v))})
+        update_latest(self.latest, site_eval, self.metric)
         if self.latest:
-            self.history.append(sum(self.latest.values()) / len(self.latest))
+            self.history.append(latest_mean(self.latest))
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps of the rule (`restored` reads it back): plain values only."""
@@ -131,4 +143,14 @@ class Plateau:
         }
 
 
-__all__ = ["MIN_DELTA", "PLATEAU_METRICS", "Plateau", "plateau_metric", "rounds_since_best", "saved_state_problem"]
+__all__ = [
+    "MIN_DELTA",
+    "PLATEAU_METRICS",
+    "Plateau",
+    "finite_number",
+    "latest_mean",
+    "plateau_metric",
+    "rounds_since_best",
+    "saved_state_problem",
+    "update_latest",
+]
