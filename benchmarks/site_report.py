@@ -23,6 +23,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from aggregators.contracts.run_records import best_global
 from benchmarks import site_stats
 
 #: The centrally trained model of a grid (benchmarks/compare.py): a ceiling for the federated global models, not a
@@ -61,9 +62,9 @@ def best_global_scores(records: Sequence[Mapping[str, Any]], view: str = "pooled
     """Per site, the ``view`` accuracy of the global model the job delivers (controllers/model_selection.py: the
     model sent in the round the sites' validation scores chose, ``best_FL_global_model.pt``) as the sites scored it
     in that round; empty where no model was chosen or the sites did not score that view."""
-    rounds = [r for r in records if r.get("stage") == "round"]
-    note = next((r["best_global"] for r in reversed(rounds) if r.get("best_global")), None)
-    sent = [r for r in rounds if note and r.get("round") == note["sent_in_round"] - 1]
+    chosen = best_global(records)
+    sent_in = chosen[0]["sent_in_round"] - 1 if chosen else None  # 0-based: the round whose sites scored it
+    sent = [r for r in records if r.get("stage") == "round" and sent_in is not None and r.get("round") == sent_in]
     site_meta = (sent[-1].get("site_meta") or {}) if sent else {}
     key = f"eval.global_{view}_accuracy"
     return {site: float(meta[key]) for site, meta in site_meta.items() if meta.get(key) is not None}
