@@ -345,7 +345,7 @@ def _baseline(cell: Cell, protocol: Protocol) -> dict[str, Any]:
             pooled = ConcatDataset([data.train for data in sites.values()])
             chosen = ChosenEpoch(sites)
             loader = DataLoader(pooled, batch_size=protocol.batch_size, shuffle=True)
-            module = _train(protocol, cell, loader, callbacks=[chosen] if cell.algorithm == CENTRAL else [])
+            module = _train(protocol, cell, loader, chosen if cell.algorithm == CENTRAL else None)
             scores = {name: _accuracy(module, data.val) for name, data in sites.items()}
             tests.append(_test_accuracy(module, cell, protocol))
     local_only = {"site_personal": scores} if cell.algorithm == "local" else {}  # the personalization baseline
@@ -359,7 +359,7 @@ class ChosenEpoch:
     """The central model's counterpart of the global model a federated job delivers (controllers/model_selection.py):
     of the initial model and the model after every epoch, the one with the lowest unweighted mean over the sites of
     its validation loss, and its accuracy on the pooled test people. Scoring is a forward pass without dropout and
-    without random draws, so the training is the same with or without it. A Lightning callback (duck-typed)."""
+    without random draws, so the training is the same with or without it (`_epoch_callback` calls `score`)."""
 
     def __init__(self, sites: Mapping[str, Any]) -> None:
         self.sites = dict(sites)
@@ -373,28 +373,23 @@ class ChosenEpoch:
             self.loss, self.pooled_accuracy, self.epoch = loss, _accuracy(module, pooled), epoch
         module.train(was_training)
 
-    def on_train_start(self, trainer: Any, module: Any) -> None:
-        self.score(module, 0)
 
-    def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
-        self.score(module, trainer.current_epoch + 1)
-
-
-def _as_callback(hooks: ChosenEpoch) -> Any:
-    """``hooks`` as the Lightning callback the Trainer requires (pytorch_lightning is imported only when training)."""
+def _epoch_callback(chosen: ChosenEpoch) -> Any:
+    """The Lightning callback that has ``chosen`` score the initial model (epoch 0) and the model after every epoch
+    (pytorch_lightning is imported only when training)."""
     import pytorch_lightning as pl
 
-    class Forward(pl.Callback):
+    class ScoreEpochs(pl.Callback):
         def on_train_start(self, trainer: Any, module: Any) -> None:
-            hooks.on_train_start(trainer, module)
+            chosen.score(module, 0)
 
         def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
-            hooks.on_train_epoch_end(trainer, module)
+            chosen.score(module, trainer.current_epoch + 1)
 
-    return Forward()
+    return ScoreEpochs()
 
 
-def _train(protocol: Protocol, cell: Cell, loader: Any, callbacks: Sequence[Any] = ()) -> Any:
+def _train(protocol: Protocol, cell: Cell, loader: Any, chosen: ChosenEpoch | None = None) -> Any:
     import pytorch_lightning as pl
 
     module = _module(protocol, "fedavg", cell.seed)
@@ -405,7 +400,7 @@ def _train(protocol: Protocol, cell: Cell, loader: Any, callbacks: Sequence[Any]
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[_as_callback(c) for c in callbacks],
+        callbacks=[] if chosen is None else [_epoch_callback(chosen)],
     )
     trainer.fit(module, train_dataloaders=loader)
     return module
