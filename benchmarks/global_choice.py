@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.keep_rule_study import CENTRAL, RULES, read_round, replay_site, site_rounds, stop_round, write_record
+from benchmarks.keep_rule_study import CENTRAL, RULES, replay_site, site_rounds, stop_round, write_record
 from lightning_modules.site_choice import DEFAULT_MARGIN
 
 RULE = f"margin={DEFAULT_MARGIN}"
@@ -32,24 +32,13 @@ def chosen_round(losses: Sequence[float]) -> int:
     return int(np.argmin(np.asarray(losses, dtype=np.float64)))
 
 
-def received_scores(paths: Sequence[Path], rounds: int) -> tuple[list[float], list[float]]:
-    """Per round up to ``rounds``: the received global model's validation loss and pooled-test accuracy (%)."""
-    losses, pooled = [], []
-    for path in paths[:rounds]:
-        models, labels = read_round(path)
-        table, y = models["global"]["val"], labels["val"]
-        losses.append(float(-table[np.arange(len(y)), y].mean()))
-        pooled.append(100.0 * float((models["global"]["pooled"].argmax(axis=1) == labels["pooled"]).mean()))
-    return losses, pooled
-
-
 def replay_run(run: Path, patience: int | None) -> dict[str, float]:
     """One recorded run: where it stopped, the round the rule chooses, and the pooled accuracies."""
-    rounds_by_site = site_rounds(run)
-    stop = stop_round({site: replay_site(paths, RULES[RULE]) for site, paths in rounds_by_site.items()}, patience)
-    per_site = [received_scores(paths, stop + 1) for paths in rounds_by_site.values()]
-    mean_loss = np.mean([losses for losses, _ in per_site], axis=0)
-    pooled = per_site[0][1]  # the pooled test set is the same at every site: so is the received model's score
+    rows = {site: replay_site(paths, RULES[RULE]) for site, paths in site_rounds(run).items()}
+    stop = stop_round(rows, patience)
+    mean_loss = [np.mean([by_round[t]["global_val_loss"] for by_round in rows.values()]) for t in range(stop + 1)]
+    # The pooled test set is the same at every site, so is the received model's score there.
+    pooled = [100.0 * row["global_pooled"] for row in next(iter(rows.values()))[: stop + 1]]
     chosen = chosen_round(mean_loss)
     return {"rounds": stop + 1, "chosen_round": chosen + 1, "last": pooled[-1], "chosen": pooled[chosen],
             "best_any_round": max(pooled)}  # fmt: skip

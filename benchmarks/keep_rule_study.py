@@ -129,6 +129,7 @@ def replay_site(
         best = min(finite, key=lambda c: c.candidate.val_loss) if finite else None  # the first of equal values
         kept = best if best is not None and rule(best.candidate, own.candidate) else own
         row = {"kept_val_loss": kept.candidate.val_loss, "kept_own": float(kept is own)}
+        row["global_val_loss"] = offers["global"].candidate.val_loss  # what the server's model choice reads
         for split in ("test", "pooled"):
             if split in labels:
                 row[f"kept_{split}"] = kept.candidate.scores.accuracy(split)
