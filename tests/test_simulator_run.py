@@ -37,7 +37,7 @@ FAKE_SIMULATOR = textwrap.dedent(
         with pids.open("a") as out:
             out.write(f"{worker.pid}\\n")
         print("starting the clients", flush=True)
-        print("ERROR - run_client_thread error: RuntimeError: {failure} in SimulatorClientRunner", flush=True)
+        print("{failure}", flush=True)
         time.sleep(600)
     print(f"run {attempt} finished", flush=True)
     """
@@ -49,7 +49,10 @@ def quick_polls(monkeypatch):
     monkeypatch.setattr(simulator_run, "POLL_S", 0.1)
 
 
-def _command(tmp_path: Path, failing: str, failure: str = STARTUP_FAILURE) -> tuple[list[str], Path]:
+NVFLARE_LINE = f"ERROR - run_client_thread error: RuntimeError: {STARTUP_FAILURE} in SimulatorClientRunner"
+
+
+def _command(tmp_path: Path, failing: str, failure: str = NVFLARE_LINE) -> tuple[list[str], Path]:
     script = tmp_path / "fake_simulator.py"
     script.write_text(FAKE_SIMULATOR.replace("{failure}", failure))
     workspace = tmp_path / "ws"
@@ -80,13 +83,21 @@ def test_a_failed_start_up_is_stopped_at_once_and_run_again_in_a_fresh_workspace
     assert _workers_gone(tmp_path)  # the hanging run's worker, in a session of its own, was stopped too
 
 
-def test_a_client_lost_as_it_starts_is_a_failed_start_up_too(tmp_path):
-    # NVFlare's line when the connection to a client's worker is reset: that client's thread ends, the run waits.
-    lost = "2026-12-06 04:20:18,049 - ERROR - Communication error with client site-2: [Errno 104] Connection reset"
+@pytest.mark.parametrize(
+    ("lost", "pattern"),
+    [
+        ("2026-12-06 04:20:18,049 - ERROR - Communication error with client site-2: [Errno 104] Connection reset",
+         simulator_run.LOST_CLIENT),
+        ("2026-12-06 05:30:39,941 - ERROR - run_client_thread error: ConnectionResetError: [Errno 104] Connection",
+         simulator_run.CLIENT_THREAD_DIED),
+    ],
+)  # fmt: skip
+def test_a_client_lost_as_it_starts_is_a_failed_start_up_too(tmp_path, lost, pattern):
+    # NVFlare's lines when the connection to a client's worker is reset: that client's thread ends, the run waits.
     command, workspace = _command(tmp_path, "1", failure=lost)
     with pytest.warns(SimulatorRestarted, match="start-up failed") as caught:
         completed = run_simulator_command(command, workspace, timeout=120, cwd=tmp_path)
-    assert simulator_run.LOST_CLIENT in str(caught[0].message)
+    assert pattern in str(caught[0].message) and STARTUP_FAILURE not in str(caught[0].message)
     assert completed.returncode == 0 and completed.stdout == "run 2 finished\n"
     assert _workers_gone(tmp_path)
 

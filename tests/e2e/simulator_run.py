@@ -34,7 +34,10 @@ from pathlib import Path
 STARTUP_FAILURE = "Failed to create connection to the child process"
 #: ... and when its connection to a client's worker broke (the client's thread ends; the run waits for the client).
 LOST_CLIENT = "Communication error with client"  # the console line has no logger name: "<time> - ERROR - ..."
-STARTUP_FAILURES = (STARTUP_FAILURE, LOST_CLIENT)
+#: ... and when a client's thread died of any error (seen in CI: "run_client_thread error: ConnectionResetError:
+#: [Errno 104] Connection reset by peer"; the egress QC job then waited for that site until its 900-s timeout).
+CLIENT_THREAD_DIED = "run_client_thread error"
+STARTUP_FAILURES = (STARTUP_FAILURE, LOST_CLIENT, CLIENT_THREAD_DIED)
 #: How often the output is looked at for `STARTUP_FAILURES` and the process for its exit, in seconds.
 POLL_S = 1.0
 
