@@ -94,8 +94,29 @@ def recent_ensemble(tables: Sequence[Tables]) -> Tables:
     }
 
 
+def label_prior(labels: np.ndarray, classes: int) -> np.ndarray:
+    """The site's label frequencies with one added to every count (Laplace), so no class has probability 0."""
+    counts = np.bincount(labels, minlength=classes).astype(np.float64)
+    return (counts + 1.0) / (counts.sum() + classes)
+
+
+def prior_shifted(tables: Tables, prior: np.ndarray, tau: float) -> Tables:
+    """A model's log-probabilities moved towards ``prior``: ``log_softmax(log p(y | x) + tau log prior(y))`` per
+    split (the label-shift correction of Saerens et al. 2002 at tau = 1, for a model trained on roughly balanced
+    labels)."""
+    out = {}
+    for split, table in tables.items():
+        shifted = table + tau * np.log(prior)[None, :]
+        out[split] = shifted - np.logaddexp.reduce(shifted, axis=1, keepdims=True)
+    return out
+
+
 def replay_site(
-    paths: Sequence[Path], rule: Rule, local_patience: int | None = None, window: int = 0
+    paths: Sequence[Path],
+    rule: Rule,
+    local_patience: int | None = None,
+    window: int = 0,
+    prior_shift: Sequence[float] = (),
 ) -> list[dict[str, float]]:
     """Per round: the kept and own models' scores after that round, as the site would report them (the site's own
     early stopping and challengers, kept_model.py; ``rule`` in place of the margin test).
@@ -103,7 +124,10 @@ def replay_site(
     Counterfactuals the site does not run (``python -m benchmarks.keep_rule_study --help``): ``local_patience`` P
     stops the local-only model's training once its validation loss has not improved for P rounds (the own model is
     frozen from then on); ``window`` K >= 2 adds, per federated kind, the probability average of the last K
-    received models of that kind as a challenger."""
+    received models of that kind as a challenger; each ``prior_shift`` tau adds, per federated kind, the received
+    model shifted towards the site's label frequencies (`prior_shifted`). Those frequencies are counted on the
+    validation labels, the only labels the tables keep (a site would count its training labels): a choice on
+    validation among such candidates is a little optimistic, which can only flatter them."""
     own: Offer | None = None
     kept: Offer | None = None
     since_better, recent = 0, {kind: deque(maxlen=max(window, 1)) for kind in ("global", "personal")}
@@ -123,6 +147,12 @@ def replay_site(
             if len(recent[kind]) >= 2:
                 tables = recent_ensemble(list(recent[kind]))
                 federated.append(Offer(candidate_of(kind, round_num, tables, labels), tables, NO_WEIGHTS))
+        for tau in prior_shift:
+            prior = label_prior(labels["val"], models["local"]["val"].shape[1])
+            for kind in ("global", "personal"):
+                if kind in models:
+                    tables = prior_shifted(models[kind], prior, tau)
+                    federated.append(Offer(candidate_of(kind, round_num, tables, labels), tables, NO_WEIGHTS))
         finite = [
             c for c in round_challengers(own, federated, kept, round_num, labels) if math.isfinite(c.candidate.val_loss)
         ]
@@ -130,6 +160,7 @@ def replay_site(
         kept = best if best is not None and rule(best.candidate, own.candidate) else own
         row = {"kept_val_loss": kept.candidate.val_loss, "kept_own": float(kept is own)}
         row["global_val_loss"] = offers["global"].candidate.val_loss  # what the server's model choice reads
+        row["global_val_accuracy"] = offers["global"].candidate.scores.accuracy("val")
         for split in ("test", "pooled"):
             if split in labels:
                 row[f"kept_{split}"] = kept.candidate.scores.accuracy(split)
@@ -161,12 +192,20 @@ def interval(values: Sequence[float]) -> tuple[float, float, float]:
 
 
 def study(
-    setting: Path, rule: Rule, patience: int | None, local_patience: int | None = None, window: int = 0
+    setting: Path,
+    rule: Rule,
+    patience: int | None,
+    local_patience: int | None = None,
+    window: int = 0,
+    prior_shift: Sequence[float] = (),
 ) -> dict[str, object]:
     """One setting (a folder of runs, one per training seed) under one rule (counterfactuals: `replay_site`)."""
     seed_means, pooled_means, pairs, own_kept, stops, finals_by_run = [], [], [], 0, [], {}
     for run in sorted(p for p in setting.iterdir() if p.is_dir() and not p.name.startswith(f"{CENTRAL}__")):
-        per_site = {site: replay_site(paths, rule, local_patience, window) for site, paths in site_rounds(run).items()}
+        per_site = {
+            site: replay_site(paths, rule, local_patience, window, prior_shift)
+            for site, paths in site_rounds(run).items()
+        }
         if not per_site:
             continue
         t = stop_round(per_site, patience)
@@ -202,6 +241,8 @@ def fmt(interval: tuple[float, float, float] | None) -> str:
     if interval is None:
         return "–"
     mean, low, high = interval
+    if low == high:  # every seed gave the same value: no interval to show, not certainty
+        return f"{mean:+.1f} (no spread over seeds)"
     return f"{mean:+.1f} [{low:+.1f}, {high:+.1f}]"
 
 
@@ -226,6 +267,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="counterfactual: also offer the probability average of the last K received global (and personal) "
         "models as challengers (K >= 2; 0: none, as the site does)",
     )
+    parser.add_argument(
+        "--prior-shift",
+        nargs="+",
+        type=float,
+        default=[],
+        metavar="TAU",
+        help="counterfactual: also offer each received federated model shifted towards the site's label "
+        "frequencies, log p(y|x) + TAU log prior(y), renormalised, for every TAU given (none, as the site does)",
+    )
     args = parser.parse_args(argv)
     patience = args.patience or None
     record: dict[str, dict[str, object]] = {}
@@ -236,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|---|---|")
     for setting in args.settings:
         for name in args.rules:
-            r = study(setting, RULES[name], patience, args.local_patience, args.window)
+            r = study(setting, RULES[name], patience, args.local_patience, args.window, args.prior_shift)
             record.setdefault(setting.name, {})[name] = r
             print(
                 f"| {setting.name} | {name} | {', '.join(map(str, r['rounds']))} | {fmt(r['gain'])} | "
@@ -244,7 +294,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{fmt(r['pooled'])} | {r['own_test']:.1f} |"
             )
     if args.json:
-        counterfactuals = {"local_patience": args.local_patience, "window": args.window}
+        counterfactuals = {
+            "local_patience": args.local_patience,
+            "window": args.window,
+            "prior_shift": args.prior_shift,
+        }
         write_record(args.json, {"patience": patience, **counterfactuals, "settings": record})
     return 0
 

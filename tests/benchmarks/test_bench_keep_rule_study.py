@@ -1,5 +1,6 @@
-"""The counterfactuals of benchmarks/keep_rule_study.py: the probability average of recent federated models, and a
-local-only model whose training stops at a validation plateau (a weaker baseline the site does not use)."""
+"""The counterfactuals of benchmarks/keep_rule_study.py: the probability average of recent federated models, a
+local-only model whose training stops at a validation plateau (a weaker baseline the site does not use), and
+federated models shifted towards the site's label frequencies."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 
 import numpy as np
 
-from benchmarks.keep_rule_study import RULES, recent_ensemble, replay_site
+from benchmarks.keep_rule_study import RULES, label_prior, prior_shifted, recent_ensemble, replay_site
 
 
 def test_the_recent_ensemble_is_the_log_of_the_mean_probability():
@@ -71,3 +72,35 @@ def test_a_window_offers_the_average_of_the_recent_global_models(tmp_path):
     assert plain[0] == windowed[0]  # one round: nothing to average
     assert math.isclose(windowed[-1]["kept_val_loss"], -math.log(0.625))
     assert plain[-1]["kept_val_loss"] > -math.log(0.625) + 0.03
+
+
+def test_the_label_prior_adds_one_to_every_count():
+    np.testing.assert_allclose(label_prior(np.array([0, 0, 0, 1]), 3), [4 / 7, 2 / 7, 1 / 7], atol=1e-12)
+
+
+def test_a_prior_shift_multiplies_the_probabilities_by_the_prior_to_the_tau_and_renormalises():
+    tables = {"val": np.log(np.array([[0.5, 0.5], [0.2, 0.8]]))}
+    prior = np.array([2 / 3, 1 / 3])
+    # tau = 1: [0.5 * 2/3, 0.5 * 1/3] / 0.5 = [2/3, 1/3]; [0.2 * 2/3, 0.8 * 1/3] / (0.4) = [1/3, 2/3].
+    np.testing.assert_allclose(np.exp(prior_shifted(tables, prior, 1.0)["val"]), [[2 / 3, 1 / 3], [1 / 3, 2 / 3]])
+    # tau = 0 leaves the model as it is.
+    np.testing.assert_allclose(prior_shifted(tables, prior, 0.0)["val"], tables["val"], atol=1e-12)
+
+
+def test_a_prior_shifted_global_model_is_offered_and_kept_where_the_site_labels_are_skewed(tmp_path):
+    # Validation labels 0, 0, 0, 1 (prior with Laplace smoothing: 2/3, 1/3); the global model says 0.5 / 0.5 on every
+    # sample, the own model is poor (p 0.3 on the true class). Shifted with tau = 1, the global model gives the
+    # three class-0 samples 2/3 and the class-1 sample 1/3: mean loss -(3 ln 2/3 + ln 1/3)/4, below ln 2.
+    labels = np.array([0, 0, 0, 1])
+    flat = np.log(np.full((4, 2), 0.5))
+    own = np.log(np.array([[0.3, 0.7]] * 3 + [[0.7, 0.3]]))
+    arrays = {"local__val": own, "local__test": own, "global__val": flat, "global__test": flat}
+    arrays.update({"labels__val": labels, "labels__test": labels})
+    np.savez(tmp_path / "site-1_r0.npz", **arrays)
+    paths = [tmp_path / "site-1_r0.npz"]
+    plain = replay_site(paths, RULES["margin=0.0"])
+    shifted = replay_site(paths, RULES["margin=0.0"], prior_shift=[1.0])
+    expected = -(3 * math.log(2 / 3) + math.log(1 / 3)) / 4
+    assert expected < math.log(2)
+    assert math.isclose(shifted[0]["kept_val_loss"], expected, abs_tol=1e-9)
+    assert plain[0]["kept_val_loss"] > expected + 0.05
