@@ -10,6 +10,11 @@ their mixtures with the own model, the model kept so far when federated) and a k
 rule (controllers/stopping.py) on the mean kept validation loss. Only the rule changes between rows, so a row is
 what the job would have reported with that rule, stopping included.
 
+A pair (site, seed) more than 2 points below its own model is also counted as "within test noise" when the
+difference is within 1.96 standard errors of the paired per-sample difference on that site's test split
+(`paired_standard_error`): with 27-75 test samples that error is 2-5 points, so such a pair shows no harm the split
+can resolve (nor would a gain of the same size show one).
+
 Rules (`RULES`): ``margin=m``: the best challenger replaces the own model when its validation loss is lower by more
 than ``m`` standard errors of the paired per-sample difference (the shipped rule at 1.645); ``guard=m``: the same,
 and the challenger is not below the own model on validation accuracy.
@@ -166,8 +171,24 @@ def replay_site(
                 row[f"kept_{split}"] = kept.candidate.scores.accuracy(split)
                 row[f"own_{split}"] = own.candidate.scores.accuracy(split)
                 row[f"global_{split}"] = offers["global"].candidate.scores.accuracy(split)
+        if "test" in labels:
+            correct = (kept.candidate.scores.correct["test"], own.candidate.scores.correct["test"])
+            row["test_difference_se"] = paired_standard_error(*correct)
         out.append(row)
     return out
+
+
+def paired_standard_error(kept_correct: np.ndarray, own_correct: np.ndarray) -> float:
+    """The standard error of a mean paired difference of per-sample correctness (0 below two samples): how far a
+    site's own test split alone lets two models' accuracies differ by chance."""
+    difference = np.asarray(kept_correct, dtype=np.float64) - np.asarray(own_correct, dtype=np.float64)
+    if len(difference) < 2:
+        return 0.0
+    return float(difference.std(ddof=1) / math.sqrt(len(difference)))
+
+
+#: A pair's test difference within this many paired standard errors of 0 is within the test split's own noise.
+NOISE_Z = 1.96
 
 
 def stop_round(per_site: dict[str, list[dict[str, float]]], patience: int | None) -> int:
@@ -201,6 +222,7 @@ def study(
 ) -> dict[str, object]:
     """One setting (a folder of runs, one per training seed) under one rule (counterfactuals: `replay_site`)."""
     seed_means, pooled_means, pairs, own_kept, stops, finals_by_run = [], [], [], 0, [], {}
+    losses_within_noise = 0
     for run in sorted(p for p in setting.iterdir() if p.is_dir() and not p.name.startswith(f"{CENTRAL}__")):
         per_site = {
             site: replay_site(paths, rule, local_patience, window, prior_shift)
@@ -214,6 +236,10 @@ def study(
         finals_by_run[run.name] = {"stopped_after": t, "sites": {site: rows[t] for site, rows in per_site.items()}}
         gains = [100 * (r["kept_test"] - r["own_test"]) for r in finals]
         pairs += gains
+        losses_within_noise += sum(
+            g < -100 * (TOLERANCE + ROUNDING) and -g <= 100 * NOISE_Z * r["test_difference_se"]
+            for g, r in zip(gains, finals, strict=True)
+        )
         own_kept += sum(int(r["kept_own"]) for r in finals)
         seed_means.append(float(np.mean(gains)))
         if "kept_pooled" in finals[0]:
@@ -223,6 +249,7 @@ def study(
         "pooled": interval(pooled_means) if pooled_means else None,
         "worst": min(pairs),
         "below2": sum(g < -100 * (TOLERANCE + ROUNDING) for g in pairs),
+        "below2_within_noise": losses_within_noise,
         "pairs": len(pairs),
         "own_test": float(np.mean([100 * r["own_test"] for f in finals_by_run.values() for r in f["sites"].values()])),
         "own_kept": own_kept,
@@ -290,7 +317,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             record.setdefault(setting.name, {})[name] = r
             print(
                 f"| {setting.name} | {name} | {', '.join(map(str, r['rounds']))} | {fmt(r['gain'])} | "
-                f"{r['worst']:+.1f} | {r['below2']} of {r['pairs']} | {r['own_kept']} of {r['pairs']} | "
+                f"{r['worst']:+.1f} | {r['below2']} of {r['pairs']} ({r['below2_within_noise']} within test noise) | "
+                f"{r['own_kept']} of {r['pairs']} | "
                 f"{fmt(r['pooled'])} | {r['own_test']:.1f} |"
             )
     if args.json:

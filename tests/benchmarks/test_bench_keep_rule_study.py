@@ -8,7 +8,15 @@ import math
 
 import numpy as np
 
-from benchmarks.keep_rule_study import RULES, label_prior, prior_shifted, recent_ensemble, replay_site
+from benchmarks.keep_rule_study import (
+    RULES,
+    label_prior,
+    paired_standard_error,
+    prior_shifted,
+    recent_ensemble,
+    replay_site,
+    study,
+)
 
 
 def test_the_recent_ensemble_is_the_log_of_the_mean_probability():
@@ -104,3 +112,30 @@ def test_a_prior_shifted_global_model_is_offered_and_kept_where_the_site_labels_
     assert expected < math.log(2)
     assert math.isclose(shifted[0]["kept_val_loss"], expected, abs_tol=1e-9)
     assert plain[0]["kept_val_loss"] > expected + 0.05
+
+
+def test_the_paired_standard_error_is_the_deviation_of_the_differences_over_root_n():
+    kept = np.array([1, 1, 0, 1])
+    own = np.array([1, 0, 1, 1])
+    # Differences 0, 1, -1, 0: mean 0, sample variance (0 + 1 + 1 + 0) / 3, standard error sqrt(2/3) / 2.
+    assert math.isclose(paired_standard_error(kept, own), math.sqrt(2 / 3) / 2, abs_tol=1e-12)
+    assert paired_standard_error(np.array([1]), np.array([0])) == 0.0
+    assert paired_standard_error(own, own) == 0.0
+
+
+def test_a_loss_of_one_test_sample_in_four_is_counted_below_two_points_and_within_test_noise(tmp_path):
+    # The received model is better on validation (p 0.9 against the own model's 0.6) and is kept; on the test split
+    # it misses one sample of four that the own model gets: -25 points. The paired differences 0, 0, 0, -1 have
+    # standard deviation 0.5, so the standard error is 0.25 (25 points), and 25 <= 1.96 * 25: within the noise.
+    run = tmp_path / "setting" / "fedavgm__x__s0"
+    run.mkdir(parents=True)
+    labels = np.zeros(4, dtype=np.int64)
+    own = np.log(np.tile([0.6, 0.4], (4, 1)))
+    received_test = np.log(np.array([[0.9, 0.1]] * 3 + [[0.1, 0.9]]))
+    arrays = {"local__val": own, "local__test": own, "global__val": np.log(np.tile([0.9, 0.1], (4, 1))),
+              "global__test": received_test, "labels__val": labels, "labels__test": labels}  # fmt: skip
+    np.savez(run / "site-1_r0.npz", **arrays)
+    result = study(tmp_path / "setting", RULES["margin=0.0"], patience=None)
+    assert result["worst"] == -25.0
+    assert result["below2"] == 1 and result["below2_within_noise"] == 1
+    assert math.isclose(result["finals"]["fedavgm__x__s0"]["sites"]["site-1"]["test_difference_se"], 0.25)
