@@ -11,9 +11,9 @@ rule (controllers/stopping.py) on the mean kept validation loss. Only the rule c
 what the job would have reported with that rule, stopping included.
 
 A pair (site, seed) more than 2 points below its own model is also counted as "within test noise" when the
-difference is within 1.96 standard errors of the paired per-sample difference on that site's test split
-(`paired_standard_error`): with 27-75 test samples that error is 2-5 points, so such a pair shows no harm the split
-can resolve (nor would a gain of the same size show one).
+difference is within 1.96 standard errors of the paired per-sample difference on that site's test split (the
+standard error the site reports with its gain, `site_choice.paired_mean_se`): with 27-75 test samples that error is
+2-5 points, so such a pair shows no harm the split can resolve (nor would a gain of the same size show one).
 
 Rules (`RULES`): ``margin=m``: the best challenger replaces the own model when its validation loss is lower by more
 than ``m`` standard errors of the paired per-sample difference (the shipped rule at 1.645); ``guard=m``: the same,
@@ -41,7 +41,7 @@ import numpy as np
 from benchmarks.site_stats import ROUNDING, TOLERANCE, t_interval
 from controllers.stopping import rounds_since_best
 from lightning_modules.kept_model import Offer, candidate_of, early_stopped_offer, round_challengers
-from lightning_modules.site_choice import Candidate, beats
+from lightning_modules.site_choice import Candidate, beats, paired_mean_se
 
 Tables = dict[str, np.ndarray]
 #: The centrally trained model's cells (benchmarks/site_report.py): one site, a ceiling, not a federation to replay.
@@ -172,19 +172,11 @@ def replay_site(
                 row[f"own_{split}"] = own.candidate.scores.accuracy(split)
                 row[f"global_{split}"] = offers["global"].candidate.scores.accuracy(split)
         if "test" in labels:
+            # The standard error the site itself reports with its gain (eval.kept_minus_local_test_accuracy_se).
             correct = (kept.candidate.scores.correct["test"], own.candidate.scores.correct["test"])
-            row["test_difference_se"] = paired_standard_error(*correct)
+            row["test_difference_se"] = paired_mean_se(*correct)[1]
         out.append(row)
     return out
-
-
-def paired_standard_error(kept_correct: np.ndarray, own_correct: np.ndarray) -> float:
-    """The standard error of a mean paired difference of per-sample correctness (0 below two samples): how far a
-    site's own test split alone lets two models' accuracies differ by chance."""
-    difference = np.asarray(kept_correct, dtype=np.float64) - np.asarray(own_correct, dtype=np.float64)
-    if len(difference) < 2:
-        return 0.0
-    return float(difference.std(ddof=1) / math.sqrt(len(difference)))
 
 
 #: A pair's test difference within this many paired standard errors of 0 is within the test split's own noise.

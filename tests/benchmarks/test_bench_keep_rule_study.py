@@ -11,7 +11,6 @@ import numpy as np
 from benchmarks.keep_rule_study import (
     RULES,
     label_prior,
-    paired_standard_error,
     prior_shifted,
     recent_ensemble,
     replay_site,
@@ -112,15 +111,6 @@ def test_a_prior_shifted_global_model_is_offered_and_kept_where_the_site_labels_
     assert expected < math.log(2)
     assert math.isclose(shifted[0]["kept_val_loss"], expected, abs_tol=1e-9)
     assert plain[0]["kept_val_loss"] > expected + 0.05
-
-
-def test_the_paired_standard_error_is_the_deviation_of_the_differences_over_root_n():
-    kept = np.array([1, 1, 0, 1])
-    own = np.array([1, 0, 1, 1])
-    # Differences 0, 1, -1, 0: mean 0, sample variance (0 + 1 + 1 + 0) / 3, standard error sqrt(2/3) / 2.
-    assert math.isclose(paired_standard_error(kept, own), math.sqrt(2 / 3) / 2, abs_tol=1e-12)
-    assert paired_standard_error(np.array([1]), np.array([0])) == 0.0
-    assert paired_standard_error(own, own) == 0.0
 
 
 def test_a_loss_of_one_test_sample_in_four_is_counted_below_two_points_and_within_test_noise(tmp_path):
