@@ -15,6 +15,10 @@ difference is within 1.96 standard errors of the paired per-sample difference on
 standard error the site reports with its gain, `site_choice.paired_mean_se`): with 27-75 test samples that error is
 2-5 points, so such a pair shows no harm the split can resolve (nor would a gain of the same size show one).
 
+Each row also gives how far a site's validation split's label mix is from its test split's (`label_distance`, the
+total-variation distance, median and maximum over the runs' sites): the hold-outs are drawn without regard to
+labels, so on small label-skewed sites the split that selects and the split that reports can hold different mixes.
+
 Rules (`RULES`): ``margin=m``: the best challenger replaces the own model when its validation loss is lower by more
 than ``m`` standard errors of the paired per-sample difference (the shipped rule at 1.645); ``guard=m``: the same,
 and the challenger is not below the own model on validation accuracy.
@@ -179,6 +183,14 @@ def replay_site(
     return out
 
 
+def label_distance(first: np.ndarray, second: np.ndarray) -> float:
+    """Total-variation distance between the label distributions of two splits: half the summed absolute
+    difference of their label shares (0: the same mix; 1: no label in common)."""
+    classes = int(max(first.max(initial=0), second.max(initial=0))) + 1
+    shares = [np.bincount(labels, minlength=classes) / max(len(labels), 1) for labels in (first, second)]
+    return float(0.5 * np.abs(shares[0] - shares[1]).sum())
+
+
 #: A pair's test difference within this many paired standard errors of 0 is within the test split's own noise.
 NOISE_Z = 1.96
 
@@ -214,7 +226,7 @@ def study(
 ) -> dict[str, object]:
     """One setting (a folder of runs, one per training seed) under one rule (counterfactuals: `replay_site`)."""
     seed_means, pooled_means, pairs, own_kept, stops, finals_by_run = [], [], [], 0, [], {}
-    losses_within_noise = 0
+    losses_within_noise, split_distances = 0, []
     for run in sorted(p for p in setting.iterdir() if p.is_dir() and not p.name.startswith(f"{CENTRAL}__")):
         per_site = {
             site: replay_site(paths, rule, local_patience, window, prior_shift)
@@ -222,6 +234,10 @@ def study(
         }
         if not per_site:
             continue
+        for paths in site_rounds(run).values():  # the hold-outs are fixed: the first round's labels are every round's
+            labels = read_round(paths[0])[1]
+            if "test" in labels:
+                split_distances.append(label_distance(labels["val"], labels["test"]))
         t = stop_round(per_site, patience)
         stops.append(t + 1)
         finals = [rows[t] for rows in per_site.values()]
@@ -245,6 +261,10 @@ def study(
         "pairs": len(pairs),
         "own_test": float(np.mean([100 * r["own_test"] for f in finals_by_run.values() for r in f["sites"].values()])),
         "own_kept": own_kept,
+        # Over the runs' sites: how far the validation split's label mix is from the test split's (median, max).
+        "val_test_label_distance": [float(np.median(split_distances)), max(split_distances)]
+        if split_distances
+        else None,
         "rounds": stops,
         "finals": finals_by_run,
     }
@@ -254,6 +274,10 @@ def write_record(path: Path, payload: dict[str, object]) -> None:
     """The committed record of a replay: ``payload`` as indented JSON at ``path`` (its folder made)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=1) + "\n")
+
+
+def fmt_distance(distance: Sequence[float] | None) -> str:
+    return "–" if distance is None else f"{distance[0]:.2f} ({distance[1]:.2f})"
 
 
 def fmt(interval: tuple[float, float, float] | None) -> str:
@@ -300,9 +324,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     record: dict[str, dict[str, object]] = {}
     print(
         "| setting | rule | rounds | kept − own, own view | worst pair | pairs < −2 | own kept | pooled view "
-        "| own model, own test |"
+        "| own model, own test | val/test label distance, median (max) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for setting in args.settings:
         for name in args.rules:
             r = study(setting, RULES[name], patience, args.local_patience, args.window, args.prior_shift)
@@ -311,7 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"| {setting.name} | {name} | {', '.join(map(str, r['rounds']))} | {fmt(r['gain'])} | "
                 f"{r['worst']:+.1f} | {r['below2']} of {r['pairs']} ({r['below2_within_noise']} within test noise) | "
                 f"{r['own_kept']} of {r['pairs']} | "
-                f"{fmt(r['pooled'])} | {r['own_test']:.1f} |"
+                f"{fmt(r['pooled'])} | {r['own_test']:.1f} | {fmt_distance(r['val_test_label_distance'])} |"
             )
     if args.json:
         counterfactuals = {

@@ -10,6 +10,7 @@ import numpy as np
 
 from benchmarks.keep_rule_study import (
     RULES,
+    label_distance,
     label_prior,
     prior_shifted,
     recent_ensemble,
@@ -129,3 +130,11 @@ def test_a_loss_of_one_test_sample_in_four_is_counted_below_two_points_and_withi
     assert result["worst"] == -25.0
     assert result["below2"] == 1 and result["below2_within_noise"] == 1
     assert math.isclose(result["finals"]["fedavgm__x__s0"]["sites"]["site-1"]["test_difference_se"], 0.25)
+    assert result["val_test_label_distance"] == [0.0, 0.0]  # both splits hold four samples of label 0
+
+
+def test_the_label_distance_is_half_the_summed_share_difference():
+    # Shares (3/4, 1/4, 0) and (1/4, 1/4, 1/2): |1/2| + 0 + |1/2|, halved: 1/2.
+    assert math.isclose(label_distance(np.array([0, 0, 0, 1]), np.array([0, 1, 2, 2])), 0.5)
+    assert label_distance(np.array([1, 0]), np.array([0, 1])) == 0.0
+    assert label_distance(np.array([0, 0]), np.array([1, 1])) == 1.0
