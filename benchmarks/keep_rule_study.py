@@ -86,6 +86,12 @@ def read_round(path: Path) -> tuple[dict[str, Tables], dict[str, np.ndarray]]:
     return models, labels
 
 
+def read_labels(path: Path) -> dict[str, np.ndarray]:
+    """A recorded round's labels per split, without reading its models' tables (an ``.npz`` loads keys lazily)."""
+    with np.load(path) as arrays:
+        return {key.split("__")[1]: arrays[key] for key in arrays.files if key.startswith("labels__")}
+
+
 def site_rounds(run: Path) -> dict[str, list[Path]]:
     """Per site, its recorded rounds in order."""
     found: dict[str, dict[int, Path]] = {}
@@ -156,8 +162,8 @@ def replay_site(
             if len(recent[kind]) >= 2:
                 tables = recent_ensemble(list(recent[kind]))
                 federated.append(Offer(candidate_of(kind, round_num, tables, labels), tables, NO_WEIGHTS))
+        prior = label_prior(labels["val"], models["local"]["val"].shape[1]) if prior_shift else None
         for tau in prior_shift:
-            prior = label_prior(labels["val"], models["local"]["val"].shape[1])
             for kind in ("global", "personal"):
                 if kind in models:
                     tables = prior_shifted(models[kind], prior, tau)
@@ -228,14 +234,15 @@ def study(
     seed_means, pooled_means, pairs, own_kept, stops, finals_by_run = [], [], [], 0, [], {}
     losses_within_noise, split_distances = 0, []
     for run in sorted(p for p in setting.iterdir() if p.is_dir() and not p.name.startswith(f"{CENTRAL}__")):
+        rounds_by_site = site_rounds(run)
         per_site = {
             site: replay_site(paths, rule, local_patience, window, prior_shift)
-            for site, paths in site_rounds(run).items()
+            for site, paths in rounds_by_site.items()
         }
         if not per_site:
             continue
-        for paths in site_rounds(run).values():  # the hold-outs are fixed: the first round's labels are every round's
-            labels = read_round(paths[0])[1]
+        for paths in rounds_by_site.values():  # the hold-outs are fixed: the first round's labels are every round's
+            labels = read_labels(paths[0])
             if "test" in labels:
                 split_distances.append(label_distance(labels["val"], labels["test"]))
         t = stop_round(per_site, patience)
