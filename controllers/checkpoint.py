@@ -6,6 +6,14 @@ SHA-256 of the global model it belongs to, so `load_resume_point` can restart a 
 run's server app folder (``server_state.pt`` + the persistor's ``FL_global_model.pt``) and refuse a model and a
 state that do not belong together.
 
+A server that dies between the two writes must still leave a pair that belongs together (a machine that loses
+power does not choose its moment). So a round's state is written first beside the final name
+(``server_state.pt.pending``, `pending_state_path`), then the persistor saves the model, then the pending state
+takes the final name (`commit_rule_state`, one rename). Killed before the model is saved, the folder holds the
+previous round's model and state (the pending file names another model and is ignored); killed after it, the new
+model and the pending state that names it, which `load_resume_point` takes. A pending state is used only when its
+digest is the model's, so it never pairs a model with a state that was not saved with it.
+
 Rounds that did not aggregate. The round engine (``controllers/engine.py``) writes the checkpoint after *every*
 round, also after one that failed (too few valid results, a rule error, a non-finite aggregate); the model and state
 are then the unchanged ones. ``round`` is the last round *attempted*, ``last_aggregated_round`` the last one whose
@@ -21,6 +29,7 @@ import hashlib
 import io
 import json
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +39,7 @@ import numpy as np
 import torch
 
 from aggregators.types import ClientUpdate
-from lightning_modules.state_store import atomic_write_bytes
+from lightning_modules.state_store import atomic_write_bytes, fsync_dir
 
 STATE_FORMAT_VERSION = 1
 THIS_ROUND = object()  # save_rule_state's default: the saved round is also the last aggregated one
@@ -71,6 +80,20 @@ def params_digest(params: Mapping[str, np.ndarray]) -> str:
         digest.update(f"{key}|{array.dtype.str}|{array.shape}|".encode())
         digest.update(array.tobytes())
     return digest.hexdigest()
+
+
+def pending_state_path(path: Path) -> Path:
+    """Where a round's state waits until the model it belongs to is saved (module docstring)."""
+    path = Path(path)
+    return path.with_name(path.name + ".pending")
+
+
+def commit_rule_state(path: Path) -> None:
+    """Give the pending state (`pending_state_path`) the final name ``path``, durably: after this one rename the
+    state and the model it names are the folder's resume point."""
+    path = Path(path)
+    os.replace(pending_state_path(path), path)
+    fsync_dir(path.parent)
 
 
 def save_rule_state(
@@ -123,6 +146,15 @@ def load_rule_state(path: Path, rule_name: str) -> tuple[int, dict[str, Any]]:
     return int(payload["round"]), _to_numpy(payload["state"])
 
 
+def _pending_payload(state_path: Path, rule_name: str, digest: str) -> dict[str, Any] | None:
+    """The pending state beside ``state_path`` when it was saved with the model whose digest is ``digest``."""
+    pending = pending_state_path(state_path)
+    if not pending.is_file():
+        return None
+    payload = _read_state_payload(pending, rule_name)
+    return payload if payload.get("global_sha256") == digest else None
+
+
 def _read_state_payload(path: Path, rule_name: str) -> dict[str, Any]:
     payload = torch.load(path, weights_only=True)
     if payload.get("format_version") != STATE_FORMAT_VERSION:
@@ -166,7 +198,7 @@ def load_resume_point(folder: Path, rule_name: str, state_file: str = "server_st
     job continues after the last round attempted (module docstring: rounds that did not aggregate).
 
     Refuses a state from another rule or format, and a model whose digest differs from the one recorded with the
-    state (the run stopped between writing the two, or the files come from different runs).
+    state and from a pending state's (module docstring: the files come from different runs).
     """
     folder = Path(folder)
     state_path, model_path = folder / state_file, folder / GLOBAL_MODEL_FILE
@@ -174,16 +206,19 @@ def load_resume_point(folder: Path, rule_name: str, state_file: str = "server_st
         if not path.is_file():
             raise FileNotFoundError(f"cannot resume: {path} does not exist")
     payload = _read_state_payload(state_path, rule_name)
-    last_round, state = int(payload["round"]), _to_numpy(payload["state"])
     global_params = load_global_model(model_path)
+    digest = params_digest(global_params)
     recorded = payload.get("global_sha256")
     if recorded is None:
         raise ValueError(f"cannot resume: {state_path} records no global model digest (written by an older version)")
-    if recorded != params_digest(global_params):
+    if recorded != digest:
+        payload = _pending_payload(state_path, rule_name, digest)  # killed after the model, before the rename
+    if payload is None:
         raise ValueError(
-            f"cannot resume: {model_path} is not the model that {state_path} was saved with (round {last_round + 1}); "
-            "the run stopped between writing them or the files come from different runs"
+            f"cannot resume: {model_path} is not the model that {state_path} was saved with; "
+            "the files come from different runs or the model was changed after the run"
         )
+    last_round, state = int(payload["round"]), _to_numpy(payload["state"])
     aggregated = payload.get("last_aggregated_round", last_round)  # older files: every saved round had aggregated
     return ResumePoint(
         next_round=last_round + 1,

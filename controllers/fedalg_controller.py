@@ -37,7 +37,14 @@ from aggregators.contracts.run_records import FINAL_SCORES_FILE, METRICS_FILE
 from aggregators.registry import build_rule
 from aggregators.types import AggregationRule, ClientUpdate
 from controllers.adapters import result_site
-from controllers.checkpoint import append_metrics, load_resume_point, save_rule_state, save_updates
+from controllers.checkpoint import (
+    append_metrics,
+    commit_rule_state,
+    load_resume_point,
+    pending_state_path,
+    save_rule_state,
+    save_updates,
+)
 from controllers.engine import Host, RoundEngine, SiteResult, scalar_meta
 from controllers.model_selection import BestGlobal
 from controllers.round_settings import ControllerSettings
@@ -392,9 +399,11 @@ class _ControllerHost(Host):
         started = time.monotonic()
         if aggregated:
             ctl._last_aggregated_round = round_num
-        ctl.save_model(FLModel(params_type=ParamsType.FULL, params=params, meta={"round": round_num}))
+        state_path = Path(ctl.get_app_dir()) / STATE_FILE
+        # State pending, model, rename: a server killed between any two steps leaves a resumable pair
+        # (controllers/checkpoint.py).
         save_rule_state(
-            Path(ctl.get_app_dir()) / STATE_FILE,
+            pending_state_path(state_path),
             ctl._rule.name,
             round_num,
             state,
@@ -409,6 +418,8 @@ class _ControllerHost(Host):
             if ctl._active_engine and ctl._active_engine.best_global
             else None,
         )
+        ctl.save_model(FLModel(params_type=ParamsType.FULL, params=params, meta={"round": round_num}))
+        commit_rule_state(state_path)
         if ctl.round_settings.save_client_updates:
             save_updates(ctl._updates_path(round_num), updates, params)
         ctl._timings["persist_s"] = round(time.monotonic() - started, 4)

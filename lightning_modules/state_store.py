@@ -43,7 +43,9 @@ __all__ = [
     "ClientStateStore",
     "StateStoreError",
     "StoredState",
+    "atomic_write_bytes",
     "default_state_root",
+    "fsync_dir",
 ]
 
 FORMAT_VERSION = 1
@@ -223,7 +225,7 @@ class ClientStateStore:
         confirmed = last_aggregated is None or last_aggregated.get(self.site_name) == written
         if written < round_num and confirmed:
             os.replace(pending, self.path(algorithm))
-            _fsync_dir(pending.parent)
+            fsync_dir(pending.parent)
             return "committed"
         pending.unlink()
         return "discarded"
@@ -367,10 +369,10 @@ def atomic_write_bytes(target: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise
-    _fsync_dir(target.parent)
+    fsync_dir(target.parent)
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     # Makes the rename itself durable across power loss; directories cannot be opened this way on Windows.
     if os.name != "posix":
         return

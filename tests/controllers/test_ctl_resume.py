@@ -20,7 +20,7 @@ from nvflare.app_common.abstract.fl_model import FLModel
 from aggregators import dp_fedavg
 from aggregators.contracts import meta_keys
 from aggregators.registry import RULES
-from controllers.checkpoint import GLOBAL_MODEL_FILE, load_resume_point, save_rule_state
+from controllers.checkpoint import GLOBAL_MODEL_FILE, load_resume_point, pending_state_path, save_rule_state
 from controllers.fedalg_controller import STATE_FILE, FedAlgController, resumed_population
 
 SITES = ("site-1", "site-2", "site-3")
@@ -228,6 +228,58 @@ def test_resume_refuses_a_model_that_does_not_belong_to_the_state(tmp_path):
     payload = torch.load(app / STATE_FILE, weights_only=True)
     save_rule_state(app / STATE_FILE, "fedadam", payload["round"], {}, global_sha256="0" * 64)
     with pytest.raises(ValueError, match="is not the model"):
+        load_resume_point(app, "fedadam")
+
+
+class _Killed(BaseException):
+    """The server's process dying mid-persist (a BaseException: nothing on the way may catch it)."""
+
+
+class KilledWhileSaving(FakeEngineController):
+    """Dies in round ``kill_round`` just before its persistor writes the model (``before_model``), or just after."""
+
+    def __init__(self, app_dir: Path, kill_round: int, before_model: bool, **kwargs):
+        super().__init__(app_dir, **kwargs)
+        self.kill_round, self.before_model = kill_round, before_model
+
+    def save_model(self, model):
+        if model.meta["round"] == self.kill_round and self.before_model:
+            raise _Killed
+        super().save_model(model)
+        if model.meta["round"] == self.kill_round:
+            raise _Killed
+
+
+@pytest.mark.parametrize("before_model", [True, False])
+def test_a_server_killed_between_its_two_writes_leaves_a_resumable_pair(tmp_path, before_model):
+    """The model and the rule state are two files; a kill between the two writes once left a model the state did
+    not name, and the job could not resume. Killed before the model is written, the job resumes at the killed
+    round; killed after it, at the next one; either way it ends where the uninterrupted run ends, bit for bit."""
+    straight = FakeEngineController(tmp_path / "straight" / "app", num_rounds=ROUNDS, server="fedadam")
+    straight.run()
+    killed = KilledWhileSaving(tmp_path / "killed" / "app", 2, before_model, num_rounds=ROUNDS, server="fedadam")
+    with pytest.raises(_Killed):
+        killed.run()
+    point = load_resume_point(tmp_path / "killed" / "app", "fedadam")
+    assert point.next_round == (2 if before_model else 3)
+    resumed = FakeEngineController(
+        tmp_path / "resumed" / "app", num_rounds=ROUNDS, server="fedadam", resume_from=str(tmp_path / "killed" / "app")
+    )
+    resumed.run()
+    params_a, state_a = _final(tmp_path / "straight" / "app")
+    params_b, state_b = _final(tmp_path / "resumed" / "app")
+    _assert_identical(params_a, params_b, "params")
+    _assert_identical(state_a["state"], state_b["state"])
+
+
+def test_resume_ignores_a_pending_state_saved_with_another_model(tmp_path):
+    app = tmp_path / "app"
+    FakeEngineController(app, stop_after=STOP_AFTER, num_rounds=ROUNDS, server="fedadam").run()
+    payload = torch.load(app / STATE_FILE, weights_only=True)
+    save_rule_state(pending_state_path(app / STATE_FILE), "fedadam", payload["round"] + 1, {}, global_sha256="1" * 64)
+    assert load_resume_point(app, "fedadam").next_round == STOP_AFTER  # the committed pair
+    save_rule_state(app / STATE_FILE, "fedadam", payload["round"], {}, global_sha256="0" * 64)
+    with pytest.raises(ValueError, match="is not the model"):  # neither state names the model
         load_resume_point(app, "fedadam")
 
 
