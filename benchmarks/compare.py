@@ -111,6 +111,9 @@ class Protocol:
     #: site_pooled_val to `POOLED_VAL_IMAGES` when the protocol has none.
     keep_view: str = "own"
     site_pooled_val: int = 0
+    #: How the sites draw their validation and test splits (data_prep/splits.py): "random" (the grids up to v4) or
+    #: "stratified" by label.
+    site_holdout: str = "random"
 
 
 #: The pooled validation split of --keep-view pooled when the protocol names none: 1,000 published test images.
@@ -193,6 +196,9 @@ SITE_GAIN_V3 = replace(SITE_GAIN, rounds=40, batch_size=16, stop_patience=5)
 #: The second pre-registration (benchmarks/results/site_gain.md, "Keep margin"): v3 unchanged but for keep best's
 #: margin, 1.0 standard error instead of 1.645, chosen by replaying recorded tables of four tuning settings.
 SITE_GAIN_V4 = replace(SITE_GAIN_V3, keep_margin=1.0)
+#: The third pre-registration (benchmarks/results/site_gain.md, "Stratified hold-outs"): v4 unchanged but for the
+#: sites' validation and test splits, stratified by label (the same sizes).
+SITE_GAIN_V5 = replace(SITE_GAIN_V4, site_holdout="stratified")
 #: Relative cost of a cell by method (measured: ditto and fedrep train twice per round, fedbn's model is larger):
 #: the pool starts the longest cells first, so on many cores the grid does not end waiting for one late long cell.
 CELL_COST = {"ditto": 3.5, "fedrep": 4.0, "fedbn": 3.5, "finetune": 2.5, "fedper": 2.5}
@@ -238,6 +244,7 @@ GRIDS = {
     # the command line (--partitions, --num-sites, --max-train-samples).
     "site_gain_v3": lambda: Grid(("fedavgm", CENTRAL), ("dir0.15",), (1.0,), (0, 1, 2), SITE_GAIN_V3, (0,)),
     "site_gain_v4": lambda: Grid(("fedavgm", CENTRAL), ("dir0.2",), (1.0,), (0, 1, 2), SITE_GAIN_V4, (0,)),
+    "site_gain_v5": lambda: Grid(("fedavgm", CENTRAL), ("dir0.2",), (1.0,), (0, 1, 2), SITE_GAIN_V5, (0,)),
     "site_gain_smoke": lambda: Grid(
         ("fedavgm", "fedrep"),  # the default and the earlier default: what tests/benchmarks runs end to end
         ("dir0.3",),
@@ -335,6 +342,8 @@ def site_gain_fields(protocol: Protocol, cell: Cell) -> dict[str, Any]:
         fields["partition_seed"] = cell.partition_seed
     if protocol.site_test_fraction:
         fields["site_test_fraction"] = protocol.site_test_fraction
+    if getattr(protocol, "site_holdout", "random") != "random":  # the genomics protocol's data module holds out
+        fields["site_holdout"] = protocol.site_holdout
     if protocol.keep != "last":
         fields["keep"] = protocol.keep
     if protocol.local_baseline:

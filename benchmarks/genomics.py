@@ -108,6 +108,9 @@ class Protocol:
     #: held-out people, the pooled test view the rest; --keep-view pooled sets `POOLED_VAL_FRACTION` when 0).
     keep_view: str = "own"
     pooled_val_fraction: float = 0.0
+    #: How the sites draw their validation and test splits (the data module's ``holdout``): "random" (the grids up
+    #: to v4) or "stratified" by population.
+    holdout: str = "random"
 
     @property
     def num_classes(self) -> int:
@@ -188,6 +191,13 @@ GRIDS = {
         (0, 1, 2),
         replace(site_gain_protocol(source), rounds=40, batch_size=16, stop_patience=5, keep_margin=1.0),
     ),
+    # The third pre-registration: v4 with the sites' validation and test splits stratified by population.
+    "site_gain_v5": lambda source: (
+        ("fedavgm", CENTRAL),
+        ("dir0.5",),
+        (0, 1, 2),
+        replace(GRIDS["site_gain_v4"](source)[3], holdout="stratified"),
+    ),
     "smoke": lambda source: (
         ("fedavg", "scaffold", "local", "pooled"),
         ("dir0.1",),
@@ -229,6 +239,8 @@ def data_args(protocol: Protocol, split: str, seed: int) -> dict[str, Any]:
         args["test_fraction"] = protocol.site_test_fraction
     if protocol.pooled_val_fraction:
         args["pooled_val_fraction"] = protocol.pooled_val_fraction
+    if protocol.holdout != "random":
+        args["holdout"] = protocol.holdout
     return args
 
 
@@ -719,7 +731,9 @@ OVERRIDES = (
 #: The share of the held-out people that --keep-view pooled chooses on when the protocol names none.
 POOLED_VAL_FRACTION = 0.5
 #: Grids whose site data are fixed across training seeds by default (the others: the committed grids' rule).
-PARTITION_SEEDS: dict[str, tuple[int | None, ...]] = {"site_gain": (0,), "site_gain_v3": (0,), "site_gain_v4": (0,)}
+#: The per-site grids: their site data fixed across the training seeds (partition seed 0).
+SITE_GAIN_GRIDS = ("site_gain", "site_gain_v3", "site_gain_v4", "site_gain_v5")
+PARTITION_SEEDS: dict[str, tuple[int | None, ...]] = dict.fromkeys(SITE_GAIN_GRIDS, (0,))
 GENOMICS_HELP = PARTITION_HELP.replace(
     ", C<k> (#C=k label skew, every site k labels), C<k>nb (#C=k as NIID-Bench deals it)",
     ", population (site = population)",
@@ -746,7 +760,7 @@ def grid_from_args(args: argparse.Namespace) -> tuple[Protocol, list[Cell]]:
 def report_writer(grid: str, protocol: Protocol) -> Any:
     """The personalization grids' report (benchmarks/personalization.py; site_gain: its per-site test-split page),
     or the genomics table's."""
-    if grid not in ("personalization", "site_gain", "site_gain_v3", "site_gain_v4"):
+    if grid not in ("personalization", *SITE_GAIN_GRIDS):
         return write_report
     from benchmarks.personalization import write_folder_report
 

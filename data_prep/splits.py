@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["holdout_size", "site_holdout_indices", "stratified_split"]
+__all__ = ["HOLDOUTS", "apportion", "holdout_size", "site_holdout_indices", "stratified_roles", "stratified_split"]
+
+#: How a site draws its validation and test hold-outs: ``random`` (one seeded permutation, blind to the labels) or
+#: ``stratified`` (every label in the same share in each part: `stratified_roles`).
+HOLDOUTS = ("random", "stratified")
 
 
 def stratified_split(labels: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -33,20 +37,74 @@ def holdout_size(n: int, fraction: float, taken: int = 0) -> int:
 
 
 def site_holdout_indices(
-    n: int, val_fraction: float, test_fraction: float, seed: int, site_index: int
+    n: int,
+    val_fraction: float,
+    test_fraction: float,
+    seed: int,
+    site_index: int,
+    labels: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(training, validation, test) indices of a site's ``n`` samples, disjoint, each in the shard's order.
 
-    One seeded permutation per (seed, site): its first ``holdout_size(n, val_fraction)`` entries are the validation
-    split, the next ``holdout_size(n, test_fraction, n_val)`` the test split, the rest trains. The validation split
-    is therefore the same with and without a test split (adding one only shrinks the training part), and none of
-    the three depends on anything but (seed, site, n, fractions): every round and process of a site agrees.
+    ``holdout_size(n, val_fraction)`` samples validate, the next ``holdout_size(n, test_fraction, n_val)`` test, the
+    rest trains. Without ``labels``: one seeded permutation per (seed, site), validation first. With the shard's
+    ``labels``: `stratified_roles`, so both hold-outs hold every label in the shard's proportions (the same sizes).
+    Either way the validation split is the same with and without a test split (adding one only shrinks the
+    training part), and nothing depends on anything but (seed, site, n, fractions, labels): every round and process
+    of a site agrees.
     """
     rng = np.random.default_rng([seed, site_index, 0, 2])  # 2: a stream apart from the round's and the epochs'
-    order = rng.permutation(n)
     n_val = holdout_size(n, val_fraction)
     n_test = holdout_size(n, test_fraction, n_val)
+    if labels is not None:
+        if len(labels) != n:
+            raise ValueError(f"site {site_index}: {len(labels)} labels for {n} samples")
+        val, test, _ = stratified_roles(np.asarray(labels), n_val, n_test, rng)
+    else:
+        order = rng.permutation(n)
+        val, test = order[:n_val], order[n_val : n_val + n_test]
     role = np.zeros(n, dtype=np.int8)  # 0 train, 1 validation, 2 test
-    role[order[:n_val]] = 1
-    role[order[n_val : n_val + n_test]] = 2
+    role[val] = 1
+    role[test] = 2
     return np.flatnonzero(role == 0), np.flatnonzero(role == 1), np.flatnonzero(role == 2)
+
+
+def apportion(counts: np.ndarray, total: int, rng: np.random.Generator) -> np.ndarray:
+    """Integer shares of ``total`` proportional to ``counts`` by largest remainders (Hamilton's method): they sum to
+    ``total`` (at most ``counts.sum()``), each is the floor or the ceiling of ``count * total / counts.sum()``,
+    and equal remainders go in a seeded random order. Always draws one number per count from ``rng``, so what
+    the caller draws next does not depend on ``total``."""
+    counts = np.asarray(counts, dtype=np.int64)
+    n = int(counts.sum())
+    tiebreak = rng.random(len(counts))
+    if not 0 <= total <= n:
+        raise ValueError(f"cannot apportion {total} of {n}")
+    if n == 0:
+        return np.zeros(len(counts), dtype=np.int64)
+    shares, remainders = np.divmod(counts * total, n)  # integers: no float ties that are not ties
+    left = total - int(shares.sum())
+    # Remainders sum to n * left and each is below n, so the `left` largest are all positive: a count is never
+    # exceeded.
+    order = np.lexsort((tiebreak, -remainders))
+    shares[order[:left]] += 1
+    return shares
+
+
+def stratified_roles(
+    labels: np.ndarray, n_val: int, n_test: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(validation, test, training) positions of ``labels``: ``n_val`` and ``n_test`` samples apportioned over the
+    labels in proportion to their counts (`apportion`: validation over the whole shard, test over what validation
+    left), each label's members drawn at random. So the two hold-outs hold every label within one sample of the
+    shard's proportion, and the split that selects has the label mix of the split that reports."""
+    classes, inverse = np.unique(labels, return_inverse=True)
+    counts = np.bincount(inverse, minlength=len(classes))
+    val_shares = apportion(counts, n_val, rng)
+    test_shares = apportion(counts - val_shares, n_test, rng)
+    parts: tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]] = ([], [], [])
+    for label, (n_v, n_t) in enumerate(zip(val_shares, test_shares, strict=True)):
+        members = rng.permutation(np.flatnonzero(inverse == label))
+        for part, chunk in zip(parts, np.split(members, [n_v, n_v + n_t]), strict=True):
+            part.append(chunk)
+    val, test, train = (np.sort(np.concatenate(part)).astype(np.int64) for part in parts)
+    return val, test, train

@@ -319,6 +319,11 @@ def _check_user_code(spec: JobSpec) -> None:
             f"site_val_fraction {spec.site_val_fraction:g}: applies to the built-in models only; with --model the "
             "sites evaluate on the data module's val_dataloader"
         )
+    if spec.site_holdout != "random":  # ... and draw them as the data module does
+        raise JobBuildError(
+            f"site_holdout {spec.site_holdout!r}: applies to the built-in models only; with --model the data module "
+            "draws its own splits (the genomics module's holdout argument stratifies them)"
+        )
     if spec.site_test_fraction:  # ... and report on its test_dataloader
         raise JobBuildError(
             f"site_test_fraction {spec.site_test_fraction:g}: applies to the built-in models only; with --model the "
@@ -383,7 +388,12 @@ MIN_TEST_SAMPLES = 10
 
 def _check_site_splits(spec: JobSpec) -> None:
     """Every site of a built-in dataset keeps at least `MIN_TEST_SAMPLES` test samples (the partition is
-    computed here, as the sites will compute it)."""
+    computed here, as the sites will compute it); a stratified hold-out needs a hold-out to stratify."""
+    if spec.model is None and spec.site_holdout != "random" and not spec.site_val_fraction + spec.site_test_fraction:
+        raise JobBuildError(
+            f"site_holdout {spec.site_holdout!r} stratifies the sites' validation and test splits, and this job holds "
+            "out none: set site_val_fraction and/or site_test_fraction, or leave site_holdout random"
+        )
     if spec.model is None and spec.site_test_fraction > 0:
         from lightning_modules.site import builtin_split_sizes
 

@@ -310,12 +310,14 @@ class SiteSplits:
 def hold_out(args: Any, x: np.ndarray, y: np.ndarray, site_index: int) -> SiteSplits:
     """The site's training part and its validation and test splits (``site_val_fraction``,
     ``site_test_fraction``), seeded by `split_seed` and the site: FedAvg weighs the site by the training part
-    only, and nothing held out is ever trained on."""
+    only, and nothing held out is ever trained on. ``site_holdout`` stratified: both splits hold the shard's
+    label mix (`data_prep.splits.stratified_roles`)."""
     val_fraction = getattr(args, "site_val_fraction", 0.0) or 0.0
     test_fraction = getattr(args, "site_test_fraction", 0.0) or 0.0
     if not val_fraction and not test_fraction:
         return SiteSplits(x, y, None, None)
-    train, val, test = site_holdout_indices(len(y), val_fraction, test_fraction, split_seed(args), site_index)
+    labels = y if getattr(args, "site_holdout", "random") == "stratified" else None
+    train, val, test = site_holdout_indices(len(y), val_fraction, test_fraction, split_seed(args), site_index, labels)
     validation = to_tensor_dataset(x[val], y[val]) if len(val) else None
     return SiteSplits(x[train], y[train], validation, to_tensor_dataset(x[test], y[test]) if len(test) else None)
 

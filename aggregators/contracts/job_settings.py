@@ -77,6 +77,10 @@ def _site_test(spec: Any) -> bool:
     return spec.site_test_fraction > 0
 
 
+def _stratified_holdout(spec: Any) -> bool:
+    return spec.site_holdout != "random" and (spec.site_val_fraction > 0 or spec.site_test_fraction > 0)
+
+
 def _cross_site(spec: Any) -> bool:
     return bool(spec.cross_site_eval)
 
@@ -132,6 +136,13 @@ class DataSettings:
         high=0.5,
         high_open=True,
         exported_when=_site_test,
+    )
+    site_holdout: Literal["random", "stratified"] = setting(
+        "random",
+        "how a built-in site draws its validation and test splits: random (one seeded permutation, blind to the "
+        "labels) or stratified (every label of the site's shard in the same share in both splits, so the split that "
+        "selects holds the label mix of the split that reports; the same split sizes; data_prep/splits.py)",
+        exported_when=_stratified_holdout,
     )
     partition_seed: int | None = setting(
         None,

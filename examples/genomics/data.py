@@ -16,7 +16,9 @@ rest is split over the sites with ``split``: ``iid``, ``dirichlet`` (over popula
 evaluation of the global model, and the selection of ``--keep best``) and, with ``test_fraction`` > 0, a further
 disjoint ``test_fraction`` as its OWN test split: then ``test_dataloader`` is that split (the site's reporting
 split: ``eval.*_test_*``), in simulation and on a real site alike. The three parts come from one permutation seeded
-by ``seed``: the validation split is the same with and without a test split.
+by ``seed``: the validation split is the same with and without a test split. With ``holdout="stratified"`` they
+hold every population of the site in the same share (the same sizes): a site that selects on its validation split
+then selects on the population mix it reports on.
 
 With ``pooled_val_fraction`` > 0 (simulation only) that share of the held-out people, stratified by class and the
 same at every site, is a pooled VALIDATION split instead (``pooled_val_dataloader``: what a site choosing with
@@ -58,6 +60,7 @@ from data_prep.genotypes.loader import GenotypeRows, as_tokens, genotype_loader
 from data_prep.genotypes.site import is_genotype_input, site_genotypes
 from data_prep.genotypes.site_files import missing_file_problem, read_line, site_genotype_files
 from data_prep.site_config import is_simulated_site, site_workspace
+from data_prep.splits import HOLDOUTS, stratified_roles
 
 TEST_FRACTION = 0.2
 MIN_TEST_SAMPLES = 10  # the bundle's minimum test split per site (jobs/spec.py MIN_TEST_SAMPLES)
@@ -85,6 +88,7 @@ class SnpSites(pl.LightningDataModule):
         labels_file: str | None = None,
         test_fraction: float = 0.0,
         pooled_val_fraction: float = 0.0,
+        holdout: str = "random",
     ) -> None:
         super().__init__()
         if target not in ("population", "proportions"):
@@ -97,7 +101,9 @@ class SnpSites(pl.LightningDataModule):
         self.site, self.target, self.batch_size, self.val_fraction = site, target, batch_size, val_fraction
         if not 0 <= pooled_val_fraction < 1:
             raise DataPrepError(f"{site}: pooled_val_fraction must be in [0, 1), got {pooled_val_fraction!r}")
-        self.seed, self.test_fraction = seed, test_fraction
+        if holdout not in HOLDOUTS:
+            raise DataPrepError(f"{site}: holdout must be one of {list(HOLDOUTS)}, got {holdout!r}")
+        self.seed, self.test_fraction, self.holdout = seed, test_fraction, holdout
         self.pooled_val = self.pooled_people = self.pooled_val_people = None
         workspace = site_workspace()
         files = site_genotype_files(site, workspace, os.environ, data_file, snp_table, labels_file)
@@ -131,23 +137,28 @@ class SnpSites(pl.LightningDataModule):
                 f"{len(own.labels)} people x {own.genotypes.shape[1]} SNPs, classes {list(own.classes)}",
                 flush=True,
             )
-        val, test, train = self._site_split(len(own.labels))
+        val, test, train = self._site_split(own.labels)
         self.val = self._tensors(_subset(own, val))
         self.train = self._tensors(_subset(own, train))
         if test_fraction > 0:  # the site's own test split replaces the pooled benchmark set
             self.test = self._tensors(_subset(own, test))
         self.num_snps, self.classes = own.genotypes.shape[1], own.classes
 
-    def _site_split(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(validation, test, training) positions of the site's ``n`` people: one permutation seeded by ``seed``,
-        validation first, then test, the rest trains."""
-        order = np.random.default_rng([self.seed, 1]).permutation(n)
+    def _site_split(self, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(validation, test, training) positions of the site's people (``labels``: their populations): one
+        permutation seeded by ``seed``, validation first, then test, the rest trains; with ``holdout="stratified"``
+        the same sizes drawn per population (`data_prep.splits.stratified_roles`)."""
+        n = len(labels)
+        rng = np.random.default_rng([self.seed, 1])
         n_val, n_test = round(self.val_fraction * n), round(self.test_fraction * n)
         if self.test_fraction > 0 and n_test < MIN_TEST_SAMPLES:  # one person would move its accuracy > 10 points
             raise DataPrepError(
                 f"{self.site}: test_fraction {self.test_fraction:g} leaves {n_test} test people of {n}; a site needs "
                 f"at least {MIN_TEST_SAMPLES}: raise test_fraction"
             )
+        if self.holdout == "stratified":
+            return stratified_roles(labels, n_val, n_test, rng)
+        order = rng.permutation(n)
         return order[:n_val], order[n_val : n_val + n_test], order[n_val + n_test :]
 
     def _tensors(self, data: GenotypeData) -> TensorDataset:
@@ -164,7 +175,7 @@ class SnpSites(pl.LightningDataModule):
         if classes is None or self.target != "population":
             raise DataPrepError(f"{self.site}: a genotype file needs the agreed classes and target 'population'")
         own = site_genotypes(self.site, data_file, classes, snp_table, labels_file)
-        val, test, train = (np.sort(part) for part in self._site_split(len(own.labels)))
+        val, test, train = (np.sort(part) for part in self._site_split(np.asarray(own.labels)))
         self.val = GenotypeRows(own.genotypes, own.labels[val], val)
         self.train = GenotypeRows(own.genotypes, own.labels[train], train)
         self.test = GenotypeRows(own.genotypes, own.labels[test], test) if self.test_fraction > 0 else None

@@ -177,3 +177,24 @@ def test_each_site_gain_grid_builds_its_jobs_with_the_keep_margin_it_ran_with(gr
     assert compare.cell_spec(cell, compare.GRIDS[grid]().protocol).keep_margin == margin
     protocol, cells = _genomics("--grid", grid)
     assert genomics.cell_spec(cells[0], protocol).keep_margin == margin
+
+
+@pytest.mark.parametrize(
+    ("grid", "holdout"),
+    [("site_gain", "random"), ("site_gain_v3", "random"), ("site_gain_v4", "random"), ("site_gain_v5", "stratified")],
+)
+def test_each_site_gain_grid_builds_its_jobs_with_the_hold_outs_it_ran_with(grid, holdout):
+    # v5 differs from v4 in the sites' hold-outs alone: stratified by label (built-in sites) or by population (the
+    # genomics data module); the earlier grids keep the label-blind ones their committed pages were run with.
+    from dataclasses import asdict
+
+    from benchmarks import genomics
+
+    cell = compare.Cell("fedavgm", "dir0.3", 1.0, 0, 0)
+    assert compare.cell_spec(cell, compare.GRIDS[grid]().protocol).site_holdout == holdout
+    protocol, cells = _genomics("--grid", grid)
+    assert genomics.cell_spec(cells[0], protocol).data_args.get("holdout", "random") == holdout
+    if grid == "site_gain_v5":
+        v4 = asdict(compare.cell_spec(cell, compare.GRIDS["site_gain_v4"]().protocol))
+        v5 = asdict(compare.cell_spec(cell, compare.GRIDS[grid]().protocol))
+        assert {k for k in v4 if v4[k] != v5[k]} == {"site_holdout"}

@@ -355,3 +355,16 @@ def test_a_site_log_line_keeps_four_significant_digits_so_delta_is_not_printed_a
 
     line = _scalars({"privacy.delta": 1e-5, "train.loss": 0.123456, "num_samples": 3, "site": "site-1"})
     assert line == {"privacy.delta": 1e-5, "train.loss": 0.1235, "num_samples": 3}
+
+
+def test_site_holdout_is_refused_with_a_user_model():
+    from jobs.settings import JobBuildError
+    from jobs.spec import JobSpec
+
+    with pytest.raises(JobBuildError, match=r"site_holdout 'stratified': applies to the built-in models only.*holdout"):
+        JobSpec(
+            name="x",
+            model="custom_model.model:DigitsClassifier",
+            data="custom_model.data:DigitsSites",
+            site_holdout="stratified",
+        )

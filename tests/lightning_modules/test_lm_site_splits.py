@@ -70,6 +70,8 @@ FEDBN = {"dataset": "fashion_mnist", "arch": "bn_cnn", "local_keys": "batchnorm"
         ({"client": "fedrep"}, "client 'fedrep' makes a personal model .*set site_val_fraction"),
         ({"local_keys": "net.classifier.*"}, r"local_keys \(2 entries kept .*\) makes a personal model .*set site_val"),
         (FEDBN, r"local_keys \(10 entries kept .*\) makes a personal model .*set site_val_fraction"),
+        ({"site_holdout": "stratified"}, "site_holdout 'stratified' stratifies .* holds out none: set site_val_fr"),
+        ({"site_holdout": "by_label"}, r"unknown site_holdout 'by_label'; choose one of \['random', 'stratified'\]"),
     ],
 )
 def test_refused_at_build_time_in_one_line(changes: dict, message: str) -> None:
