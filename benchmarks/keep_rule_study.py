@@ -17,12 +17,13 @@ test splits of 22-113 samples its median, where a site left its own model, is 2.
 pair shows no harm the split can resolve (nor would a gain of the same size show one).
 
 Each row also gives how far a site's validation split's label mix is from its test split's (`label_distance`, the
-total-variation distance, median and maximum over the runs' sites): the hold-outs are drawn without regard to
-labels, so on small label-skewed sites the split that selects and the split that reports can hold different mixes.
+total-variation distance, median and maximum over the runs' sites): label-blind hold-outs (``site_holdout
+random``, every grid up to v4) can give a small label-skewed site a split that selects with another mix than the
+split that reports; stratified ones (v5) hold every label within one sample of its share in both.
 
 Rules (`RULES`): ``margin=m``: the best challenger replaces the own model when its validation loss is lower by more
-than ``m`` standard errors of the paired per-sample difference (the shipped rule at 1.645); ``guard=m``: the same,
-and the challenger is not below the own model on validation accuracy.
+than ``m`` standard errors of the paired per-sample difference (the shipped rule at 1.0 since v4, 1.645 before);
+``guard=m``: the same, and the challenger is not below the own model on validation accuracy.
 
     python -m benchmarks.keep_rule_study /tmp/tables/setting-a /tmp/tables/setting-b --patience 5
 
