@@ -319,11 +319,6 @@ def _check_user_code(spec: JobSpec) -> None:
             f"site_val_fraction {spec.site_val_fraction:g}: applies to the built-in models only; with --model the "
             "sites evaluate on the data module's val_dataloader"
         )
-    if spec.site_holdout != "random":  # ... and draw them as the data module does
-        raise JobBuildError(
-            f"site_holdout {spec.site_holdout!r}: applies to the built-in models only; with --model the data module "
-            "draws its own splits (the genomics module's holdout argument stratifies them)"
-        )
     if spec.site_test_fraction:  # ... and report on its test_dataloader
         raise JobBuildError(
             f"site_test_fraction {spec.site_test_fraction:g}: applies to the built-in models only; with --model the "

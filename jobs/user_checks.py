@@ -40,6 +40,8 @@ NO_EFFECT_WITH_MODEL: dict[str, str] = {
     "classes_per_site": _DATA,
     "max_train_samples": _DATA,
     "partition_seed": _DATA,
+    "site_holdout": "your data module draws its own validation and test splits (the genomics example's takes "
+    "holdout in --data-args)",
     "batch_size": "your data module's train_dataloader() decides the batch size: give it in --data-args",
     "max_test_samples": "the server has no test set with --model: the sites evaluate on their val_dataloader()",
     "site_pooled_test": "the pooled view is the built-in dataset's published test set; with --model there is none",

@@ -361,7 +361,7 @@ def test_site_holdout_is_refused_with_a_user_model():
     from jobs.settings import JobBuildError
     from jobs.spec import JobSpec
 
-    with pytest.raises(JobBuildError, match=r"site_holdout 'stratified': applies to the built-in models only.*holdout"):
+    with pytest.raises(JobBuildError, match=r"--site-holdout 'stratified' has no effect with --model .*holdout in"):
         JobSpec(
             name="x",
             model="custom_model.model:DigitsClassifier",
