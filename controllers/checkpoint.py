@@ -29,7 +29,6 @@ import hashlib
 import io
 import json
 import math
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +38,7 @@ import numpy as np
 import torch
 
 from aggregators.types import ClientUpdate
-from lightning_modules.state_store import atomic_write_bytes, fsync_dir
+from lightning_modules.state_store import atomic_write_bytes, durable_rename
 
 STATE_FORMAT_VERSION = 1
 THIS_ROUND = object()  # save_rule_state's default: the saved round is also the last aggregated one
@@ -91,9 +90,7 @@ def pending_state_path(path: Path) -> Path:
 def commit_rule_state(path: Path) -> None:
     """Give the pending state (`pending_state_path`) the final name ``path``, durably: after this one rename the
     state and the model it names are the folder's resume point."""
-    path = Path(path)
-    os.replace(pending_state_path(path), path)
-    fsync_dir(path.parent)
+    durable_rename(pending_state_path(path), Path(path))
 
 
 def save_rule_state(

@@ -59,13 +59,12 @@ def site_holdout_indices(
     if labels is not None:
         if len(labels) != n:
             raise ValueError(f"site {site_index}: {len(labels)} labels for {n} samples")
-        val, test, _ = stratified_roles(np.asarray(labels), n_val, n_test, rng)
-    else:
-        order = rng.permutation(n)
-        val, test = order[:n_val], order[n_val : n_val + n_test]
+        val, test, train = stratified_roles(np.asarray(labels), n_val, n_test, rng)
+        return train, val, test
+    order = rng.permutation(n)
     role = np.zeros(n, dtype=np.int8)  # 0 train, 1 validation, 2 test
-    role[val] = 1
-    role[test] = 2
+    role[order[:n_val]] = 1
+    role[order[n_val : n_val + n_test]] = 2
     return np.flatnonzero(role == 0), np.flatnonzero(role == 1), np.flatnonzero(role == 2)
 
 

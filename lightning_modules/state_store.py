@@ -45,7 +45,7 @@ __all__ = [
     "StoredState",
     "atomic_write_bytes",
     "default_state_root",
-    "fsync_dir",
+    "durable_rename",
 ]
 
 FORMAT_VERSION = 1
@@ -224,8 +224,7 @@ class ClientStateStore:
         written = self._pending_round(pending, algorithm)
         confirmed = last_aggregated is None or last_aggregated.get(self.site_name) == written
         if written < round_num and confirmed:
-            os.replace(pending, self.path(algorithm))
-            fsync_dir(pending.parent)
+            durable_rename(pending, self.path(algorithm))
             return "committed"
         pending.unlink()
         return "discarded"
@@ -369,10 +368,17 @@ def atomic_write_bytes(target: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise
-    fsync_dir(target.parent)
+    _fsync_dir(target.parent)
 
 
-def fsync_dir(directory: Path) -> None:
+def durable_rename(source: Path, target: Path) -> None:
+    """Rename ``source`` to ``target`` in one step and make the rename survive a power loss (the pending state's
+    commit here, the server's pending rule state in controllers/checkpoint.py)."""
+    os.replace(source, target)
+    _fsync_dir(Path(target).parent)
+
+
+def _fsync_dir(directory: Path) -> None:
     # Makes the rename itself durable across power loss; directories cannot be opened this way on Windows.
     if os.name != "posix":
         return

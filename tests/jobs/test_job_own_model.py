@@ -337,17 +337,19 @@ def test_the_recipe_refuses_what_the_builder_refuses():
         FedAlgRecipe(name="own", client="fedavg", server="fednova", **OWN)
 
 
-def test_site_val_fraction_is_refused_with_a_user_model():
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ({"site_val_fraction": 0.2}, r"site_val_fraction 0\.2: applies to the built-in models only"),
+        ({"site_holdout": "stratified"}, r"--site-holdout 'stratified' has no effect with --model .*holdout in"),
+    ],
+)
+def test_a_built_in_split_setting_is_refused_with_a_user_model(setting, message):
     from jobs.settings import JobBuildError
     from jobs.spec import JobSpec
 
-    with pytest.raises(JobBuildError, match=r"site_val_fraction 0\.2: applies to the built-in models only"):
-        JobSpec(
-            name="x",
-            model="custom_model.model:DigitsClassifier",
-            data="custom_model.data:DigitsSites",
-            site_val_fraction=0.2,
-        )
+    with pytest.raises(JobBuildError, match=message):
+        JobSpec(name="x", model="custom_model.model:DigitsClassifier", data="custom_model.data:DigitsSites", **setting)
 
 
 def test_a_site_log_line_keeps_four_significant_digits_so_delta_is_not_printed_as_zero():
@@ -355,16 +357,3 @@ def test_a_site_log_line_keeps_four_significant_digits_so_delta_is_not_printed_a
 
     line = _scalars({"privacy.delta": 1e-5, "train.loss": 0.123456, "num_samples": 3, "site": "site-1"})
     assert line == {"privacy.delta": 1e-5, "train.loss": 0.1235, "num_samples": 3}
-
-
-def test_site_holdout_is_refused_with_a_user_model():
-    from jobs.settings import JobBuildError
-    from jobs.spec import JobSpec
-
-    with pytest.raises(JobBuildError, match=r"--site-holdout 'stratified' has no effect with --model .*holdout in"):
-        JobSpec(
-            name="x",
-            model="custom_model.model:DigitsClassifier",
-            data="custom_model.data:DigitsSites",
-            site_holdout="stratified",
-        )
