@@ -77,14 +77,19 @@ def test_example_model_trains_with_site_evaluation_and_is_thread_count_independe
 
 
 def build_and_simulate(tmp_path: Path, name: str, options: list[str], sites: int = 3, threads: int = 3) -> list[dict]:
-    """Build job ``name`` with the builder's command-line ``options`` (2 rounds), run it in the simulator and return
-    its round records, checked to have aggregated both rounds."""
+    """Build job ``name`` with the builder's command-line ``options`` (2 rounds), run it in the simulator (workspace
+    ``tmp_path/ws``) and return its round records, checked to have aggregated both rounds."""
     build = [sys.executable, "-m", "jobs.build", "--name", name, "--output-dir", str(tmp_path), "--num-rounds", "2"]
     subprocess.run([*build, *options], check=True, cwd=REPO, capture_output=True)
+    return simulate_two_rounds(tmp_path / name, tmp_path / "ws", sites, threads)
+
+
+def simulate_two_rounds(job: Path, workspace: Path, sites: int, threads: int) -> list[dict]:
+    """Run the 2-round ``job`` in the simulator and return its round records, checked to have aggregated both."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    command = ["nvflare", "simulator", str(tmp_path / name), "-w", str(tmp_path / "ws"), "-n", str(sites)]
-    completed = run_simulator_command([*command, "-t", str(threads)], tmp_path / "ws", env=env, timeout=900)
-    rounds = [r for r in report.load_records(tmp_path / "ws") if r["stage"] == "round"]
+    command = ["nvflare", "simulator", str(job), "-w", str(workspace), "-n", str(sites), "-t", str(threads)]
+    completed = run_simulator_command(command, workspace, env=env, timeout=900)
+    rounds = [r for r in report.load_records(workspace) if r["stage"] == "round"]
     assert [r["status"] for r in rounds] == ["aggregated", "aggregated"], completed.stdout[-3000:]
     return rounds
 
@@ -111,8 +116,7 @@ def test_example_model_runs_under_every_other_client_algorithm(tmp_path, client)
     assert {m["client.algorithm"] for m in rounds[-1]["site_meta"].values()} == {client}
     assert "val_accuracy" in rounds[-1]["site_eval"]
     if client in STATEFUL:  # state that outlives a round must survive a new process per client-round (-t 1)
-        (tmp_path / "t1").mkdir()
-        by_round = build_and_simulate(tmp_path / "t1", client, options, threads=1)
+        by_round = simulate_two_rounds(tmp_path / client, tmp_path / "t1", sites=3, threads=1)
         assert [r["global_sha256"] for r in by_round] == [r["global_sha256"] for r in rounds]
 
 

@@ -15,11 +15,12 @@ the tolerance is ``TOLERANCE``, is in ``docs/scaffold_vs_nvflare.md``. In short:
 client results (c = c_i = 0); NVFlare aggregates in float32 (``sum_i w_i * y_i`` then ``* (1 / sum w)``, in
 arrival order) and we in float64 rounded once, so the global models of round 0 differ by float32 rounding, at
 most 3e-8 (checked below with NVFlare's own ``scaffold_aggregate_fn`` on our clients' results); two more rounds of
-local SGD carry that into the final model. Measured: at most 2.1e-7 absolute on parameters of magnitude <= 0.3
-(conv2.weight), while SCAFFOLD and FedAvg differ by 2e-3 to 4e-2 per tensor in this setting and losing c_i
-between rounds changes the model by 4e-3 to 0.13 per tensor. ``TOLERANCE = 1e-5`` is ~50x the measured float
-noise and ~200x below the smallest algorithmic difference: it passes on float noise only and fails on any
-algorithmic deviation.
+local SGD carry that into the final model. How far depends on the order NVFlare's sums take the results in:
+2.1e-7 absolute at most on parameters of magnitude <= 0.3 in the order first measured, 5.07e-5 (classifier.weight)
+when every round's results arrive site-1, site-2, site-3 (reproducible to 1e-9 in that order). Meanwhile SCAFFOLD
+and FedAvg differ by 2e-3 to 4e-2 per tensor in this setting and losing c_i between rounds changes the model by
+4e-3 to 0.13 per tensor. ``TOLERANCE = 2e-4`` is 4x the largest measured float noise and 11x below the smallest
+per-tensor algorithmic difference: it passes on float noise only and fails on any algorithmic deviation.
 
 Runs on CPU (``CUDA_VISIBLE_DEVICES=""``): GPU convolution kernels are not bitwise reproducible from run to run,
 which would add noise that has nothing to do with SCAFFOLD.
@@ -50,7 +51,7 @@ from jobs.nvflare_reference import CONTROL_LOG_PREFIX, export_reference_job
 NUM_ROUNDS = 3
 SITES = ("site-1", "site-2", "site-3")
 LR = 0.05
-TOLERANCE = 1e-5  # absolute, per parameter; see the module docstring and docs/scaffold_vs_nvflare.md
+TOLERANCE = 2e-4  # absolute, per parameter; see the module docstring and docs/scaffold_vs_nvflare.md
 UNIT_ROUNDOFF = 2.0**-24  # float32
 COMMON = dict(
     num_rounds=NUM_ROUNDS,
