@@ -128,9 +128,8 @@ compare: setup
 # Two parts: everything outside tests/e2e on two pytest-xdist workers (4 min 44 s against 7-8 min in one process),
 # then tests/e2e on E2E_WORKERS workers (E2E_WORKERS=0: one process). An end-to-end run alone keeps about one core
 # busy (the simulator's sites mostly wait), so two at once use both cores; --dist loadgroup keeps the tests that share a simulator run or a deployment on one worker (the
-# work units of tests/conftest.py's scheduler, handed out longest first by tests/e2e/test_seconds.json; renew it with
-# FL_RECORD_TEST_SECONDS=tests/e2e/test_seconds.json make test-e2e), and every run has its own workspace and ports.
-# Times: docs/results.md, "Test tiers".
+# work units of tests/conftest.py's scheduler), and every run has its own workspace and ports. Times: docs/results.md,
+# "Test tiers" (FL_RECORD_TEST_SECONDS=<file.json> writes each test's time).
 E2E_WORKERS ?= 2
 E2E_PARALLEL := -n $(E2E_WORKERS) --dist loadgroup
 test: setup lint

@@ -7,7 +7,6 @@ import functools
 import json
 import os
 import sys
-from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import pytest
@@ -236,38 +235,15 @@ def xdist_work_unit(nodeid: str, source: str | None = None) -> str:
     return file if sharing == "module" else sharing
 
 
-#: Seconds each end-to-end test took in a CI run (setup + call + teardown; `record_test_seconds` writes it).
-E2E_TEST_SECONDS = Path(REPO) / "tests" / "e2e" / "test_seconds.json"
-#: Set to a path, the session writes there what each test took (every test it ran, in this file's format).
+#: Set to a path, the session writes there what each test took (setup + call + teardown, seconds by node-id).
 RECORD_TEST_SECONDS_ENV = "FL_RECORD_TEST_SECONDS"
-
-
-@functools.cache
-def recorded_test_seconds(path: Path = E2E_TEST_SECONDS) -> dict[str, float]:
-    """``{node-id: seconds}`` as `E2E_TEST_SECONDS` holds it (empty when the file is absent)."""
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def expected_unit_seconds(nodeids: Iterable[str], recorded: Mapping[str, float]) -> float:
-    """What a work unit of tests ``nodeids`` is expected to take: the sum of their ``recorded`` seconds, a test with
-    none counted as the longest recorded test (a new test may be long; starting it early costs little if not)."""
-    unknown = max(recorded.values(), default=0.0)
-    return sum(recorded.get(nodeid, unknown) for nodeid in nodeids)
-
-
-def longest_unit_first(workqueue: Mapping[str, Iterable[str]], recorded: Mapping[str, float]) -> str:
-    """The work unit to hand out next: the longest expected (`expected_unit_seconds`), the first queued on a tie.
-    Longest first is what keeps two workers finishing together: with the queue in collection order, one worker
-    took the last long units while the other sat idle."""
-    return max(workqueue, key=lambda unit: expected_unit_seconds(workqueue[unit], recorded))
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadgroup`` with `xdist_work_unit`'s units instead of ``xdist_group`` markers: pytest-xdist 3.8 marks
     a group by appending it to the test's node-id, which pytest 9.2 ignores (every test was its own unit, and each
-    worker ran the module fixtures it needed again); the units are handed out longest first
-    (`longest_unit_first`, by `E2E_TEST_SECONDS`). Other ``--dist`` modes: xdist's own scheduler."""
+    worker ran the module fixtures it needed again). Other ``--dist`` modes: xdist's own scheduler."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -275,11 +251,6 @@ def pytest_xdist_make_scheduler(config, log):
     class WorkUnitScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return xdist_work_unit(nodeid)
-
-        def _assign_work_unit(self, node) -> None:
-            # xdist hands out the queue's first unit: move the longest expected one there.
-            self.workqueue.move_to_end(longest_unit_first(self.workqueue, recorded_test_seconds()), last=False)
-            super()._assign_work_unit(node)
 
     return WorkUnitScheduling(config, log)
 
@@ -306,9 +277,9 @@ def pytest_runtest_logreport(report) -> None:
 
 
 def pytest_sessionfinish(session) -> None:
-    """Under `RECORD_TEST_SECONDS_ENV`, write what each test took (on the controller of an xdist session, which
-    receives every worker's reports; a worker writes nothing). ``FL_RECORD_TEST_SECONDS=tests/e2e/test_seconds.json
-    make test-e2e`` renews `E2E_TEST_SECONDS`."""
+    """Under `RECORD_TEST_SECONDS_ENV`, write what each test took as JSON (on the controller of an xdist session,
+    which receives every worker's reports; a worker writes nothing): ``FL_RECORD_TEST_SECONDS=/tmp/e2e.json make
+    test-e2e`` tells whether the end-to-end tier's time is its tests' work or a worker left idle (docs/results.md)."""
     target = os.environ.get(RECORD_TEST_SECONDS_ENV)
     if target and not hasattr(session.config, "workerinput") and _test_seconds:
         rounded = {nodeid: round(seconds, 1) for nodeid, seconds in sorted(_test_seconds.items())}

@@ -7,6 +7,7 @@ in the fast tier again; the check reads the test files' syntax only (no collecti
 from __future__ import annotations
 
 import ast
+import json
 import re
 from pathlib import Path
 
@@ -71,50 +72,23 @@ def test_the_modules_sharing_the_sessions_simulations_are_one_work_unit(tiers):
     assert tiers.xdist_work_unit(f"{provision}::test_x") == provision  # one deployment, module-scoped
 
 
-def test_a_work_units_expected_time_sums_its_tests_and_counts_an_unrecorded_one_as_the_longest(tiers):
-    recorded = {"a": 10.0, "b": 30.0}
-    assert tiers.expected_unit_seconds(["a", "b"], recorded) == pytest.approx(40.0, abs=1e-6)
-    assert tiers.expected_unit_seconds(["a", "new"], recorded) == pytest.approx(40.0, abs=1e-6)
-    assert tiers.expected_unit_seconds(["new"], {}) == 0.0  # nothing recorded: xdist's own order stands
+def test_a_session_records_each_tests_setup_call_and_teardown_seconds_only_where_asked(tiers, tmp_path, monkeypatch):
+    """FL_RECORD_TEST_SECONDS: the xdist controller (or a plain session) writes {node-id: seconds}; a worker never."""
+    from types import SimpleNamespace
 
-
-def _makespan(units: dict[str, float], workers: int, pick) -> float:
-    """Two-worker list scheduling as xdist does it: a free worker takes the unit ``pick`` chooses from the queue."""
-    queue, loads = dict(units), [0.0] * workers
-    while queue:
-        unit = pick(queue)
-        loads[loads.index(min(loads))] += queue.pop(unit)
-    return max(loads)
-
-
-def test_the_longest_unit_goes_first_so_that_no_worker_ends_alone_with_a_long_one(tiers):
-    """In collection order a long unit queued last runs while the other worker is idle: 4 short units then a long
-    one end at 12 on two workers; longest first ends at 10, the long unit's own time."""
-    units = {"s1": 1.0, "s2": 1.0, "s3": 1.0, "s4": 1.0, "long": 10.0}
-    recorded = dict(units)
-    queue = {name: [name] for name in units}
-    assert tiers.longest_unit_first(queue, recorded) == "long"
-    assert tiers.longest_unit_first({"x": ["s1"], "y": ["s2"]}, recorded) == "x"  # a tie: the first queued
-    assert _makespan(units, 2, lambda q: next(iter(q))) == pytest.approx(12.0, abs=1e-6)
-    longest = _makespan(units, 2, lambda q: tiers.longest_unit_first({u: [u] for u in q}, recorded))
-    assert longest == pytest.approx(10.0, abs=1e-6)
-
-
-def test_every_recorded_test_time_names_an_existing_end_to_end_test(tiers):
-    """A renamed test would be counted as unrecorded (the longest) and its old entry would linger."""
-    recorded = tiers.recorded_test_seconds()
-    assert recorded, f"{tiers.E2E_TEST_SECONDS} holds no test"
-    stale = []
-    for nodeid in recorded:
-        file, _, name = nodeid.partition("::")
-        path = REPO / file
-        functions = set()
-        if path.is_file():
-            tree = ast.parse(path.read_text())
-            functions = {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}
-        if not file.startswith("tests/e2e/") or name.split("[", 1)[0] not in functions:
-            stale.append(nodeid)
-    assert not stale, f"{tiers.E2E_TEST_SECONDS.name} names no end-to-end test: {stale}"
+    monkeypatch.setattr(tiers, "_test_seconds", {})
+    for when, seconds in (("setup", 1.0), ("call", 2.0), ("teardown", 0.5)):
+        tiers.pytest_runtest_logreport(SimpleNamespace(when=when, duration=seconds, nodeid="tests/e2e/t.py::test_a"))
+    tiers.pytest_runtest_logreport(SimpleNamespace(when="call", duration=0.25, nodeid="tests/e2e/t.py::test_b"))
+    target = tmp_path / "seconds.json"
+    monkeypatch.delenv(tiers.RECORD_TEST_SECONDS_ENV, raising=False)
+    tiers.pytest_sessionfinish(SimpleNamespace(config=SimpleNamespace()))
+    assert not target.exists()  # not asked
+    monkeypatch.setenv(tiers.RECORD_TEST_SECONDS_ENV, str(target))
+    tiers.pytest_sessionfinish(SimpleNamespace(config=SimpleNamespace(workerinput={})))
+    assert not target.exists()  # a worker: its reports reach the controller
+    tiers.pytest_sessionfinish(SimpleNamespace(config=SimpleNamespace()))
+    assert json.loads(target.read_text()) == {"tests/e2e/t.py::test_a": 3.5, "tests/e2e/t.py::test_b": 0.2}
 
 
 def test_every_shared_session_fixture_is_a_session_fixture_of_the_end_to_end_conftest(tiers):
