@@ -9,12 +9,13 @@ import numpy as np
 import torch
 
 from data_prep import load_dataset
-from lightning_modules.classifier import FLClassifier
 from lightning_modules.evaluation import evaluate_classifier
+from lightning_modules.models import ClassifierWeights
 
 
 class TestSetEvaluator:
-    """Builds the same `FLClassifier` as the clients and scores global parameters on the test split.
+    """Builds the clients' network (`ClassifierWeights`: the `FLClassifier`'s state_dict keys, without Lightning)
+    and scores global parameters on the test split.
 
     ``max_test_samples`` keeps the first n test samples (the published order) for quick runs; ``None`` uses all.
     The data is loaded on first use so that building the job does not need it.
@@ -40,7 +41,7 @@ class TestSetEvaluator:
         self.max_test_samples = max_test_samples
         self.batch_size = batch_size
         self._always_serialize_args = ("arch", "num_classes", "dataset", "max_test_samples")
-        self._model: FLClassifier | None = None
+        self._model: ClassifierWeights | None = None
         self._data: tuple[np.ndarray, np.ndarray] | None = None
 
     def evaluate(self, params: Mapping[str, Any]) -> dict[str, float]:
@@ -49,9 +50,9 @@ class TestSetEvaluator:
         x, y = self._get_data()
         return evaluate_classifier(model.net, x, y, self.num_classes, self.batch_size)
 
-    def _get_model(self) -> FLClassifier:
+    def _get_model(self) -> ClassifierWeights:
         if self._model is None:
-            self._model = FLClassifier(arch=self.arch, num_classes=self.num_classes, arch_args=self.arch_args)
+            self._model = ClassifierWeights(arch=self.arch, num_classes=self.num_classes, arch_args=self.arch_args)
         return self._model
 
     def _get_data(self) -> tuple[np.ndarray, np.ndarray]:

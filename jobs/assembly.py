@@ -125,7 +125,8 @@ def builtin_model_config(spec: JobSpec) -> dict[str, Any]:
     arch_args = model_arch_args(spec)
     if arch_args:  # the server's model and evaluator must build what the clients build (MOON's projection head)
         model_args["arch_args"] = arch_args
-    return {"path": "lightning_modules.classifier.FLClassifier", "args": model_args}
+    # The plain twin of the sites' FLClassifier (same state_dict keys and seeded weights): no Lightning on the server.
+    return {"path": "lightning_modules.models.ClassifierWeights", "args": model_args}
 
 
 def _add_user_model(job: Any, spec: JobSpec) -> None:

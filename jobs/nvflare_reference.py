@@ -48,7 +48,7 @@ CONTROL_LOG_PREFIX = "nvflare-reference:"
 def reference_model(spec: JobSpec) -> dict[str, Any]:
     """The same model dict as `jobs.build.build_job` gives ``PTModel`` (the recipe takes ``path`` too)."""
     return {
-        "path": "lightning_modules.classifier.FLClassifier",
+        "path": "lightning_modules.models.ClassifierWeights",
         "args": {"arch": spec.arch, "num_classes": dataset_num_classes(spec.dataset), "init_seed": spec.seed},
     }
 

@@ -22,7 +22,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_modules.federated import algorithm_loss
-from lightning_modules.models import build_model
+from lightning_modules.models import seeded_model
 
 
 class FLClassifier(pl.LightningModule):
@@ -51,11 +51,9 @@ class FLClassifier(pl.LightningModule):
         init_seed: int | None = None,
     ) -> None:
         super().__init__()
-        with torch.random.fork_rng(devices=[]):
-            # A seeded initial model makes the whole federated run reproducible (the server builds it).
-            if init_seed is not None:
-                torch.manual_seed(init_seed)
-            self.net = build_model(arch, num_classes=num_classes, **dict(arch_args or {}))
+        # A seeded initial model makes the whole federated run reproducible (the server builds its twin,
+        # lightning_modules.models.ClassifierWeights, from the same seed).
+        self.net = seeded_model(arch, num_classes, arch_args, init_seed)
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
         self.train_loss = MeanMetric()
         self.train_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")

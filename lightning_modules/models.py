@@ -19,7 +19,8 @@ no arguments (``{"path": "lightning_modules.models.LeNet5"}``). Layers are named
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -28,12 +29,14 @@ __all__ = [
     "MLP",
     "MODELS",
     "BatchNormCNN",
+    "ClassifierWeights",
     "FeatureClassifier",
     "LeNet5",
     "MaxPool2x2",
     "ProjectionHead",
     "SimpleCNN",
     "build_model",
+    "seeded_model",
     "trainable_parameter_names",
 ]
 
@@ -248,6 +251,39 @@ def build_model(name: str, projection_dim: int | None = None, **kwargs: object) 
     if projection_dim is not None:
         model.add_projection_head(projection_dim)
     return model
+
+
+def seeded_model(
+    name: str, num_classes: int, arch_args: Mapping[str, Any] | None = None, init_seed: int | None = None
+) -> nn.Module:
+    """`build_model` with its initial weights drawn from ``torch.manual_seed(init_seed)`` inside a forked random
+    stream (the caller's stream is left as it was); ``None``: drawn from the caller's stream, as usual. The built-in
+    classifier (lightning_modules/classifier.py) and its plain twin on the server (`ClassifierWeights`) both build
+    their network here, so a seeded job starts from the same weights on both sides."""
+    with torch.random.fork_rng(devices=[]):
+        if init_seed is not None:
+            torch.manual_seed(init_seed)
+        return build_model(name, num_classes=num_classes, **dict(arch_args or {}))
+
+
+class ClassifierWeights(nn.Module):
+    """The built-in classifier's weights without Lightning: its network under ``net``, so the state_dict keys
+    (``net.conv1.weight``, ...) and the seeded initial weights are the `FLClassifier`'s. The server holds the global
+    model in it (NVFlare's persistor, the test-set evaluator): a server process then never imports Lightning,
+    which costs about 4 s of CPU at every start."""
+
+    def __init__(
+        self,
+        arch: str = "lenet5",
+        num_classes: int = 10,
+        arch_args: Mapping[str, Any] | None = None,
+        init_seed: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.net = seeded_model(arch, num_classes, arch_args, init_seed)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
 
 
 def trainable_parameter_names(model: nn.Module) -> list[str]:
