@@ -169,6 +169,10 @@ PERSONALIZATION_METHODS: dict[str, dict[str, Any]] = {
     "ditto_grid": {"client": "ditto", "client_args": {"lam": 0.1, "lam_grid": [0.01, 0.1, 1.0]}},
     # FedAvg clients with server momentum 0.9 at eta = 1 (Hsu et al. 2019): the server-optimizer row of a grid.
     "fedavgm": {"server": "fedavgm"},
+    # The default with a stronger personal candidate: the received global model fine-tuned at the site, early-stopped
+    # on its validation split within 3 epochs, in place of the round's trained model (the local-only model's matched
+    # steps count the fine-tuning too).
+    "fedavgm_ft3": {"server": "fedavgm", "finetune_epochs": 3},
     # The same model trained centrally: one site holding the same number of samples, IID (the sites' union in
     # distribution), the same optimizer, epochs and rounds; its global model on the pooled test set is the ceiling the
     # federation's global model is read against.

@@ -20,13 +20,20 @@ later, more accurate one; the column shows where that happens.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.keep_rule_study import CENTRAL, RULES, replay_site, site_rounds, stop_round, write_record
+from benchmarks.keep_rule_study import (
+    CENTRAL,
+    RULES,
+    recorded_settings_parser,
+    replay_site,
+    site_rounds,
+    stop_round,
+    write_record,
+)
 from lightning_modules.site_choice import DEFAULT_MARGIN
 
 RULE = f"margin={DEFAULT_MARGIN}"
@@ -72,10 +79,7 @@ def replay_setting(setting: Path, patience: int | None) -> dict[str, dict[str, d
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("settings", nargs="+", type=Path, help="folders of recorded runs (one per setting)")
-    parser.add_argument("--patience", type=int, default=5, help="the stopping rule's patience (0: no stopping)")
-    parser.add_argument("--json", type=Path, help="also write every run's replay here (the committed record)")
+    parser = recorded_settings_parser(__doc__, "every run's replay")
     args = parser.parse_args(argv)
     record = {}
     print(

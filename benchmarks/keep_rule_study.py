@@ -298,14 +298,18 @@ def fmt(interval: tuple[float, float, float] | None) -> str:
     return f"{mean:+.1f} [{low:+.1f}, {high:+.1f}]"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def recorded_settings_parser(doc: str, json_help: str) -> argparse.ArgumentParser:
+    """The replays' shared command line: the settings' folders, the stopping rule's patience and ``--json``."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("settings", nargs="+", type=Path, help="folders of recorded runs (one per setting)")
     parser.add_argument("--patience", type=int, default=5, help="the stopping rule's patience (0: no stopping)")
+    parser.add_argument("--json", type=Path, help=f"also write {json_help} here (the committed record)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = recorded_settings_parser(__doc__, "every (setting, rule, run, site) final score")
     parser.add_argument("--rules", nargs="+", default=list(RULES), choices=list(RULES), help="rules to replay")
-    parser.add_argument(
-        "--json", type=Path, help="also write every (setting, rule, run, site) final score here (the committed record)"
-    )
     parser.add_argument(
         "--local-patience",
         type=int,
