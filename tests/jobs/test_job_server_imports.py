@@ -24,7 +24,7 @@ USER_MODEL = "lightning_modules.own_model.seeded_user_module"
 
 
 def server_component_paths(config: Path) -> list[str]:
-    """Every ``path`` a server config names (components, the persistor's model, nested arguments)."""
+    """Every ``path`` a job config names (components, the persistor's model, nested arguments)."""
     found: list[str] = []
 
     def walk(node: object) -> None:
@@ -85,3 +85,17 @@ def test_the_package_still_offers_its_two_names_lazily() -> None:
     assert lightning_modules.FLClassifier is FLClassifier
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         lightning_modules.nope  # noqa: B018
+
+
+def test_the_allow_list_holds_every_bundle_class_a_job_without_custom_code_names(tmp_path) -> None:
+    # A provisioned participant refuses a non-BYOC job naming a class off its allow-list (the server's model class,
+    # renamed to ClassifierWeights, failed a loopback deployment until it was added).
+    from jobs.build import JobSpec, export_job
+    from jobs.provision.loopback import ALLOW_LIST_FILE, installed_script_job
+
+    exported = export_job(JobSpec(name="plain", num_rounds=1), tmp_path / "exported")
+    job = installed_script_job(exported, tmp_path / "plain")
+    named = {path for config in job.rglob("config_fed_*.json") for path in server_component_paths(config)}
+    ours = {path for path in named if not path.startswith("nvflare.")}
+    assert "lightning_modules.models.ClassifierWeights" in ours
+    assert ours <= set(json.loads(ALLOW_LIST_FILE.read_text())["class_allow_list"])
