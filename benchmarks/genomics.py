@@ -64,6 +64,9 @@ ALGORITHMS: dict[str, dict[str, Any]] = {
     "feddyn": {"client": "feddyn", "server": "feddyn", "server_args": {"alpha": 0.01}},
     "fednova": {"server": "fednova", "model": {"optimizer": "sgd"}},
     "fedavgm": {"server": "fedavgm"},
+    # The default with the global model fine-tuned at the site, early-stopped within 3 epochs, as the personal
+    # candidate (benchmarks.compare's fedavgm_ft3).
+    "fedavgm_ft3": {"server": "fedavgm", "finetune_epochs": 3},
     # The same local SGD as FedNova's, to tell the optimizer's effect from the rule's (AdamW is the consortium's).
     "fedavg_sgd": {"model": {"optimizer": "sgd"}},
     "scaffold_sgd": {"client": "scaffold", "server": "scaffold", "model": {"optimizer": "sgd"}},
