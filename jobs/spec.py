@@ -136,9 +136,11 @@ def job_model(spec: JobSpec) -> Any:
 
         with importable(shipped_folders(spec)):
             return build_user_module(spec.model, spec.model_args, seed=spec.seed)
-    from lightning_modules.classifier import FLClassifier
+    # The built-in classifier's network without Lightning (the same state_dict and layers), as the server holds it:
+    # building a job then never imports Lightning.
+    from lightning_modules.models import ClassifierWeights
 
-    return FLClassifier(arch=spec.arch, num_classes=dataset_num_classes(spec.dataset), arch_args=model_arch_args(spec))
+    return ClassifierWeights(spec.arch, dataset_num_classes(spec.dataset), model_arch_args(spec) or None)
 
 
 def job_local_keys(spec: JobSpec) -> tuple[str, ...]:

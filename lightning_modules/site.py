@@ -41,7 +41,8 @@ from torch.utils.data import TensorDataset
 
 from data_prep import to_tensor_dataset
 from data_prep.splits import site_holdout_indices
-from lightning_modules.attacks import AttackCallback, AttackConfig, attack_config_from_args, site_labels
+from lightning_modules.attack_callback import AttackCallback
+from lightning_modules.attacks import AttackConfig, attack_config_from_args, site_labels
 from lightning_modules.classifier import FLClassifier
 from lightning_modules.distributed import check_launch
 from lightning_modules.federated import FederatedAlgorithm

@@ -99,3 +99,18 @@ def test_the_allow_list_holds_every_bundle_class_a_job_without_custom_code_names
     ours = {path for path in named if not path.startswith("nvflare.")}
     assert "lightning_modules.models.ClassifierWeights" in ours
     assert ours <= set(json.loads(ALLOW_LIST_FILE.read_text())["class_allow_list"])
+
+
+def test_building_a_job_on_the_built_in_classifier_imports_no_lightning(tmp_path) -> None:
+    # The builder asks the model only about its state_dict and layers: ClassifierWeights answers as FLClassifier
+    # would (its attack-site resolution lives apart from the attack callback for the same reason).
+    probe = (
+        "import runpy, sys\n"
+        f"sys.argv = ['build', '--name', 'probe', '--output-dir', {str(tmp_path)!r}, '--num-rounds', '1']\n"
+        "try:\n    runpy.run_module('jobs.build', run_name='__main__')\nexcept SystemExit as exc:\n"
+        "    assert not exc.code, exc.code\n"
+        "print(sorted(m for m in ('pytorch_lightning', 'lightning', 'torchmetrics') if m in sys.modules))\n"
+    )
+    completed = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
+    assert completed.stdout.strip().splitlines()[-1] == "[]", completed.stdout
+    assert (tmp_path / "probe" / "meta.json").is_file()

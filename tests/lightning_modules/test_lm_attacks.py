@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from aggregators.contracts import meta_keys
+from lightning_modules.attack_callback import AttackCallback
 from lightning_modules.attacks import (
-    AttackCallback,
     AttackConfig,
     attack_script_args,
     attack_update,
