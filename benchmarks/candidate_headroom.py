@@ -43,19 +43,20 @@ SHIPPED = "margin=1.0"
 COLUMNS = ("kept", "global early-stopped", "global last", "personal early-stopped", "personal last", "best on test")
 
 
-def early_stopped_and_last(paths: Sequence[Path], kind: str) -> tuple[Candidate, Candidate] | None:
-    """``kind``'s model of the round with the lowest validation loss over ``paths`` (the earlier of equal ones)
-    and its model of the last round; ``None`` where the site never had that kind."""
-    best: Candidate | None = None
-    latest: Candidate | None = None
+def early_stopped_and_last(paths: Sequence[Path]) -> dict[str, tuple[Candidate, Candidate]]:
+    """Per federated kind the site had in every round of ``paths``: its model of the round with the lowest
+    validation loss (the earlier of equal ones) and its model of the last round, from one read of each round."""
+    best: dict[str, Candidate] = {}
+    latest: dict[str, Candidate] = {}
+    kinds = set(FEDERATED)
     for round_num, path in enumerate(paths):
         models, labels = read_round(path)
-        if kind not in models:
-            return None
-        latest = candidate_of(kind, round_num, models[kind], labels)
-        if best is None or latest.val_loss < best.val_loss:
-            best = latest
-    return (best, latest) if best is not None and latest is not None else None
+        kinds &= set(models)
+        for kind in kinds:
+            latest[kind] = candidate_of(kind, round_num, models[kind], labels)
+            if kind not in best or latest[kind].val_loss < best[kind].val_loss:
+                best[kind] = latest[kind]
+    return {kind: (best[kind], latest[kind]) for kind in FEDERATED if kind in kinds and kind in latest}
 
 
 def site_headroom(paths: Sequence[Path], stop: int, replayed: dict[str, float]) -> dict[str, float]:
@@ -64,9 +65,9 @@ def site_headroom(paths: Sequence[Path], stop: int, replayed: dict[str, float]) 
     own = replayed["own_test"]
     out = {"own": 100 * own, "kept": 100 * (replayed["kept_test"] - own)}
     best = own
+    found = early_stopped_and_last(paths[: stop + 1])
     for kind in FEDERATED:
-        found = early_stopped_and_last(paths[: stop + 1], kind)
-        stopped, last = (own, own) if found is None else (c.scores.accuracy("test") for c in found)
+        stopped, last = (own, own) if kind not in found else (c.scores.accuracy("test") for c in found[kind])
         out[f"{kind} early-stopped"], out[f"{kind} last"] = 100 * (stopped - own), 100 * (last - own)
         best = max(best, stopped)
     out["best on test"] = 100 * (best - own)

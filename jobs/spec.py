@@ -140,7 +140,7 @@ def job_model(spec: JobSpec) -> Any:
     # building a job then never imports Lightning.
     from lightning_modules.models import ClassifierWeights
 
-    return ClassifierWeights(spec.arch, dataset_num_classes(spec.dataset), model_arch_args(spec) or None)
+    return ClassifierWeights(spec.arch, dataset_num_classes(spec.dataset), model_arch_args(spec))
 
 
 def job_local_keys(spec: JobSpec) -> tuple[str, ...]:

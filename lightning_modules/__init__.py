@@ -1,7 +1,7 @@
 """Lightning side of the bundle: models, the built-in classifier, the client-algorithm callback and per-site state.
 
 The two names below load on first use (PEP 562): the server imports this package's plain-torch parts (the state
-store) and must not pay for importing Lightning, about 4 s of CPU in every server process."""
+store) and must not pay for importing Lightning, about 3 s of CPU in every server process."""
 
 from typing import Any
 

@@ -2,9 +2,9 @@
 
 Both jobs run through ``nvflare simulator -t 3`` on the same data (Fashion-MNIST, 3,000-sample subset, label-skewed
 "#C=2" shards: 609 / 578 / 602 samples, i.e. 10 optimizer steps per site and round at batch 64), the same seed
-and initial model (``ClassifierWeights``/LeNet-5, the sites' ``FLClassifier`` network, built on the server from the same
-import path), full participation,
-vanilla SGD (lr 0.05, momentum 0, weight decay 0), 3 rounds of 1 local epoch:
+and initial model (``ClassifierWeights``/LeNet-5, the sites' ``FLClassifier`` network, built on the server from
+the same import path), full participation, vanilla SGD (lr 0.05, momentum 0, weight decay 0), 3 rounds of 1 local
+epoch:
 
 - ours: ``JobSpec(client="scaffold", server="scaffold")`` (uniform model average, c += sum of delta c_i / N);
 - NVFlare's: ``jobs/nvflare_reference.py`` (``ScaffoldRecipe``; our client script with ``--client fedavg``, so our

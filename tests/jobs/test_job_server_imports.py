@@ -1,4 +1,4 @@
-"""The server of a job on the built-in classifier never imports Lightning (about 4 s of CPU at every server start,
+"""The server of a job on the built-in classifier never imports Lightning (about 3 s of CPU at every server start,
 in every simulator run and deployment): it holds the global model in `ClassifierWeights`, the sites' `FLClassifier`
 network without Lightning, whose state_dict keys and seeded initial weights are the `FLClassifier`'s bit for bit.
 
