@@ -18,10 +18,11 @@ def evaluate_classifier(
     was_training = model.training
     model.eval()
     try:
-        logits = torch.cat([model(torch.from_numpy(x[i : i + batch_size])) for i in range(0, len(x), batch_size)])
+        # torch.tensor copies: the server's test arrays can be read-only (torch.from_numpy warns on those).
+        logits = torch.cat([model(torch.tensor(x[i : i + batch_size])) for i in range(0, len(x), batch_size)])
     finally:
         model.train(was_training)
-    target = torch.from_numpy(y)
+    target = torch.tensor(y)
     loss = F.cross_entropy(logits, target).item()
     # Micro top-1 accuracy (torchmetrics' multiclass_accuracy with average="micro"); num_classes checks the logits.
     if logits.shape[1] != num_classes:

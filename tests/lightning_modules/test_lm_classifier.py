@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
@@ -741,6 +742,15 @@ def test_evaluate_classifier_matches_numpy(batch_size: int, training: bool):
     assert model.seen_training and not any(model.seen_training)  # evaluated in eval mode
     assert not any(model.seen_grad)  # and without autograd
     assert len(model.seen_training) == math.ceil(len(EVAL_X) / batch_size)
+
+
+def test_evaluate_classifier_takes_read_only_arrays_without_a_warning():
+    x, y = EVAL_X.copy(), EVAL_Y.copy()
+    x.flags.writeable = y.flags.writeable = False  # as the server's test set can come
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = evaluate_classifier(FlagProbe(), x, y, num_classes=3)
+    assert result["test_accuracy"] == 0.75
 
 
 def test_evaluate_classifier_restores_flag_on_submodules():
