@@ -1,6 +1,6 @@
 """A user's own model and data (examples/custom_model) through `nvflare simulator`, as the docs tell a user to run
 it: SCAFFOLD with AdamW, the sites evaluating every received global model on their own validation split, and one
-process per site (-t 3) giving the same global models bit for bit as a new process per client round (-t 1)."""
+process per site giving the same global models bit for bit as a new process per client round (-t 1)."""
 
 from __future__ import annotations
 
@@ -20,11 +20,14 @@ from tests.e2e.simulator_run import run_simulator_command
 REPO = Path(__file__).resolve().parents[2]
 OWN_MODEL = ["--ship", "examples/custom_model", "--model", "custom_model.model:DigitsClassifier"]
 ROUNDS = 3
+#: The thread-count and state checks run two sites: what a site keeps across processes is per site, so a third site
+#: adds a process per round and no check.
+TWO_SITES = {"site-1", "site-2"}
 
 
 def simulate(job: Path, workspace: Path, threads: int) -> list[dict]:
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    command = ["nvflare", "simulator", str(job), "-w", str(workspace), "-n", "3", "-t", str(threads)]
+    command = ["nvflare", "simulator", str(job), "-w", str(workspace), "-n", str(len(TWO_SITES)), "-t", str(threads)]
     completed = run_simulator_command(command, workspace, env=env, timeout=900)
     records = report.load_records(workspace)
     assert [r["stage"] for r in records] == ["initial"] + ["round"] * ROUNDS, completed.stdout[-3000:]
@@ -36,18 +39,18 @@ def test_example_model_trains_with_site_evaluation_and_is_thread_count_independe
     build = [sys.executable, "-m", "jobs.build", "--client", "scaffold", "--server", "scaffold"]
     build += ["--name", "custom_scaffold", "--output-dir", str(tmp_path), "--num-rounds", str(ROUNDS)]
     build += ["--model", "custom_model.model:DigitsClassifier", "--data", "custom_model.data:DigitsSites"]
-    build += ["--ship", "examples/custom_model", "--final-site-eval"]
+    build += ["--ship", "examples/custom_model", "--final-site-eval", "--num-sites", str(len(TWO_SITES))]
     subprocess.run(build, check=True, cwd=REPO, capture_output=True)
-    by_process = simulate(tmp_path / "custom_scaffold", tmp_path / "t3", threads=3)
+    by_process = simulate(tmp_path / "custom_scaffold", tmp_path / "per_site", threads=len(TWO_SITES))
     by_round = simulate(tmp_path / "custom_scaffold", tmp_path / "t1", threads=1)
     assert [r["global_sha256"] for r in by_process] == [r["global_sha256"] for r in by_round]
     assert len({r["global_sha256"] for r in by_process}) == ROUNDS + 1  # every round moved the model
     accuracy = [r["site_eval"]["val_accuracy"] for r in by_process[1:]]
-    assert all(set(a["per_site"]) == {"site-1", "site-2", "site-3"} for a in accuracy)
+    assert all(set(a["per_site"]) == TWO_SITES for a in accuracy)
     assert accuracy[-1]["mean"] > accuracy[0]["mean"] + 0.2  # the round-1 score is the untrained model's
     meta = by_process[-1]["site_meta"]["site-1"]
     assert meta["client.algorithm"] == "scaffold" and "fednova.tau" not in meta  # AdamW: no FedNova report
-    assert report.main([str(tmp_path / "t3"), "--plot", str(tmp_path / "p.png")]) == 0
+    assert report.main([str(tmp_path / "per_site"), "--plot", str(tmp_path / "p.png")]) == 0
     assert json.dumps(by_process[-1]["site_eval"])  # JSON-able as written
     # SCAFFOLD's diagnostics: the server's ||c|| and every site's ||delta c_i||, each round.
     assert all(r["rule_diagnostics"]["scaffold.ctrl.global_norm"] > 0 for r in by_process[1:])
@@ -59,6 +62,7 @@ def test_example_model_trains_with_site_evaluation_and_is_thread_count_independe
         client="scaffold",
         server="scaffold",
         num_rounds=ROUNDS,
+        num_sites=len(TWO_SITES),
         model="custom_model.model:DigitsClassifier",
         data="custom_model.data:DigitsSites",
     )
@@ -66,9 +70,9 @@ def test_example_model_trains_with_site_evaluation_and_is_thread_count_independe
         run = run_in_process(spec, tmp_path / "in_process_state")
     assert [r["global_sha256"] for r in run.records] == [r["global_sha256"] for r in by_process]
     # --final-site-eval: every site scored the final global model; the same numbers as the in-process runner's.
-    for workspace in ("t3", "t1"):
+    for workspace in ("per_site", "t1"):
         final = json.loads((tmp_path / workspace / report.FINAL_SCORES).read_text())
-        assert final["round"] == ROUNDS and set(final["sites"]) == {"site-1", "site-2", "site-3"}
+        assert final["round"] == ROUNDS and set(final["sites"]) == TWO_SITES
         for site, scores in run.final_site_scores.items():
             assert set(scores) == set(final["sites"][site]) and "val_accuracy" in scores
             for metric, value in scores.items():
@@ -111,12 +115,13 @@ def test_example_model_runs_under_every_other_client_algorithm(tmp_path, client)
     options = ["--client", client, "--server", server, *OWN_MODEL, "--data", "custom_model.data:DigitsSites"]
     options += ["--model-args", json.dumps(model_args, separators=(",", ":"))]
     options += ["--client-args", json.dumps(client_args, separators=(",", ":"))]
-    rounds = build_and_simulate(tmp_path, client, options)
+    sites = len(TWO_SITES) if client in STATEFUL else 3
+    rounds = build_and_simulate(tmp_path, client, [*options, "--num-sites", str(sites)], sites=sites, threads=sites)
     assert all(r["rejected"] == {} for r in rounds)
     assert {m["client.algorithm"] for m in rounds[-1]["site_meta"].values()} == {client}
     assert "val_accuracy" in rounds[-1]["site_eval"]
     if client in STATEFUL:  # state that outlives a round must survive a new process per client-round (-t 1)
-        by_round = simulate_two_rounds(tmp_path / client, tmp_path / "t1", sites=3, threads=1)
+        by_round = simulate_two_rounds(tmp_path / client, tmp_path / "t1", sites=sites, threads=1)
         assert [r["global_sha256"] for r in by_round] == [r["global_sha256"] for r in rounds]
 
 
