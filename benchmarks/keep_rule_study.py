@@ -224,6 +224,54 @@ def interval(values: Sequence[float]) -> tuple[float, float, float]:
     return found.mean, found.low, found.high
 
 
+def summary_of(finals: Sequence[Sequence[dict[str, float]]]) -> dict[str, object]:
+    """A setting's figures from its runs' final rows (per run, one `replay_site` row per site): the own-view gain
+    (kept − own on the test split, in points; the mean over the run's sites, then the 95 % t-interval over runs), the
+    pooled-view one, the worst (site, seed) pair, the pairs below −2 points (and of them those within their test
+    split's noise, `NOISE_Z`), and how many sites kept their own model."""
+    seed_means, pooled_means, pairs, within_noise, own_kept = [], [], [], 0, 0
+    for rows in finals:
+        gains = [100 * (r["kept_test"] - r["own_test"]) for r in rows]
+        pairs += gains
+        within_noise += sum(
+            g < -100 * (TOLERANCE + ROUNDING) and -g <= 100 * NOISE_Z * r["test_difference_se"]
+            for g, r in zip(gains, rows, strict=True)
+        )
+        own_kept += sum(int(r["kept_own"]) for r in rows)
+        seed_means.append(float(np.mean(gains)))
+        if "kept_pooled" in rows[0]:
+            pooled_means.append(float(np.mean([100 * (r["kept_pooled"] - r["own_pooled"]) for r in rows])))
+    return {
+        "gain": interval(seed_means),
+        "pooled": interval(pooled_means) if pooled_means else None,
+        "worst": min(pairs),
+        "below2": sum(g < -100 * (TOLERANCE + ROUNDING) for g in pairs),
+        "below2_within_noise": within_noise,
+        "pairs": len(pairs),
+        "own_kept": own_kept,
+    }
+
+
+def replayed_runs(
+    setting: Path,
+    rule: Rule,
+    local_patience: int | None = None,
+    window: int = 0,
+    prior_shift: Sequence[float] = (),
+) -> dict[str, dict[str, list[dict[str, float]]]]:
+    """Per federated run of ``setting`` (one folder per training seed; central cells left out) and site, the
+    `replay_site` rows of every recorded round."""
+    runs = {}
+    for run in sorted(p for p in setting.iterdir() if p.is_dir() and not p.name.startswith(f"{CENTRAL}__")):
+        per_site = {
+            site: replay_site(paths, rule, local_patience, window, prior_shift)
+            for site, paths in site_rounds(run).items()
+        }
+        if per_site:
+            runs[run.name] = per_site
+    return runs
+
+
 def study(
     setting: Path,
     rule: Rule,
@@ -233,42 +281,24 @@ def study(
     prior_shift: Sequence[float] = (),
 ) -> dict[str, object]:
     """One setting (a folder of runs, one per training seed) under one rule (counterfactuals: `replay_site`)."""
-    seed_means, pooled_means, pairs, own_kept, stops, finals_by_run = [], [], [], 0, [], {}
-    losses_within_noise, split_distances = 0, []
-    for run in sorted(p for p in setting.iterdir() if p.is_dir() and not p.name.startswith(f"{CENTRAL}__")):
-        rounds_by_site = site_rounds(run)
-        per_site = {
-            site: replay_site(paths, rule, local_patience, window, prior_shift)
-            for site, paths in rounds_by_site.items()
-        }
-        if not per_site:
-            continue
-        for paths in rounds_by_site.values():  # the hold-outs are fixed: the first round's labels are every round's
+    finals, stops, finals_by_run, split_distances = [], [], {}, []
+    for name, per_site in replayed_runs(setting, rule, local_patience, window, prior_shift).items():
+        for paths in site_rounds(
+            setting / name
+        ).values():  # fixed hold-outs: the first round's labels are every round's
             labels = read_labels(paths[0])
             if "test" in labels:
                 split_distances.append(label_distance(labels["val"], labels["test"]))
         t = stop_round(per_site, patience)
         stops.append(t + 1)
-        finals = [rows[t] for rows in per_site.values()]
-        finals_by_run[run.name] = {"stopped_after": t, "sites": {site: rows[t] for site, rows in per_site.items()}}
-        gains = [100 * (r["kept_test"] - r["own_test"]) for r in finals]
-        pairs += gains
-        losses_within_noise += sum(
-            g < -100 * (TOLERANCE + ROUNDING) and -g <= 100 * NOISE_Z * r["test_difference_se"]
-            for g, r in zip(gains, finals, strict=True)
-        )
-        own_kept += sum(int(r["kept_own"]) for r in finals)
-        seed_means.append(float(np.mean(gains)))
-        if "kept_pooled" in finals[0]:
-            pooled_means.append(float(np.mean([100 * (r["kept_pooled"] - r["own_pooled"]) for r in finals])))
-    return {
-        "gain": interval(seed_means),
-        "pooled": interval(pooled_means) if pooled_means else None,
-        "worst": min(pairs),
-        "below2": sum(g < -100 * (TOLERANCE + ROUNDING) for g in pairs),
-        "below2_within_noise": losses_within_noise,
-        "pairs": len(pairs),
-        "own_test": float(np.mean([100 * r["own_test"] for f in finals_by_run.values() for r in f["sites"].values()])),
+        finals.append([rows[t] for rows in per_site.values()])
+        finals_by_run[name] = {"stopped_after": t, "sites": {site: rows[t] for site, rows in per_site.items()}}
+    own_test = [100 * r["own_test"] for f in finals_by_run.values() for r in f["sites"].values()]
+    summary = summary_of(finals)
+    own_kept = summary.pop("own_kept")
+    return {  # the keys in the order of the committed records
+        **summary,
+        "own_test": float(np.mean(own_test)),
         "own_kept": own_kept,
         # Over the runs' sites: how far the validation split's label mix is from the test split's (median, max).
         "val_test_label_distance": [float(np.median(split_distances)), max(split_distances)]
