@@ -173,6 +173,14 @@ PERSONALIZATION_METHODS: dict[str, dict[str, Any]] = {
     # on its validation split within 3 epochs, in place of the round's trained model (the local-only model's matched
     # steps count the fine-tuning too).
     "fedavgm_ft3": {"server": "fedavgm", "finetune_epochs": 3},
+    # The default with Ditto at the sites as the personal candidate, each site's strength chosen on its validation
+    # split every round (the ditto_grid lams): v_i is trained on the site's data with a pull of strength lam to the
+    # global model, an interpolation in weight space between a model of the site's own and the federated one.
+    "fedavgm_ditto": {
+        "server": "fedavgm",
+        "client": "ditto",
+        "client_args": {"lam": 0.1, "lam_grid": [0.01, 0.1, 1.0]},
+    },
     # The same model trained centrally: one site holding the same number of samples, IID (the sites' union in
     # distribution), the same optimizer, epochs and rounds; its global model on the pooled test set is the ceiling the
     # federation's global model is read against.
