@@ -37,10 +37,12 @@ from benchmarks.keep_rule_study import (
     summary_of,
     write_record,
 )
+from benchmarks.site_report import OWN_GAIN_TARGET, POOLED_GAIN_TARGET
 
 SHIPPED = "margin=1.0"
 TARGETS = ("own +3", "no pair < -2", "pooled +15")
-OWN_TARGET, POOLED_TARGET = 3.0, 15.0
+#: The site report's gain targets, in points (the summaries here are in points, the report's in fractions).
+OWN_TARGET, POOLED_TARGET = 100 * OWN_GAIN_TARGET, 100 * POOLED_GAIN_TARGET
 
 Rows = dict[str, list[dict[str, float]]]  # site -> replay_site rows, one per round
 
@@ -68,13 +70,14 @@ def sensitivity(setting: Path, patience: int | None, from_round: int = 5, last_w
     runs = list(replayed_runs(setting, RULES[SHIPPED]).values())
     if not runs:
         raise ValueError(f"{setting}: no recorded federated run")
-    rule = at_rounds(runs, [stop_round(per_site, patience) for per_site in runs])
+    stops = [stop_round(per_site, patience) for per_site in runs]
+    rule = at_rounds(runs, stops)
     last = min(len(rows) for per_site in runs for rows in per_site.values())
     fixed = {t + 1: at_rounds(runs, [t] * len(runs)) for t in range(min(from_round, last) - 1, last)}
     verdict = targets_met(rule)
     late = [fixed[t] for t in sorted(fixed)[-last_window:]]
     return {
-        "rule_rounds": [stop_round(per_site, patience) + 1 for per_site in runs],
+        "rule_rounds": [t + 1 for t in stops],
         "at_rule": rule,
         "met_at_rule": verdict,
         "fixed": fixed,
