@@ -283,9 +283,8 @@ def study(
     """One setting (a folder of runs, one per training seed) under one rule (counterfactuals: `replay_site`)."""
     finals, stops, finals_by_run, split_distances = [], [], {}, []
     for name, per_site in replayed_runs(setting, rule, local_patience, window, prior_shift).items():
-        for paths in site_rounds(
-            setting / name
-        ).values():  # fixed hold-outs: the first round's labels are every round's
+        # The hold-outs are fixed: the first round's labels are every round's.
+        for paths in site_rounds(setting / name).values():
             labels = read_labels(paths[0])
             if "test" in labels:
                 split_distances.append(label_distance(labels["val"], labels["test"]))
