@@ -41,7 +41,6 @@ import torch
 from torch.utils.data import ConcatDataset, DataLoader, Dataset
 
 from benchmarks import site_stats
-from benchmarks.compare import Cell, Protocol, cell_spec
 from controllers.stopping import MIN_DELTA, rounds_since_best
 
 #: The recorded default whose cells the ceiling is read against.
@@ -102,74 +101,101 @@ def early_stopped(
     return Stopped(best_state, epoch, losses[epoch], len(losses) - 1)
 
 
-def site_datasets(spec: Any) -> tuple[dict[str, Any], Dataset | None]:
-    """Every site's `lightning_modules.site.SiteSplits`, built by the job's own code, and the pooled test images."""
+@dataclass(frozen=True)
+class RecordedRun:
+    """What the replay needs of one recorded run, rebuilt by its harness's own code: per site its (training,
+    validation, test) datasets, the pooled test set, the job's initial model and its training settings."""
+
+    sites: dict[str, tuple[Dataset, Dataset, Dataset]]
+    pooled_test: Dataset | None
+    make_module: Callable[[], Any]
+    batch_size: int
+    max_epochs: int
+    patience: int
+    seed: int
+
+
+def image_run(protocol: Mapping[str, Any], cell: Mapping[str, Any]) -> RecordedRun:
+    """A ``benchmarks.compare`` run (built-in image data): the sites as the client script splits them."""
+    from benchmarks.compare import Cell, Protocol, cell_spec
     from benchmarks.in_process import site_args
-    from data_prep import SiteDataConfig
+    from data_prep import SiteDataConfig, to_tensor_dataset
     from data_prep.site_config import seed_index
     from data_prep.sites import site_split
+    from jobs.build import dataset_num_classes
+    from lightning_modules.classifier import FLClassifier
+    from lightning_modules.options import json_arg
     from lightning_modules.site import hold_out, pooled_test_set
 
+    spec = cell_spec(Cell(**cell), Protocol(**protocol))
     args = site_args(spec)
     config = SiteDataConfig.from_namespace(args)
     sites = {}
     for i in range(spec.num_sites):
         name = f"site-{i + 1}"
         x, y = site_split(config, name)
-        sites[name] = hold_out(args, x, y, seed_index(name, spec.num_sites))
-    return sites, pooled_test_set(args)
+        split = hold_out(args, x, y, seed_index(name, spec.num_sites))
+        sites[name] = (to_tensor_dataset(split.x, split.y), split.validation, split.test)
+    settings = {"lr": args.lr, "momentum": args.momentum, "weight_decay": args.weight_decay}
+    classes = dataset_num_classes(spec.dataset)
+
+    def make_module() -> FLClassifier:  # the job's initial model: what its persistor and local-only model build
+        return FLClassifier(args.arch, classes, json_arg(args.arch_args), init_seed=args.seed, **settings)
+
+    patience = protocol.get("stop_patience") or 5
+    return RecordedRun(sites, pooled_test_set(args), make_module, args.batch_size, spec.num_rounds, patience, spec.seed)
 
 
-def check_sizes(sites: Mapping[str, Any], recorded: Mapping[str, Mapping[str, int]]) -> None:
+def genotype_run(protocol: Mapping[str, Any], cell: Mapping[str, Any]) -> RecordedRun:
+    """A ``benchmarks.genomics`` run: the consortium's data module and model, as its job builds them."""
+    from benchmarks import genomics
+
+    settings, run = genomics.Protocol(**protocol), genomics.Cell(**cell)
+    modules = genomics._data_modules(run, settings)
+    sites = {name: (data.train, data.val, data.test) for name, data in modules.items()}
+    pooled = next(iter(modules.values())).pooled
+
+    def make_module() -> Any:
+        return genomics._module(settings, run.algorithm, run.seed)
+
+    patience = settings.stop_patience or 5
+    return RecordedRun(sites, pooled, make_module, settings.batch_size, settings.rounds, patience, run.seed)
+
+
+def recorded_run(protocol: Mapping[str, Any], cell: Mapping[str, Any]) -> RecordedRun:
+    """The run's harness by its protocol: the genotype harness's names a ``source``."""
+    return (genotype_run if "source" in protocol else image_run)(protocol, cell)
+
+
+def check_sizes(sites: Mapping[str, Sequence[Any]], recorded: Mapping[str, Mapping[str, int]]) -> None:
     """Refuse to read a setting whose rebuilt splits differ from the ones its job recorded."""
-    for name, splits in sites.items():
-        rebuilt = {"train": len(splits.y), "val": len(splits.validation), "test": len(splits.test)}
+    for name, (train, val, test) in sites.items():
+        rebuilt = {"train": len(train), "val": len(val), "test": len(test)}
         if dict(recorded.get(name, {})) != rebuilt:
             raise SystemExit(f"error: {name}: rebuilt splits {rebuilt} differ from the recorded {recorded.get(name)}")
 
 
-def initial_model(spec: Any) -> Callable[[], Any]:
-    """Builds the job's initial model: the class, arguments and seed the sites' local-only model starts from."""
-    from benchmarks.in_process import site_args
-    from jobs.build import dataset_num_classes
-    from lightning_modules.classifier import FLClassifier
-    from lightning_modules.options import json_arg
-
-    args = site_args(spec)
-    settings = {"lr": args.lr, "momentum": args.momentum, "weight_decay": args.weight_decay}
-    classes = dataset_num_classes(spec.dataset)
-    return lambda: FLClassifier(args.arch, classes, json_arg(args.arch_args), init_seed=args.seed, **settings)
-
-
-def ceiling_cell(protocol: Protocol, cell: Cell, recorded_sizes: Mapping[str, Any]) -> dict[str, Any]:
+def ceiling_cell(protocol: Mapping[str, Any], cell: Mapping[str, Any], sizes: Mapping[str, Any]) -> dict[str, Any]:
     """One recorded run's sites under the pooled model and its fine-tuned copies (module docstring)."""
     torch.set_num_threads(1)
-    spec = cell_spec(cell, protocol)
-    sites, pooled_test = site_datasets(spec)
-    check_sizes(sites, recorded_sizes)
-    fresh = initial_model(spec)
-
-    from data_prep import to_tensor_dataset
-
-    train = ConcatDataset([to_tensor_dataset(s.x, s.y) for s in sites.values()])
-    val = ConcatDataset([s.validation for s in sites.values()])
-    patience = protocol.stop_patience or 5
-    pooled = early_stopped(fresh(), train, val, spec.batch_size, protocol.rounds, patience, spec.seed)
+    run = recorded_run(protocol, cell)
+    check_sizes(run.sites, sizes)
+    train = ConcatDataset([train for train, _, _ in run.sites.values()])
+    val = ConcatDataset([val for _, val, _ in run.sites.values()])
+    pooled = early_stopped(run.make_module(), train, val, run.batch_size, run.max_epochs, run.patience, run.seed)
     out: dict[str, Any] = {"pooled_epoch": pooled.epoch, "pooled_epochs_run": pooled.epochs_run, "sites": {}}
-    for index, (name, splits) in enumerate(sites.items()):
-        module = fresh()
+    for index, (name, (train, val, test)) in enumerate(run.sites.items()):
+        module = run.make_module()
         module.load_state_dict(pooled.state)
-        row = {"pooled": scores(module, splits.test)[1]}
-        if pooled_test is not None:
-            row["pooled@pooled"] = scores(module, pooled_test)[1]
-        tuned = early_stopped(
-            module, to_tensor_dataset(splits.x, splits.y), splits.validation, spec.batch_size, protocol.rounds,
-            patience, spec.seed * 1000 + index + 1,
-        )  # fmt: skip
+        row = {"pooled": scores(module, test)[1]}
+        if run.pooled_test is not None:
+            row["pooled@pooled"] = scores(module, run.pooled_test)[1]
+        seed = run.seed * 1000 + index + 1
+        tuned = early_stopped(module, train, val, run.batch_size, run.max_epochs, run.patience, seed)
         module.load_state_dict(tuned.state)
-        row.update(pooled_finetuned=scores(module, splits.test)[1], finetune_epoch=tuned.epoch)
-        if pooled_test is not None:
-            row["pooled_finetuned@pooled"] = scores(module, pooled_test)[1]
+        row.update(pooled_finetuned=scores(module, test)[1], finetune_epoch=tuned.epoch)
+        if run.pooled_test is not None:
+            row["pooled_finetuned@pooled"] = scores(module, run.pooled_test)[1]
         out["sites"][name] = row
     return out
 
@@ -177,12 +203,13 @@ def ceiling_cell(protocol: Protocol, cell: Cell, recorded_sizes: Mapping[str, An
 # --------------------------------------------------------------------------------------------------------------------
 # A setting: its recorded cells, the replay, and the table
 # --------------------------------------------------------------------------------------------------------------------
-def recorded_cells(setting: Path) -> tuple[Protocol, list[dict[str, Any]]]:
+def recorded_cells(setting: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The setting's protocol and its default's cells (one per training seed)."""
-    protocol = Protocol(**json.loads((setting / "protocol.json").read_text()))
+    protocol = json.loads((setting / "protocol.json").read_text())
     cells = [json.loads(path.read_text()) for path in sorted((setting / "cells").glob(f"{DEFAULT}__*.json"))]
     if not cells:
-        raise SystemExit(f"error: {setting}: no {DEFAULT} cells under cells/ (a benchmarks.compare site-gain folder)")
+        folder = "a benchmarks.compare or benchmarks.genomics site-gain folder"
+        raise SystemExit(f"error: {setting}: no {DEFAULT} cells under cells/ ({folder})")
     return protocol, cells
 
 
@@ -232,13 +259,13 @@ def gain_summary(by_model: Mapping[str, Any]) -> dict[str, Any]:
 def ceiling(setting: Path, workers: int) -> dict[str, Any]:
     """Replay one setting (module docstring): every seed's ceiling, the scores, and the gains on both views."""
     protocol, cells = recorded_cells(setting)
-    jobs = [(protocol, Cell(**cell["cell"]), cell["site_sizes"]) for cell in cells]
+    jobs = [(protocol, cell["cell"], cell["site_sizes"]) for cell in cells]
     with ProcessPoolExecutor(max_workers=workers) as pool:
         ceilings = list(pool.map(_ceiling_job, jobs))
     scores_by_view = run_scores(cells, ceilings)
     local_own = [v for run in scores_by_view["site_test"]["local"].values() for v in run.values()]
     return {
-        "protocol": protocol.__dict__,
+        "protocol": protocol,
         "runs": ceilings,
         "local_own_test": 100 * float(np.mean(local_own)),
         "gains": {view: gain_summary(scores_by_view[view]) for view in VIEWS},
@@ -246,7 +273,7 @@ def ceiling(setting: Path, workers: int) -> dict[str, Any]:
     }
 
 
-def _ceiling_job(job: tuple[Protocol, Cell, Mapping[str, Any]]) -> dict[str, Any]:
+def _ceiling_job(job: tuple[Mapping[str, Any], Mapping[str, Any], Mapping[str, Any]]) -> dict[str, Any]:
     from benchmarks.in_process import quiet_lightning
 
     with quiet_lightning():
