@@ -32,7 +32,7 @@ import argparse
 import json
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -87,16 +87,19 @@ def early_stopped(
     """Train ``module`` (its own ``training_step`` and ``configure_optimizers``: a fresh optimizer every epoch, as
     every round of a job) one epoch at a time on ``train``; keep the epoch `chosen_epoch` picks on ``val``."""
     from lightning_modules.local_baseline import plain_fit
+    from lightning_modules.personal_scores import own_random_stream
 
     losses = [scores(module, val)[0]]
     best_state = {key: value.clone() for key, value in module.state_dict().items()}
     generator = torch.Generator().manual_seed(seed)
-    while len(losses) <= max_epochs and rounds_since_best(losses) < patience:
-        loader = DataLoader(train, batch_size=batch_size, shuffle=True, generator=generator)
-        plain_fit(module, loader, len(loader))
-        losses.append(scores(module, val)[0])
-        if chosen_epoch(losses) == len(losses) - 1:
-            best_state = {key: value.clone() for key, value in module.state_dict().items()}
+    # Dropout draws from the global generator: seeded here, a run does not depend on what its process ran before.
+    with own_random_stream(seed):
+        while len(losses) <= max_epochs and rounds_since_best(losses) < patience:
+            loader = DataLoader(train, batch_size=batch_size, shuffle=True, generator=generator)
+            plain_fit(module, loader, len(loader))
+            losses.append(scores(module, val)[0])
+            if chosen_epoch(losses) == len(losses) - 1:
+                best_state = {key: value.clone() for key, value in module.state_dict().items()}
     epoch = chosen_epoch(losses)
     return Stopped(best_state, epoch, losses[epoch], len(losses) - 1)
 
@@ -175,10 +178,15 @@ def check_sizes(sites: Mapping[str, Sequence[Any]], recorded: Mapping[str, Mappi
             raise SystemExit(f"error: {name}: rebuilt splits {rebuilt} differ from the recorded {recorded.get(name)}")
 
 
-def ceiling_cell(protocol: Mapping[str, Any], cell: Mapping[str, Any], sizes: Mapping[str, Any]) -> dict[str, Any]:
-    """One recorded run's sites under the pooled model and its fine-tuned copies (module docstring)."""
+def ceiling_cell(
+    protocol: Mapping[str, Any], cell: Mapping[str, Any], sizes: Mapping[str, Any], patience: int | None = None
+) -> dict[str, Any]:
+    """One recorded run's sites under the pooled model and its fine-tuned copies (module docstring); ``patience``
+    overrides the job's stopping patience for both."""
     torch.set_num_threads(1)
     run = recorded_run(protocol, cell)
+    if patience is not None:
+        run = replace(run, patience=patience)
     check_sizes(run.sites, sizes)
     train = ConcatDataset([train for train, _, _ in run.sites.values()])
     val = ConcatDataset([val for _, val, _ in run.sites.values()])
@@ -256,16 +264,17 @@ def gain_summary(by_model: Mapping[str, Any]) -> dict[str, Any]:
     return summary
 
 
-def ceiling(setting: Path, workers: int) -> dict[str, Any]:
+def ceiling(setting: Path, workers: int, patience: int | None = None) -> dict[str, Any]:
     """Replay one setting (module docstring): every seed's ceiling, the scores, and the gains on both views."""
     protocol, cells = recorded_cells(setting)
-    jobs = [(protocol, cell["cell"], cell["site_sizes"]) for cell in cells]
+    jobs = [(protocol, cell["cell"], cell["site_sizes"], patience) for cell in cells]
     with ProcessPoolExecutor(max_workers=workers) as pool:
         ceilings = list(pool.map(_ceiling_job, jobs))
     scores_by_view = run_scores(cells, ceilings)
     local_own = [v for run in scores_by_view["site_test"]["local"].values() for v in run.values()]
     return {
         "protocol": protocol,
+        "patience": patience,
         "runs": ceilings,
         "local_own_test": 100 * float(np.mean(local_own)),
         "gains": {view: gain_summary(scores_by_view[view]) for view in VIEWS},
@@ -273,7 +282,7 @@ def ceiling(setting: Path, workers: int) -> dict[str, Any]:
     }
 
 
-def _ceiling_job(job: tuple[Mapping[str, Any], Mapping[str, Any], Mapping[str, Any]]) -> dict[str, Any]:
+def _ceiling_job(job: tuple[Mapping[str, Any], Mapping[str, Any], Mapping[str, Any], int | None]) -> dict[str, Any]:
     from benchmarks.in_process import quiet_lightning
 
     with quiet_lightning():
@@ -310,10 +319,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("settings", nargs="+", type=Path, help="benchmarks.compare site-gain folders (cells/ inside)")
     parser.add_argument("--workers", type=int, default=2, help="processes, one recorded seed each (default 2)")
     parser.add_argument("--json", type=Path, help="also write every run's per-site scores here")
+    parser.add_argument(
+        "--patience",
+        type=int,
+        help="early-stopping patience of the pooled model and the fine-tuning, in epochs (default: the job's "
+        "stopping patience, 5 where it has none): a sensitivity check",
+    )
     args = parser.parse_args(argv)
     found = {}
     for setting in args.settings:
-        found[setting.name] = ceiling(setting, args.workers)
+        found[setting.name] = ceiling(setting, args.workers, args.patience)
         print("\n".join(table({setting.name: found[setting.name]})[2:]), flush=True)
     print("\n".join(table(found)))
     if args.json:
