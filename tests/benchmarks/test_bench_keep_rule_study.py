@@ -9,6 +9,7 @@ import math
 import numpy as np
 
 from benchmarks.keep_rule_study import (
+    COUNTERFACTUAL_RULES,
     RULES,
     label_distance,
     label_prior,
@@ -138,3 +139,15 @@ def test_the_label_distance_is_half_the_summed_share_difference():
     assert math.isclose(label_distance(np.array([0, 0, 0, 1]), np.array([0, 1, 2, 2])), 0.5)
     assert label_distance(np.array([1, 0]), np.array([0, 1])) == 0.0
     assert label_distance(np.array([0, 0]), np.array([1, 1])) == 1.0
+
+
+def test_prefer_keeps_the_federated_model_in_a_tie_and_the_own_model_only_when_it_is_better(tmp_path):
+    """``prefer=1.0`` turns the margin round: a tie on validation (the same probabilities) goes to the federated
+    model, where the shipped rule keeps the own one; an own model better on every sample (standard error 0) stays."""
+    (tmp_path / "tie").mkdir()
+    (tmp_path / "better").mkdir()
+    tie = _write_rounds(tmp_path / "tie", [0.6], global_p=0.6)
+    assert replay_site(tie, RULES["margin=1.0"])[-1]["kept_own"] == 1.0
+    assert replay_site(tie, COUNTERFACTUAL_RULES["prefer=1.0"])[-1]["kept_own"] == 0.0
+    better = _write_rounds(tmp_path / "better", [0.6], global_p=0.5)
+    assert replay_site(better, COUNTERFACTUAL_RULES["prefer=1.0"])[-1]["kept_own"] == 1.0
